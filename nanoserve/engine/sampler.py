@@ -1,0 +1,133 @@
+"""One vectorised sampler for a batch whose rows each carry their own SamplingParams.
+
+Sampling is the exponential race (Gumbel-max in disguise): ``argmax(probs / q)`` with
+``q ~ Exp(1)`` draws from ``probs``. It needs one random number per vocabulary entry and
+no sort, and a request with a seed draws its row's ``q`` from its own generator, so its
+tokens do not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the step's top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row. ``histories[i]`` is row i's (prompt ids, output ids),
+    read only when a row asks for penalties."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None],
+                 histories: list[tuple[list[int], list[int]]] | None = None) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(p.uses_penalties for p in params):
+            if histories is None:
+                raise ValueError("penalties need each row's token history")
+            logits = apply_penalties(logits, params, histories)
+        token_ids = self._choose(logits, params, generators)
+        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, params))
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_ids
+        device = logits.device
+        # Greedy rows get temperature 1 here and are overridden by argmax at the end.
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        scaled = logits / temps.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            vocab = logits.shape[-1]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+            floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        race = torch.empty_like(probs).exponential_()
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                race[row].exponential_(generator=gen)
+        sampled = (probs / race).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k, then outside its nucleus top-p.
+    ``top_k`` holds the vocabulary size where disabled; ``top_p`` holds 1.0."""
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)
+    # k-th largest value per row; ties with it stay in, as in vLLM.
+    kth = ascending.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Repetition penalty over prompt and output; presence and frequency over the output."""
+    n, vocab = logits.shape
+    device = logits.device
+    counts = torch.zeros(n, vocab, device=device)
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    for row, (prompt, output) in enumerate(histories):
+        if output:
+            ids = torch.tensor(output, device=device)
+            counts[row].index_add_(0, ids, torch.ones(len(output), device=device))
+        if prompt:
+            seen[row, torch.tensor(prompt, device=device)] = True
+    seen |= counts > 0
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def _gather_logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
+                     params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    if raw is None:
+        return [None] * len(params)
+    width = max(p.logprobs or 0 for p in params)
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = raw.topk(width, dim=-1) if width else (None, None)
+    ids = token_ids.tolist()
+    out: list[TokenLogprobs | None] = []
+    for row, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        top = []
+        if p.logprobs:
+            top = list(zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist()))
+        out.append(TokenLogprobs(ids[row], chosen[row], top))
+    return out

@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler and of the stop logic.
+
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` and ``min_p=0`` disable
+    those filters. Penalties follow vLLM: repetition over prompt and output (divides
+    positive logits, multiplies negative ones), presence and frequency over the output.
+    ``logprobs=None`` returns none; ``logprobs=k`` returns the sampled token's logprob
+    and the top ``k`` alternatives at each step.
+
+    Raises ``ValueError`` naming the field and its allowed range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists and a lone string for convenience; store tuples (frozen, hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_range("temperature", self.temperature, 0.0, None, "a float >= 0 (0 is greedy)")
+        _check_int("top_k", self.top_k, low=0, what="an int >= 0 (0 disables)")
+        _check_range("top_p", self.top_p, 0.0, 1.0, "a float in (0, 1]", open_low=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1]")
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, "a float > 0", open_low=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "a float in [-2, 2]")
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a float in [-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, what="an int >= 0 or None")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, what="an int >= 0 or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, low=0, what="a list of ints >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _check_int(name: str, value: object, low: int, what: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: must be {what or f'an int >= {low}'}, got {value!r}")
+
+
+def _check_range(name: str, value: object, low: float, high: float | None, what: str,
+                 open_low: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if ok:
+        ok = (value > low if open_low else value >= low) and (high is None or value <= high)
+    if not ok:
+        raise ValueError(f"{name}: must be {what}, got {value!r}")

@@ -1,0 +1,113 @@
+"""SamplingParams validation and the vectorised sampler's per-row behaviour."""
+
+import pytest
+import torch
+
+from nanoserve.engine.sampler import Sampler, apply_top_k_top_p
+from nanoserve.engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
+    ("min_p", 1.2), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+    ("frequency_penalty", -2.5), ("seed", -1), ("logprobs", -1), ("stop", [""]),
+    ("max_tokens", 2.5), ("temperature", float("nan")),
+])
+def test_invalid_sampling_params_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_accepts_a_single_string():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(5, 50)
+    params = [SamplingParams(temperature=0.0)] * 5
+    out = Sampler()(logits, params, [None] * 5)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_greedy_rows_stay_argmax_in_a_mixed_batch():
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    out = Sampler()(logits, params, [None] * 4)
+    assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
+
+
+def test_seeded_row_is_reproducible_whatever_shares_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    gen = _gen(7)
+    alone = []
+    for _ in range(20):
+        alone.append(Sampler()(logits[1:2], [seeded], [gen]).token_ids.item())
+    gen = _gen(7)
+    batched = []
+    for _ in range(20):
+        out = Sampler()(logits, [SamplingParams(temperature=1.3), seeded, SamplingParams(top_k=3)],
+                        [None, gen, None])
+        batched.append(out.token_ids[1].item())
+    assert alone == batched
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.7])
+    logits = probs.log().repeat(4000, 1)
+    out = Sampler()(logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000)
+    freq = torch.bincount(out.token_ids, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_top_k_keeps_only_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    masked = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(masked).tolist() == [[False, True, False, True, False]]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    masked = apply_top_k_top_p(logits, torch.tensor([4]), torch.tensor([0.75]))
+    assert torch.isfinite(masked).tolist() == [[True, True, False, False]]
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.9, 0.05, 0.05]]).log()
+    masked = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.01]))
+    assert torch.isfinite(masked).tolist() == [[True, False, False]]
+
+
+def test_min_p_drops_tokens_below_the_scaled_floor():
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log().repeat(500, 1)
+    out = Sampler()(logits, [SamplingParams(min_p=0.4)] * 500, [None] * 500)
+    assert set(out.token_ids.tolist()) <= {0, 1}
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    out = Sampler()(logits, [p], [None], histories=[([0], [])])
+    assert out.token_ids.item() == 1
+
+
+def test_frequency_penalty_scales_with_count():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.4)
+    once = Sampler()(logits, [p], [None], histories=[([], [0])]).token_ids.item()
+    twice = Sampler()(logits, [p], [None], histories=[([], [0, 0])]).token_ids.item()
+    assert (once, twice) == (0, 1)
+
+
+def test_logprobs_report_the_chosen_token_and_top_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    out = Sampler()(logits, [SamplingParams(temperature=0.0, logprobs=2)], [None])
+    lp = out.logprobs[0]
+    ref = torch.log_softmax(logits, -1)[0]
+    assert lp.token_id == 1 and lp.logprob == pytest.approx(ref[1].item())
+    assert [t for t, _ in lp.top] == [1, 2]
