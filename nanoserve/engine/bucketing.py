@@ -1,0 +1,83 @@
+"""Bucketing arithmetic: the small set of [rows, width] shapes the decode graph ever sees.
+
+A step with ``n`` running rows and a longest context of ``w`` tokens is padded up to
+``(row_bucket(n), width_bucket(w))``. A padded row has length 0 and attends over nothing; a
+padded column is masked by ``context_lens``. The price is padding, reported as waste.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+
+def default_row_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8 to 32, then steps of 16, capped by (and ending at)
+    ``max_batch_size``: fine where small batches are common, coarse where padding is cheap."""
+    buckets, size = [], 1
+    while size < max_batch_size:
+        buckets.append(size)
+        size = size * 2 if size < 8 else size + (8 if size < 32 else 16)
+    buckets.append(max_batch_size)
+    return tuple(buckets)
+
+
+def default_width_buckets(block_size: int, max_model_len: int, growth: float = 2.0,
+                          first: int | None = None) -> tuple[int, ...]:
+    """Multiples of ``block_size`` growing geometrically, the last one ``max_model_len``."""
+    if growth <= 1.0:
+        raise ValueError(f"growth must be > 1, got {growth}")
+    width = first or min(4 * block_size, max_model_len)
+    buckets = []
+    while width < max_model_len:
+        buckets.append(width)
+        width = -(-int(width * growth) // block_size) * block_size  # round up to a block
+    buckets.append(max_model_len)
+    return tuple(buckets)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n. Raises ValueError past the largest."""
+    index = bisect_left(buckets, n)
+    if n < 1 or index == len(buckets):
+        raise ValueError(f"{n} does not fit the buckets {list(buckets)}")
+    return buckets[index]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name, values in (("rows", self.rows), ("widths", self.widths)):
+            if not values or list(values) != sorted(set(values)) or values[0] < 1:
+                raise ValueError(f"{name} buckets must be distinct, increasing and >= 1, got {values}")
+
+    @classmethod
+    def default(cls, max_batch_size: int, block_size: int, max_model_len: int) -> Buckets:
+        return cls(default_row_buckets(max_batch_size), default_width_buckets(block_size, max_model_len))
+
+    def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
+        return bucket_for(num_rows, self.rows), bucket_for(max_context, self.widths)
+
+    @property
+    def grid(self) -> list[tuple[int, int]]:
+        return [(r, w) for r in self.rows for w in self.widths]
+
+
+@dataclass
+class PaddingWaste:
+    """Cells the forward computed over vs cells that held a real token."""
+
+    padded_cells: int = 0
+    real_cells: int = 0
+
+    def add(self, bucket_rows: int, bucket_width: int, context_lens_sum: int) -> None:
+        self.padded_cells += bucket_rows * bucket_width - context_lens_sum
+        self.real_cells += context_lens_sum
+
+    @property
+    def ratio(self) -> float:
+        """Padded cells per real cell (0 means no padding at all)."""
+        return self.padded_cells / self.real_cells if self.real_cells else 0.0
