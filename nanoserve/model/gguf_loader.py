@@ -1,0 +1,201 @@
+"""GGUF files (llama.cpp's format): metadata into a ModelConfig, tensors dequantised into HF naming."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.errors import ModelLoadError
+
+Q = GGMLQuantizationType
+# Tensor types we dequantise (all through gguf.quants): the float types, the legacy block
+# quants and the K-quants.
+SUPPORTED_TENSOR_TYPES = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+})
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+# GGUF tensor name -> HF name (layer index substituted for {i}).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Llama 3.x files carry their rope scaling as per-frequency divisors in this tensor.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor, or None when we do not know it."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter reorders each head's rows from the half-split rotary layout (HF) to
+    interleaved pairs, i.e. row (h, j, r) -> (h, r, j) for r in {0, 1}; this swaps them back.
+    """
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@dataclass
+class GGUFCheckpoint:
+    """An opened GGUF file: its metadata and tensor table (the tensors stay memory-mapped)."""
+
+    path: Path
+    reader: GGUFReader
+    metadata: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFCheckpoint:
+        """Open and validate a GGUF file; FileNotFoundError if absent, ModelLoadError if unusable."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: GGUF file not found")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelLoadError(path, "not a GGUF file (the first 4 bytes are not 'GGUF')")
+        try:
+            reader = GGUFReader(path, "r")
+        except Exception as e:  # the reader fails in many ways on a cut-off file
+            raise ModelLoadError(path, f"cannot parse GGUF (truncated or corrupt file?): {e}") from e
+        ckpt = cls(path, reader, _read_metadata(reader))
+        ckpt._check_extents()
+        return ckpt
+
+    def _check_extents(self) -> None:
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:
+            end = t.data_offset + t.n_bytes
+            if end > size or t.data.nbytes != t.n_bytes:
+                raise ModelLoadError(
+                    self.path, f"truncated: tensor {t.name} needs bytes up to {end} but the file has {size}"
+                )
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "<missing>"))
+
+    def config(self) -> ModelConfig:
+        """The ModelConfig the metadata describes; ModelLoadError when unsupported or incomplete."""
+        arch = self.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                self.path,
+                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            )
+        try:
+            return self._config(arch)
+        except KeyError as e:
+            raise ModelLoadError(self.path, f"missing metadata key {e.args[0]!r}") from e
+        except ValueError as e:
+            raise ModelLoadError(self.path, str(e)) from e
+
+    def _config(self, arch: str) -> ModelConfig:
+        md = self.metadata
+        names = {t.name for t in self.reader.tensors}
+        heads = int(md[f"{arch}.attention.head_count"])
+        hidden = int(md[f"{arch}.embedding_length"])
+        head_dim = int(md.get(f"{arch}.attention.key_length", md.get(f"{arch}.rope.dimension_count", hidden // heads)))
+        vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
+        return ModelConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(md[f"{arch}.feed_forward_length"]),
+            num_layers=int(md[f"{arch}.block_count"]),
+            num_heads=heads,
+            num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=self._rope_scaling(arch),
+            rms_norm_eps=float(md[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            max_position_embeddings=int(md.get(f"{arch}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            attention_out_bias="blk.0.attn_output.bias" in names,
+            bos_token_id=_optional_int(md.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=_optional_int(md.get("tokenizer.ggml.eos_token_id")),
+            pad_token_id=_optional_int(md.get("tokenizer.ggml.padding_token_id")),
+            architecture=arch,
+        )
+
+    def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
+        kind = self.metadata.get(f"{arch}.rope.scaling.type", "none")
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self.metadata[f"{arch}.rope.scaling.factor"])}
+        if kind not in ("none", ""):
+            raise ModelLoadError(self.path, f"rope scaling type {kind!r} is not supported")
+        freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
+        if freqs is not None:
+            factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+            return {"rope_type": "freq_factors", "factors": tuple(float(x) for x in factors)}
+        return None
+
+    def state_dict(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Every weight, dequantised and converted to `dtype`, in HF naming and HF row order."""
+        out: dict[str, torch.Tensor] = {}
+        for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:
+                continue
+            name = hf_tensor_name(t.name)
+            if name is None:
+                raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {config.architecture}")
+            out[name] = torch.from_numpy(self._dequantize(t, config)).to(dtype)
+        return out
+
+    def _dequantize(self, t: Any, config: ModelConfig) -> np.ndarray:
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))
+            raise ModelLoadError(
+                self.path, f"tensor {t.name} has unsupported quantisation type {t.tensor_type.name} "
+                           f"(supported: {supported})"
+            )
+        # GGUF lists dimensions innermost first; torch wants them outermost first.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        # np.array copies: F32 tensors would otherwise alias the read-only memory map.
+        weight = np.array(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
+        # Only the llama converter permutes Q/K (for its interleaved rope); qwen2 files are HF order.
+        if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            weight = unpermute_rotary_rows(weight, heads)
+        return weight
+
+
+def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,282 @@
+"""The Llama family (Llama, Mistral, Qwen2) in plain torch, written once for prefill and decode.
+
+Tokens are flat: a step is `N` tokens from any number of sequences, each with its own
+position. The network owns no cache: attention is a callable handed to `forward`, called per
+layer with rotary already applied, so the same weights serve the dense oracle below and the
+paged backends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.model.config import ModelConfig
+
+
+class Attention(Protocol):
+    """`attention(layer_idx, q [N, H, D], k [N, KV, D], v [N, KV, D]) -> [N, H, D]`."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as the reference does (matters in bf16).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotary frequencies [head_dim // 2] (fp32), with the config's scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    scaling = config.rope_scaling or {}
+    if config.rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if config.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if config.rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping) -> torch.Tensor:
+    # Llama 3.1: slow (long-wavelength) pairs are divided by `factor`, fast ones kept, and the
+    # band in between interpolated smoothly.
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [N, heads, D] by per-token `cos`/`sin` [N, 1, D] (half-split, "neox" layout)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_position_embeddings`, gathered by `positions`.
+
+    A table lookup (not a per-step computation) keeps forward free of Python ints and
+    data-dependent branches, so it traces cleanly under torch.compile.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        # Explicit cpu: the model may be constructed under a meta-device context, but these
+        # tables are computed here, not loaded from the weights.
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
+        # q, k and v in one matmul: one pass over the activations instead of three.
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: Attention
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # gate and up fused for the same reason as qkv.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: Attention
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head over flat tokens.
+
+    `forward(input_ids [N], positions [N], attention) -> hidden [N, hidden_size]` (final norm
+    applied); `compute_logits(hidden [M, hidden_size]) -> [M, vocab_size]` is only the LM head,
+    so a caller can take logits for the last token of each sequence alone.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        # Tied models read the embedding matrix in compute_logits; no second copy.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rotary, attention)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load a state dict in Hugging Face naming (`model.layers.0.self_attn.q_proj.weight`...).
+
+        The tensors are adopted as they are (no copy where dtype and device already match).
+        Raises KeyError naming any tensor the checkpoint lacks or does not use.
+        """
+        fused = fuse_hf_weights(self.config, weights)
+        expected = set(self.state_dict().keys())
+        missing, unused = expected - fused.keys(), fused.keys() - expected
+        if missing or unused:
+            raise KeyError(f"checkpoint does not match the model: missing {sorted(missing)[:8]}, "
+                           f"unused {sorted(unused)[:8]}")
+        self.load_state_dict(fused, strict=True, assign=True)
+
+
+def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to this module's names, stacking q/k/v and gate/up into one matrix each."""
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return weights[name]
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"], dim=0)
+        if config.attention_bias:
+            out[dst + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"], dim=0)
+        out[dst + "self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
+        if config.attention_out_bias:
+            out[dst + "self_attn.o_proj.bias"] = take(f"{src}self_attn.o_proj.bias")
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")], dim=0)
+        out[dst + "mlp.down_proj.weight"] = take(f"{src}mlp.down_proj.weight")
+        out[dst + "input_layernorm.weight"] = take(f"{src}input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = take(f"{src}post_attention_layernorm.weight")
+    return out
+
+
+class DenseCausalAttention:
+    """No-cache causal attention over a [batch, seq_len] rectangle of flat tokens.
+
+    `attention_mask` [B, T] (1 = real token, 0 = left padding) hides padded keys. A padded query
+    still sees itself so its row stays finite (its output is garbage and must be ignored).
+    """
+
+    def __init__(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None = None) -> None:
+        self.batch, self.seq_len = batch, seq_len
+        self.mask = None if attention_mask is None else self._build_mask(attention_mask, seq_len)
+
+    @staticmethod
+    def _build_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+        device = attention_mask.device
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        mask = causal[None] & attention_mask.bool()[:, None, :]
+        mask |= torch.eye(seq_len, dtype=torch.bool, device=device)[None]
+        return mask[:, None]  # [B, 1, T, T], broadcast over heads
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t = self.batch, self.seq_len
+        q, k, v = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(b * t, out.shape[1], out.shape[3])
+
+
+def dense_positions(batch: int, seq_len: int, attention_mask: torch.Tensor | None,
+                    device: torch.device | str) -> torch.Tensor:
+    """Positions [B, T]: 0.. for each row's real tokens; left padding is clamped to 0."""
+    if attention_mask is None:
+        return torch.arange(seq_len, device=device).expand(batch, seq_len)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.inference_mode()
+def dense_forward(
+    model: LlamaModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The no-cache reference forward: logits [B, T, V] for input_ids [B, T].
+
+    This is the oracle that cached/paged forwards are graded against.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"dense_forward wants input_ids [batch, seq_len], got shape {tuple(input_ids.shape)}")
+    b, t = input_ids.shape
+    positions = dense_positions(b, t, attention_mask, input_ids.device)
+    attention = DenseCausalAttention(b, t, attention_mask)
+    hidden = model(input_ids.reshape(-1), positions.reshape(-1), attention)
+    return model.compute_logits(hidden).view(b, t, -1)
