@@ -36,3 +36,113 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+# ---------------------------------------------------------------------------------------------
+# Model fixtures. The default GGUF and the transformers reference are loaded once per session
+# (transformers needs ~15 s to dequantise it). Never touch a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from nanoserve.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(LlamaModel, Tokenizer) for the default GGUF, fp32 on cpu."""
+    from nanoserve.model.loader import load_model
+
+    return load_model(str(smollm2_path), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """The transformers reference on the same GGUF file (dequantised to fp32)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+def _byte_alphabet() -> list[str]:
+    from nanoserve.model.tokenizer import _bytes_to_unicode
+
+    return list(_bytes_to_unicode().values())
+
+
+def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tensor_types=None,
+               permute=True):
+    """Write a small GGUF the way llama.cpp's converter would: metadata, a byte-level vocabulary
+    of `config.vocab_size` tokens (the 256 byte symbols, then control tokens), and `hf_weights`
+    (HF naming) renamed, Q/K rows permuted for llama, and stored as `qtype` (F32 by default;
+    1-D tensors always F32). `tensor_types` forces a raw type on named GGUF tensors."""
+    import gguf
+    import numpy as np
+
+    from nanoserve.model.gguf_loader import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS
+
+    qtype = qtype or gguf.GGMLQuantizationType.F32
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    tokens = _byte_alphabet() + [f"<|special_{i}|>" for i in range(config.vocab_size - 256)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens[:config.vocab_size])
+    writer.add_token_types([1] * 256 + [3] * (config.vocab_size - 256))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(config.vocab_size - 1)
+
+    to_gguf = {v: k for k, v in GGUF_GLOBAL_TENSORS.items()}
+    for i in range(config.num_layers):
+        to_gguf.update({f"model.layers.{i}.{v}": f"blk.{i}.{k}" for k, v in GGUF_LAYER_TENSORS.items()})
+    for hf_name, tensor in (hf_weights or {}).items():
+        name = to_gguf[hf_name]
+        data = tensor.detach().float().numpy().copy()
+        if permute and arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
+            data = data.reshape(tensor.shape)
+        kind = (tensor_types or {}).get(name, qtype if data.ndim > 1 else gguf.GGMLQuantizationType.F32)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, data.astype(np.float32))
+        elif kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        elif kind in gguf.quants._type_traits:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:  # a type nobody can dequantise: plant raw bytes of the right size
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            raw = np.zeros((data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def gguf_writer():
+    """`write_gguf(path, config, hf_weights, ...)`: plant a small GGUF file (see write_gguf)."""
+    return write_gguf

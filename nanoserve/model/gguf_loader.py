@@ -24,8 +24,8 @@ SUPPORTED_TENSOR_TYPES = frozenset({
 })
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
-# GGUF tensor name -> HF name (layer index substituted for {i}).
-_LAYER_NAMES = {
+# GGUF tensor name -> HF name: per layer (under blk.{i}. / model.layers.{i}.) and global.
+GGUF_LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -40,7 +40,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_NAMES = {
+GGUF_GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
@@ -50,13 +50,30 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS = "rope_freqs.weight"
 
 
+class _PlainArrayReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map.
+
+    The reader slices its map once per metadata item; np.memmap's Python-level __getitem__ and
+    __array_finalize__ made that ~5 s for a 49k-token vocabulary. A plain view reads the same
+    bytes (the map stays alive as the view's base) about 5x faster.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The HF name of a GGUF tensor, or None when we do not know it."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_TENSORS:
+        return GGUF_GLOBAL_TENSORS[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in GGUF_LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{GGUF_LAYER_TENSORS[m.group(2)]}"
     return None
 
 
@@ -88,7 +105,7 @@ class GGUFCheckpoint:
             if f.read(4) != b"GGUF":
                 raise ModelLoadError(path, "not a GGUF file (the first 4 bytes are not 'GGUF')")
         try:
-            reader = GGUFReader(path, "r")
+            reader = _PlainArrayReader(path, "r")
         except Exception as e:  # the reader fails in many ways on a cut-off file
             raise ModelLoadError(path, f"cannot parse GGUF (truncated or corrupt file?): {e}") from e
         ckpt = cls(path, reader, _read_metadata(reader))

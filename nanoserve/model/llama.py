@@ -165,7 +165,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Uninitialised: weights always come from a checkpoint (and normal_ init on the meta
+        # device imports torch's Python decompositions, ~2 s).
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(config.vocab_size, config.hidden_size), freeze=False)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_layers)
         )
