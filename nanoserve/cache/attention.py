@@ -1,0 +1,48 @@
+"""The reference paged attention read: gather each token's K/V through the slot mapping, then mask.
+
+Padding in `slot_mapping` only has to be a legal slot index: the gather reads it and
+the mask (`column >= context_lens[row]`) throws it away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over that row's cached tokens.
+
+    q [n, H, D]; k_cache, v_cache [num_slots, KV, D] with H a multiple of KV (grouped-query
+    heads share a K/V head); slot_mapping [n, W]; context_lens [n] (<= W). Returns [n, H, D]
+    in q's dtype. A row with context_len 0 (padding) returns zeros.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    width = slot_mapping.shape[1]
+    if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or slot_mapping.shape[0] != n:
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)}"
+        )
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    flat = slot_mapping.reshape(-1)
+    # [n, W, KV, D] -> [n, KV, W, D]; the grouping below reads each K/V head once per group
+    # through a reshape of q instead of copying K/V `group` times (repeat_interleave).
+    keys = k_cache.index_select(0, flat).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, flat).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+    queries = q.view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [n, KV, group, W]
+    masked = torch.arange(width, device=q.device) >= context_lens.view(n, 1)  # [n, W]
+    scores.masked_fill_(masked.view(n, 1, 1, width), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A row with nothing to attend to softmaxes all -inf into NaN; it attends to nothing instead.
+    probs = probs.masked_fill(masked.view(n, 1, 1, width), 0.0).to(values.dtype)
+    out = torch.matmul(probs, values)  # [n, KV, group, D]
+    return out.reshape(n, num_heads, head_dim).to(q.dtype)

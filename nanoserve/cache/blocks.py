@@ -1,0 +1,189 @@
+"""Physical blocks and the per-request tables that map tokens onto them.
+
+A `BlockPool` hands out fixed-size blocks of `block_size` slots; a `BlockTable` is
+one request's blocks and token count. Token t lives at slot
+`blocks[t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+class PoolExhaustedError(RuntimeError):
+    """The pool has fewer free blocks than were asked for."""
+
+
+class BlockFreeError(ValueError):
+    """A block was freed twice, or never came from this pool."""
+
+
+class BlockPool:
+    """A free list of `num_blocks` physical blocks of `block_size` slots each.
+
+    Blocks come out lowest id first, so a fresh pool is filled from the front.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockPool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
+        self._in_use = bytearray(num_blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def is_used(self, block: int) -> bool:
+        return 0 <= block < self.num_blocks and bool(self._in_use[block])
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks. Raises PoolExhaustedError (taking nothing) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise PoolExhaustedError(
+                f"pool exhausted: asked for {n} blocks, {len(self._free)} of {self.num_blocks} free "
+                f"(block_size {self.block_size}); the scheduler should preempt or wait (check can_allocate first)"
+            )
+        blocks = [self._free.pop() for _ in range(n)]
+        for block in blocks:
+            self._in_use[block] = 1
+        return blocks
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Give blocks back. Raises BlockFreeError (freeing nothing) on a foreign, free or repeated block."""
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for block in blocks:
+            if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
+                raise BlockFreeError(f"block {block!r} is not from this pool (ids 0..{self.num_blocks - 1})")
+            if not self._in_use[block] or block in seen:
+                raise BlockFreeError(f"double free of block {block}: it is already free")
+            seen.add(block)
+        for block in blocks:
+            self._in_use[block] = 0
+            self._free.append(int(block))
+        # Keep handing out the lowest ids first, so freed blocks are reused before untouched ones.
+        self._free.sort(reverse=True)
+
+
+class _Counts:
+    """Token counts for a set of tables, in one host array, plus a version bumped by any
+    table change outside a decode step. The cache shares one across its rows so a step
+    advances every row with one vectorised add, and can tell when its tables moved under it."""
+
+    __slots__ = ("array", "version")
+
+    def __init__(self, size: int) -> None:
+        self.array = np.zeros(size, dtype=np.int64)
+        self.version = 0
+
+
+class BlockTable:
+    """One request's physical blocks and how many tokens they hold."""
+
+    __slots__ = ("block_size", "_blocks", "_counts", "_index")
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._blocks: list[int] = []
+        self._counts = _Counts(1)
+        self._index = 0
+
+    @classmethod
+    def _in_counts(cls, block_size: int, counts: _Counts, index: int) -> BlockTable:
+        """A table whose token count lives at `counts.array[index]` (the cache's rows)."""
+        table = cls(block_size)
+        table._counts = counts
+        table._index = index
+        return table
+
+    def __repr__(self) -> str:
+        return f"BlockTable(blocks={self._blocks}, num_tokens={self.num_tokens})"
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(self._blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._counts.array[self._index])
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the held blocks can take."""
+        return len(self._blocks) * self.block_size
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._blocks and self.num_tokens == 0
+
+    def slot(self, t: int) -> int:
+        """The physical slot of token t."""
+        return self._blocks[t // self.block_size] * self.block_size + t % self.block_size
+
+    def blocks_needed(self, extra_tokens: int) -> int:
+        """Blocks to add before `extra_tokens` more tokens fit."""
+        total = self.num_tokens + extra_tokens
+        return max(0, -(-total // self.block_size) - len(self._blocks))
+
+    def add_blocks(self, blocks: Sequence[int]) -> None:
+        self._blocks.extend(int(b) for b in blocks)
+        self._counts.version += 1
+
+    def advance(self, num_tokens: int = 1) -> None:
+        """Count `num_tokens` more tokens as held. Raises if the blocks cannot take them."""
+        total = self.num_tokens + num_tokens
+        if num_tokens < 0 or total > self.capacity:
+            raise ValueError(f"cannot hold {total} tokens in {len(self._blocks)} blocks of {self.block_size}")
+        self._counts.array[self._index] = total
+        self._counts.version += 1
+
+    def adopt(self, other: BlockTable) -> None:
+        """Take over `other`'s blocks and tokens, leaving `other` empty.
+
+        Refuses a non-empty table: the slot mirror trusts that a row's slots only change
+        by appends or by a reset that drops its length to zero (see nanoserve.slots).
+        """
+        if not self.is_empty:
+            raise ValueError(
+                f"adopt refused: this table still holds {self.num_tokens} tokens in blocks {self._blocks}; "
+                "reset the row (giving its blocks back) before handing it to another request"
+            )
+        if other.block_size != self.block_size:
+            raise ValueError(f"block_size mismatch: {other.block_size} adopted into {self.block_size}")
+        if other.num_tokens > other.capacity:
+            raise ValueError(f"adopted table claims {other.num_tokens} tokens in {other.capacity} slots")
+        blocks, num_tokens = other._blocks, other.num_tokens
+        other._blocks = []
+        other._counts.array[other._index] = 0
+        other._counts.version += 1
+        self._blocks = blocks
+        self._counts.array[self._index] = num_tokens
+        self._counts.version += 1
+
+    def clear(self) -> list[int]:
+        """Empty the table and return the blocks it held (for the pool)."""
+        blocks, self._blocks = self._blocks, []
+        self._counts.array[self._index] = 0
+        self._counts.version += 1
+        return blocks

@@ -1,0 +1,324 @@
+"""The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table.
+
+A decode step is `plan_decode(rows)`: it appends each row's write slot to the
+`SlotTable` and reads the step's `slot_mapping` and `context_lens` out of it.
+Write slots come from a device mirror of each row's block ids
+(`block_ids[row, pos // block_size] * block_size + pos % block_size`), computed
+for the whole batch at once; while no row crosses into a new block, a step just
+adds one to the previous step's write slots. Only the rare "this row needs a new
+block" event touches Python per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError, _Counts
+from nanoserve.slots import Rows, RowsLike, SlotTable
+
+_NO_OWNER = -1
+_SCRATCH_OWNER = -2
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Everything one decode step needs to address the cache.
+
+    slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy.
+    context_lens [n]: a copy, counting the token written this step.
+    write_slots [n], positions [n]: where this step's K/V goes, and its position.
+    """
+
+    rows: tuple[int, ...]
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    write_slots: torch.Tensor
+    positions: torch.Tensor
+    is_window: bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def width(self) -> int:
+        return self.slot_mapping.shape[1]
+
+
+@dataclass
+class _Run:
+    """Steps over the same rows with nothing changed in between: the host already knows the
+    width and how many steps remain before some row crosses a block boundary."""
+
+    rows: Rows
+    versions: tuple[int, int]
+    steps_left: int
+    width: int
+    write_slots: torch.Tensor
+    positions: torch.Tensor
+
+
+class BatchedPagedKVCache:
+    """K/V storage for up to `max_batch_size` rows, addressed through a persistent SlotTable.
+
+    One block is reserved at construction; its first slot is `scratch_slot`, where padded
+    rows may write and no real row ever reads. `max_model_len` is clamped to the slots the
+    rest of the pool holds.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        max_batch_size: int,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                     max_batch_size=max_batch_size, max_model_len=max_model_len)
+        if any(v < 1 for v in sizes.values()):
+            raise ValueError(f"cache sizes must be positive: {sizes}")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need at least 2 (one is the reserved scratch block)")
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self._scratch_block = self.pool.allocate(1)[0]
+        self.scratch_slot = self._scratch_block * block_size
+        self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+        self.max_blocks_per_row = -(-self.max_model_len // block_size)
+        # One tensor per layer: a slice of a stacked tensor written in place inside a compiled
+        # graph made inductor copy the whole cache every step (DESIGN.md, compile notes).
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._counts = _Counts(max_batch_size)
+        self.tables = [BlockTable._in_counts(block_size, self._counts, row) for row in range(max_batch_size)]
+        self.slot_table = SlotTable(max_batch_size, self.max_model_len, self.device)
+        self.block_ids = torch.zeros((max_batch_size, self.max_blocks_per_row), dtype=torch.int64, device=self.device)
+        self._capacity = np.zeros(max_batch_size, dtype=np.int64)  # slots each row's blocks hold
+        self._live = np.zeros(max_batch_size, dtype=bool)
+        self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
+        self._owner[self._scratch_block] = _SCRATCH_OWNER
+        self._run: _Run | None = None
+
+    # -- rows ------------------------------------------------------------------------
+
+    @property
+    def live_rows(self) -> list[int]:
+        return np.flatnonzero(self._live).tolist()
+
+    @property
+    def num_free_rows(self) -> int:
+        return int(self.max_batch_size - self._live.sum())
+
+    def is_live(self, row: int) -> bool:
+        return bool(self._live[self._check_row(row)])
+
+    def allocate_row(self) -> int:
+        """Claim the lowest free row (keeps running rows a prefix when rows finish in order)."""
+        free = np.flatnonzero(~self._live)
+        if not free.size:
+            raise RuntimeError(f"all {self.max_batch_size} rows are live; finish or preempt one first")
+        row = int(free[0])
+        self._live[row] = True
+        return row
+
+    def num_tokens(self, row: int) -> int:
+        return self.tables[self._check_row(row)].num_tokens
+
+    def adopt_row(self, row: int, table: BlockTable) -> None:
+        """Hand `table`'s blocks and tokens to `row` (claiming it), leaving `table` empty.
+
+        The blocks must be allocated from this cache's pool and held by no other row.
+        Raises if the row's own table is not empty (reset it first).
+        """
+        self._check_row(row)
+        if table.num_tokens > self.max_model_len or table.num_blocks > self.max_blocks_per_row:
+            raise ValueError(f"row {row}: adopted table holds {table.num_tokens} tokens in {table.num_blocks} "
+                             f"blocks; max_model_len is {self.max_model_len}")
+        for block in table.blocks:
+            if not self.pool.is_used(block) or self._owner[block] != _NO_OWNER:
+                owner = "free in the pool" if not self.pool.is_used(block) else f"held by {self._owner_name(block)}"
+                raise ValueError(f"row {row}: cannot adopt block {block}: it is {owner}")
+        blocks = table.blocks
+        self.tables[row].adopt(table)
+        self._live[row] = True
+        self._owner[list(blocks)] = row
+        self._mirror_blocks(row, 0)
+        self.slot_table.resync(self.tables[row], row)
+
+    def allocate_prompt(self, row: int, num_tokens: int) -> torch.Tensor:
+        """Grow `row` (claiming it if free) by `num_tokens` new tokens; returns their slots [num_tokens].
+
+        Allocates the blocks they need and resyncs the row. Raises ValueError past
+        max_model_len and PoolExhaustedError (changing nothing) when blocks run out.
+        """
+        self._check_row(row)
+        table = self.tables[row]
+        start = table.num_tokens
+        if num_tokens < 1 or start + num_tokens > self.max_model_len:
+            raise ValueError(f"row {row}: cannot add {num_tokens} tokens to {start} (max_model_len {self.max_model_len})")
+        self._give_blocks(row, self.pool.allocate(table.blocks_needed(num_tokens)))
+        self._live[row] = True
+        table.advance(num_tokens)
+        self.slot_table.resync(table, row)
+        positions = torch.arange(start, start + num_tokens, device=self.device)
+        return self.block_ids[row, positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def reset_row(self, row: int) -> None:
+        """Give the row's blocks back and set its length to zero; the row stays claimed."""
+        blocks = self.tables[self._check_row(row)].clear()
+        self.pool.free(blocks)
+        self._owner[blocks] = _NO_OWNER
+        self._capacity[row] = 0
+        self.slot_table.reset(row)
+
+    def free(self, row: int) -> None:
+        """Give back the row's blocks and the row itself."""
+        self.reset_row(row)
+        self._live[row] = False
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move a request from `src` to the empty row `dst` (compaction); `src` ends free."""
+        self._check_row(src)
+        self._check_row(dst)
+        if src == dst or not self._live[src]:
+            raise ValueError(f"move_row({src}, {dst}): the source must be a live row other than the destination")
+        if not self.tables[dst].is_empty:
+            raise ValueError(f"move_row: destination row {dst} still holds {self.num_tokens(dst)} tokens; free it first")
+        self.tables[dst].adopt(self.tables[src])
+        blocks = list(self.tables[dst].blocks)
+        self._owner[blocks] = dst
+        self._capacity[dst], self._capacity[src] = self._capacity[src], 0
+        self.block_ids[dst] = self.block_ids[src]
+        self._live[dst], self._live[src] = True, False
+        self.slot_table.resync(self.tables[dst], dst)
+        self.slot_table.reset(src)
+
+    # -- admission arithmetic -----------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int, row: int | None = None) -> int:
+        """Blocks to allocate before `num_tokens` more tokens fit in `row` (or in a fresh row)."""
+        if row is None:
+            return -(-num_tokens // self.block_size)
+        return self.tables[self._check_row(row)].blocks_needed(num_tokens)
+
+    def can_allocate(self, num_tokens: int, row: int | None = None) -> bool:
+        """Whether the pool has the blocks for `num_tokens` more tokens (length limits aside)."""
+        return self.blocks_needed(num_tokens, row) <= self.pool.num_free
+
+    def blocks_to_append(self, rows: RowsLike) -> int:
+        """Blocks one more decode step over `rows` would allocate (rows whose blocks are full)."""
+        index = self.slot_table.rows(rows).index
+        return int(np.count_nonzero(self._counts.array[index] >= self._capacity[index]))
+
+    def can_append(self, rows: RowsLike) -> bool:
+        """Whether the pool has a block for every row that needs one to decode one more token."""
+        return self.blocks_to_append(rows) <= self.pool.num_free
+
+    # -- the decode step ----------------------------------------------------------------
+
+    def plan_decode(self, rows: RowsLike) -> DecodePlan:
+        """Advance every row by one token and address the step.
+
+        Syncs the mirror, grows block tables that are full, appends the write slots to the
+        slot table and reads the plan's slot_mapping and context_lens out of it. Raises
+        PoolExhaustedError (before changing anything) when rows need blocks the pool lacks.
+        """
+        rows = self.slot_table.rows(rows)
+        run = self._run
+        versions = (self._counts.version, self.slot_table.version)
+        if run is None or run.rows is not rows or run.steps_left == 0 or run.versions != versions:
+            run = self._run = self._start_run(rows)
+        else:
+            # Same rows, nothing moved, no block boundary: every row's next slot is the one after.
+            run.steps_left -= 1
+            run.width += 1
+            run.write_slots = run.write_slots + 1  # fresh tensors: a held plan keeps its own
+            run.positions = run.positions + 1
+            self._counts.array[rows.span] += 1
+        self.slot_table.append(rows, run.write_slots)
+        slot_mapping, context_lens = self.slot_table.read(rows, run.width)
+        return DecodePlan(rows.ids, slot_mapping, context_lens, run.write_slots, run.positions, rows.is_prefix)
+
+    def _start_run(self, rows: Rows) -> _Run:
+        dead = rows.index[~self._live[rows.index]].tolist()
+        if dead:
+            raise ValueError(f"plan_decode: rows {dead} are not live; prefill or adopt them first")
+        counts = self._counts.array
+        self.slot_table.sync(self.tables, rows, lengths=counts[rows.index])
+        positions = counts[rows.index].copy()  # the token each row writes this step
+        full = rows.index[positions >= self.max_model_len].tolist()
+        if full:
+            raise ValueError(f"plan_decode: rows {full} are at max_model_len={self.max_model_len}; finish them")
+        self._grow(rows.index[positions >= self._capacity[rows.index]].tolist())
+        counts[rows.span] += 1
+        device_positions = torch.from_numpy(positions).to(self.device)
+        write_slots = (self.block_ids[rows.device_index, device_positions // self.block_size] * self.block_size
+                       + device_positions % self.block_size)
+        until_boundary = self.block_size - 1 - positions % self.block_size
+        until_full = self.max_model_len - 1 - positions
+        return _Run(
+            rows=rows,
+            versions=(self._counts.version, self.slot_table.version),
+            steps_left=int(np.minimum(until_boundary, until_full).min()),
+            width=int(positions.max()) + 1,
+            write_slots=write_slots,
+            positions=device_positions,
+        )
+
+    def _grow(self, rows: list[int]) -> None:
+        """One more block for each of `rows` (all or nothing)."""
+        if not rows:
+            return
+        if len(rows) > self.pool.num_free:
+            raise PoolExhaustedError(
+                f"rows {rows} each need a new block and the pool has {self.pool.num_free} free; "
+                "the scheduler should preempt before planning (can_append tells it)"
+            )
+        for row, block in zip(rows, self.pool.allocate(len(rows))):
+            self._give_blocks(row, [block])
+
+    # -- K/V -------------------------------------------------------------------------
+
+    def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""
+        self.k_caches[layer].index_copy_(0, write_slots, k)
+        self.v_caches[layer].index_copy_(0, write_slots, v)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _give_blocks(self, row: int, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        table = self.tables[row]
+        first = table.num_blocks
+        table.add_blocks(blocks)
+        self._owner[blocks] = row
+        self._capacity[row] = table.capacity
+        self._mirror_blocks(row, first)
+
+    def _mirror_blocks(self, row: int, first: int) -> None:
+        """Copy the row's block ids from `first` on into the device mirror (prefill and growth only)."""
+        blocks = self.tables[row].blocks
+        self._capacity[row] = len(blocks) * self.block_size
+        if len(blocks) > first:
+            self.block_ids[row, first:len(blocks)] = torch.as_tensor(blocks[first:], dtype=torch.int64).to(self.device)
+
+    def _owner_name(self, block: int) -> str:
+        owner = int(self._owner[block])
+        return "the scratch block" if owner == _SCRATCH_OWNER else f"row {owner}"
+
+    def _check_row(self, row: int) -> int:
+        if not 0 <= row < self.max_batch_size:
+            raise ValueError(f"row {row} outside 0..{self.max_batch_size - 1}")
+        return row

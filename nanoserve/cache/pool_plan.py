@@ -1,0 +1,122 @@
+"""Sizing the cache: a bytes budget and the model's KV geometry in, `num_blocks` and `max_model_len` out.
+
+Also the addressing arithmetic the slot table is judged by: what a persistent
+`[max_batch_size, max_model_len]` slot table costs against vLLM's block-id table,
+and how many cells the persistent table writes against a per-step rebuild.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INDEX_BYTES = 8  # int64 slots and block ids
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V for one token across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def table_cells(max_batch_size: int, max_model_len: int) -> int:
+    """Cells in the persistent slot table: one per row per token it could hold."""
+    return max_batch_size * max_model_len
+
+
+def table_bytes(max_batch_size: int, max_model_len: int) -> int:
+    """Bytes the slot table reserves for the life of the process."""
+    return table_cells(max_batch_size, max_model_len) * INDEX_BYTES
+
+
+def block_table_cells(max_batch_size: int, max_model_len: int, block_size: int) -> int:
+    """Cells in a block-id table ([max_seqs, max_blocks], vLLM's): one per row per block."""
+    return max_batch_size * -(-max_model_len // block_size)
+
+
+def block_table_bytes(max_batch_size: int, max_model_len: int, block_size: int) -> int:
+    """Bytes of the block-id table: the same information, block_size times smaller."""
+    return block_table_cells(max_batch_size, max_model_len, block_size) * INDEX_BYTES
+
+
+def incremental_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells the persistent table writes: each prompt resynced once, then one cell per row per step."""
+    return rows * prompt_len + rows * steps
+
+
+def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells a per-step rebuild writes: a [rows, context] rectangle every step, context growing by one."""
+    return rows * sum(prompt_len + step for step in range(1, steps + 1))
+
+
+def resident_share(max_batch_size: int, max_model_len: int, kv_bytes: int) -> float:
+    """Share of the cache's resident memory that is slot table (addressing) rather than K/V."""
+    addressing = table_bytes(max_batch_size, max_model_len)
+    return addressing / (addressing + kv_bytes)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How big the cache is, and what it costs."""
+
+    num_blocks: int  # including the reserved scratch block
+    block_size: int
+    max_batch_size: int
+    max_model_len: int  # clamped to the slots the usable blocks hold
+    requested_max_model_len: int
+    bytes_per_block: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def table_bytes(self) -> int:
+        return table_bytes(self.max_batch_size, self.max_model_len)
+
+    @property
+    def block_table_bytes(self) -> int:
+        return block_table_bytes(self.max_batch_size, self.max_model_len, self.block_size)
+
+    @property
+    def resident_share(self) -> float:
+        return resident_share(self.max_batch_size, self.max_model_len, self.kv_bytes)
+
+
+def plan_pool(
+    budget_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    max_batch_size: int,
+    max_model_len: int,
+) -> PoolPlan:
+    """The most blocks `budget_bytes` of K/V can hold, and `max_model_len` clamped to them.
+
+    One block is the cache's reserved scratch block, so a row can hold at most
+    `(num_blocks - 1) * block_size` tokens. Raises ValueError when the budget cannot
+    hold that scratch block and one block for a request.
+    """
+    if min(num_layers, num_kv_heads, head_dim, block_size, max_batch_size, max_model_len) < 1:
+        raise ValueError("plan_pool needs positive sizes")
+    bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "
+            "the cache needs 2 (a scratch block and one for a request): raise the budget or shrink block_size"
+        )
+    return PoolPlan(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_batch_size=max_batch_size,
+        max_model_len=min(max_model_len, (num_blocks - 1) * block_size),
+        requested_max_model_len=max_model_len,
+        bytes_per_block=bytes_per_block,
+    )
