@@ -1,0 +1,86 @@
+"""build_engine: load a model, turn a memory budget into a pool plan, and wire the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.cache.paged_cache import BatchedPagedKVCache
+from nanoserve.cache.pool_plan import plan_pool
+from nanoserve.engine.bucketing import Buckets
+from nanoserve.engine.decode import DecodeStep
+from nanoserve.engine.engine import Engine, EngineConfig
+from nanoserve.model.llama import LlamaModel
+from nanoserve.model.loader import load_model
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
+                 max_batch_size: int = 32, kv_cache_bytes: int | None = None, block_size: int = 16,
+                 max_num_batched_tokens: int | None = None, dtype: torch.dtype | str = torch.float32,
+                 device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
+                 bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
+                 width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy") -> Engine:
+    """Build an engine.
+
+    ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
+    directory, or an already built ``LlamaModel`` (then pass ``tokenizer`` for text prompts).
+    ``kv_cache_bytes`` is the K/V budget; the pool plan turns it into blocks and clamps
+    ``max_model_len`` to what the pool can hold. Asking for a ``max_model_len`` the pool cannot
+    hold for even one request raises ValueError with the arithmetic.
+
+    With ``compile=True`` the decode step is ``torch.compile(mode=compile_mode)`` over bucketed
+    shapes (``bucketing`` defaults to on with compile, off without); ``warmup="eager"``
+    compiles every bucket here, ``"lazy"`` on first use.
+    """
+    dtype = _as_dtype(dtype)
+    if warmup not in ("eager", "lazy"):
+        raise ValueError(f"warmup must be 'eager' or 'lazy', got {warmup!r}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if isinstance(model, str):
+        model, tokenizer = load_model(model, dtype=dtype, device=device)
+    else:
+        model = model.to(device=device, dtype=dtype)
+    config = model.config
+    limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    try:
+        plan = plan_pool(budget, config.num_layers, config.num_kv_heads, config.head_dim, dtype, block_size,
+                         max_batch_size, limit)
+    except ValueError as exc:
+        raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
+    if max_model_len is not None and plan.max_model_len < max_model_len:
+        needed_blocks = -(-max_model_len // block_size) + 1  # + the scratch block
+        raise ValueError(
+            f"kv_cache_bytes={budget} holds {plan.num_blocks} blocks of {plan.bytes_per_block} bytes "
+            f"({block_size} tokens each, one reserved as scratch) = {plan.max_model_len} tokens for a "
+            f"request, fewer than one max_model_len={max_model_len} request needs: raise kv_cache_bytes "
+            f"to at least {needed_blocks * plan.bytes_per_block} or lower max_model_len")
+    cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim, plan.num_blocks,
+                                block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device)
+    bucketing = compile if bucketing is None else bucketing
+    buckets = None
+    if bucketing:
+        default = Buckets.default(max_batch_size, block_size, cache.max_model_len)
+        buckets = Buckets(tuple(row_buckets or default.rows), tuple(width_buckets or default.widths))
+    step = DecodeStep(model, cache, max_batch_size, buckets, compile=compile, mode=compile_mode, device=device)
+    engine_config = EngineConfig(
+        max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
+        num_blocks=plan.num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens or max(2048, cache.max_model_len),
+        dtype=dtype, device=device, compile=compile)
+    engine = Engine(model, tokenizer, cache, engine_config, step)
+    if compile and warmup == "eager" and buckets is not None:
+        step.warmup()
+    return engine
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]

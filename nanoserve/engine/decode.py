@@ -1,0 +1,157 @@
+"""The decode step as one fixed-shape function of persistent buffers, eager or compiled.
+
+``decode_forward`` reads everything from buffers that live as long as the engine: the
+per-row input tokens, positions, write slots, context lengths, the slot table's buffer and
+the per-layer K/V caches. Its only other inputs are two Python ints, the bucketed
+``rows`` and ``width``, so under ``torch.compile`` each bucket is one specialised graph
+and, on a GPU with ``mode="reduce-overhead"``, one CUDA graph replayed at fixed addresses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.cache.attention import paged_attention_reference
+from nanoserve.engine.bucketing import Buckets, PaddingWaste
+
+
+class WindowAttention:
+    """Write each row's new K/V at its slot, then attend over the row's window of the slot
+    table, masked by ``context_lens`` (a padded row has length 0 and attends over nothing)."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 write_slots: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor) -> None:
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        k_cache.index_copy_(0, self.write_slots, k)
+        v_cache.index_copy_(0, self.write_slots, v)
+        return paged_attention_reference(q, k_cache, v_cache, self.slot_mapping, self.context_lens)
+
+
+def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                   context_lens: torch.Tensor, slot_buffer: torch.Tensor, k_caches: list[torch.Tensor],
+                   v_caches: list[torch.Tensor], rows: int, width: int) -> torch.Tensor:
+    """Logits [rows, vocab] for the first ``rows`` rows. The rectangle is sliced from the
+    table's own buffer here, inside the graph, so a capture reads the table where it lives."""
+    slot_mapping = slot_buffer[:rows, :width]
+    attention = WindowAttention(k_caches, v_caches, write_slots[:rows], slot_mapping, context_lens[:rows])
+    hidden = model(input_ids[:rows], positions[:rows], attention)
+    return model.compute_logits(hidden)
+
+
+@dataclass
+class DecodeStats:
+    graphs_built: int = 0
+    recompiles_after_warmup: int = 0
+    warmup_seconds: float = 0.0
+    bucket_hits: Counter = field(default_factory=Counter)
+    waste: PaddingWaste = field(default_factory=PaddingWaste)
+
+
+class DecodeStep:
+    """Owns the persistent step buffers and the (optionally compiled) ``decode_forward``.
+
+    ``buckets=None`` runs exact shapes (the eager engine's default). With ``compile=True`` the
+    forward goes through ``torch.compile(mode=..., fullgraph=True, dynamic=False)``; once a
+    bucket has been compiled, calling it again runs under the ``fail_on_recompile`` stance,
+    so a stray shape is an error instead of a silent rebuild.
+    """
+
+    def __init__(self, model, cache, max_batch_size: int, buckets: Buckets | None,
+                 compile: bool = False, mode: str | None = "reduce-overhead",
+                 device: torch.device | str = "cpu") -> None:
+        self.model, self.cache, self.buckets = model, cache, buckets
+        self.device = torch.device(device)
+        size = max_batch_size
+        long = dict(dtype=torch.long, device=self.device)
+        self.input_ids = torch.zeros(size, **long)
+        self.positions = torch.zeros(size, **long)
+        self.write_slots = torch.full((size,), cache.scratch_slot, **long)
+        self.context_lens = torch.zeros(size, **long)
+        self.stats = DecodeStats()
+        self.compiled = compile
+        self._seen: set[tuple[int, int]] = set()
+        self._forward = decode_forward
+        if compile:
+            self._prepare_compile(mode)
+
+    def _prepare_compile(self, mode: str | None) -> None:
+        # Static addresses: graph capture may then read and write these buffers in place.
+        for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
+                       self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
+            torch._dynamo.mark_static_address(tensor)
+        grid = len(self.buckets.grid) if self.buckets is not None else 0
+        # Every bucket is one specialisation of the same code object; the default limit (8)
+        # would silently send the rest of the grid to eager.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 4 * grid + 64)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * grid + 256)
+        self._forward = torch.compile(decode_forward, mode=mode, fullgraph=True, dynamic=False)
+
+    def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
+        if self.buckets is None:
+            return num_rows, max_context
+        return self.buckets.shape_for(num_rows, max_context)
+
+    def warmup(self) -> float:
+        """Compile (and, on a GPU, record) every bucket of the grid; returns seconds spent."""
+        start = time.perf_counter()
+        self.write_slots.fill_(self.cache.scratch_slot)
+        self.context_lens.zero_()
+        for rows, width in self.buckets.grid:
+            for _ in range(3):  # cudagraph trees: warm-up run, record, first replay
+                self._call(rows, width)
+        elapsed = time.perf_counter() - start
+        self.stats.warmup_seconds += elapsed
+        return elapsed
+
+    @torch.inference_mode()
+    def run(self, num_rows: int, max_context: int, total_context: int, write_slots: torch.Tensor,
+            positions: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Copy the step's addressing into the buffers, pad to the bucket, run the forward.
+        Returns logits [num_rows, vocab]; on a GPU graph they are overwritten by the next
+        replay, so the caller consumes them (the sampler does) before the next step."""
+        rows, width = self.shape_for(num_rows, max_context)
+        self.write_slots[:num_rows].copy_(write_slots)
+        self.positions[:num_rows].copy_(positions)
+        self.context_lens[:num_rows].copy_(context_lens)
+        if rows > num_rows:  # padded rows: length 0, write to the scratch slot
+            self.write_slots[num_rows:rows].fill_(self.cache.scratch_slot)
+            self.positions[num_rows:rows].zero_()
+            self.context_lens[num_rows:rows].zero_()
+        self.stats.bucket_hits[(rows, width)] += 1
+        self.stats.waste.add(rows, width, total_context)
+        logits = self._call(rows, width)
+        return logits[:num_rows]
+
+    def _call(self, rows: int, width: int) -> torch.Tensor:
+        args = (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
+                self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width)
+        if not self.compiled:
+            return self._forward(*args)
+        if (rows, width) in self._seen:
+            before = _graphs_compiled()
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self._forward(*args)
+            finally:
+                self.stats.recompiles_after_warmup += _graphs_compiled() - before
+        self._seen.add((rows, width))
+        before = _graphs_compiled()
+        out = self._forward(*args)
+        self.stats.graphs_built += _graphs_compiled() - before
+        return out
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.input_ids[dst] = self.input_ids[src]
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -1,0 +1,317 @@
+"""The engine: requests in, tokens out, many requests sharing each decode step.
+
+Follow a token: ``add_request`` tokenizes and validates; ``step`` asks the scheduler for a
+batch, the runner for logits, the sampler for one token per row, then appends the tokens,
+detokenizes and checks the stop conditions. ``generate`` and ``stream`` loop over ``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoserve.engine.decode import DecodeStep
+from nanoserve.engine.request import Request, RequestOutput, RequestStatus
+from nanoserve.engine.runner import ModelRunner
+from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.scheduler import DecodeBatch, Scheduler
+from nanoserve.model.tokenizer import IncrementalDetokenizer
+
+
+class RequestError(ValueError):
+    """A request that cannot be served (too long, empty, bad ids). It fails alone."""
+
+
+@dataclass
+class StepTiming:
+    """Wall time of whole steps and of the model forward inside them (host clock; on a GPU the
+    forward figure includes waiting for the device, since sampling reads the tokens back)."""
+
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    steps: int = 0
+
+    @property
+    def outside_forward_share(self) -> float:
+        return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    max_batch_size: int
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    compile: bool = False
+
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, cache, config: EngineConfig, decode_step: DecodeStep) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.config = config
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(model.config.eos_token_ids)
+        self.runner = ModelRunner(model, cache, decode_step, config.device)
+        self.scheduler = Scheduler(cache, config.max_batch_size, config.max_num_batched_tokens,
+                                   on_row_move=self.runner.move_row)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._aborted_outputs: list[RequestOutput] = []
+        self.decode_timing = StepTiming()
+
+    @classmethod
+    def build(cls, **kwargs) -> Engine:
+        """Same as :func:`build_engine`: load the model, size the pool, build the engine."""
+        from nanoserve.engine.build import build_engine
+        return build_engine(**kwargs)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids). Raises RequestError if it cannot be served."""
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, prompt=text)
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its blocks and row go back to the pool. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return
+        self.scheduler.finish(request, "abort")
+        self._aborted_outputs.append(self._output(request))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one prefill or decode step; return the requests that moved (or finished)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        requests = batch.requests
+        try:
+            if isinstance(batch, DecodeBatch):
+                logits = self.runner.decode(requests)
+            else:
+                logits = self.runner.prefill(batch)
+            sampled = self._sample(logits, requests)
+        except Exception as exc:  # a step that breaks fails its requests, not the engine
+            for request in requests:
+                self._fail(request, f"step failed: {type(exc).__name__}: {exc}")
+            return outputs + [self._output(r) for r in requests]
+        self.runner.record_tokens(requests[0].row, sampled.token_ids)
+        for request, token_id, logprob in zip(requests, sampled.token_ids.tolist(), sampled.logprobs):
+            self._append_token(request, token_id, logprob)
+        step_outputs = [self._output(r) for r in requests]
+        if isinstance(batch, DecodeBatch):
+            self.decode_timing.steps += 1
+            self.decode_timing.forward_seconds += self.runner.last_forward_seconds
+            self.decode_timing.step_seconds += time.perf_counter() - started
+        return outputs + step_outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+        params = [r.params for r in requests]
+        histories = None
+        if any(p.uses_penalties for p in params):
+            histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
+        return self.sampler(logits, params, [r.generator for r in requests], histories)
+
+    def _append_token(self, request: Request, token_id: int, logprob) -> None:
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.perf_counter()
+        params = request.params
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        ends = is_eos or token_id in params.stop_token_ids
+        if request.detokenizer is not None and not ends:
+            request.output_text += request.detokenizer.add(token_id)
+        if not ends and self._hit_stop_string(request):
+            reason = "stop"  # the text is cut before the stop string; nothing held back matters
+        elif ends or len(request.output_token_ids) >= params.max_tokens \
+                or request.num_tokens >= self.config.max_model_len:
+            reason = "stop" if ends else "length"
+            if request.detokenizer is not None:
+                request.output_text += request.detokenizer.flush()
+        else:
+            return
+        self.scheduler.finish(request, reason)
+        self.requests.pop(request.request_id, None)
+
+    @staticmethod
+    def _hit_stop_string(request: Request) -> bool:
+        text = request.output_text
+        for stop in request.params.stop:
+            # Only the tail can hold a new match; search from where a match could start.
+            start = text.find(stop, max(0, request.emitted_chars - len(stop)))
+            if start >= 0:
+                request.output_text = text[:start]
+                return True
+        return False
+
+    def _fail(self, request: Request, message: str) -> None:
+        self.scheduler.finish(request, "error", error=message)
+        self.requests.pop(request.request_id, None)
+
+    def _output(self, request: Request) -> RequestOutput:
+        text = request.output_text
+        if not request.finished and request.params.stop:
+            # Hold back a tail that could still become a stop string.
+            text = text[: max(request.emitted_chars, len(text) - max(map(len, request.params.stop)) + 1)]
+        new_text = text[request.emitted_chars:]
+        new_ids = request.output_token_ids[request.emitted_tokens:]
+        request.emitted_chars = len(text)
+        request.emitted_tokens = len(request.output_token_ids)
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, text,
+            list(request.output_token_ids), request.finished, request.finish_reason, new_text,
+            new_ids, list(request.logprobs) if request.params.logprobs is not None else None,
+            request.metrics, request.error)
+
+    # -- loops -----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt, in order. A prompt that cannot be
+        served gets an output with ``finish_reason="error"`` and the others still run."""
+        prompts = _as_prompt_list(prompts)
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        results: dict[int, RequestOutput] = {}
+        pending: dict[str, int] = {}
+        for index, (prompt, p) in enumerate(zip(prompts, params_list)):
+            try:
+                pending[self.add_request(prompt, p)] = index
+            except RequestError as exc:
+                results[index] = self._rejected_output(prompt, p, str(exc))
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
+        bar.update(len(results))
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    results[pending.pop(out.request_id)] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in range(len(prompts))]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text increments of one request as they are decoded (other requests may share
+        the steps). Closing the iterator early aborts the request."""
+        request_id = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id != request_id:
+                        continue
+                    if out.new_text:
+                        yield out.new_text
+                    if out.finished:
+                        if out.error:
+                            raise RequestError(out.error)
+                        return
+        finally:
+            self.abort(request_id)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> RequestOutput:
+        """Apply the model's chat template (with the generation prompt) and generate."""
+        if self.tokenizer is None:
+            raise RequestError("chat needs a tokenizer; this engine was built without one")
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], params, use_tqdm=use_tqdm)[0]
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("text prompts need a tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("prompt is empty: at least one token is needed")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, "
+                               f"so a prompt may have at most {limit - 1} (one slot for the reply)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+
+    def _rejected_output(self, prompt: Prompt, params, message: str) -> RequestOutput:
+        request = Request(f"rejected-{next(self._ids)}", [] if isinstance(prompt, str) else list(prompt),
+                          params or SamplingParams(), prompt=prompt if isinstance(prompt, str) else None)
+        request.finish_reason, request.error = "error", message
+        request.status = RequestStatus.FINISHED
+        return self._output(request)
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        table = self.cache.slot_table
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "steps": s.prefill_steps + s.decode_steps, "prefill_steps": s.prefill_steps,
+            "decode_steps": s.decode_steps, "prefill_tokens": s.prefill_tokens,
+            "decode_tokens": s.decode_tokens, "preemptions": s.preemptions,
+            "compactions": s.compactions, "finished": s.finished, "aborted": s.aborted,
+            "failed": s.failed, "max_decode_rows": s.max_decode_rows,
+            "mean_decode_rows": s.decode_rows_total / max(s.decode_steps, 1),
+            "windows": table.windows, "gathers": table.gathers,
+            "blocks_free": self.cache.pool.num_free, "blocks_total": self.cache.pool.num_blocks,
+        }
+
+    def check_drained(self) -> None:
+        """vLLM's 'scheduler is empty' check: nothing queued or running, every block and row
+        back. Raises AssertionError naming what leaked."""
+        problems = []
+        if self.scheduler.waiting or self.scheduler.running:
+            problems.append(f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running")
+        held = self.cache.pool.num_used - 1  # the scratch block is the cache's own, for good
+        if held:
+            problems.append(f"{held} blocks still allocated")
+        if self.cache.live_rows:
+            problems.append(f"rows {self.cache.live_rows} still claimed")
+        if problems:
+            raise AssertionError("engine not drained: " + "; ".join(problems))
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
+        return [prompts]
+    return prompts

@@ -1,0 +1,82 @@
+"""A request's life: its tokens, its row, its sampling state, and what it has produced."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.engine.sampler import TokenLogprobs
+from nanoserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    row: int | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+    generator: torch.Generator | None = None
+    # Text bookkeeping: output_text is everything decoded, emitted_chars what the caller has seen.
+    output_text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    detokenizer: object | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of a request: everything so far, and what is new since last time."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    new_text: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    metrics: RequestMetrics
+    error: str | None = None

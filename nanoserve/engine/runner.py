@@ -1,0 +1,58 @@
+"""Executes a scheduled step: packed prefill (eager) and the fixed-shape decode step."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from nanoserve.engine.attention import PackedPrefillAttention
+from nanoserve.engine.decode import DecodeStep
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import PrefillBatch
+
+
+class ModelRunner:
+    """Runs prefill eagerly and decode through ``DecodeStep``. Each row's last sampled token
+    is written back on the device into the decode step's input buffer, so a decode step reads
+    its input ids without building them on the host."""
+
+    def __init__(self, model, cache, decode_step: DecodeStep, device: torch.device | str) -> None:
+        self.model = model
+        self.cache = cache
+        self.decode_step = decode_step
+        self.device = torch.device(device)
+        self.last_forward_seconds = 0.0  # the decode forward alone, for the host-overhead figure
+
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
+        """Logits [len(batch.requests), vocab] at each prompt's last token."""
+        seq_lens = [r.num_tokens for r in batch.requests]
+        token_ids = torch.tensor([t for r in batch.requests for t in r.all_token_ids], device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
+        write_slots = torch.cat(batch.write_slots).to(self.device)
+        attention = PackedPrefillAttention(self.cache, write_slots, seq_lens)
+        hidden = self.model(token_ids, positions, attention)
+        last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+    @torch.inference_mode()
+    def decode(self, requests: list[Request]) -> torch.Tensor:
+        """Logits [len(requests), vocab]: one new token for each of rows 0..n-1."""
+        num_rows = len(requests)
+        plan = self.cache.plan_decode(range(num_rows))
+        # After this step each row's context holds every token it has (the last sampled one's
+        # K/V is written now), so the lengths are known on the host without a device read.
+        lengths = [r.num_tokens for r in requests]
+        started = time.perf_counter()
+        logits = self.decode_step.run(num_rows, max(lengths), sum(lengths), plan.write_slots,
+                                      plan.positions, plan.context_lens)
+        self.last_forward_seconds = time.perf_counter() - started
+        return logits
+
+    def record_tokens(self, first_row: int, token_ids: torch.Tensor) -> None:
+        """Rows first_row.. (a contiguous run, as the scheduler hands them out) sampled these."""
+        self.decode_step.input_ids[first_row:first_row + token_ids.numel()].copy_(token_ids)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.decode_step.move_row(src, dst)
