@@ -115,7 +115,8 @@ class SlotTable:
         self._ones = torch.ones(max_batch_size, dtype=torch.int64, device=self.device)
         self._resyncs_by_row = np.zeros(max_batch_size, dtype=np.int64)
         self._rows_memo: dict[tuple[int, ...], Rows] = {}
-        self._prefix_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._window = self.slots[:0, :0]
+        self._window_shape = (0, 0)
         self.appended_cells = 0
         self.resynced_cells = 0
         self.resyncs = 0
@@ -239,15 +240,25 @@ class SlotTable:
         exactly `[n, width]` (a gather: narrowed before the index_select).
         """
         rows = self.rows(rows)
+        rect = self.rect(rows, width)
+        if rows.is_prefix:
+            return rect, self.lens[: rows.n].clone()
+        return rect, self.lens.index_select(0, rows.device_index)
+
+    def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
+        """Just the rectangle of `read`: a window for a prefix, a gathered copy otherwise."""
+        rows = self.rows(rows)
         if not 0 <= width <= self.max_model_len:
             raise ValueError(f"read width {width} outside 0..{self.max_model_len}")
         if rows.is_prefix:
-            slots_view, lens_view = self._prefix(rows.n)
             self.windows += 1
-            return slots_view.narrow(1, 0, width), lens_view.clone()
+            # Reads at the same shape (a decode run) get the same view: same storage, same cells.
+            if self._window_shape != (rows.n, width):
+                self._window = self.slots[: rows.n, :width]
+                self._window_shape = (rows.n, width)
+            return self._window
         self.gathers += 1
-        rect = self.slots.narrow(1, 0, width).index_select(0, rows.device_index)
-        return rect, self.lens.index_select(0, rows.device_index)
+        return self.slots.narrow(1, 0, width).index_select(0, rows.device_index)
 
     # -- what it says about itself ---------------------------------------------------------
 
@@ -287,12 +298,6 @@ class SlotTable:
         return "\n".join(lines)
 
     # -- helpers -----------------------------------------------------------------------
-
-    def _prefix(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        views = self._prefix_views.get(n)
-        if views is None:
-            views = self._prefix_views[n] = (self.slots[:n], self.lens[:n])
-        return views
 
     def _check_row(self, row: int) -> int:
         if not 0 <= row < self.max_batch_size:

@@ -50,15 +50,17 @@ class DecodePlan:
 
 @dataclass
 class _Run:
-    """Steps over the same rows with nothing changed in between: the host already knows the
-    width and how many steps remain before some row crosses a block boundary."""
+    """A block run: consecutive steps over the same rows, nothing changed in between, no row
+    crossing into a new block. Every per-row vector is an arithmetic progression over the run,
+    so each is laid out for all of its steps at once (one op, then a view per step)."""
 
     rows: Rows
     versions: tuple[int, int]
-    steps_left: int
-    width: int
-    write_slots: torch.Tensor
-    positions: torch.Tensor
+    width: int  # the longest context at the run's last step
+    write_slots: tuple[torch.Tensor, ...]
+    positions: tuple[torch.Tensor, ...]
+    context_lens: tuple[torch.Tensor, ...]
+    step: int = 0
 
 
 class BatchedPagedKVCache:
@@ -108,6 +110,7 @@ class BatchedPagedKVCache:
         self._live = np.zeros(max_batch_size, dtype=bool)
         self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
         self._owner[self._scratch_block] = _SCRATCH_OWNER
+        self._steps = torch.arange(block_size, dtype=torch.int64, device=self.device)
         self._run: _Run | None = None
 
     # -- rows ------------------------------------------------------------------------
@@ -231,49 +234,54 @@ class BatchedPagedKVCache:
         """Advance every row by one token and address the step.
 
         Syncs the mirror, grows block tables that are full, appends the write slots to the
-        slot table and reads the plan's slot_mapping and context_lens out of it. Raises
+        slot table and takes the plan's slot_mapping and context_lens out of it. Raises
         PoolExhaustedError (before changing anything) when rows need blocks the pool lacks.
+        The rectangle is read at the width of the current block run's last step: columns
+        past a row's context_len are masked, and every run keeps one shape.
         """
         rows = self.slot_table.rows(rows)
         run = self._run
-        versions = (self._counts.version, self.slot_table.version)
-        if run is None or run.rows is not rows or run.steps_left == 0 or run.versions != versions:
+        if (run is None or run.rows is not rows or run.step == len(run.write_slots)
+                or run.versions != (self._counts.version, self.slot_table.version)):
             run = self._run = self._start_run(rows)
         else:
-            # Same rows, nothing moved, no block boundary: every row's next slot is the one after.
-            run.steps_left -= 1
-            run.width += 1
-            run.write_slots = run.write_slots + 1  # fresh tensors: a held plan keeps its own
-            run.positions = run.positions + 1
-            self._counts.array[rows.span] += 1
-        self.slot_table.append(rows, run.write_slots)
-        slot_mapping, context_lens = self.slot_table.read(rows, run.width)
-        return DecodePlan(rows.ids, slot_mapping, context_lens, run.write_slots, run.positions, rows.is_prefix)
+            self._counts.array[rows.span] += 1  # every row's block table holds one more token
+        k = run.step
+        run.step = k + 1
+        write_slots = run.write_slots[k]
+        self.slot_table.append(rows, write_slots)
+        if rows.is_prefix:
+            slot_mapping, context_lens = self.slot_table.rect(rows, run.width), run.context_lens[k]
+        else:
+            slot_mapping, context_lens = self.slot_table.read(rows, run.width)
+        return DecodePlan(rows.ids, slot_mapping, context_lens, write_slots, run.positions[k], rows.is_prefix)
 
     def _start_run(self, rows: Rows) -> _Run:
+        """The slow path, once per block run: sync, grow, and lay out the run's per-step vectors."""
         dead = rows.index[~self._live[rows.index]].tolist()
         if dead:
             raise ValueError(f"plan_decode: rows {dead} are not live; prefill or adopt them first")
         counts = self._counts.array
         self.slot_table.sync(self.tables, rows, lengths=counts[rows.index])
-        positions = counts[rows.index].copy()  # the token each row writes this step
+        positions = self.slot_table.lengths(rows)  # the token each row writes this step
         full = rows.index[positions >= self.max_model_len].tolist()
         if full:
             raise ValueError(f"plan_decode: rows {full} are at max_model_len={self.max_model_len}; finish them")
         self._grow(rows.index[positions >= self._capacity[rows.index]].tolist())
         counts[rows.span] += 1
-        device_positions = torch.from_numpy(positions).to(self.device)
-        write_slots = (self.block_ids[rows.device_index, device_positions // self.block_size] * self.block_size
-                       + device_positions % self.block_size)
-        until_boundary = self.block_size - 1 - positions % self.block_size
-        until_full = self.max_model_len - 1 - positions
+        # Steps until some row crosses into a block it does not have yet (or hits max_model_len).
+        length = int(np.minimum(self.block_size - positions % self.block_size, self.max_model_len - positions).min())
+        first = torch.from_numpy(positions).to(self.device)
+        first_slots = (self.block_ids[rows.device_index, first // self.block_size] * self.block_size
+                       + first % self.block_size)
+        steps = self._steps[:length].view(length, 1)
         return _Run(
             rows=rows,
             versions=(self._counts.version, self.slot_table.version),
-            steps_left=int(np.minimum(until_boundary, until_full).min()),
-            width=int(positions.max()) + 1,
-            write_slots=write_slots,
-            positions=device_positions,
+            width=int(positions.max()) + length,
+            write_slots=(first_slots + steps).unbind(0),
+            positions=(first + steps).unbind(0),
+            context_lens=(first + 1 + steps).unbind(0),
         )
 
     def _grow(self, rows: list[int]) -> None:
@@ -286,7 +294,11 @@ class BatchedPagedKVCache:
                 "the scheduler should preempt before planning (can_append tells it)"
             )
         for row, block in zip(rows, self.pool.allocate(len(rows))):
-            self._give_blocks(row, [block])
+            table = self.tables[row]
+            self.block_ids[row, table.num_blocks] = block  # a scalar write: no list built per step
+            table.add_blocks([block])
+            self._owner[block] = row
+            self._capacity[row] = table.capacity
 
     # -- K/V -------------------------------------------------------------------------
 

@@ -1,0 +1,237 @@
+"""slotbench: the persistent slot table against Day 50's per-step rebuild (`python compilebench.py slots`).
+
+Host only, no weights. `rows` rows decode `steps` tokens after a `prompt`-token prompt,
+and every arm produces the same DecodePlan fields each step:
+
+  rebuild  Day 50's plan: grow each block table by one token, then rebuild_mapping
+           (one slot() call per cell) and lists -> tensors for the other fields.
+  window   BatchedPagedKVCache.plan_decode over rows 0..n-1: appends to the SlotTable and
+           reads a view of it.
+  gather   the same over scattered rows: the read is a copy (what a scheduler that does not
+           keep its rows a prefix gets).
+
+Each timed region includes the prompt (the rebuild arm allocates it; the table arms also
+resync it). Arms run interleaved, `repeats` times; the table quotes medians. Cells are
+exact counts: cells the rebuild built vs cells the table wrote (resynced + appended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanoserve.cache.blocks import BlockPool, BlockTable
+from nanoserve.cache.gates import check_plan_addressing
+from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
+from nanoserve.slots import rebuild_mapping
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK_SIZE = 16
+MAX_BATCH_SIZE = 8
+ARMS = ("rebuild", "window", "gather")
+
+
+@dataclass(frozen=True)
+class Workload:
+    rows: int = 4
+    prompt: int = 16
+    steps: int = 512
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt + self.steps
+
+    @property
+    def num_blocks(self) -> int:
+        # Every row's blocks plus the cache's scratch block.
+        return self.rows * -(-self.max_model_len // BLOCK_SIZE) + 1
+
+    def row_ids(self, arm: str) -> list[int]:
+        if arm == "gather":  # every other row: never a prefix
+            return list(range(1, 2 * self.rows, 2))
+        return list(range(self.rows))
+
+
+@dataclass(frozen=True)
+class ArmRun:
+    seconds: float
+    cells: int
+    plan: DecodePlan
+
+
+def day50_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[int]) -> DecodePlan:
+    """Day 50's decode step: every address rebuilt from the block tables."""
+    for row in rows:
+        table = tables[row]
+        if table.num_tokens == table.capacity:
+            table.add_blocks(pool.allocate(1))
+        table.advance(1)
+    lengths = [tables[row].num_tokens for row in rows]
+    return DecodePlan(
+        rows=tuple(rows),
+        slot_mapping=rebuild_mapping(tables, rows),
+        context_lens=torch.tensor(lengths),
+        write_slots=torch.tensor([tables[row].slot(n - 1) for row, n in zip(rows, lengths)]),
+        positions=torch.tensor([n - 1 for n in lengths]),
+        is_window=False,
+    )
+
+
+def run_rebuild(work: Workload) -> ArmRun:
+    rows = work.row_ids("rebuild")
+    pool = BlockPool(work.num_blocks, BLOCK_SIZE)
+    tables = {row: BlockTable(BLOCK_SIZE) for row in rows}
+    cells = 0
+    start = time.perf_counter()
+    for row in rows:
+        tables[row].add_blocks(pool.allocate(tables[row].blocks_needed(work.prompt)))
+        tables[row].advance(work.prompt)
+    for _ in range(work.steps):
+        plan = day50_plan(tables, pool, rows)
+        cells += plan.slot_mapping.numel()
+    seconds = time.perf_counter() - start
+    check_plan_addressing(plan, tables)
+    return ArmRun(seconds, cells, plan)
+
+
+def run_table(work: Workload, arm: str) -> ArmRun:
+    cache = BatchedPagedKVCache(1, 1, 1, work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, work.max_model_len)
+    rows = cache.slot_table.rows(work.row_ids(arm))
+    start = time.perf_counter()
+    for row in rows.ids:
+        cache.allocate_prompt(row, work.prompt)
+    for _ in range(work.steps):
+        plan = cache.plan_decode(rows)
+    seconds = time.perf_counter() - start
+    check_plan_addressing(plan, cache.tables)
+    table = cache.slot_table
+    return ArmRun(seconds, table.resynced_cells + table.appended_cells, plan)
+
+
+RUNNERS: dict[str, Callable[[Workload], ArmRun]] = {
+    "rebuild": run_rebuild,
+    "window": lambda work: run_table(work, "window"),
+    "gather": lambda work: run_table(work, "gather"),
+}
+
+
+def measure(work: Workload, repeats: int) -> dict[str, float | int]:
+    """Median seconds per arm over interleaved repeats, plus the exact cell counts."""
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    cells: dict[str, int] = {}
+    for repeat in range(repeats):
+        for arm in ARMS[repeat % 3:] + ARMS[: repeat % 3]:  # rotate the order: no arm always runs first
+            gc.collect()
+            gc.disable()
+            try:
+                result = RUNNERS[arm](work)
+            finally:
+                gc.enable()
+            times[arm].append(result.seconds)
+            cells[arm] = result.cells
+    medians = {arm: statistics.median(times[arm]) for arm in ARMS}
+    return {
+        "steps": work.steps,
+        "rebuild_ms": medians["rebuild"] * 1e3,
+        "window_ms": medians["window"] * 1e3,
+        "gather_ms": medians["gather"] * 1e3,
+        "speedup": medians["rebuild"] / medians["window"],
+        "window_us_per_step": medians["window"] * 1e6 / work.steps,
+        "gather_us_per_step": medians["gather"] * 1e6 / work.steps,
+        "cells_rebuilt": cells["rebuild"],
+        "cells_written": cells["window"],
+    }
+
+
+def format_table(results: list[dict]) -> str:
+    lines = [f"{'steps':>6} {'rebuild':>11} {'window':>10} {'gather':>10} {'speedup':>8} "
+             f"{'window/step':>12} {'cells rebuilt -> written':>26}"]
+    for r in results:
+        lines.append(
+            f"{r['steps']:>6} {r['rebuild_ms']:>9.3f}ms {r['window_ms']:>8.3f}ms {r['gather_ms']:>8.3f}ms "
+            f"{r['speedup']:>7.2f}x {r['window_us_per_step']:>10.2f}us {r['cells_rebuilt']:>13,} -> {r['cells_written']:>6,}"
+        )
+    return "\n".join(lines)
+
+
+def verdict(results: list[dict]) -> list[str]:
+    """The issue's two bars, where the sweep has the steps they name (512, and 64 for the per-step ratio)."""
+    by_steps = {r["steps"]: r for r in results}
+    lines = []
+    if 512 in by_steps:
+        speedup = by_steps[512]["speedup"]
+        lines.append(f"window vs rebuild at 512 steps: {speedup:.1f}x (bar >= 30x: {'met' if speedup >= 30 else 'NOT met'})")
+    if 512 in by_steps and 64 in by_steps:
+        ratio = by_steps[512]["window_us_per_step"] / by_steps[64]["window_us_per_step"]
+        lines.append(f"window per step, 512 vs 64 steps: {ratio:.2f}x (bar <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")
+    return lines
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0]))
+        writer.writeheader()
+        for r in results:
+            writer.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+
+
+def write_plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["steps"] for r in results]
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for arm, style in zip(ARMS, ("o-", "s-", "^-")):
+        left.plot(steps, [r[f"{arm}_ms"] for r in results], style, label=arm)
+    left.set(xscale="log", yscale="log", xlabel="decode steps", ylabel="ms per run (median)",
+             title="addressing time per run")
+    left.legend()
+    mid.plot(steps, [r["window_us_per_step"] for r in results], "s-", label="window")
+    mid.plot(steps, [r["gather_us_per_step"] for r in results], "^-", label="gather")
+    mid.set(xscale="log", xlabel="decode steps", ylabel="us per step", title="table arms: cost per step", ylim=(0, None))
+    mid.legend()
+    right.plot(steps, [r["cells_rebuilt"] for r in results], "o-", label="rebuilt (rebuild arm)")
+    right.plot(steps, [r["cells_written"] for r in results], "s-", label="written (slot table)")
+    right.set(xscale="log", yscale="log", xlabel="decode steps", ylabel="int64 cells", title="addressing cells")
+    right.legend()
+    fig.suptitle("slotbench: persistent SlotTable vs per-step rebuild_mapping (host, 4 rows, 16-token prompt)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py slots", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[8, 64, 128, 512])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for slotbench.csv and slotbench.png")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if not 1 <= args.rows <= MAX_BATCH_SIZE // 2:
+        parser.error(f"--rows must be 1..{MAX_BATCH_SIZE // 2} (the gather arm uses every other row of {MAX_BATCH_SIZE})")
+    with torch.inference_mode():
+        results = [measure(Workload(args.rows, args.prompt, steps), args.repeats) for steps in args.steps]
+    print(f"slotbench: {args.rows} rows, {args.prompt}-token prompt, block_size {BLOCK_SIZE}, "
+          f"host, torch {torch.__version__}, median of {args.repeats}")
+    print(format_table(results))
+    for line in verdict(results):
+        print(line)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(results, args.out / "slotbench.csv")
+    if not args.no_plot:
+        write_plot(results, args.out / "slotbench.png")
+    print(f"wrote {args.out / 'slotbench.csv'}" + ("" if args.no_plot else f" and {args.out / 'slotbench.png'}"))
+    return 0
+
