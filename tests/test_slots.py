@@ -1,0 +1,347 @@
+"""SlotTable, rebuild_mapping and the cache's decode step, one behaviour per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.cache import BatchedPagedKVCache, BlockTable, PoolExhaustedError
+from nanoserve.cache.gates import check_plan_addressing, check_slots_agree
+from nanoserve.slots import SlotTable, rebuild_mapping
+
+
+def table_of(blocks, num_tokens, block_size=4) -> BlockTable:
+    table = BlockTable(block_size)
+    table.add_blocks(blocks)
+    table.advance(num_tokens)
+    return table
+
+
+def small_cache(device="cpu", **overrides) -> BatchedPagedKVCache:
+    options = dict(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=32, block_size=4,
+                   max_batch_size=4, max_model_len=64, device=device)
+    options.update(overrides)
+    return BatchedPagedKVCache(**options)
+
+
+# -- rebuild_mapping -----------------------------------------------------------------------
+
+
+def test_rebuild_mapping_is_every_slot_zero_padded():
+    tables = [table_of([5, 1], 6), table_of([2], 3)]
+    mapping = rebuild_mapping(tables, [0, 1])
+    assert mapping.tolist() == [[20, 21, 22, 23, 4, 5], [8, 9, 10, 0, 0, 0]]
+
+
+def test_rebuild_mapping_width_narrower_than_a_row_raises():
+    with pytest.raises(ValueError, match="narrower than row lengths"):
+        rebuild_mapping([table_of([0], 3)], [0], width=2)
+
+
+def test_rebuild_mapping_of_empty_rows_is_zero_wide():
+    assert rebuild_mapping([BlockTable(4)], [0]).shape == (1, 0)
+
+
+# -- SlotTable -----------------------------------------------------------------------------
+
+
+def test_table_allocates_once_on_device(device):
+    table = SlotTable(4, 16, device)
+    assert table.slots.shape == (4, 16) and table.slots.dtype == torch.int64
+    assert table.slots.device.type == device and table.lens.device.type == device
+    address = table.slots.data_ptr()
+    for _ in range(12):
+        table.append([0, 1], torch.tensor([3, 4], device=device))
+    table.resync(table_of([1], 2), 2)
+    table.reset(0)
+    assert table.slots.data_ptr() == address
+
+
+def test_append_writes_each_row_at_its_own_next_column(device):
+    table = SlotTable(4, 8, device)
+    table.resync(table_of([1], 3), 2)
+    table.append([0, 2], torch.tensor([11, 12], device=device))
+    assert table.slots[0, 0].item() == 11 and table.slots[2, 3].item() == 12
+    assert table.lens.tolist() == [1, 0, 4, 0]
+    assert table.appended_cells == 2
+
+
+def test_append_to_a_full_row_names_it():
+    table = SlotTable(2, 2)
+    table.append([0, 1], torch.tensor([1, 2]))
+    table.append([1], torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"rows \[1\] already hold max_model_len=2"):
+        table.append([0, 1], torch.tensor([4, 5]))
+
+
+def test_append_needs_one_slot_per_row():
+    with pytest.raises(ValueError, match=r"append needs \[2\] slots"):
+        SlotTable(4, 8).append([0, 1], torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("rows", [[0, 0], [4], [-1], []])
+def test_bad_row_sets_are_refused(rows):
+    with pytest.raises(ValueError):
+        SlotTable(4, 8).rows(rows)
+
+
+def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
+    table = SlotTable(4, 8, device)
+    table.append([0, 1, 2], torch.tensor([5, 6, 7], device=device))
+    rect, lens = table.read([0, 1, 2], 3)
+    assert rect.shape == (3, 3)
+    assert rect.data_ptr() == table.slots.data_ptr() and rect.stride() == table.slots.stride()
+    table.append([0], torch.tensor([9], device=device))
+    assert rect[0, 1].item() == 9  # live storage
+    assert lens.tolist() == [1, 1, 1]  # a copy: it did not move
+    assert table.windows == 1 and table.gathers == 0 and table.is_window(range(3))
+
+
+def test_read_over_scattered_rows_is_a_copy_of_exactly_the_rectangle(device):
+    table = SlotTable(4, 8, device)
+    table.append([1, 3], torch.tensor([5, 6], device=device))
+    rect, lens = table.read([3, 1], 2)
+    assert rect.shape == (2, 2) and rect.is_contiguous()
+    assert rect.data_ptr() != table.slots.data_ptr()
+    assert rect[:, 0].tolist() == [6, 5] and lens.tolist() == [1, 1]
+    table.append([3], torch.tensor([8], device=device))
+    assert rect[0, 1].item() == 0
+    assert table.gathers == 1 and not table.is_window([3, 1])
+    assert table.window_share == 0.0
+
+
+def test_reset_zeroes_the_length_and_clears_nothing(device):
+    table = SlotTable(2, 8, device)
+    table.resync(table_of([3], 4), 0)
+    table.reset(0)
+    assert table.length(0) == 0 and table.lens[0].item() == 0
+    assert table.slots[0, :4].tolist() == [12, 13, 14, 15]
+
+
+def test_resync_copies_the_row_and_counts(device):
+    table = SlotTable(2, 8, device)
+    table.resync(table_of([3, 0], 6), 1)
+    assert table.slots[1, :6].tolist() == [12, 13, 14, 15, 0, 1]
+    assert (table.resyncs, table.resynced_cells, table.counters().resyncs_by_row) == (1, 6, (0, 1))
+
+
+def test_resync_of_a_row_longer_than_the_table_raises():
+    with pytest.raises(ValueError, match="row 0: table holds 9 tokens"):
+        SlotTable(2, 8).resync(table_of([0, 1, 2], 9), 0)
+
+
+def test_sync_resyncs_only_rows_whose_length_disagrees():
+    tables = [table_of([0], 2), table_of([1], 3)]
+    table = SlotTable(2, 8)
+    table.resync(tables[0], 0)
+    assert table.sync(tables, [0, 1]) == [1]
+    assert table.sync(tables, [0, 1]) == []
+    check_slots_agree(table, tables, [0, 1])
+
+
+def test_render_draws_lengths_and_cells():
+    table = SlotTable(2, 8)
+    table.resync(table_of([1], 3), 1)
+    picture = table.render()
+    assert "row" in picture and "   1     3 |    4    5    6    ." in picture
+
+
+# -- the cache -----------------------------------------------------------------------------
+
+
+def test_cache_reserves_a_scratch_block_and_clamps_max_model_len():
+    cache = small_cache(num_blocks=5, max_model_len=1000)
+    assert cache.pool.num_used == 1 and cache.scratch_slot == 0
+    assert cache.max_model_len == 16 and cache.slot_table.max_model_len == 16
+    assert cache.allocate_prompt(0, 16).tolist() == list(range(4, 20))  # never the scratch block
+
+
+def test_cache_keeps_one_tensor_per_layer():
+    cache = small_cache()
+    assert len(cache.k_caches) == 2 and len(cache.v_caches) == 2
+    pointers = {t.untyped_storage().data_ptr() for t in cache.k_caches + cache.v_caches}
+    assert len(pointers) == 4
+    assert cache.k_caches[0].shape == (32 * 4, 2, 4)
+
+
+def test_allocate_prompt_returns_its_slots_and_resyncs(device):
+    cache = small_cache(device)
+    slots = cache.allocate_prompt(1, 6)
+    assert slots.tolist() == [cache.tables[1].slot(t) for t in range(6)]
+    assert cache.is_live(1) and cache.num_tokens(1) == 6
+    check_slots_agree(cache.slot_table, cache.tables, [1])
+
+
+def test_allocate_prompt_past_max_model_len_raises():
+    cache = small_cache(max_model_len=8)
+    with pytest.raises(ValueError, match="cannot add 9 tokens to 0"):
+        cache.allocate_prompt(0, 9)
+
+
+def test_plan_decode_addresses_the_step(device):
+    cache = small_cache(device)
+    cache.allocate_prompt(0, 5)
+    cache.allocate_prompt(1, 2)
+    plan = cache.plan_decode([0, 1])
+    assert plan.context_lens.tolist() == [6, 3] and plan.positions.tolist() == [5, 2]
+    assert plan.write_slots.tolist() == [cache.tables[0].slot(5), cache.tables[1].slot(2)]
+    assert plan.is_window and plan.slot_mapping.data_ptr() == cache.slot_table.slots.data_ptr()
+    assert plan.width >= 6
+    check_plan_addressing(plan, cache.tables)
+
+
+def test_plan_decode_over_many_steps_matches_rebuild_every_step(device):
+    cache = small_cache(device)
+    for row, n in enumerate([1, 4, 7]):
+        cache.allocate_prompt(row, n)
+    for _ in range(30):
+        plan = cache.plan_decode([0, 1, 2])
+        check_plan_addressing(plan, cache.tables)
+        expected = rebuild_mapping(cache.tables, [0, 1, 2], device=device)
+        lens = plan.context_lens.tolist()
+        for i in range(3):
+            assert torch.equal(plan.slot_mapping[i, : lens[i]], expected[i, : lens[i]])
+
+
+def test_plan_decode_over_scattered_rows_gathers(device):
+    cache = small_cache(device)
+    cache.allocate_prompt(1, 3)
+    cache.allocate_prompt(3, 2)
+    plan = cache.plan_decode([3, 1])
+    assert not plan.is_window and plan.slot_mapping.data_ptr() != cache.slot_table.slots.data_ptr()
+    assert plan.context_lens.tolist() == [3, 4]
+    check_plan_addressing(plan, cache.tables)
+
+
+def test_a_held_plan_keeps_its_own_vectors():
+    cache = small_cache()
+    cache.allocate_prompt(0, 2)
+    first = cache.plan_decode([0])
+    held = [t.clone() for t in (first.context_lens, first.write_slots, first.positions)]
+    for _ in range(6):
+        cache.plan_decode([0])
+    assert all(torch.equal(a, b) for a, b in zip(held, (first.context_lens, first.write_slots, first.positions)))
+
+
+def test_plan_decode_refuses_rows_that_are_not_live():
+    cache = small_cache()
+    with pytest.raises(ValueError, match=r"rows \[2\] are not live"):
+        cache.plan_decode([2])
+
+
+def test_plan_decode_at_max_model_len_names_the_row():
+    cache = small_cache(max_model_len=8)
+    cache.allocate_prompt(0, 8)
+    with pytest.raises(ValueError, match=r"rows \[0\] are at max_model_len=8"):
+        cache.plan_decode([0])
+
+
+def test_plan_decode_without_blocks_raises_and_changes_nothing():
+    cache = small_cache(num_blocks=3)  # scratch + 2
+    cache.allocate_prompt(0, 4)
+    cache.allocate_prompt(1, 4)
+    assert not cache.can_append([0, 1]) and cache.blocks_to_append([0, 1]) == 2
+    with pytest.raises(PoolExhaustedError, match=r"rows \[0, 1\] each need a new block"):
+        cache.plan_decode([0, 1])
+    assert cache.num_tokens(0) == 4 and cache.slot_table.length(0) == 4
+
+
+def test_admission_arithmetic():
+    cache = small_cache(num_blocks=6)  # 5 usable blocks of 4
+    assert cache.blocks_needed(9) == 3 and cache.can_allocate(20) and not cache.can_allocate(21)
+    cache.allocate_prompt(0, 3)
+    assert cache.blocks_needed(1, row=0) == 0 and cache.blocks_needed(2, row=0) == 1
+    assert cache.can_append([0])
+
+
+def test_free_gives_back_blocks_and_the_row():
+    cache = small_cache()
+    cache.allocate_prompt(0, 9)
+    cache.free(0)
+    assert cache.pool.num_used == 1 and not cache.is_live(0) and cache.live_rows == []
+    assert cache.allocate_row() == 0
+
+
+def test_reset_row_keeps_the_row_and_zeroes_its_length():
+    cache = small_cache()
+    cache.allocate_prompt(2, 5)
+    cache.reset_row(2)
+    assert cache.is_live(2) and cache.num_tokens(2) == 0 and cache.slot_table.length(2) == 0
+
+
+def test_adopt_row_takes_a_table_and_resyncs():
+    cache = small_cache()
+    table = table_of(cache.pool.allocate(2), 7)
+    cache.adopt_row(3, table)
+    assert table.is_empty and cache.num_tokens(3) == 7
+    check_slots_agree(cache.slot_table, cache.tables, [3])
+
+
+def test_adopt_row_refuses_a_non_empty_row():
+    cache = small_cache()
+    cache.allocate_prompt(0, 2)
+    with pytest.raises(ValueError, match="adopt refused"):
+        cache.adopt_row(0, table_of(cache.pool.allocate(1), 1))
+
+
+def test_adopt_row_refuses_blocks_another_row_holds_or_the_pool_has_free():
+    cache = small_cache()
+    cache.allocate_prompt(0, 2)
+    held = cache.tables[0].blocks[0]
+    with pytest.raises(ValueError, match=f"block {held}: it is held by row 0"):
+        cache.adopt_row(1, table_of([held], 1))
+    with pytest.raises(ValueError, match="block 30: it is free in the pool"):
+        cache.adopt_row(1, table_of([30], 1))
+    with pytest.raises(ValueError, match="it is held by the scratch block"):
+        cache.adopt_row(1, table_of([0], 1))
+
+
+def test_move_row_compacts_and_frees_the_source(device):
+    cache = small_cache(device)
+    cache.allocate_prompt(0, 3)
+    cache.allocate_prompt(2, 6)
+    cache.plan_decode([0, 2])
+    cache.free(0)
+    cache.move_row(2, 0)
+    assert cache.live_rows == [0] and cache.num_tokens(0) == 7 and cache.slot_table.length(2) == 0
+    check_slots_agree(cache.slot_table, cache.tables, [0])
+    plan = cache.plan_decode([0])
+    assert plan.is_window and plan.context_lens.tolist() == [8]
+    check_plan_addressing(plan, cache.tables)
+
+
+def test_move_row_refuses_an_occupied_destination():
+    cache = small_cache()
+    cache.allocate_prompt(0, 1)
+    cache.allocate_prompt(1, 1)
+    with pytest.raises(ValueError, match="destination row 0 still holds 1 tokens"):
+        cache.move_row(1, 0)
+
+
+def test_write_kv_stores_at_the_write_slots(device):
+    cache = small_cache(device)
+    cache.allocate_prompt(0, 3)
+    plan = cache.plan_decode([0])
+    k = torch.randn(1, 2, 4, device=device)
+    cache.write_kv(1, plan.write_slots, k, -k)
+    assert torch.equal(cache.k_caches[1][plan.write_slots], k)
+    assert torch.equal(cache.v_caches[1][plan.write_slots], -k)
+
+
+def test_steady_decode_builds_no_tensor_from_a_list_and_calls_no_slot(monkeypatch):
+    cache = small_cache(max_batch_size=4)
+    for row in range(4):
+        cache.allocate_prompt(row, 3)
+    rows = list(range(4))
+    cache.plan_decode(rows)  # the row set is validated once, here
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.tensor / BlockTable.slot on the per-step path")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    monkeypatch.setattr(BlockTable, "slot", refuse)
+    for _ in range(20):  # crosses several block boundaries (block_size 4)
+        cache.plan_decode(rows)
+    monkeypatch.undo()
+    assert cache.slot_table.resyncs == 4  # the prompts only
+    check_slots_agree(cache.slot_table, cache.tables, rows)
