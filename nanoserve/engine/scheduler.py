@@ -91,7 +91,11 @@ class Scheduler:
             # One request larger than the budget still runs alone; otherwise respect it.
             if batch.requests and need > budget:
                 break
-            if not self.cache.can_allocate(need + 1):  # +1: room for its first decode token
+            # Room for the prompt and its first decode token, plus a block of headroom for
+            # every running row: admitting into a pool the running rows are about to need
+            # only buys a preemption (and a recompute) on the next decode step.
+            headroom = len(self.running) + len(batch.requests)
+            if self.cache.blocks_needed(need + 1) + headroom > self.cache.pool.num_free:
                 break
             self.waiting.popleft()
             row = len(self.running)
