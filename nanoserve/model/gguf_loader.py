@@ -66,6 +66,18 @@ class _PlainArrayReader(GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._plain_data = value.view(np.ndarray)
 
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        # Every read goes through here: a read past the end means the file was cut short.
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > self._plain_data.size:
+            raise _Truncated(end, self._plain_data.size)
+        return super()._get(offset, dtype, count, override_order)
+
+
+class _Truncated(Exception):
+    def __init__(self, needed: int, size: int) -> None:
+        super().__init__(f"truncated: the file needs at least {needed} bytes but has {size}")
+
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The HF name of a GGUF tensor, or None when we do not know it."""
@@ -106,8 +118,10 @@ class GGUFCheckpoint:
                 raise ModelLoadError(path, "not a GGUF file (the first 4 bytes are not 'GGUF')")
         try:
             reader = _PlainArrayReader(path, "r")
-        except Exception as e:  # the reader fails in many ways on a cut-off file
-            raise ModelLoadError(path, f"cannot parse GGUF (truncated or corrupt file?): {e}") from e
+        except _Truncated as e:
+            raise ModelLoadError(path, str(e)) from e
+        except Exception as e:  # the reader has no error type of its own
+            raise ModelLoadError(path, f"corrupt GGUF file, the reader failed: {e}") from e
         ckpt = cls(path, reader, _read_metadata(reader))
         ckpt._check_extents()
         return ckpt
