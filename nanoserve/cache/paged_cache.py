@@ -51,15 +51,15 @@ class DecodePlan:
 @dataclass
 class _Run:
     """A block run: consecutive steps over the same rows, nothing changed in between, no row
-    crossing into a new block. Every per-row vector is an arithmetic progression over the run,
-    so each is laid out for all of its steps at once (one op, then a view per step)."""
+    crossing into a block it does not hold. Every per-row vector is an arithmetic progression
+    over the run, so all of them are laid out at once: `vectors[k]` holds step k's
+    write_slots, positions and context_lens."""
 
     rows: Rows
     versions: tuple[int, int]
-    width: int  # the longest context at the run's last step
-    write_slots: tuple[torch.Tensor, ...]
-    positions: tuple[torch.Tensor, ...]
-    context_lens: tuple[torch.Tensor, ...]
+    length: int
+    first_width: int  # the longest context at the run's first step; one more each step
+    vectors: torch.Tensor  # [length, 3, n]
     step: int = 0
 
 
@@ -105,12 +105,13 @@ class BatchedPagedKVCache:
         self._counts = _Counts(max_batch_size)
         self.tables = [BlockTable._in_counts(block_size, self._counts, row) for row in range(max_batch_size)]
         self.slot_table = SlotTable(max_batch_size, self.max_model_len, self.device)
-        self.block_ids = torch.zeros((max_batch_size, self.max_blocks_per_row), dtype=torch.int64, device=self.device)
+        # Each row's block ids, on the host like vLLM's block tables: decode runs are laid out here.
+        self.block_ids = np.zeros((max_batch_size, self.max_blocks_per_row), dtype=np.int64)
         self._capacity = np.zeros(max_batch_size, dtype=np.int64)  # slots each row's blocks hold
         self._live = np.zeros(max_batch_size, dtype=bool)
         self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
         self._owner[self._scratch_block] = _SCRATCH_OWNER
-        self._steps = torch.arange(block_size, dtype=torch.int64, device=self.device)
+        self._offsets = np.arange(block_size, dtype=np.int64).reshape(block_size, 1, 1)
         self._run: _Run | None = None
 
     # -- rows ------------------------------------------------------------------------
@@ -174,8 +175,9 @@ class BatchedPagedKVCache:
         self._live[row] = True
         table.advance(num_tokens)
         self.slot_table.resync(table, row)
-        positions = torch.arange(start, start + num_tokens, device=self.device)
-        return self.block_ids[row, positions // self.block_size] * self.block_size + positions % self.block_size
+        positions = np.arange(start, start + num_tokens)
+        slots = self.block_ids[row, positions // self.block_size] * self.block_size + positions % self.block_size
+        return torch.from_numpy(slots).to(self.device)
 
     def reset_row(self, row: int) -> None:
         """Give the row's blocks back and set its length to zero; the row stays claimed."""
@@ -234,54 +236,61 @@ class BatchedPagedKVCache:
         """Advance every row by one token and address the step.
 
         Syncs the mirror, grows block tables that are full, appends the write slots to the
-        slot table and takes the plan's slot_mapping and context_lens out of it. Raises
-        PoolExhaustedError (before changing anything) when rows need blocks the pool lacks.
-        The rectangle is read at the width of the current block run's last step: columns
-        past a row's context_len are masked, and every run keeps one shape.
+        slot table and takes the plan's slot_mapping out of it (`[n, longest context]`).
+        Raises PoolExhaustedError (before changing anything) when rows need blocks the
+        pool lacks; `can_append` says so beforehand.
         """
         rows = self.slot_table.rows(rows)
         run = self._run
-        if (run is None or run.rows is not rows or run.step == len(run.write_slots)
+        if (run is None or run.rows is not rows or run.step == run.length
                 or run.versions != (self._counts.version, self.slot_table.version)):
             run = self._run = self._start_run(rows)
         else:
             self._counts.array[rows.span] += 1  # every row's block table holds one more token
-        k = run.step
+        k, n = run.step, rows.n
         run.step = k + 1
-        write_slots = run.write_slots[k]
+        # Step k's vectors are rows of the run's layout; as_strided is the cheapest view to make.
+        at = 3 * n * k
+        vectors = run.vectors
+        write_slots = vectors.as_strided((n,), (1,), at)
         self.slot_table.append(rows, write_slots)
-        if rows.is_prefix:
-            slot_mapping, context_lens = self.slot_table.rect(rows, run.width), run.context_lens[k]
-        else:
-            slot_mapping, context_lens = self.slot_table.read(rows, run.width)
-        return DecodePlan(rows.ids, slot_mapping, context_lens, write_slots, run.positions[k], rows.is_prefix)
+        return DecodePlan(
+            rows=rows.ids,
+            slot_mapping=self.slot_table.rect(rows, run.first_width + k),
+            context_lens=vectors.as_strided((n,), (1,), at + 2 * n),
+            write_slots=write_slots,
+            positions=vectors.as_strided((n,), (1,), at + n),
+            is_window=rows.is_prefix,
+        )
 
     def _start_run(self, rows: Rows) -> _Run:
-        """The slow path, once per block run: sync, grow, and lay out the run's per-step vectors."""
-        dead = rows.index[~self._live[rows.index]].tolist()
-        if dead:
-            raise ValueError(f"plan_decode: rows {dead} are not live; prefill or adopt them first")
-        counts = self._counts.array
-        self.slot_table.sync(self.tables, rows, lengths=counts[rows.index])
+        """The slow path, once per block run: sync the mirror, grow full tables, lay out the run."""
+        index, counts = rows.index, self._counts.array
+        if not self._live[index].all():
+            raise ValueError(f"plan_decode: rows {index[~self._live[index]].tolist()} are not live; "
+                             "prefill or adopt them first")
+        self.slot_table.sync(self.tables, rows, lengths=counts[index])
         positions = self.slot_table.lengths(rows)  # the token each row writes this step
-        full = rows.index[positions >= self.max_model_len].tolist()
-        if full:
-            raise ValueError(f"plan_decode: rows {full} are at max_model_len={self.max_model_len}; finish them")
-        self._grow(rows.index[positions >= self._capacity[rows.index]].tolist())
+        if positions.max() >= self.max_model_len:
+            raise ValueError(f"plan_decode: rows {index[positions >= self.max_model_len].tolist()} are at "
+                             f"max_model_len={self.max_model_len}; finish them")
+        self._grow(index[positions >= self._capacity[index]].tolist())
         counts[rows.span] += 1
-        # Steps until some row crosses into a block it does not have yet (or hits max_model_len).
+        # Steps until some row crosses into a block it does not hold yet (or reaches max_model_len);
+        # until then every row's write slot, position and length go up by one per step.
         length = int(np.minimum(self.block_size - positions % self.block_size, self.max_model_len - positions).min())
-        first = torch.from_numpy(positions).to(self.device)
-        first_slots = (self.block_ids[rows.device_index, first // self.block_size] * self.block_size
-                       + first % self.block_size)
-        steps = self._steps[:length].view(length, 1)
+        offsets = self._offsets[:length]
+        vectors = np.empty((length, 3, rows.n), dtype=np.int64)
+        vectors[:, 0] = self.block_ids[index, positions // self.block_size] * self.block_size + positions % self.block_size
+        vectors[:, 1] = positions
+        vectors[:, 2] = positions + 1
+        vectors += offsets
         return _Run(
             rows=rows,
             versions=(self._counts.version, self.slot_table.version),
-            width=int(positions.max()) + length,
-            write_slots=(first_slots + steps).unbind(0),
-            positions=(first + steps).unbind(0),
-            context_lens=(first + 1 + steps).unbind(0),
+            length=length,
+            first_width=int(positions.max()) + 1,
+            vectors=torch.from_numpy(vectors).to(self.device),
         )
 
     def _grow(self, rows: list[int]) -> None:
@@ -295,7 +304,7 @@ class BatchedPagedKVCache:
             )
         for row, block in zip(rows, self.pool.allocate(len(rows))):
             table = self.tables[row]
-            self.block_ids[row, table.num_blocks] = block  # a scalar write: no list built per step
+            self.block_ids[row, table.num_blocks] = block
             table.add_blocks([block])
             self._owner[block] = row
             self._capacity[row] = table.capacity
@@ -320,11 +329,10 @@ class BatchedPagedKVCache:
         self._mirror_blocks(row, first)
 
     def _mirror_blocks(self, row: int, first: int) -> None:
-        """Copy the row's block ids from `first` on into the device mirror (prefill and growth only)."""
+        """Copy the row's block ids from `first` on into the mirror."""
         blocks = self.tables[row].blocks
         self._capacity[row] = len(blocks) * self.block_size
-        if len(blocks) > first:
-            self.block_ids[row, first:len(blocks)] = torch.as_tensor(blocks[first:], dtype=torch.int64).to(self.device)
+        self.block_ids[row, first:len(blocks)] = blocks[first:]
 
     def _owner_name(self, block: int) -> str:
         owner = int(self._owner[block])
