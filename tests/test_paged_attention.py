@@ -1,0 +1,88 @@
+"""The reference paged read equals dense attention over the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.cache.attention import paged_attention_reference
+
+
+def dense_attention(q, keys, values, scale=None):
+    """One query per row over that row's own [t, KV, D] keys and values, GQA by repeating heads."""
+    group = q.shape[1] // keys[0].shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = []
+    for i, (k, v) in enumerate(zip(keys, values)):
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [t, H, D]
+        scores = torch.einsum("hd,thd->ht", q[i].double(), k.double()) * scale
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v.double()))
+    return torch.stack(out).to(q.dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_paged_read_equals_dense_attention(device, num_heads, num_kv_heads):
+    torch.manual_seed(0)
+    head_dim, lengths = 8, [5, 1, 13, 9]
+    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=24,
+                                block_size=4, max_batch_size=4, max_model_len=32, device=device)
+    keys, values = [], []
+    for row, n in enumerate(lengths):  # interleaved prompts: each row's blocks are scattered in the pool
+        k = torch.randn(n, num_kv_heads, head_dim, device=device)
+        v = torch.randn(n, num_kv_heads, head_dim, device=device)
+        cache.write_kv(0, cache.allocate_prompt(row, n), k, v)
+        keys.append(k)
+        values.append(v)
+    plan = cache.plan_decode(range(4))  # one more token per row, written now
+    k_new = torch.randn(4, num_kv_heads, head_dim, device=device)
+    v_new = torch.randn(4, num_kv_heads, head_dim, device=device)
+    cache.write_kv(0, plan.write_slots, k_new, v_new)
+    q = torch.randn(4, num_heads, head_dim, device=device)
+    got = paged_attention_reference(q, cache.k_caches[0], cache.v_caches[0], plan.slot_mapping, plan.context_lens)
+    want = dense_attention(q, [torch.cat([k, k_new[i:i + 1]]) for i, k in enumerate(keys)],
+                           [torch.cat([v, v_new[i:i + 1]]) for i, v in enumerate(values)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_is_masked_whatever_slot_it_names():
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(32, 2, 4), torch.randn(32, 2, 4)
+    q = torch.randn(2, 2, 4)
+    slots = torch.tensor([[3, 7, 9, 0], [5, 6, 0, 0]])
+    garbage = torch.tensor([[3, 7, 9, 31], [5, 6, 17, 2]])  # padding columns point anywhere legal
+    lens = torch.tensor([3, 2])
+    torch.testing.assert_close(paged_attention_reference(q, k_cache, v_cache, slots, lens),
+                               paged_attention_reference(q, k_cache, v_cache, garbage, lens))
+
+
+def test_padded_rows_with_no_context_give_zeros_not_nan():
+    k_cache, v_cache = torch.randn(16, 1, 4), torch.randn(16, 1, 4)
+    out = paged_attention_reference(torch.randn(3, 2, 4), k_cache, v_cache, torch.zeros(3, 5, dtype=torch.long),
+                                    torch.tensor([2, 0, 0]))
+    assert torch.isfinite(out).all() and out[1:].abs().sum() == 0
+
+
+def test_scale_is_honoured():
+    torch.manual_seed(2)
+    k_cache, v_cache, q = torch.randn(8, 1, 4), torch.randn(8, 1, 4), torch.randn(1, 1, 4)
+    slots, lens = torch.tensor([[0, 1, 2]]), torch.tensor([3])
+    got = paged_attention_reference(q, k_cache, v_cache, slots, lens, scale=0.1)
+    want = dense_attention(q, [k_cache[:3]], [v_cache[:3]], scale=0.1)
+    torch.testing.assert_close(got, want)
+
+
+def test_half_precision_computes_softmax_in_float32():
+    torch.manual_seed(3)
+    k_cache, v_cache, q = torch.randn(8, 2, 8), torch.randn(8, 2, 8), torch.randn(2, 4, 8)
+    slots, lens = torch.tensor([[0, 1, 2], [4, 5, 0]]), torch.tensor([3, 2])
+    full = paged_attention_reference(q, k_cache, v_cache, slots, lens)
+    half = paged_attention_reference(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), slots, lens)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), full, rtol=0.05, atol=0.05)
+
+
+def test_mismatched_heads_are_refused():
+    with pytest.raises(ValueError, match="shapes disagree"):
+        paged_attention_reference(torch.randn(1, 3, 4), torch.randn(8, 2, 4), torch.randn(8, 2, 4),
+                                  torch.zeros(1, 2, dtype=torch.long), torch.tensor([1]))
