@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.llama import DenseCausalAttention, LlamaModel, dense_forward
+from nanoserve.model.llama import DenseCausalAttention, dense_forward, unfuse_hf_weights
 from nanoserve.model.loader import build_model, load_model
 
 transformers = pytest.importorskip("transformers")
@@ -174,22 +174,6 @@ def test_bf16_forward_stays_close_to_fp32(tiny_pair):
     _, _, ours = tiny_pair
     ids = torch.arange(3, 40)[None]
     ref = dense_forward(ours, ids)
-    low = build_model(ours.config, _hf_named(ours), dtype=torch.bfloat16)
+    low = build_model(ours.config, unfuse_hf_weights(ours), dtype=torch.bfloat16)
     assert low.embed_tokens.weight.dtype == torch.bfloat16
     assert rel_err(dense_forward(low, ids).float(), ref) < 5e-2
-
-
-def _hf_named(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """Split a model's fused weights back into HF naming (round-trips fuse_hf_weights)."""
-    c, out = model.config, {}
-    for name, t in model.state_dict().items():
-        if ".qkv_proj." in name:
-            for part, chunk in zip("qkv", t.split([c.q_size, c.kv_size, c.kv_size])):
-                out["model." + name.replace("qkv_proj", f"{part}_proj")] = chunk
-        elif ".gate_up_proj." in name:
-            gate, up = t.chunk(2)
-            out["model." + name.replace("gate_up_proj", "gate_proj")] = gate
-            out["model." + name.replace("gate_up_proj", "up_proj")] = up
-        else:
-            out[name if name.startswith("lm_head") else "model." + name] = t
-    return out

@@ -283,3 +283,20 @@ def dense_forward(
     attention = DenseCausalAttention(b, t, attention_mask)
     hidden = model(input_ids.reshape(-1), positions.reshape(-1), attention)
     return model.compute_logits(hidden).view(b, t, -1)
+
+
+def unfuse_hf_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The inverse of fuse_hf_weights: a model's weights in HF naming (views, no copies)."""
+    c, out = model.config, {}
+    for name, t in model.state_dict().items():
+        hf = name if name.startswith("lm_head") else "model." + name
+        if ".qkv_proj." in name:
+            for part, chunk in zip("qkv", t.split([c.q_size, c.kv_size, c.kv_size])):
+                out[hf.replace("qkv_proj", f"{part}_proj")] = chunk
+        elif ".gate_up_proj." in name:
+            gate, up = t.chunk(2)
+            out[hf.replace("gate_up_proj", "gate_proj")] = gate
+            out[hf.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[hf] = t
+    return out

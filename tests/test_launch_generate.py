@@ -1,0 +1,52 @@
+"""`nanoserve generate` end to end on a planted tiny GGUF (the real model is too slow for CI here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.launch import build_parser, main
+from nanoserve.model.llama import unfuse_hf_weights
+from nanoserve.model.loader import load_model
+from nanoserve.model.simple_generate import SimpleSampling, generate_tokens
+from nanoserve.model.synthetic import random_model, tiny_config
+
+CONFIG = tiny_config(vocab_size=260)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, gguf_writer):
+    weights = unfuse_hf_weights(random_model(CONFIG, seed=5))
+    return gguf_writer(tmp_path / "tiny.gguf", CONFIG, weights)
+
+
+def test_generate_prints_the_greedy_continuation(tiny_gguf, capsys):
+    assert main(["generate", "--model", str(tiny_gguf), "--max-tokens", "6", "hello"]) == 0
+    out = capsys.readouterr()
+    model, tokenizer = load_model(str(tiny_gguf))
+    ids = list(generate_tokens(model, tokenizer.encode("hello"), SimpleSampling(max_tokens=6)))
+    stop = tokenizer.eos_token_id
+    expected = tokenizer.decode(ids[: ids.index(stop)] if stop in ids else ids, skip_special_tokens=True)
+    assert out.out == expected + "\n"
+    assert "new tokens" in out.err
+
+
+def test_generate_sampling_with_seed_is_reproducible(tiny_gguf, capsys):
+    argv = ["generate", "--model", str(tiny_gguf), "--max-tokens", "8", "--temperature", "1.0",
+            "--top-k", "20", "--top-p", "0.9", "--seed", "3", "hi"]
+    main(argv)
+    first = capsys.readouterr().out
+    main(argv)
+    assert capsys.readouterr().out == first
+
+
+def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "x"]) == 2
+    assert "missing.gguf" in capsys.readouterr().err
+    assert main(["generate", "--temperature", "-1", "x"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_parser_has_generate_subcommand_with_documented_options():
+    args = build_parser().parse_args(["generate", "--chat", "--max-tokens", "3", "--top-k", "5", "p"])
+    assert (args.command, args.chat, args.max_tokens, args.top_k, args.prompt) == ("generate", True, 3, 5, "p")
+    assert args.model == "smollm2" and args.dtype == "float32"
