@@ -1,0 +1,67 @@
+"""slotbench counts cells exactly (a benchmark is never a timed test: counts, not clocks)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+import compilebench
+from compile import slotbench
+from compile.slotbench import Workload, run_rebuild, run_table
+from nanoserve.cache.pool_plan import incremental_cells, rebuilt_cells
+
+
+@pytest.mark.parametrize("steps", [8, 64])
+def test_arms_count_the_seeds_cells(steps):
+    work = Workload(steps=steps)
+    assert run_rebuild(work).cells == rebuilt_cells(4, 16, steps)
+    assert run_table(work, "window").cells == incremental_cells(4, 16, steps)
+    assert run_table(work, "gather").cells == incremental_cells(4, 16, steps)
+
+
+def test_512_steps_rebuild_558080_cells_and_the_table_writes_2112():
+    work = Workload(steps=512)
+    assert run_rebuild(work).cells == 558_080
+    assert run_table(work, "window").cells == 2_112
+
+
+def test_arms_end_on_the_same_plan():
+    work = Workload(steps=40)
+    rebuild, window, gather = run_rebuild(work), run_table(work, "window"), run_table(work, "gather")
+    assert window.plan.is_window and not gather.plan.is_window
+    assert gather.plan.rows == (1, 3, 5, 7)
+    for plan in (window.plan, gather.plan):
+        assert torch.equal(plan.context_lens, rebuild.plan.context_lens)
+        assert torch.equal(plan.positions, rebuild.plan.positions)
+        assert plan.slot_mapping.shape == rebuild.plan.slot_mapping.shape == (4, 56)
+
+
+def test_measure_reports_every_column():
+    row = slotbench.measure(Workload(steps=4), repeats=1)
+    assert row["cells_rebuilt"] == rebuilt_cells(4, 16, 4) and row["cells_written"] == incremental_cells(4, 16, 4)
+    assert row["speedup"] == pytest.approx(row["rebuild_ms"] / row["window_ms"])
+
+
+def test_verdict_reads_the_two_bars():
+    rows = [{"steps": 64, "window_us_per_step": 10.0, "speedup": 3.0},
+            {"steps": 512, "window_us_per_step": 12.0, "speedup": 31.0}]
+    assert slotbench.verdict(rows) == ["window vs rebuild at 512 steps: 31.0x (bar >= 30x: met)",
+                                       "window per step, 512 vs 64 steps: 1.20x (bar <= 1.5x: met)"]
+
+
+def test_compilebench_runs_the_slots_suite_and_writes_results(tmp_path, capsys):
+    assert compilebench.main(["slots", "--steps", "4", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "slotbench.csv").open()))
+    assert [int(r["steps"]) for r in rows] == [4, 8]
+    assert [int(r["cells_written"]) for r in rows] == [80, 96]
+    assert (tmp_path / "slotbench.png").stat().st_size > 0
+    assert "cells rebuilt -> written" in capsys.readouterr().out
+
+
+def test_compilebench_names_its_suites_and_refuses_unknown_ones(capsys):
+    assert compilebench.main(["--help"]) == 0
+    assert "slots" in capsys.readouterr().out
+    assert compilebench.main(["nope"]) == 2
+    assert "unknown suite 'nope'" in capsys.readouterr().err
