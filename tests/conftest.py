@@ -89,7 +89,8 @@ def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tenso
     """Write a small GGUF the way llama.cpp's converter would: metadata, a byte-level vocabulary
     of `config.vocab_size` tokens (the 256 byte symbols, then control tokens), and `hf_weights`
     (HF naming) renamed, Q/K rows permuted for llama, and stored as `qtype` (F32 by default;
-    1-D tensors always F32). `tensor_types` forces a raw type on named GGUF tensors."""
+    1-D tensors always F32). `tensor_types` forces a type on named GGUF tensors; where gguf
+    cannot quantise to it, seeded random bytes are stored instead."""
     import gguf
     import numpy as np
 
@@ -129,12 +130,16 @@ def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tenso
             writer.add_tensor(name, data.astype(np.float32))
         elif kind == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, data.astype(np.float16))
-        elif kind in gguf.quants._type_traits:
-            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-        else:  # a type nobody can dequantise: plant raw bytes of the right size
-            block, size = gguf.GGML_QUANT_SIZES[kind]
-            raw = np.zeros((data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=kind)
+        else:
+            try:
+                writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+            except (NotImplementedError, KeyError):
+                # gguf cannot quantise to this type (K-quants, or types nobody dequantises):
+                # plant seeded random bytes of the right size instead of the weights.
+                block, size = gguf.GGML_QUANT_SIZES[kind]
+                rng = np.random.default_rng(len(name))
+                raw = rng.integers(0, 256, (data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+                writer.add_tensor(name, raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -72,6 +72,28 @@ def test_gguf_q_k_rows_are_unpermuted_to_hf_order(tiny_hf_dir, tmp_path, gguf_wr
         assert torch.equal(loaded[name], weights[name])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random K-quant scales overflow; irrelevant here
+@pytest.mark.parametrize("qtype", [Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K,
+                                   Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_every_supported_type_loads_as_its_dequantised_values(tmp_path, gguf_writer, qtype):
+    """Shapes and values for each block type: the loaded tensor is exactly what gguf dequantises
+    (K-quants need 256-wide rows, hence hidden_size 256 here)."""
+    from nanoserve.model.llama import unfuse_hf_weights
+    from nanoserve.model.synthetic import random_model, tiny_config
+
+    config = tiny_config(vocab_size=260, hidden_size=256, intermediate_size=512, num_heads=4,
+                         num_kv_heads=2, head_dim=64)
+    name = "blk.0.ffn_down.weight"
+    path = gguf_writer(tmp_path / "types.gguf", config, unfuse_hf_weights(random_model(config)),
+                       tensor_types={name: qtype})
+    ckpt = GGUFCheckpoint.open(path)
+    stored = next(t for t in ckpt.reader.tensors if t.name == name)
+    assert stored.tensor_type == qtype
+    expected = torch.from_numpy(gguf.quants.dequantize(stored.data, qtype).reshape(256, 512).copy())
+    loaded = ckpt.state_dict(ckpt.config())["model.layers.0.mlp.down_proj.weight"]
+    torch.testing.assert_close(loaded, expected, rtol=0, atol=0, equal_nan=True)
+
+
 # --- the default model against transformers on the same file -------------------------------------
 
 PROMPTS = [
