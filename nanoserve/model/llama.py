@@ -25,6 +25,10 @@ class Attention(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+# (cos, sin) for one step's tokens, each [N, 1, head_dim].
+RotaryTables = tuple[torch.Tensor, torch.Tensor]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -95,12 +99,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> RotaryTables:
+        """(cos, sin) for positions [N]; computed once per step and shared by every layer."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
 
 class LlamaAttention(nn.Module):
@@ -114,15 +115,14 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: Attention
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, attention: Attention) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -147,10 +147,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: Attention
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attention)
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, attention: Attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -181,8 +179,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions)  # gathered once per step, not once per layer
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary, attention)
+            hidden = layer(hidden, rotary, attention)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
