@@ -1,0 +1,84 @@
+"""POST /v1/chat/completions: messages through the model's chat template, a reply out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import jinja2
+from starlette.requests import Request
+
+from nanoserve.engine.sampler import TokenLogprobs
+from nanoserve.serve import serving
+from nanoserve.serve.errors import ApiError
+from nanoserve.serve.protocol import ChatCompletionRequest, sampling_params
+from nanoserve.serve.serving import ServeState
+
+
+async def create_chat_completion(state: ServeState, body: ChatCompletionRequest, request: Request):
+    state.check_model(body.model)
+    body.check_supported()
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    # Validate every field before the template and tokenizer run; the budget is settled after.
+    params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
+                             logprobs_param="top_logprobs")
+    prompt_ids = serving.encode(state, render_chat(state, body), "messages")
+    max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
+    params = replace(params, max_tokens=max_tokens)
+    request_id, created = serving.new_id("chatcmpl")
+    queue = await serving.submit(state, prompt_ids, params, request_id, "messages")
+    head = {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name}
+    if body.stream:
+        head["object"] = "chat.completion.chunk"
+        chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage)
+        return serving.sse_response(state, chunks, request_id)
+    output = await serving.collect(state, queue, request_id, request)
+    choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
+              "logprobs": chat_logprobs(state, output.logprobs), "finish_reason": output.finish_reason}
+    return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}
+
+
+def render_chat(state: ServeState, body: ChatCompletionRequest) -> str:
+    """The prompt text: the model's chat template with the generation prompt appended."""
+    messages = [m.as_template_dict() for m in body.messages]
+    if getattr(state.tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "messages: this server's model has no chat template; use /v1/completions",
+                       param="messages", code="invalid_value")
+    try:
+        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception on bad roles
+        raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
+                       code="invalid_value") from exc
+
+
+async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_len: int,
+                  include_usage: bool) -> AsyncIterator[dict]:
+    extra = {"usage": None} if include_usage else {}
+    yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}], **extra}
+    completion_tokens = 0
+    async for delta in serving.deltas(state, queue, head["id"]):
+        completion_tokens = len(delta.output.token_ids)
+        if not delta.text and not delta.output.finished and not delta.logprobs:
+            continue  # tokens whose text is still held back (a partial character, a possible stop)
+        choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+                  "logprobs": chat_logprobs(state, delta.logprobs),
+                  "finish_reason": serving.finish_reason(delta.output)}
+        yield {**head, "choices": [choice], **extra}
+    if include_usage:
+        yield {**head, "choices": [], "usage": serving.usage(prompt_len, completion_tokens)}
+
+
+def chat_logprobs(state: ServeState, logprobs: list[TokenLogprobs] | None) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = state.token_text(token_id)
+        return {"token": token, "logprob": serving.logprob_value(logprob),
+                "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}

@@ -1,0 +1,75 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, for every
+failure the server answers, including FastAPI's own (bad JSON, missing fields, unknown routes)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+logger = logging.getLogger("nanoserve.serve")
+
+# OpenAI's `type` per status; the client maps the status to its exception class.
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """A request the server refuses or cannot finish; rendered as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's list of pydantic errors -> one 400 naming the first offending field."""
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"request body is not valid JSON ({detail})".replace(" ()", ""))
+    if not loc and kind == "missing":
+        return ApiError(400, "request body is missing: send a JSON object")
+    if not loc:  # the body is not an object
+        return ApiError(400, f"request body must be a JSON object ({first.get('msg', kind)})")
+    param, field = loc[0], ".".join(loc)  # param is the top-level field, as OpenAI reports it
+    if kind == "missing":
+        return ApiError(400, f"missing required parameter: {field!r}", param=param,
+                        code="missing_required_parameter")
+    return ApiError(400, f"{field}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}",
+                    param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error path through ApiError so clients always see the same shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return ApiError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,127 @@
+"""Server metrics in Prometheus text format, without a client library.
+
+The engine thread records (tokens, latencies, decode batch sizes); the HTTP side renders them
+next to a snapshot of ``Engine.stats()``. One lock guards both sides, held for microseconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+
+# Seconds. TTFT on CPU can reach seconds under load; inter-token latency is usually ms.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, a sum and a count."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
+        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class ServeMetrics:
+    """What the server measures itself; engine counters come from the stats snapshot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
+                              "Time from a request's arrival at the engine to its first token.", TTFT_BUCKETS)
+        self.itl = Histogram("nanoserve_inter_token_latency_seconds",
+                             "Time between consecutive tokens of one request.", ITL_BUCKETS)
+        self.decode_batch = Histogram("nanoserve_decode_batch_size",
+                                      "Requests (rows) in each decode step.", BATCH_BUCKETS)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()
+
+    def record_admitted(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+
+    def record_decode_step(self, rows: int) -> None:
+        with self._lock:
+            self.decode_batch.observe(rows)
+
+    def record_tokens(self, count: int, ttft: float | None, gap: float | None) -> None:
+        """`count` new tokens of one request; `ttft` on its first, else the gap since its last."""
+        with self._lock:
+            self.generation_tokens += count
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            elif gap is not None and count:
+                for _ in range(count):  # tokens that arrive together share the gap
+                    self.itl.observe(gap / count)
+
+    def record_finished(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] += 1
+
+    def render(self, stats: dict) -> str:
+        """Prometheus text exposition (version 0.0.4) of these metrics and an engine stats snapshot."""
+        used = stats.get("blocks_total", 0) - stats.get("blocks_free", 0)
+        gauges = [
+            ("nanoserve_requests_running", "Requests holding a row in the engine.", stats.get("running", 0)),
+            ("nanoserve_requests_waiting", "Requests queued for admission.", stats.get("waiting", 0)),
+            ("nanoserve_kv_blocks_used", "KV cache blocks in use.", used),
+            ("nanoserve_kv_blocks_free", "KV cache blocks free.", stats.get("blocks_free", 0)),
+            ("nanoserve_kv_blocks_total", "KV cache blocks in the pool.", stats.get("blocks_total", 0)),
+            ("nanoserve_decode_rows_max", "Most rows in one decode step so far.",
+             stats.get("max_decode_rows", 0)),
+            ("nanoserve_decode_rows_mean", "Mean rows per decode step so far.",
+             stats.get("mean_decode_rows", 0.0)),
+            ("nanoserve_compiled_graphs", "Decode graphs built.", _stat(stats, "graphs", "graphs_built")),
+        ]
+        counters = [
+            ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.get("steps", 0)),
+            ("nanoserve_decode_steps_total", "Decode steps.", stats.get("decode_steps", 0)),
+            ("nanoserve_preemptions_total", "Requests preempted (recomputed later).",
+             stats.get("preemptions", 0)),
+            ("nanoserve_recompiles_total", "Recompilations of the decode graph after warm-up.",
+             _stat(stats, "recompiles", "recompiles_after_warmup")),
+        ]
+        with self._lock:
+            counters += [
+                ("nanoserve_prompt_tokens_total", "Prompt tokens admitted.", self.prompt_tokens),
+                ("nanoserve_generation_tokens_total", "Tokens generated.", self.generation_tokens),
+            ]
+            lines = _plain("gauge", gauges) + _plain("counter", counters)
+            lines += ["# HELP nanoserve_requests_finished_total Requests finished, by reason.",
+                      "# TYPE nanoserve_requests_finished_total counter"]
+            lines += [f'nanoserve_requests_finished_total{{reason="{reason}"}} {count}'
+                      for reason, count in sorted(self.finished.items())]
+            for histogram in (self.ttft, self.itl, self.decode_batch):
+                lines += histogram.render()
+        return "\n".join(lines) + "\n"
+
+
+def _plain(kind: str, rows: list[tuple[str, str, float]]) -> list[str]:
+    lines = []
+    for name, help, value in rows:
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return lines
+
+
+def _stat(stats: dict, *names: str) -> float:
+    """The first of `names` the engine reports (its compile counters are still being named), else 0."""
+    return next((stats[name] for name in names if name in stats), 0)

@@ -1,0 +1,148 @@
+"""The OpenAI request bodies we accept, and their mapping onto SamplingParams.
+
+Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); fields we
+cannot honour (``n > 1``, ``echo``, ``suffix``, ``logit_bias``, image parts) are refused with a
+400 that says so rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from nanoserve.engine import SamplingParams
+from nanoserve.serve.errors import ApiError
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's own ceiling for chat top_logprobs
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. ``None`` means "the OpenAI default"."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): 0 or -1 disables
+    min_p: float | None = None  # extension
+    repetition_penalty: float | None = None  # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension: run to max_tokens (benchmarks, tests)
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise ApiError(400, f"n: only n=1 is supported (one choice per request), got {self.n}; "
+                                "send several requests instead", param="n", code="invalid_value")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="invalid_value")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix),
+                                  ("best_of", self.best_of not in (None, 1))):
+            if unsupported:
+                raise ApiError(400, f"{name} is not supported", param=name, code="invalid_value")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; a batch of prompts is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: one prompt per request is supported, got {len(prompt)}; "
+                                    "send several requests instead", param="prompt", code="invalid_value")
+            prompt = prompt[0]
+        return prompt
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The plain {"role", "content"} dict chat templates expect (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise ApiError(400, "messages: only text content parts are supported", param="messages",
+                               code="invalid_value")
+            content = "".join(part.text or "" for part in content)
+        # "developer" is the newer name for "system"; templates only know the older one.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise ApiError(400, "messages: at least one message is needed", param="messages",
+                           code="invalid_value")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
+                           code="invalid_value")
+
+
+def sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    logprobs_param: str = "logprobs") -> SamplingParams:
+    """Build SamplingParams; its ValueError ("field: must be ...") becomes a 400 naming the field."""
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{logprobs_param}: must be at most {MAX_TOP_LOGPROBS}, got {logprobs}",
+                       param=logprobs_param, code="invalid_value")
+    top_k = body.top_k if body.top_k not in (None, -1) else 0
+    fields = dict(
+        max_tokens=max_tokens, temperature=_default(body.temperature, 1.0), top_k=top_k,
+        top_p=_default(body.top_p, 1.0), min_p=_default(body.min_p, 0.0),
+        repetition_penalty=_default(body.repetition_penalty, 1.0),
+        presence_penalty=_default(body.presence_penalty, 0.0),
+        frequency_penalty=_default(body.frequency_penalty, 0.0), seed=body.seed,
+        stop=body.stop or (), stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos,
+        logprobs=logprobs)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0]
+        param = logprobs_param if field == "logprobs" else field if field in fields else None
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
+
+
+def _default(value, default):
+    return default if value is None else value

@@ -1,0 +1,193 @@
+"""What both generation endpoints share: checking a prompt against the context, submitting it
+to the engine loop, and reading its outputs back as one final result or as merged deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from nanoserve.engine import RequestError, RequestOutput, SamplingParams
+from nanoserve.engine.sampler import TokenLogprobs
+from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
+from nanoserve.serve.errors import ApiError
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this
+
+
+@dataclass
+class ServeState:
+    """What the handlers need; one per app."""
+
+    engine_loop: EngineLoop
+    model_name: str
+
+    @property
+    def tokenizer(self):
+        return self.engine_loop.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_loop.engine.config.max_model_len
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}` (see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs; ids stand in when there is no tokenizer."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+def new_id(prefix: str) -> tuple[str, int]:
+    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+
+
+def encode(state: ServeState, text: str, param: str) -> list[int]:
+    if state.tokenizer is None:
+        raise ApiError(400, f"{param}: this server's model has no tokenizer, so text cannot be served; "
+                            "send a prompt of token ids to /v1/completions", param=param,
+                       code="invalid_value")
+    return state.tokenizer.encode(text)
+
+
+def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+    """The reply's token budget (all the room left when not given); a 400 with OpenAI's
+    `context_length_exceeded` code if the prompt, or prompt plus reply, cannot fit."""
+    limit = state.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, and the prompt has "
+                            f"{prompt_len}: shorten it to at most {limit - 1} tokens "
+                            "(one slot for the reply)",
+                       param=prompt_param, code="context_length_exceeded")
+    room = limit - prompt_len
+    if requested is not None and requested > room:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                            f"{prompt_len}, so max_tokens can be at most {room}, got {requested}",
+                       param="max_tokens", code="context_length_exceeded")
+    return room if requested is None else requested
+
+
+async def submit(state: ServeState, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 prompt_param: str) -> asyncio.Queue:
+    try:
+        return await state.engine_loop.add(prompt_ids, params, request_id)
+    except RequestError as exc:  # empty prompt, ids outside the vocabulary
+        message = str(exc) if str(exc).startswith(prompt_param) else f"{prompt_param}: {exc}"
+        raise ApiError(400, message, param=prompt_param, code="invalid_value") from exc
+    except EngineStopped as exc:
+        raise ApiError(503, str(exc), code="engine_unavailable") from exc
+
+
+def check_output(output: RequestOutput | BaseException) -> RequestOutput:
+    if isinstance(output, BaseException):
+        raise ApiError(500, f"generation failed: {output}", code="engine_error")
+    if output.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {output.error}", code="engine_error")
+    return output
+
+
+async def collect(state: ServeState, queue: asyncio.Queue, request_id: str,
+                  request: Request) -> RequestOutput:
+    """Wait for the finished output; abort the request if the client hangs up first."""
+    result = asyncio.ensure_future(_last_output(queue))
+    hangup = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({result, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not result.done():
+            result.cancel()
+            state.engine_loop.abort(request_id)
+    if not result.done() or result.cancelled():
+        raise ApiError(499, "client closed the request")
+    return check_output(result.result())
+
+
+async def _last_output(queue: asyncio.Queue) -> RequestOutput | BaseException:
+    while True:
+        output = await queue.get()
+        if isinstance(output, BaseException) or output.finished:
+            return output
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class Delta:
+    """What a stream chunk carries: new text, ids and logprobs merged over the outputs waiting,
+    plus the latest output (finish state, cumulative token count)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    output: RequestOutput
+
+
+async def deltas(state: ServeState, queue: asyncio.Queue, request_id: str) -> AsyncIterator[Delta]:
+    """The request's outputs as deltas. Outputs that queued up while the client was slow are
+    merged into one delta, so a slow reader costs fewer chunks, not more. Leaving early
+    (a closed stream cancels us) aborts the request."""
+    finished = False
+    try:
+        while not finished:
+            outputs = [await queue.get()]
+            while not queue.empty():
+                outputs.append(queue.get_nowait())
+            last = check_output(outputs[-1])
+            for output in outputs[:-1]:
+                check_output(output)
+            token_ids = [t for output in outputs for t in output.new_token_ids]
+            logprobs = None
+            if last.logprobs is not None:
+                logprobs = last.logprobs[len(last.token_ids) - len(token_ids):len(last.token_ids)]
+            finished = last.finished
+            yield Delta("".join(o.new_text for o in outputs), token_ids, logprobs, last)
+    finally:
+        if not finished:
+            state.engine_loop.abort(request_id)
+
+
+def sse_response(state: ServeState, events: AsyncIterator[dict], request_id: str) -> StreamingResponse:
+    """Server-sent events, one `data:` line per dict, ending `data: [DONE]`. The background
+    abort covers a client that leaves before the first event (a no-op once finished)."""
+    return StreamingResponse(
+        _sse(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(state.engine_loop.abort, request_id))
+
+
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except ApiError as exc:  # headers are gone already: report in-band, as OpenAI does
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(output: RequestOutput) -> str | None:
+    return output.finish_reason if output.finished else None
+
+
+def logprob_value(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+

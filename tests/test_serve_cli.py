@@ -1,0 +1,114 @@
+"""`nanoserve serve` from the command line: options parse, and a real process serves a planted
+tiny GGUF on a loopback port, then shuts down cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nanoserve.model.synthetic import tiny_config
+from nanoserve.serve.cli import add_serve_subcommand, parse_bytes, served_name
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="nanoserve")
+    add_serve_subcommand(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_bind_loopback_and_sizes_parse():
+    args = parse()
+    assert (args.model, args.host, args.port, args.compile) == ("smollm2", "127.0.0.1", 8000, False)
+    assert callable(args.func)
+    assert parse("--kv-cache-bytes", "512M").kv_cache_bytes == 512 << 20
+    assert [parse_bytes(s) for s in ("1024", "2k", "1.5GiB", "3 MB")] == [1024, 2048, 3 << 29, 3 << 20]
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_bytes("lots")
+
+
+def test_served_name_comes_from_the_model_argument():
+    assert served_name("smollm2") == "smollm2"
+    assert served_name("/models/SmolLM2-135M.Q4_1.gguf") == "SmolLM2-135M.Q4_1"
+    assert served_name("/models/llama-dir/") == "llama-dir"
+
+
+def test_a_missing_model_file_is_a_clean_exit(tmp_path):
+    with pytest.raises(SystemExit, match="model not found"):
+        args = parse("--model", str(tmp_path / "nothing.gguf"))
+        args.func(args)
+
+
+def _hf_weights(config) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"self_attn.q_proj.weight": (config.q_size, config.hidden_size),
+              "self_attn.k_proj.weight": (config.kv_size, config.hidden_size),
+              "self_attn.v_proj.weight": (config.kv_size, config.hidden_size),
+              "self_attn.o_proj.weight": (config.hidden_size, config.q_size),
+              "mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
+              "mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
+              "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
+              "input_layernorm.weight": (config.hidden_size,),
+              "post_attention_layernorm.weight": (config.hidden_size,)}
+    weights = {"model.embed_tokens.weight": torch.randn(config.vocab_size, config.hidden_size, generator=gen),
+               "model.norm.weight": torch.ones(config.hidden_size)}
+    for i in range(config.num_layers):
+        for name, shape in shapes.items():
+            weights[f"model.layers.{i}.{name}"] = torch.randn(*shape, generator=gen) * 0.1
+    return weights
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: ~5-10 s on 2 cores
+def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path, gguf_writer):
+    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
+    path = gguf_writer(tmp_path / "tiny.gguf", config, _hf_weights(config))
+    port = _free_port()
+    script = ("import argparse, sys; from nanoserve.serve.cli import add_serve_subcommand; "
+              "p = argparse.ArgumentParser(); add_serve_subcommand(p.add_subparsers()); "
+              "a = p.parse_args(sys.argv[1:]); a.func(a)")
+    argv = [sys.executable, "-c", script, "serve", "--model", str(path), "--port", str(port),
+            "--api-key", "k", "--max-model-len", "64", "--kv-cache-bytes", "1M", "--max-batch-size", "4",
+            "--log-level", "warning"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.communicate()[0]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        headers = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            output = process.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, output
