@@ -56,17 +56,18 @@ def rebuild_mapping(
 
 @dataclass(frozen=True, eq=False)
 class Rows:
-    """A batch's row ids in every form the table indexes with, built once per batch.
+    """A batch's row ids, validated once, in every form one SlotTable indexes with.
 
-    `span` is a basic slice for a prefix (so host-side updates touch a view) and the
-    index array otherwise.
+    For a prefix, `lengths` is a view of the owner's host lengths, so a step updates them
+    in place; for scattered rows it is None and `index` picks them out.
     """
 
     ids: tuple[int, ...]
     index: np.ndarray
-    span: slice | np.ndarray
     device_index: torch.Tensor
     is_prefix: bool
+    lengths: np.ndarray | None
+    owner: object
 
     @property
     def n(self) -> int:
@@ -128,8 +129,10 @@ class SlotTable:
     def rows(self, rows: RowsLike) -> Rows:
         """Normalise a row set (validated once, then remembered)."""
         if isinstance(rows, Rows):
-            return rows
-        if isinstance(rows, int):
+            if rows.owner is self:
+                return rows
+            rows = rows.ids
+        elif isinstance(rows, int):
             rows = range(rows)
         elif isinstance(rows, (torch.Tensor, np.ndarray)):
             rows = rows.tolist()
@@ -148,9 +151,10 @@ class SlotTable:
         built = Rows(
             ids=ids,
             index=index,
-            span=slice(0, len(ids)) if is_prefix else index,
             device_index=torch.tensor(ids, dtype=torch.int64, device=self.device),
             is_prefix=is_prefix,
+            lengths=self._host_lens[: len(ids)] if is_prefix else None,
+            owner=self,
         )
         if len(self._rows_memo) >= self._MEMO_LIMIT:
             self._rows_memo.clear()
@@ -179,7 +183,7 @@ class SlotTable:
         rows = self.rows(rows)
         if slots.shape != (rows.n,):
             raise ValueError(f"append needs [{rows.n}] slots, got {tuple(slots.shape)}")
-        cols = self._host_lens[rows.span]
+        cols = rows.lengths if rows.is_prefix else self._host_lens[rows.index]
         if self._on_host:
             try:
                 self._host_slots[rows.index, cols] = slots.numpy()
@@ -190,7 +194,11 @@ class SlotTable:
                 raise self._full_error(rows)
             self.slots.index_put_((rows.device_index, self.lens.index_select(0, rows.device_index)), slots)
             self.lens.index_add_(0, rows.device_index, self._ones[: rows.n])
-        self._host_lens[rows.span] += 1  # on the host this is the buffer's own length too
+        # The one length update (on the host it is the buffer's own length too).
+        if rows.is_prefix:
+            cols += 1  # a view: in place
+        else:
+            self._host_lens[rows.index] = cols + 1
         self.appended_cells += rows.n
 
     def resync(self, table: TableLike, row: int) -> None:

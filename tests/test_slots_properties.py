@@ -161,7 +161,11 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert rect.shape == (len(rows), width)
         assert lens.tolist() == [table.length(r) for r in rows]
         if rows == list(range(len(rows))):
-            assert rect.data_ptr() == table.slots.data_ptr() and rect.stride(0) == table.slots.stride(0)
+            # a view: the buffer's storage at the buffer's address, with the buffer's row stride
+            assert rect.untyped_storage().data_ptr() == table.slots.untyped_storage().data_ptr()
+            assert rect.storage_offset() == 0 and rect.stride(0) == table.slots.stride(0)
+            if width:
+                assert rect.data_ptr() == table.slots.data_ptr()
         else:
             assert rect.is_contiguous() and rect.untyped_storage().data_ptr() != table.slots.untyped_storage().data_ptr()
             assert rect.untyped_storage().nbytes() == len(rows) * width * 8  # exactly the rectangle

@@ -59,7 +59,8 @@ def check_slots_agree(slot_table: SlotTable, tables: Sequence[TableLike], rows: 
 def check_mapping_is_window(plan: DecodePlan, slot_table: SlotTable) -> None:
     """The plan's slot_mapping is a view of the table's buffer (a capture gate, not a correctness gate)."""
     mapping, buffer = plan.slot_mapping, slot_table.slots
-    if mapping.data_ptr() == buffer.data_ptr() and mapping.stride(0) == buffer.stride(0):
+    same_storage = mapping.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    if same_storage and mapping.storage_offset() == 0 and mapping.stride(0) == buffer.stride(0):
         return
     rows = list(plan.rows)
     raise GateError(

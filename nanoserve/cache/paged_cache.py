@@ -23,9 +23,11 @@ _NO_OWNER = -1
 _SCRATCH_OWNER = -2
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodePlan:
-    """Everything one decode step needs to address the cache.
+    """Everything one decode step needs to address the cache. A value: nothing changes it
+    after plan_decode returns (not frozen only because frozen construction costs a
+    measurable share of a decode step).
 
     slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy.
     context_lens [n]: a copy, counting the token written this step.
@@ -60,6 +62,7 @@ class _Run:
     length: int
     first_width: int  # the longest context at the run's first step; one more each step
     vectors: torch.Tensor  # [length, 3, n]
+    counts: np.ndarray | None  # a prefix's token counts: a view, advanced in place
     step: int = 0
 
 
@@ -245,8 +248,10 @@ class BatchedPagedKVCache:
         if (run is None or run.rows is not rows or run.step == run.length
                 or run.versions != (self._counts.version, self.slot_table.version)):
             run = self._run = self._start_run(rows)
+        elif run.counts is not None:
+            run.counts += 1  # every row's block table holds one more token
         else:
-            self._counts.array[rows.span] += 1  # every row's block table holds one more token
+            self._counts.array[rows.index] += 1
         k, n = run.step, rows.n
         run.step = k + 1
         # Step k's vectors are rows of the run's layout; as_strided is the cheapest view to make.
@@ -275,7 +280,7 @@ class BatchedPagedKVCache:
             raise ValueError(f"plan_decode: rows {index[positions >= self.max_model_len].tolist()} are at "
                              f"max_model_len={self.max_model_len}; finish them")
         self._grow(index[positions >= self._capacity[index]].tolist())
-        counts[rows.span] += 1
+        counts[index] += 1
         # Steps until some row crosses into a block it does not hold yet (or reaches max_model_len);
         # until then every row's write slot, position and length go up by one per step.
         length = int(np.minimum(self.block_size - positions % self.block_size, self.max_model_len - positions).min())
@@ -291,6 +296,7 @@ class BatchedPagedKVCache:
             length=length,
             first_width=int(positions.max()) + 1,
             vectors=torch.from_numpy(vectors).to(self.device),
+            counts=counts[: rows.n] if rows.is_prefix else None,
         )
 
     def _grow(self, rows: list[int]) -> None:
