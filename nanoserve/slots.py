@@ -99,7 +99,12 @@ class SlotTable:
 
     _MEMO_LIMIT = 64
 
-    def __init__(self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu",
+        numpy_writes: bool | None = None,
+    ) -> None:
+        """`numpy_writes` (default: on the CPU) writes through numpy views of the buffers;
+        False runs the device path (torch ops plus a host copy of the lengths) anywhere."""
         if max_batch_size < 1 or max_model_len < 1:
             raise ValueError(f"SlotTable needs positive sizes, got {max_batch_size} x {max_model_len}")
         self.max_batch_size = max_batch_size
@@ -110,7 +115,9 @@ class SlotTable:
         # On the host the buffers are plain memory, and a numpy view is the cheapest handle on
         # them for small indexed writes (a numpy call costs a fraction of a torch dispatch).
         # Elsewhere the host keeps its own copy of the lengths, so it never waits on the device.
-        self._on_host = self.device.type == "cpu"
+        self._on_host = self.device.type == "cpu" if numpy_writes is None else numpy_writes
+        if self._on_host and self.device.type != "cpu":
+            raise ValueError(f"numpy_writes needs a CPU table, not {self.device}")
         self._host_slots = self.slots.numpy() if self._on_host else None
         self._host_lens = self.lens.numpy() if self._on_host else np.zeros(max_batch_size, dtype=np.int64)
         self._ones = torch.ones(max_batch_size, dtype=torch.int64, device=self.device)

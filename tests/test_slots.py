@@ -45,6 +45,24 @@ def test_rebuild_mapping_of_empty_rows_is_zero_wide():
 # -- SlotTable -----------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["numpy", "torch"])
+def write_path(request) -> bool:
+    return request.param == "numpy"
+
+
+def test_both_write_paths_append_and_read_alike(write_path):
+    table = SlotTable(4, 8, numpy_writes=write_path)
+    table.resync(table_of([1], 3), 2)
+    table.append([0, 2], torch.tensor([11, 12]))
+    table.append([0, 1, 2], torch.tensor([13, 14, 15]))
+    rect, lens = table.read([0, 1, 2], 5)
+    assert rect[:, :5].tolist() == [[11, 13, 0, 0, 0], [14, 0, 0, 0, 0], [4, 5, 6, 12, 15]]
+    assert lens.tolist() == [2, 1, 5] and table.lengths([0, 1, 2]).tolist() == [2, 1, 5]
+    with pytest.raises(ValueError, match=r"rows \[2\] already hold"):
+        for _ in range(4):
+            table.append([2], torch.tensor([0]))
+
+
 def test_table_allocates_once_on_device(device):
     table = SlotTable(4, 16, device)
     assert table.slots.shape == (4, 16) and table.slots.dtype == torch.int64

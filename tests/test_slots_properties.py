@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 
 from nanoserve.cache import BatchedPagedKVCache, BlockTable, DecodePlan
 from nanoserve.cache.gates import check_plan_addressing, check_slots_agree
+from nanoserve.slots import SlotTable
 
 BLOCK_SIZE = 4
 MAX_ROWS = 5
@@ -44,12 +45,14 @@ class Held:
 
 
 class SlotTableMachine(RuleBasedStateMachine):
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, numpy_writes: bool | None = None) -> None:
         super().__init__()
         self.device = device
         self.cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=NUM_BLOCKS,
                                          block_size=BLOCK_SIZE, max_batch_size=MAX_ROWS,
                                          max_model_len=MAX_MODEL_LEN, device=device)
+        if numpy_writes is not None:  # swap in a table on the other write path, before first use
+            self.cache.slot_table = SlotTable(MAX_ROWS, MAX_MODEL_LEN, device, numpy_writes=numpy_writes)
         self.tenant = [0] * MAX_ROWS
         self.next_tenant = 1
         self.held: list[Held] = []
@@ -208,3 +211,8 @@ class SlotTableMachine(RuleBasedStateMachine):
 
 def test_slot_table_against_rebuild_mapping(device):
     run_state_machine_as_test(lambda: SlotTableMachine(device))
+
+
+def test_device_write_path_against_rebuild_mapping_on_the_host():
+    """The torch-op path a GPU table takes, exercised on the CPU where CI has no GPU."""
+    run_state_machine_as_test(lambda: SlotTableMachine("cpu", numpy_writes=False))
