@@ -20,7 +20,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                  max_num_batched_tokens: int | None = None, dtype: torch.dtype | str = torch.float32,
                  device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
                  bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
-                 width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy") -> Engine:
+                 width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
+                 compile_backend: str = "inductor") -> Engine:
     """Build an engine.
 
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
@@ -42,6 +43,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         model, tokenizer = load_model(model, dtype=dtype, device=device)
     else:
         model = model.to(device=device, dtype=dtype)
+    model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
     config = model.config
     limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
@@ -64,7 +66,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     if bucketing:
         default = Buckets.default(max_batch_size, block_size, cache.max_model_len)
         buckets = Buckets(tuple(row_buckets or default.rows), tuple(width_buckets or default.widths))
-    step = DecodeStep(model, cache, max_batch_size, buckets, compile=compile, mode=compile_mode, device=device)
+    step = DecodeStep(model, cache, max_batch_size, buckets, compile=compile, mode=compile_mode, device=device,
+                      backend=compile_backend)
     engine_config = EngineConfig(
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,

@@ -66,7 +66,7 @@ class DecodeStep:
 
     def __init__(self, model, cache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", backend: str = "inductor") -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.device = torch.device(device)
         size = max_batch_size
@@ -80,9 +80,9 @@ class DecodeStep:
         self._seen: set[tuple[int, int]] = set()
         self._forward = decode_forward
         if compile:
-            self._prepare_compile(mode)
+            self._prepare_compile(mode, backend)
 
-    def _prepare_compile(self, mode: str | None) -> None:
+    def _prepare_compile(self, mode: str | None, backend: str) -> None:
         # Static addresses: graph capture may then read and write these buffers in place.
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
                        self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
@@ -93,13 +93,17 @@ class DecodeStep:
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 4 * grid + 64)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * grid + 256)
-        self._forward = torch.compile(decode_forward, mode=mode, fullgraph=True, dynamic=False)
+        # mode only means something to inductor; other backends (tests use "eager" to check
+        # dynamo's shape discipline without paying for code generation) take none.
+        mode = mode if backend == "inductor" else None
+        self._forward = torch.compile(decode_forward, backend=backend, mode=mode, fullgraph=True, dynamic=False)
 
     def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
         if self.buckets is None:
             return num_rows, max_context
         return self.buckets.shape_for(num_rows, max_context)
 
+    @torch.inference_mode()
     def warmup(self) -> float:
         """Compile (and, on a GPU, record) every bucket of the grid; returns seconds spent."""
         start = time.perf_counter()

@@ -280,6 +280,7 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.scheduler.stats
+        d = self.runner.decode_step.stats
         table = self.cache.slot_table
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -291,6 +292,10 @@ class Engine:
             "mean_decode_rows": s.decode_rows_total / max(s.decode_steps, 1),
             "windows": table.windows, "gathers": table.gathers,
             "blocks_free": self.cache.pool.num_free, "blocks_total": self.cache.pool.num_blocks,
+            "compiled": self.config.compile, "graphs_built": d.graphs_built,
+            "recompiles_after_warmup": d.recompiles_after_warmup, "warmup_seconds": d.warmup_seconds,
+            "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
+            "decode_outside_forward_share": self.decode_timing.outside_forward_share,
         }
 
     def check_drained(self) -> None:

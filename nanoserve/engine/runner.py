@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from nanoserve.cache.gates import check_mapping_is_window
 from nanoserve.engine.attention import PackedPrefillAttention
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.request import Request
@@ -41,6 +42,10 @@ class ModelRunner:
         """Logits [len(requests), vocab]: one new token for each of rows 0..n-1."""
         num_rows = len(requests)
         plan = self.cache.plan_decode(range(num_rows))
+        if self.decode_step.compiled:
+            # The capture gate: a graph reads the table's own buffer, so the rows must be a
+            # prefix; a gather here is the scheduler's fault and is refused, not run.
+            check_mapping_is_window(plan, self.cache.slot_table)
         # After this step each row's context holds every token it has (the last sampled one's
         # K/V is written now), so the lengths are known on the host without a device read.
         lengths = [r.num_tokens for r in requests]

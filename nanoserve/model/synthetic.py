@@ -43,4 +43,4 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
             param.normal_(0.0, 1.0, generator=generator)
         else:
             param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,0 +1,110 @@
+"""compile=True: bucketed static shapes through torch.compile, equal to eager, and never a
+recompile after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.model.synthetic import random_model, tiny_config
+
+PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 5]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Compiled code lives on decode_forward's code object, shared by every engine in the
+    # process; each test counts its own graphs from a clean slate.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(tiny_config(), seed=0)
+
+
+def engine(model, **kwargs):
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=128)
+    options.update(kwargs)
+    return build_engine(model, **options)
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_compiled_decode_equals_eager_across_row_and_width_buckets(tiny):
+    # Three rows that become two (row bucket 4 -> 2) while contexts cross width 48 -> 96.
+    params = [greedy(64), greedy(64), greedy(20)]
+    compiled = engine(tiny, compile=True, row_buckets=(2, 4), width_buckets=(48, 96, 128))
+    eager = engine(tiny)
+    got = compiled.generate(PROMPTS, params, use_tqdm=False)
+    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    hits = compiled.stats()["bucket_hits"]
+    assert {(4, 48), (2, 96)} <= set(hits), hits
+    assert compiled.stats()["recompiles_after_warmup"] == 0
+
+
+@torch.inference_mode()
+def test_compiled_logits_match_eager_within_1e4(tiny):
+    compiled = engine(tiny, compile=True, row_buckets=(4,), width_buckets=(64, 128))
+    eager = engine(tiny)
+    for e in (compiled, eager):
+        e.generate(PROMPTS, greedy(1), use_tqdm=False)  # nothing left running: fresh rows
+    logits = []
+    for e in (compiled, eager):
+        for p in PROMPTS:
+            e.add_request(p, greedy(8))
+        e.step()  # prefill
+        logits.append(e.runner.decode(e.scheduler.running).clone())
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def drive_through_every_bucket(e) -> None:
+    """Rows 1..4 and contexts in every width bucket (21-34, 51-64, 101-114 tokens)."""
+    for rows in (1, 2, 3):
+        for prompt_len in (20, 50, 100):
+            e.generate([[5] * prompt_len] * rows, [greedy(14)] * rows, use_tqdm=False)
+
+
+def test_zero_recompiles_after_warmup_over_every_bucket(tiny):
+    e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1, 2, 4),
+               width_buckets=(32, 64, 128), warmup="eager")
+    assert e.stats()["warmup_seconds"] > 0
+    grid = e.runner.decode_step.buckets.grid
+    assert e.stats()["graphs_built"] <= len(grid)
+    drive_through_every_bucket(e)
+    stats = e.stats()
+    assert set(stats["bucket_hits"]) == set(grid)
+    assert stats["recompiles_after_warmup"] == 0
+    assert stats["graphs_built"] <= len(grid)
+    assert stats["gathers"] == 0
+
+
+def test_without_bucketing_shapes_grow_and_graphs_outnumber_the_grid(tiny):
+    e = engine(tiny, compile=True, compile_backend="eager", bucketing=False)
+    e.generate([[5] * 20], [greedy(14)], use_tqdm=False)
+    # One request, 13 decode steps, 13 widths: a graph per step where buckets would give 1.
+    assert e.stats()["graphs_built"] == 13
+
+
+def test_a_stray_shape_after_warmup_is_an_error_not_a_rebuild(tiny):
+    e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(2,), width_buckets=(32,),
+               warmup="eager")
+    step = e.runner.decode_step
+    step.input_ids = step.input_ids.to(torch.int32)  # a buffer that no longer matches the guards
+    with pytest.raises(RuntimeError, match="fail_on_recompile"):
+        step._call(2, 32)
+
+
+def test_padded_rows_write_only_the_scratch_slot(tiny):
+    e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(4,), width_buckets=(128,))
+    e.generate([[1, 2, 3]], greedy(5), use_tqdm=False)
+    step = e.runner.decode_step
+    assert step.write_slots[1:4].tolist() == [e.cache.scratch_slot] * 3
+    assert step.context_lens[1:4].tolist() == [0, 0, 0]
+    assert step.stats.waste.padded_cells > 0
