@@ -188,6 +188,7 @@ def write_plot(results: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     steps = [r["steps"] for r in results]
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -204,6 +205,10 @@ def write_plot(results: list[dict], path: Path) -> None:
     right.plot(steps, [r["cells_written"] for r in results], "s-", label="written (slot table)")
     right.set(xscale="log", yscale="log", xlabel="decode steps", ylabel="int64 cells", title="addressing cells")
     right.legend()
+    for ax in (left, mid, right):
+        ax.set_xticks(steps)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle("slotbench: persistent SlotTable vs per-step rebuild_mapping (host, 4 rows, 16-token prompt)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -63,15 +63,12 @@ class Rows:
     """
 
     ids: tuple[int, ...]
+    n: int
     index: np.ndarray
     device_index: torch.Tensor
     is_prefix: bool
     lengths: np.ndarray | None
     owner: object
-
-    @property
-    def n(self) -> int:
-        return len(self.ids)
 
 
 RowsLike = Rows | int | Sequence[int] | torch.Tensor | np.ndarray
@@ -157,6 +154,7 @@ class SlotTable:
         index = np.asarray(ids, dtype=np.int64)
         built = Rows(
             ids=ids,
+            n=len(ids),
             index=index,
             device_index=torch.tensor(ids, dtype=torch.int64, device=self.device),
             is_prefix=is_prefix,
@@ -192,7 +190,7 @@ class SlotTable:
             raise ValueError(f"append needs [{rows.n}] slots, got {tuple(slots.shape)}")
         cols = rows.lengths if rows.is_prefix else self._host_lens[rows.index]
         if self._on_host:
-            try:
+            try:  # a column past the edge raises here, before any length moves
                 self._host_slots[rows.index, cols] = slots.numpy()
             except IndexError:
                 raise self._full_error(rows) from None
