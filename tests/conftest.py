@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -63,19 +64,42 @@ def smollm2(smollm2_path):
     return load_model(str(smollm2_path), dtype=torch.float32)
 
 
+@contextlib.contextmanager
+def _quick_gguf_parsing():
+    """Speed up transformers' GGUF loading without changing what it computes.
+
+    It parses the file twice with gguf.GGUFReader, whose np.memmap slicing costs ~15 s for this
+    vocabulary, and rebuilds gguf's tensor-name table once per tensor. We hand it our reader
+    subclass (same parser, same bytes, plain-array views) and memoise that pure name table;
+    dequantisation, permutation and the model code stay the reference's own.
+    """
+    import functools
+
+    import gguf
+
+    from nanoserve.model.gguf_loader import _PlainArrayReader
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", _PlainArrayReader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """The transformers reference on the same GGUF file (dequantised to fp32)."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    with _quick_gguf_parsing():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
     return model.eval()
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    with _quick_gguf_parsing():
+        return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
 
 
 def _byte_alphabet() -> list[str]:
