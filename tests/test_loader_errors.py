@@ -92,6 +92,21 @@ def test_unsupported_quantisation_type_names_tensor_and_type(tmp_path, gguf_writ
         load_model(str(path))
 
 
+def test_weights_that_contradict_the_metadata(tmp_path, gguf_writer):
+    other = tiny_config(vocab_size=260, intermediate_size=96)
+    path = gguf_writer(tmp_path / "mismatch.gguf", CONFIG, hf_weights(other))
+    with pytest.raises(ModelLoadError, match="(?s)mismatch.gguf: weights do not match the model config.*size mismatch"):
+        load_model(str(path))
+
+
+def test_gguf_missing_a_tensor(tmp_path, gguf_writer):
+    weights = hf_weights(CONFIG)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    path = gguf_writer(tmp_path / "holes.gguf", CONFIG, weights)
+    with pytest.raises(ModelLoadError, match="holes.gguf: .*model.layers.1.mlp.up_proj.weight"):
+        load_model(str(path))
+
+
 def test_gguf_missing_metadata_key(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
     writer.add_block_count(2)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
 from nanoserve.model.llama import LlamaModel
@@ -82,4 +83,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         config = ckpt.config()
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path))
         weights = ckpt.state_dict(config, dtype)
-    return build_model(config, weights, dtype, device), tokenizer
+    try:
+        return build_model(config, weights, dtype, device), tokenizer
+    except (KeyError, RuntimeError) as e:  # missing tensors, or shapes that contradict the config
+        raise ModelLoadError(path, f"weights do not match the model config: {e}") from e
