@@ -1,12 +1,14 @@
 """The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table.
 
-A decode step is `plan_decode(rows)`: it appends each row's write slot to the
-`SlotTable` and reads the step's `slot_mapping` and `context_lens` out of it.
-Write slots come from a device mirror of each row's block ids
-(`block_ids[row, pos // block_size] * block_size + pos % block_size`), computed
-for the whole batch at once; while no row crosses into a new block, a step just
-adds one to the previous step's write slots. Only the rare "this row needs a new
-block" event touches Python per row.
+A decode step is `plan_decode(rows)`: it appends each row's write slot to the `SlotTable`
+and reads the step's `slot_mapping` window out of it. The host keeps every row's block ids
+(`block_ids`, like vLLM's block tables) and token counts. Within a *block run* (steps over
+the same rows, nothing changed in between, no row crossing into a block it does not hold)
+every row's write slot, position and length go up by one per step, so a run's vectors are
+laid out once, for all of its steps, in a few array operations. A step inside a run is one
+count update, the table's append (one indexed write, one length update) and a view: no
+Python loop over rows and no tensor built from a list. Only a row that needs a new block
+costs Python of its own.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class DecodePlan:
     after plan_decode returns (not frozen only because frozen construction costs a
     measurable share of a decode step).
 
-    slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy.
-    context_lens [n]: a copy, counting the token written this step.
+    slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy;
+        width is the longest context.
+    context_lens [n]: the rows' lengths counting the token written this step. Not a view of
+        the table: a held plan's lengths never move (the staleness gates rely on it).
     write_slots [n], positions [n]: where this step's K/V goes, and its position.
     """
 
