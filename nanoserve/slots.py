@@ -179,9 +179,10 @@ class SlotTable:
 
     # -- writes ------------------------------------------------------------------------
 
-    def append(self, rows: RowsLike, slots: torch.Tensor) -> None:
+    def append(self, rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
         """Write `slots[i]` at row `rows[i]`'s next column, then advance those lengths by one.
 
+        `slots` is an int64 tensor, or a numpy array (what a host table writes with anyway).
         One indexed write and one length update for all rows. Raises ValueError when a
         row is already `max_model_len` long.
         """
@@ -190,11 +191,14 @@ class SlotTable:
             raise ValueError(f"append needs [{rows.n}] slots, got {tuple(slots.shape)}")
         cols = rows.lengths if rows.is_prefix else self._host_lens[rows.index]
         if self._on_host:
+            values = slots if isinstance(slots, np.ndarray) else slots.numpy()
             try:  # a column past the edge raises here, before any length moves
-                self._host_slots[rows.index, cols] = slots.numpy()
+                self._host_slots[rows.index, cols] = values
             except IndexError:
                 raise self._full_error(rows) from None
         else:
+            if isinstance(slots, np.ndarray):
+                slots = torch.from_numpy(slots).to(self.device)
             if int(cols.max()) >= self.max_model_len:
                 raise self._full_error(rows)
             self.slots.index_put_((rows.device_index, self.lens.index_select(0, rows.device_index)), slots)

@@ -147,7 +147,7 @@ class BlockTable:
         return max(0, -(-total // self.block_size) - len(self._blocks))
 
     def add_blocks(self, blocks: Sequence[int]) -> None:
-        self._blocks.extend(int(b) for b in blocks)
+        self._blocks.extend(map(int, blocks))
         self._counts.version += 1
 
     def advance(self, num_tokens: int = 1) -> None:
