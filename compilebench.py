@@ -9,13 +9,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from compile import slotbench
+from compile import decode_bench, slotbench
 
 # name -> main(argv) -> exit status
 SUITES: dict[str, Callable[[Sequence[str]], int]] = {
+    "decode": decode_bench.main,
     "slots": slotbench.main,
 }
-DEFAULT_SUITE = "slots"  # becomes "decode" once that suite is registered
+DEFAULT_SUITE = "decode"
 
 
 def usage() -> str:

@@ -66,7 +66,8 @@ class DecodeStep:
 
     def __init__(self, model, cache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
-                 device: torch.device | str = "cpu", backend: str = "inductor") -> None:
+                 device: torch.device | str = "cpu", backend: str = "inductor",
+                 options: dict | None = None) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.device = torch.device(device)
         size = max_batch_size
@@ -80,9 +81,9 @@ class DecodeStep:
         self._seen: set[tuple[int, int]] = set()
         self._forward = decode_forward
         if compile:
-            self._prepare_compile(mode, backend)
+            self._prepare_compile(mode, backend, options)
 
-    def _prepare_compile(self, mode: str | None, backend: str) -> None:
+    def _prepare_compile(self, mode: str | None, backend: str, options: dict | None) -> None:
         # Static addresses: graph capture may then read and write these buffers in place.
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
                        self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
@@ -95,8 +96,10 @@ class DecodeStep:
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * grid + 256)
         # mode only means something to inductor; other backends (tests use "eager" to check
         # dynamo's shape discipline without paying for code generation) take none.
-        mode = mode if backend == "inductor" else None
-        self._forward = torch.compile(decode_forward, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+        # torch.compile takes a mode or explicit inductor options (e.g. cpp_wrapper), not both.
+        mode = mode if backend == "inductor" and not options else None
+        self._forward = torch.compile(decode_forward, backend=backend, mode=mode, options=options,
+                                      fullgraph=True, dynamic=False)
 
     def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
         if self.buckets is None:
@@ -135,6 +138,7 @@ class DecodeStep:
         logits = self._call(rows, width)
         return logits[:num_rows]
 
+    @torch.inference_mode()  # the same dispatch keys on every call, or the guards would differ
     def _call(self, rows: int, width: int) -> torch.Tensor:
         args = (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
                 self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width)

@@ -1,0 +1,168 @@
+"""decode: eager vs compiled decode steps over bucketed [rows, width] shapes
+(`python compilebench.py`, the project's main job).
+
+For each bucket, every row holds ``width - 1`` tokens and the step writes its ``width``-th,
+so the forward reads full windows. Each arm owns a ``DecodeStep`` over the same cache and
+weights; its first calls are the warm-up (compile, and on a GPU graph recording), timed
+apart, then the median of ``--steps`` calls is the step latency. Ratios compare arms
+measured in this run on this machine. The matrix-product floor (compile/floor.py) is what
+the step's weights alone cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from compile.floor import matmul_floor_seconds
+from compile.report import RESULTS, format_table, median_seconds, write_csv
+from nanoserve.cache.paged_cache import BatchedPagedKVCache
+from nanoserve.engine.bucketing import Buckets
+from nanoserve.engine.decode import DecodeStep
+
+# arm -> (compiled, mode, inductor options)
+ARMS: dict[str, tuple[bool, str | None, dict | None]] = {
+    "eager": (False, None, None),
+    "compile": (True, None, None),
+    "reduce-overhead": (True, "reduce-overhead", None),
+    "cpp-wrapper": (True, None, {"cpp_wrapper": True}),
+}
+COLUMNS = ["arm", "rows", "width", "step_ms", "tokens_per_s", "vs_eager", "floor_ms", "x_floor",
+           "warmup_s", "graphs", "recompiles", "cudagraph_skips"]
+
+
+def load(model: str, dtype: torch.dtype, device: str):
+    if model == "random":  # the default model's exact shape, random weights (speed only)
+        from nanoserve.model.synthetic import random_model, smollm2_135m_config
+        return random_model(smollm2_135m_config(), seed=0, dtype=dtype, device=device)
+    from nanoserve.model.loader import load_model
+    return load_model(model, dtype=dtype, device=device)[0]
+
+
+def fill_rows(cache: BatchedPagedKVCache, rows: int, width: int) -> tuple:
+    """Rows 0..rows-1 each holding width - 1 tokens of random K/V; returns the step's plan
+    fields (write_slots, positions, context_lens)."""
+    for row in cache.live_rows:
+        cache.free(row)
+    for row in range(rows):
+        cache.allocate_prompt(row, width - 1)
+    for k, v in zip(cache.k_caches, cache.v_caches):
+        k.normal_()
+        v.normal_()
+    plan = cache.plan_decode(range(rows))
+    return plan.write_slots, plan.positions, plan.context_lens
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = load(args.model, dtype, args.device)
+    config = model.config
+    buckets = Buckets(tuple(args.rows), tuple(args.widths))
+    cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
+                                num_blocks=max(args.rows) * (max(args.widths) // 16 + 1) + 1, block_size=16,
+                                max_batch_size=max(args.rows), max_model_len=max(args.widths),
+                                dtype=dtype, device=device)
+    steps = {arm: DecodeStep(model, cache, max(args.rows), buckets, compile=ARMS[arm][0], mode=ARMS[arm][1],
+                             options=ARMS[arm][2], device=device) for arm in args.arms}
+    results = []
+    for rows in args.rows:
+        floor = matmul_floor_seconds(model, rows)
+        for width in args.widths:
+            plan = fill_rows(cache, rows, width)
+            eager_ms = None
+            for arm, step in steps.items():
+                step.run(rows, width, rows * width, *plan)  # load this bucket's addressing
+                skips = _cudagraph_skips()
+                started = time.perf_counter()
+                for _ in range(3):  # compile; on a GPU also warm-up run, record, first replay
+                    step._call(rows, width)
+                warmup = time.perf_counter() - started
+                seconds = median_seconds(lambda s=step, r=rows, w=width: s._call(r, w), args.steps, device)
+                step_ms = seconds * 1e3
+                eager_ms = step_ms if arm == "eager" else eager_ms
+                results.append(dict(
+                    arm=arm, rows=rows, width=width, step_ms=step_ms, tokens_per_s=rows / seconds,
+                    vs_eager=(eager_ms / step_ms) if eager_ms else float("nan"), floor_ms=floor * 1e3,
+                    x_floor=seconds / floor, warmup_s=warmup, graphs=step.stats.graphs_built,
+                    recompiles=step.stats.recompiles_after_warmup,
+                    cudagraph_skips=_cudagraph_skips() - skips, device=str(device),
+                    dtype=args.dtype, model=args.model))
+                print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
+    return results
+
+
+def _cudagraph_skips() -> int:
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def write_plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({r["width"] for r in results})
+    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 4), squeeze=False)
+    for ax, width in zip(axes[0], widths):
+        for arm in dict.fromkeys(r["arm"] for r in results):
+            points = [(r["rows"], r["step_ms"]) for r in results if r["arm"] == arm and r["width"] == width]
+            ax.plot(*zip(*points), marker="o", label=arm)
+        floor = sorted({(r["rows"], r["floor_ms"]) for r in results if r["width"] == width})
+        ax.plot(*zip(*floor), linestyle="--", color="grey", label="matmul floor")
+        ax.set(xscale="log", yscale="log", xlabel="rows", ylabel="decode step (ms, median)",
+               title=f"width {width} ({results[0]['device']}, {results[0]['dtype']})")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py [decode]", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help='"smollm2", a .gguf/HF path, or "random" (its shape)')
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--rows", type=_ints, default=[1, 8, 32, 64])
+    parser.add_argument("--widths", type=_ints, default=[128, 512])
+    parser.add_argument("--steps", type=int, default=20, help="timed calls per arm and bucket")
+    parser.add_argument("--arms", type=lambda t: t.split(","), default=["eager", "compile", "reduce-overhead"])
+    parser.add_argument("--quick", action="store_true", help="rows 1,8,32 at width 128, 8 steps (~3 min on CPU)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tag", default="", help="suffix for the output files (e.g. cuda)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.widths, args.steps = [1, 8, 32], [128], 8
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    if "eager" in args.arms:
+        args.arms.remove("eager")
+    args.arms.insert(0, "eager")  # the baseline runs first in every bucket
+    torch.set_grad_enabled(False)
+    if not args.device.startswith("cuda"):
+        print("note: no CUDA here: reduce-overhead records no CUDA graphs on CPU, so its arm is "
+              "inductor's CPU code without graph replay (the same kernels as 'compile').")
+    print(format_table([], COLUMNS))
+    results = run(args)
+    print("\n" + format_table(results, COLUMNS))
+    stem = f"decode{('-' + args.tag) if args.tag else ''}"
+    write_csv(results, args.out / f"{stem}.csv")
+    if not args.no_plot:
+        write_plot(results, args.out / f"{stem}.png")
+    print(f"wrote {args.out / (stem + '.csv')}" + ("" if args.no_plot else f" and {stem}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

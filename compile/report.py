@@ -1,0 +1,52 @@
+"""What every suite does with its results: a printed table, a CSV, and medians."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """A plain aligned table of ``columns`` (floats to 3 significant decimals)."""
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+        return str(value)
+    body = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in body)) if body else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in body]
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, synchronising a GPU around each."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
