@@ -9,11 +9,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from compile import decode_bench, slotbench
+from compile import decode_bench, e2e, slotbench
 
 # name -> main(argv) -> exit status
 SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "decode": decode_bench.main,
+    "e2e": e2e.main,
     "slots": slotbench.main,
 }
 DEFAULT_SUITE = "decode"
