@@ -49,4 +49,10 @@ def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
 def test_parser_has_generate_subcommand_with_documented_options():
     args = build_parser().parse_args(["generate", "--chat", "--max-tokens", "3", "--top-k", "5", "p"])
     assert (args.command, args.chat, args.max_tokens, args.top_k, args.prompt) == ("generate", True, 3, 5, "p")
-    assert args.model == "smollm2" and args.dtype == "float32"
+    assert args.model == "smollm2" and args.dtype is None  # float32 on cpu, bfloat16 on cuda
+    assert (args.max_batch_size, args.compile) == (32, False)
+
+
+def test_parser_has_serve_subcommand_with_engine_options():
+    args = build_parser().parse_args(["serve", "--port", "9000", "--compile", "--kv-cache-bytes", "64M"])
+    assert (args.command, args.port, args.compile, args.kv_cache_bytes) == ("serve", 9000, True, 64 << 20)

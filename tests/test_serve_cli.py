@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
+from nanoserve.engine.options import parse_bytes
 from nanoserve.model.synthetic import tiny_config
-from nanoserve.serve.cli import add_serve_subcommand, parse_bytes, served_name
+from nanoserve.serve.cli import add_serve_subcommand, served_name
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

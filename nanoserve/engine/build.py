@@ -17,7 +17,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
                  max_batch_size: int = 32, kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_num_batched_tokens: int | None = None, dtype: torch.dtype | str = torch.float32,
+                 max_num_batched_tokens: int | None = None, dtype: torch.dtype | str | None = None,
                  device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
                  bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
                  width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
@@ -34,7 +34,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     shapes (``bucketing`` defaults to on with compile, off without); ``warmup="eager"``
     compiles every bucket here, ``"lazy"`` on first use.
     """
-    dtype = _as_dtype(dtype)
+    # fp32 on the CPU (its bf16 matmuls are not the default anywhere), bf16 on a GPU.
+    dtype = _as_dtype(dtype) if dtype is not None else (
+        torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     if warmup not in ("eager", "lazy"):
         raise ValueError(f"warmup must be 'eager' or 'lazy', got {warmup!r}")
     if max_batch_size < 1:
@@ -46,7 +48,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
     config = model.config
     limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    # Unset, the budget is what every row at full length needs (plus the scratch block), at
+    # most DEFAULT_KV_CACHE_BYTES: a tiny model does not get a gigabyte of zeros.
+    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * dtype.itemsize
+    full = (max_batch_size * -(-limit // block_size) + 1) * per_block
+    budget = kv_cache_bytes or min(DEFAULT_KV_CACHE_BYTES, full)
     try:
         plan = plan_pool(budget, config.num_layers, config.num_kv_heads, config.head_dim, dtype, block_size,
                          max_batch_size, limit)

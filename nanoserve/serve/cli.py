@@ -9,20 +9,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from pathlib import Path
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+from nanoserve.engine.options import add_engine_args, engine_kwargs
+
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '1.5GiB' -> bytes (powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 536870912, 512M, 2G)")
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
 
 
 def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -40,17 +31,7 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes "
                              "(default: $NANOSERVE_API_KEY)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-batch-size", type=int, default=32)
-    engine.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="KV budget, e.g. 512M, 2G")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    engine.add_argument("--warmup", default="lazy", choices=["lazy", "eager"],
-                        help="with --compile: build every bucket's graph before serving (eager) or on "
-                             "first use (lazy, the default: quick start, slow first requests)")
+    add_engine_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=run_serve)
     return parser
@@ -79,10 +60,7 @@ def run_serve(args: argparse.Namespace) -> None:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
     try:
-        engine = build_engine(
-            args.model, max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
-            kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
-            device=args.device, compile=args.compile, warmup=args.warmup)
+        engine = build_engine(args.model, **engine_kwargs(args))
     except (FileNotFoundError, ValueError) as exc:  # a missing or bad model file, a pool too small
         raise SystemExit(f"nanoserve serve: {exc}") from exc
     name = args.served_model_name or served_name(args.model)

@@ -1,0 +1,39 @@
+"""Engine options on a command line, shared by `nanoserve generate` and `nanoserve serve`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '1.5GiB' -> bytes (powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 536870912, 512M, 2G)")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** "_kmgt".index(unit.lower() or "_"))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + reply (tokens)")
+    group.add_argument("--max-batch-size", type=int, default=32, help="rows: requests per decode step")
+    group.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, help="K/V budget, e.g. 512M, 2G")
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                       help="default: float32 on cpu, bfloat16 on cuda")
+    group.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the decode step (reduce-overhead, bucketed static shapes)")
+    group.add_argument("--warmup", default="lazy", choices=["lazy", "eager"],
+                       help="with --compile: build every bucket's graph up front (eager) or on first use")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """build_engine's keyword arguments from add_engine_args' options."""
+    return dict(max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
+                kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
+                device=args.device, compile=args.compile, warmup=args.warmup)

@@ -1,0 +1,87 @@
+"""The GPU path: reduce-overhead decode records CUDA graphs once per bucket and replays them,
+reading the slot table where it lives. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.model.synthetic import random_model, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 5]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def cuda_engine(model, **kwargs):
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 22, block_size=16, max_model_len=128,
+                   device="cuda", dtype=torch.float32)
+    options.update(kwargs)
+    return build_engine(model, **options)
+
+
+@pytest.fixture
+def graph_calls(monkeypatch):
+    """Counts CUDA graph captures and replays, whoever makes them."""
+    calls = {"captures": 0, "replays": 0}
+    begin, replay = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.replay
+
+    def counting_begin(self, *args, **kwargs):
+        calls["captures"] += 1
+        return begin(self, *args, **kwargs)
+
+    def counting_replay(self, *args, **kwargs):
+        calls["replays"] += 1
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting_begin)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counting_replay)
+    return calls
+
+
+def test_reduce_overhead_records_once_per_bucket_and_replays_every_step(graph_calls):
+    model = random_model(tiny_config(), seed=0)
+    compiled = cuda_engine(model, compile=True, row_buckets=(1, 2, 4), width_buckets=(32, 64, 128),
+                           warmup="eager")
+    grid = compiled.runner.decode_step.buckets.grid
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    captured_at_warmup = graph_calls["captures"]
+    assert 0 < captured_at_warmup <= len(grid)
+    replays_before = graph_calls["replays"]
+    got = compiled.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = compiled.stats()
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips == 0
+    assert graph_calls["captures"] == captured_at_warmup, "a graph was recorded after warm-up"
+    assert graph_calls["replays"] - replays_before >= stats["decode_steps"]
+    assert stats["recompiles_after_warmup"] == 0
+    want = cuda_engine(model).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_window_is_the_table_buffer_for_every_bucket():
+    model = random_model(tiny_config(), seed=0)
+    engine = cuda_engine(model, compile=True, compile_backend="eager", row_buckets=(1, 2, 4),
+                         width_buckets=(32, 64, 128))
+    buffer = engine.cache.slot_table.slots
+    for rows, width in engine.runner.decode_step.buckets.grid:
+        window = buffer[:rows, :width]
+        assert window.data_ptr() == buffer.data_ptr() and window.stride(0) == buffer.stride(0)
+    engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert engine.stats()["gathers"] == 0 and engine.stats()["windows"] > 0
+
+
+def test_bf16_is_the_cuda_default_and_decodes():
+    model = random_model(tiny_config(), seed=0)
+    engine = cuda_engine(model, dtype=None)
+    assert engine.cache.k_caches[0].dtype == torch.bfloat16
+    out = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == 40 for o in out)
