@@ -68,6 +68,7 @@ class Rows:
     device_index: torch.Tensor
     is_prefix: bool
     lengths: np.ndarray | None
+    ones: np.ndarray  # [n] ones: adding an array of the same shape is the cheapest numpy increment
     owner: object
 
 
@@ -159,6 +160,7 @@ class SlotTable:
             device_index=torch.tensor(ids, dtype=torch.int64, device=self.device),
             is_prefix=is_prefix,
             lengths=self._host_lens[: len(ids)] if is_prefix else None,
+            ones=np.ones(len(ids), dtype=np.int64),
             owner=self,
         )
         if len(self._rows_memo) >= self._MEMO_LIMIT:
@@ -205,7 +207,7 @@ class SlotTable:
             self.lens.index_add_(0, rows.device_index, self._ones[: rows.n])
         # The one length update (on the host it is the buffer's own length too).
         if rows.is_prefix:
-            cols += 1  # a view: in place
+            cols += rows.ones  # a view: in place
         else:
             self._host_lens[rows.index] = cols + 1
         self.appended_cells += rows.n

@@ -253,7 +253,7 @@ class BatchedPagedKVCache:
                 or run.versions != (self._counts.version, self.slot_table.version)):
             run = self._run = self._start_run(rows)
         elif run.counts is not None:
-            run.counts += 1  # every row's block table holds one more token
+            run.counts += rows.ones  # every row's block table holds one more token
         else:
             self._counts.array[rows.index] += 1
         k = run.step
