@@ -66,7 +66,7 @@ class _Run:
     first_width: int  # the longest context at the run's first step; one more each step
     vectors: tuple[torch.Tensor, ...]  # write_slots, positions, context_lens of step 0, then step 1, ...
     counts: np.ndarray | None  # a prefix's token counts: a view, advanced in place
-    host_writes: list[np.ndarray] | None  # each step's write slots as numpy, for a host table
+    host_layout: np.ndarray | None  # the same layout as numpy, for a host table's append
     step: int = 0
 
 
@@ -259,7 +259,7 @@ class BatchedPagedKVCache:
         k = run.step
         run.step = k + 1
         write_slots, positions, context_lens = run.vectors[3 * k: 3 * k + 3]
-        self.slot_table.append(rows, run.host_writes[k] if run.host_writes else write_slots)
+        self.slot_table.append(rows, write_slots if run.host_layout is None else run.host_layout[3 * k])
         return DecodePlan(
             rows=rows.ids,
             slot_mapping=self.slot_table.rect(rows, run.first_width + k),
@@ -297,7 +297,7 @@ class BatchedPagedKVCache:
             # One view per step and field, all made by one call: cheaper than slicing every step.
             vectors=torch.from_numpy(layout).to(self.device).unbind(0),
             counts=counts[: rows.n] if rows.is_prefix else None,
-            host_writes=list(layout[::3]) if self.device.type == "cpu" else None,
+            host_layout=layout if self.device.type == "cpu" else None,
         )
 
     def _grow(self, rows: list[int]) -> None:
