@@ -312,6 +312,9 @@ def test_adopt_row_refuses_blocks_another_row_holds_or_the_pool_has_free():
         cache.adopt_row(1, table_of([30], 1))
     with pytest.raises(ValueError, match="it is held by the scratch block"):
         cache.adopt_row(1, table_of([0], 1))
+    twice = cache.pool.allocate(1) * 2
+    with pytest.raises(ValueError, match="lists a block twice"):
+        cache.adopt_row(1, table_of(twice, 5))
 
 
 def test_move_row_compacts_and_frees_the_source(device):

@@ -156,6 +156,8 @@ class BatchedPagedKVCache:
         if table.num_tokens > self.max_model_len or table.num_blocks > self.max_blocks_per_row:
             raise ValueError(f"row {row}: adopted table holds {table.num_tokens} tokens in {table.num_blocks} "
                              f"blocks; max_model_len is {self.max_model_len}")
+        if len(set(table.blocks)) != table.num_blocks:
+            raise ValueError(f"row {row}: adopted table lists a block twice: {table.blocks}")
         for block in table.blocks:
             if not self.pool.is_used(block) or self._owner[block] != _NO_OWNER:
                 owner = "free in the pool" if not self.pool.is_used(block) else f"held by {self._owner_name(block)}"
