@@ -205,7 +205,7 @@ def write_plot(results: list[dict], path: Path) -> None:
     left.legend()
     mid.plot(steps, [r["window_us_per_step"] for r in results], "s-", label="window")
     mid.plot(steps, [r["gather_us_per_step"] for r in results], "^-", label="gather")
-    mid.set(xscale="log", xlabel="decode steps", ylabel="us per step", title="table arms: cost per step", ylim=(0, None))
+    mid.set(xscale="log", xlabel="decode steps", ylabel="us per step", title="table arms: cost per step (prompt set-up included)", ylim=(0, None))
     mid.legend()
     right.plot(steps, [r["cells_rebuilt"] for r in results], "o-", label="rebuilt (rebuild arm)")
     right.plot(steps, [r["cells_written"] for r in results], "s-", label="written (slot table)")
