@@ -11,8 +11,10 @@ and every arm produces the same DecodePlan fields each step:
            keep its rows a prefix gets).
 
 Each timed region includes the prompt (the rebuild arm allocates it; the table arms also
-resync it). Arms run interleaved, `repeats` times; the table quotes medians. Cells are
-exact counts: cells the rebuild built vs cells the table wrote (resynced + appended).
+resync it). Arms run interleaved, `repeats` times; the table quotes medians, and next to
+them the ratio of best runs (each arm's cost with nothing else interfering; on a shared
+machine the table arm, all small numpy/torch calls, is the one that interference hurts).
+Cells are exact counts: cells the rebuild built vs cells the table wrote (resynced + appended).
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ def measure(work: Workload, repeats: int) -> dict[str, float | int]:
         "speedup": medians["rebuild"] / medians["window"],
         "speedup_min": min(ratios),
         "speedup_max": max(ratios),
+        # Best runs against best runs: what each arm costs when nothing else on the machine interferes.
+        "speedup_best": min(times["rebuild"]) / min(times["window"]),
         "window_us_per_step": medians["window"] * 1e6 / work.steps,
         "gather_us_per_step": medians["gather"] * 1e6 / work.steps,
         "cells_rebuilt": cells["rebuild"],
@@ -156,13 +160,12 @@ def measure(work: Workload, repeats: int) -> dict[str, float | int]:
 
 
 def format_table(results: list[dict]) -> str:
-    lines = [f"{'steps':>6} {'rebuild':>11} {'window':>10} {'gather':>10} {'speedup':>8} {'(per repeat)':>14} "
+    lines = [f"{'steps':>6} {'rebuild':>11} {'window':>10} {'gather':>10} {'speedup':>8} {'best/best':>10} "
              f"{'window/step':>12} {'cells rebuilt -> written':>26}"]
     for r in results:
-        spread = f"{r['speedup_min']:.1f}-{r['speedup_max']:.1f}x"
         lines.append(
             f"{r['steps']:>6} {r['rebuild_ms']:>9.3f}ms {r['window_ms']:>8.3f}ms {r['gather_ms']:>8.3f}ms "
-            f"{r['speedup']:>7.2f}x {spread:>14} {r['window_us_per_step']:>10.2f}us "
+            f"{r['speedup']:>7.2f}x {r['speedup_best']:>9.2f}x {r['window_us_per_step']:>10.2f}us "
             f"{r['cells_rebuilt']:>13,} -> {r['cells_written']:>6,}"
         )
     return "\n".join(lines)
@@ -173,8 +176,11 @@ def verdict(results: list[dict]) -> list[str]:
     by_steps = {r["steps"]: r for r in results}
     lines = []
     if 512 in by_steps:
-        speedup = by_steps[512]["speedup"]
-        lines.append(f"window vs rebuild at 512 steps: {speedup:.1f}x (bar >= 30x: {'met' if speedup >= 30 else 'NOT met'})")
+        r = by_steps[512]
+        speedup = r["speedup"]
+        lines.append(f"window vs rebuild at 512 steps: {speedup:.1f}x median (bar >= 30x: "
+                     f"{'met' if speedup >= 30 else 'NOT met'}); best run vs best run {r['speedup_best']:.1f}x; "
+                     f"per repeat {r['speedup_min']:.1f}-{r['speedup_max']:.1f}x")
     if 512 in by_steps and 64 in by_steps:
         ratio = by_steps[512]["window_us_per_step"] / by_steps[64]["window_us_per_step"]
         lines.append(f"window per step, 512 vs 64 steps: {ratio:.2f}x (bar <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")

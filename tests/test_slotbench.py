@@ -46,9 +46,12 @@ def test_measure_reports_every_column():
 
 def test_verdict_reads_the_two_bars():
     rows = [{"steps": 64, "window_us_per_step": 10.0, "speedup": 3.0},
-            {"steps": 512, "window_us_per_step": 12.0, "speedup": 31.0}]
-    assert slotbench.verdict(rows) == ["window vs rebuild at 512 steps: 31.0x (bar >= 30x: met)",
-                                       "window per step, 512 vs 64 steps: 1.20x (bar <= 1.5x: met)"]
+            {"steps": 512, "window_us_per_step": 12.0, "speedup": 31.0, "speedup_best": 33.0,
+             "speedup_min": 25.0, "speedup_max": 35.0}]
+    assert slotbench.verdict(rows) == [
+        "window vs rebuild at 512 steps: 31.0x median (bar >= 30x: met); best run vs best run 33.0x; "
+        "per repeat 25.0-35.0x",
+        "window per step, 512 vs 64 steps: 1.20x (bar <= 1.5x: met)"]
 
 
 def test_compilebench_runs_the_slots_suite_and_writes_results(tmp_path, capsys):
