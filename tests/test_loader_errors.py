@@ -6,35 +6,18 @@ import json
 
 import gguf
 import pytest
-import torch
 
 from nanoserve.model.errors import ModelLoadError
+from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.loader import load_config, load_model, resolve_model_path
-from nanoserve.model.synthetic import tiny_config
+from nanoserve.model.synthetic import random_model, tiny_config
 
 Q = gguf.GGMLQuantizationType
 
 
 def hf_weights(config):
     """Random HF-named weights in `config`'s shape."""
-    gen = torch.Generator().manual_seed(0)
-    out = {"model.embed_tokens.weight": torch.randn(config.vocab_size, config.hidden_size, generator=gen),
-           "model.norm.weight": torch.ones(config.hidden_size)}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
-    shapes = {"self_attn.q_proj.weight": (config.q_size, config.hidden_size),
-              "self_attn.k_proj.weight": (config.kv_size, config.hidden_size),
-              "self_attn.v_proj.weight": (config.kv_size, config.hidden_size),
-              "self_attn.o_proj.weight": (config.hidden_size, config.q_size),
-              "mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
-              "mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
-              "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
-              "input_layernorm.weight": (config.hidden_size,),
-              "post_attention_layernorm.weight": (config.hidden_size,)}
-    for i in range(config.num_layers):
-        for name, shape in shapes.items():
-            out[f"model.layers.{i}.{name}"] = torch.randn(*shape, generator=gen) * 0.1
-    return out
+    return unfuse_hf_weights(random_model(config, seed=0))
 
 
 CONFIG = tiny_config(vocab_size=260)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.cache.attention import paged_attention_reference
+from nanoserve.cache.attention import paged_attention, paged_attention_reference
 
 
 def dense_attention(q, keys, values, scale=None):
@@ -86,3 +86,20 @@ def test_mismatched_heads_are_refused():
     with pytest.raises(ValueError, match="shapes disagree"):
         paged_attention_reference(torch.randn(1, 3, 4), torch.randn(8, 2, 4), torch.randn(8, 2, 4),
                                   torch.zeros(1, 2, dtype=torch.long), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_read_equals_the_reference_read(device, num_heads, num_kv_heads, dtype):
+    torch.manual_seed(1)
+    n, width, head_dim, slots = 5, 24, 16, 200
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, device=device, dtype=dtype)
+    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype)
+    slot_mapping = torch.randint(0, slots, (n, width), device=device)
+    context_lens = torch.tensor([24, 1, 0, 17, 9], device=device)  # row 2 is padding
+    got = paged_attention(q, k_cache, v_cache, slot_mapping, context_lens)
+    want = paged_attention_reference(q, k_cache, v_cache, slot_mapping, context_lens)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))

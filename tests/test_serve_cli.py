@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-import torch
 
 from nanoserve.engine.options import parse_bytes
-from nanoserve.model.synthetic import tiny_config
+from nanoserve.model.llama import unfuse_hf_weights
+from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.serve.cli import add_serve_subcommand, served_name
 
 httpx = pytest.importorskip("httpx")
@@ -50,25 +50,6 @@ def test_a_missing_model_file_is_a_clean_exit(tmp_path):
         args.func(args)
 
 
-def _hf_weights(config) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    shapes = {"self_attn.q_proj.weight": (config.q_size, config.hidden_size),
-              "self_attn.k_proj.weight": (config.kv_size, config.hidden_size),
-              "self_attn.v_proj.weight": (config.kv_size, config.hidden_size),
-              "self_attn.o_proj.weight": (config.hidden_size, config.q_size),
-              "mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
-              "mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
-              "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
-              "input_layernorm.weight": (config.hidden_size,),
-              "post_attention_layernorm.weight": (config.hidden_size,)}
-    weights = {"model.embed_tokens.weight": torch.randn(config.vocab_size, config.hidden_size, generator=gen),
-               "model.norm.weight": torch.ones(config.hidden_size)}
-    for i in range(config.num_layers):
-        for name, shape in shapes.items():
-            weights[f"model.layers.{i}.{name}"] = torch.randn(*shape, generator=gen) * 0.1
-    return weights
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,7 +59,7 @@ def _free_port() -> int:
 @pytest.mark.slow  # a fresh interpreter importing torch: ~5-10 s on 2 cores
 def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path, gguf_writer):
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
-    path = gguf_writer(tmp_path / "tiny.gguf", config, _hf_weights(config))
+    path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
     port = _free_port()
     script = ("import argparse, sys; from nanoserve.serve.cli import add_serve_subcommand; "
               "p = argparse.ArgumentParser(); add_serve_subcommand(p.add_subparsers()); "

@@ -1,15 +1,14 @@
-"""The two attention backends the model is called with: packed prefill and paged decode.
+"""Prefill's attention backend: several prompts packed into one flat token list.
 
-The model computes q, k, v (rotary applied) and hands them to one of these per layer; the
-backend writes this step's K/V into the paged cache and returns the attention output.
+The model computes q, k, v (rotary applied) and hands them to the backend per layer; the
+backend writes this step's K/V into the paged cache and returns the attention output. The
+decode backend is `WindowAttention` in `nanoserve/engine/decode.py`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from nanoserve.cache.attention import paged_attention_reference
 
 
 class PackedPrefillAttention:
@@ -34,20 +33,3 @@ class PackedPrefillAttention:
                 is_causal=True, enable_gqa=True)
             outputs.append(out.transpose(0, 1))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-
-
-class PagedDecodeAttention:
-    """One new token per row: write it at its slot, then read the row's context through the
-    plan's ``slot_mapping`` rectangle, masked by ``context_lens``."""
-
-    def __init__(self, cache, write_slots: torch.Tensor, slot_mapping: torch.Tensor,
-                 context_lens: torch.Tensor) -> None:
-        self.cache = cache
-        self.write_slots = write_slots
-        self.slot_mapping = slot_mapping
-        self.context_lens = context_lens
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write_kv(layer, self.write_slots, k, v)
-        return paged_attention_reference(q, self.cache.k_caches[layer], self.cache.v_caches[layer],
-                                         self.slot_mapping, self.context_lens)

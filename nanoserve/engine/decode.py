@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.cache.attention import paged_attention_reference
+from nanoserve.cache.attention import paged_attention
 from nanoserve.engine.bucketing import Buckets, PaddingWaste
 
 
@@ -32,7 +32,7 @@ class WindowAttention:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache.index_copy_(0, self.write_slots, k)
         v_cache.index_copy_(0, self.write_slots, v)
-        return paged_attention_reference(q, k_cache, v_cache, self.slot_mapping, self.context_lens)
+        return paged_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens)
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
