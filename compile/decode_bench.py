@@ -32,7 +32,7 @@ ARMS: dict[str, tuple[bool, str | None, dict | None]] = {
     "cpp-wrapper": (True, None, {"cpp_wrapper": True}),
 }
 COLUMNS = ["arm", "rows", "width", "step_ms", "tokens_per_s", "vs_eager", "floor_ms", "x_floor",
-           "warmup_s", "graphs", "recompiles", "cudagraph_skips"]
+           "warmup_s", "cache_hits", "graphs", "recompiles", "cudagraph_skips"]
 
 
 def load(model: str, dtype: torch.dtype, device: str):
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             eager_ms = None
             for arm, step in steps.items():
                 step.run(rows, width, rows * width, *plan)  # load this bucket's addressing
-                skips = _cudagraph_skips()
+                skips, hits = _cudagraph_skips(), _fx_cache_hits()
                 started = time.perf_counter()
                 for _ in range(3):  # compile; on a GPU also warm-up run, record, first replay
                     step._call(rows, width)
@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 results.append(dict(
                     arm=arm, rows=rows, width=width, step_ms=step_ms, tokens_per_s=rows / seconds,
                     vs_eager=(eager_ms / step_ms) if eager_ms else float("nan"), floor_ms=floor * 1e3,
-                    x_floor=seconds / floor, warmup_s=warmup, graphs=step.stats.graphs_built,
+                    x_floor=seconds / floor, warmup_s=warmup, cache_hits=_fx_cache_hits() - hits,
+                    graphs=step.stats.graphs_built,
                     recompiles=step.stats.recompiles_after_warmup,
                     cudagraph_skips=_cudagraph_skips() - skips, device=str(device),
                     dtype=args.dtype, model=args.model))
@@ -98,6 +99,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def _cudagraph_skips() -> int:
     return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def _fx_cache_hits() -> int:
+    """Inductor's on-disk graph cache: a warm-up that hit it did not really compile (see --cold)."""
+    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
 
 
 def write_plot(results: list[dict], path: Path) -> None:
@@ -139,7 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix for the output files (e.g. cuda)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--cold", action="store_true",
+                        help="bypass inductor's on-disk cache, so warm-up time is a real compile")
     args = parser.parse_args(argv)
+    if args.cold:
+        torch._inductor.config.force_disable_caches = True
     if args.quick:
         args.rows, args.widths, args.steps = [1, 8, 32], [128], 8
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
