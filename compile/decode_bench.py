@@ -76,10 +76,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             plan = fill_rows(cache, rows, width)
             eager_ms = None
             for arm, step in steps.items():
-                step.run(rows, width, rows * width, *plan)  # load this bucket's addressing
                 skips, hits = _cudagraph_skips(), _fx_cache_hits()
                 started = time.perf_counter()
-                for _ in range(3):  # compile; on a GPU also warm-up run, record, first replay
+                # The first call loads this bucket's addressing and compiles; on a GPU the next
+                # two are cudagraph trees' warm-up run and recording. All of it is warm-up.
+                step.run(rows, width, rows * width, *plan)
+                for _ in range(2):
                     step._call(rows, width)
                 warmup = time.perf_counter() - started
                 seconds = median_seconds(lambda s=step, r=rows, w=width: s._call(r, w), args.steps, device)
