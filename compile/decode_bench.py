@@ -104,7 +104,8 @@ def _cudagraph_skips() -> int:
 
 
 def _fx_cache_hits() -> int:
-    """Inductor's on-disk graph cache: a warm-up that hit it did not really compile (see --cold)."""
+    """Inductor's on-disk graph cache: a warm-up that hit it did not really compile. For a cold
+    measurement run with TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)."""
     return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
 
 
@@ -147,11 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix for the output files (e.g. cuda)")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--cold", action="store_true",
-                        help="bypass inductor's on-disk cache, so warm-up time is a real compile")
     args = parser.parse_args(argv)
-    if args.cold:
-        torch._inductor.config.force_disable_caches = True
     if args.quick:
         args.rows, args.widths, args.steps = [1, 8, 32], [128], 8
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
