@@ -32,11 +32,9 @@ def paged_attention_reference(
         )
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
-    flat = slot_mapping.reshape(-1)
-    # [n, W, KV, D] -> [n, KV, W, D]; the grouping below reads each K/V head once per group
-    # through a reshape of q instead of copying K/V `group` times (repeat_interleave).
-    keys = k_cache.index_select(0, flat).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+    # The grouping below reads each K/V head once per group through a reshape of q instead
+    # of copying K/V `group` times (repeat_interleave).
+    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
     queries = q.view(n, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [n, KV, group, W]
     masked = torch.arange(width, device=q.device) >= context_lens.view(n, 1)  # [n, W]
@@ -63,13 +61,16 @@ def paged_attention(
     pit this against it). A row with context_len 0 is let see column 0, so the kernel never
     softmaxes an empty row, and its output is zeroed afterwards.
     """
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    width = slot_mapping.shape[1]
-    flat = slot_mapping.reshape(-1)
-    keys = k_cache.index_select(0, flat).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat).view(n, width, num_kv_heads, head_dim).transpose(1, 2)
+    n, width = slot_mapping.shape
+    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
     visible = torch.arange(width, device=q.device) < context_lens.clamp(min=1).view(n, 1)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=visible.view(n, 1, 1, width), scale=scale, enable_gqa=True)
     return out.squeeze(2) * (context_lens > 0).view(n, 1, 1).to(q.dtype)
+
+
+def gather_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Each row's cached K (or V) through its slots: [n, W] slots -> [n, KV, W, D], one copy
+    (the gather) and a transposed view of it."""
+    n, width = slot_mapping.shape
+    return cache.index_select(0, slot_mapping.reshape(-1)).view(n, width, *cache.shape[1:]).transpose(1, 2)
