@@ -22,6 +22,7 @@ import torch
 from compile.floor import matmul_floor_seconds
 from compile.report import RESULTS, format_table, write_csv
 from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.engine.engine import StepTiming
 from nanoserve.model.loader import resolve_model_path
 
 COLUMNS = ["batch", "engine_tok_s", "hf_tok_s", "engine_vs_hf", "engine_step_ms", "hf_step_ms", "floor_ms",
@@ -37,7 +38,7 @@ def engine_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float
     """Median decode step seconds, share outside the forward, and the tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
-    engine.decode_timing.__init__()
+    engine.decode_timing = StepTiming()  # this run's figure alone
     durations, outputs = [], {}
     while engine.has_unfinished():
         started = time.perf_counter()

@@ -175,3 +175,21 @@ def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tenso
 def gguf_writer():
     """`write_gguf(path, config, hf_weights, ...)`: plant a small GGUF file (see write_gguf)."""
     return write_gguf
+
+
+@contextlib.contextmanager
+def served(engine, model_name: str, api_key: str | None):
+    """`engine` behind the HTTP app on a free loopback port, its loop reachable as
+    `server.engine_loop`; on exit the server stops and the loop must have ended."""
+    from nanoserve.serve.app import create_app
+    from nanoserve.serve.engine_loop import EngineLoop
+    from nanoserve.serve.server import BackgroundServer
+
+    loop = EngineLoop(engine)
+    server = BackgroundServer(create_app(loop, model_name, api_key=api_key)).start()
+    server.engine_loop = loop
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert not loop.alive

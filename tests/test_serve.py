@@ -18,13 +18,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import served  # noqa: E402
+
 from nanoserve.engine import SamplingParams, build_engine  # noqa: E402
 from nanoserve.model.gguf_loader import GGUFCheckpoint  # noqa: E402
 from nanoserve.model.synthetic import random_model, smollm2_135m_config  # noqa: E402
 from nanoserve.model.tokenizer import Tokenizer  # noqa: E402
-from nanoserve.serve.app import create_app  # noqa: E402
-from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
-from nanoserve.serve.server import BackgroundServer  # noqa: E402
 
 API_KEY = "sk-nanoserve-test"
 MODEL = "smollm2-test"
@@ -55,12 +54,8 @@ def reference(model_and_tokenizer):
 @pytest.fixture(scope="module")
 def server(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    loop = EngineLoop(build_engine(model, tokenizer=tokenizer, **ENGINE_OPTIONS))
-    server = BackgroundServer(create_app(loop, MODEL, api_key=API_KEY)).start()
-    server.engine_loop = loop
-    yield server
-    server.stop()
-    assert not loop.alive
+    with served(build_engine(model, tokenizer=tokenizer, **ENGINE_OPTIONS), MODEL, API_KEY) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

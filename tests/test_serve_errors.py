@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from conftest import served  # noqa: E402
+
 from nanoserve.engine import build_engine  # noqa: E402
 from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
-from nanoserve.serve.app import create_app  # noqa: E402
 from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
-from nanoserve.serve.server import BackgroundServer  # noqa: E402
 
 API_KEY = "sk-test-key"
 MAX_MODEL_LEN = 64
@@ -26,12 +26,8 @@ MAX_MODEL_LEN = 64
 def server():
     engine = build_engine(random_model(tiny_config(), seed=0), max_batch_size=4, kv_cache_bytes=1 << 20,
                           block_size=4, max_model_len=MAX_MODEL_LEN)
-    loop = EngineLoop(engine)
-    server = BackgroundServer(create_app(loop, "tiny", api_key=API_KEY)).start()
-    server.engine_loop = loop
-    yield server
-    server.stop()
-    assert not loop.alive
+    with served(engine, "tiny", API_KEY) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

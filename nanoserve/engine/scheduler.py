@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +31,6 @@ class DecodeBatch:
 
 @dataclass
 class SchedulerStats:
-    steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_tokens: int = 0
@@ -43,7 +42,6 @@ class SchedulerStats:
     finished: int = 0
     aborted: int = 0
     failed: int = 0
-    running_per_step: list[int] = field(default_factory=list, repr=False)
 
 
 class Scheduler:
