@@ -1,7 +1,7 @@
 """The matrix-product floor: a decode step's linear layers alone, with the step's shapes.
 
 Every decode step multiplies each row's activations by every weight matrix (q/k/v, o,
-gate/up, down per layer, then the LM head). Nothing an engine does can make a step faster
+gate, up, down per layer, then the LM head). Nothing an engine does can make a step faster
 than those products on the same weights, so each measured step is quoted as a multiple of
 this floor.
 """
@@ -19,7 +19,7 @@ def matmul_weights(model) -> list[torch.Tensor]:
     weights = []
     for layer in model.layers:
         weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                    layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+                    layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight]
     weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
     return weights
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.cache.attention import paged_attention, paged_attention_reference
+from nanoserve.cache.attention import attend_window, paged_attention, paged_attention_reference, window_mask
 
 
 def dense_attention(q, keys, values, scale=None):
@@ -103,3 +103,25 @@ def test_sdpa_read_equals_the_reference_read(device, num_heads, num_kv_heads, dt
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_window_mask_hides_exactly_the_columns_past_each_length():
+    mask = window_mask(torch.tensor([3, 1, 0, 5]), 5, torch.float32)
+    assert mask.shape == (4, 1, 1, 5)
+    hidden = torch.isinf(mask.view(4, 5))
+    assert hidden.tolist() == [[False, False, False, True, True], [False, True, True, True, True],
+                               [False, True, True, True, True],  # padding sees column 0, never nothing
+                               [False] * 5]
+    assert torch.equal(mask.view(4, 5)[~hidden], torch.zeros(int((~hidden).sum())))
+
+
+def test_one_mask_serves_every_layer_of_a_step():
+    # The decode step builds the mask once and reads each layer's cache through it.
+    torch.manual_seed(2)
+    slot_mapping = torch.randint(0, 64, (3, 8))
+    context_lens = torch.tensor([8, 5, 2])
+    mask = window_mask(context_lens, 8, torch.float32)
+    for _layer in range(3):
+        k_cache, v_cache, q = torch.randn(64, 2, 8), torch.randn(64, 2, 8), torch.randn(3, 6, 8)
+        torch.testing.assert_close(attend_window(q, k_cache, v_cache, slot_mapping, mask),
+                                   paged_attention_reference(q, k_cache, v_cache, slot_mapping, context_lens))

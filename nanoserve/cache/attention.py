@@ -56,17 +56,46 @@ def paged_attention(
 ) -> torch.Tensor:
     """The same read as `paged_attention_reference`, through torch's fused SDPA kernel.
 
-    One gather per K and V, then SDPA reads the [n, KV, W, D] view of it by its strides: no
-    transposed copies, no materialised score tensor. The reference stays the oracle (tests
-    pit this against it). A row with context_len 0 is let see column 0, so the kernel never
-    softmaxes an empty row, and its output is zeroed afterwards.
+    The reference stays the oracle (tests pit this against it). A row with context_len 0
+    returns zeros, as there.
     """
-    n, width = slot_mapping.shape
+    mask = window_mask(context_lens, slot_mapping.shape[1], q.dtype)
+    out = attend_window(q, k_cache, v_cache, slot_mapping, mask, scale)
+    return out * (context_lens > 0).view(-1, 1, 1).to(q.dtype)
+
+
+def window_mask(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [n, 1, 1, W] every layer of a decode step shares: 0 up to each row's
+    length, -inf past it. Built once per step and in q's dtype: handing SDPA a bool mask
+    makes it convert one per call (30 layers, ~3% of a CPU step at 32 rows). A row of
+    length 0 (padding) is let see column 0, so the kernel never softmaxes an empty row."""
+    n = context_lens.shape[0]
+    hidden = torch.arange(width, device=context_lens.device) >= context_lens.clamp(min=1).view(n, 1)
+    mask = torch.zeros(n, width, dtype=dtype, device=context_lens.device).masked_fill_(hidden, float("-inf"))
+    return mask.view(n, 1, 1, width)
+
+
+def attend_window(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q [n, H, D] over each row's window through `window_mask`'s mask; [n, H, D].
+
+    One gather per K and V, then SDPA reads the [n, KV, W, D] view of it by its strides. The
+    query heads that share a K/V head are handed to SDPA as that head's query rows
+    ([n, KV, group, D]): one small matrix product per K/V head instead of a GQA expansion
+    per query head (~2% of a CPU decode step). A padded row's output is finite garbage.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
     keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
-    visible = torch.arange(width, device=q.device) < context_lens.clamp(min=1).view(n, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=visible.view(n, 1, 1, width), scale=scale, enable_gqa=True)
-    return out.squeeze(2) * (context_lens > 0).view(n, 1, 1).to(q.dtype)
+    queries = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(n, num_heads, head_dim)
 
 
 def gather_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:

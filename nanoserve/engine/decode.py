@@ -15,24 +15,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.cache.attention import paged_attention
+from nanoserve.cache.attention import attend_window, window_mask
 from nanoserve.engine.bucketing import Buckets, PaddingWaste
 
 
 class WindowAttention:
     """Write each row's new K/V at its slot, then attend over the row's window of the slot
-    table, masked by ``context_lens`` (a padded row has length 0 and attends over nothing)."""
+    table, masked by ``context_lens``. The mask is built once per step for every layer. A
+    padded row (length 0) writes to the scratch slot and its output is never read."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  write_slots: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor) -> None:
         self.k_caches, self.v_caches = k_caches, v_caches
-        self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
+        self.write_slots, self.slot_mapping = write_slots, slot_mapping
+        self.mask = window_mask(context_lens, slot_mapping.shape[1], k_caches[0].dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache.index_copy_(0, self.write_slots, k)
         v_cache.index_copy_(0, self.write_slots, v)
-        return paged_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens)
+        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.mask)
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,

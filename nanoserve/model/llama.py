@@ -130,13 +130,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        # gate and up fused for the same reason as qkv.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        # gate and up stay two matrices: measured in place on the default model (fp32, 2-core
+        # CPU, MKL), two [1536, 576] products beat one [3072, 576] by ~15% at 32 rows. q/k/v
+        # fuse because there the single product is the faster one.
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -204,7 +206,7 @@ class LlamaModel(nn.Module):
 
 
 def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to this module's names, stacking q/k/v and gate/up into one matrix each."""
+    """Rename HF tensors to this module's names, stacking q/k/v into one matrix."""
     def take(name: str) -> torch.Tensor:
         if name not in weights:
             raise KeyError(f"checkpoint has no tensor {name!r}")
@@ -223,8 +225,8 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
         out[dst + "self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
         if config.attention_out_bias:
             out[dst + "self_attn.o_proj.bias"] = take(f"{src}self_attn.o_proj.bias")
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")], dim=0)
+        out[dst + "mlp.gate_proj.weight"] = take(f"{src}mlp.gate_proj.weight")
+        out[dst + "mlp.up_proj.weight"] = take(f"{src}mlp.up_proj.weight")
         out[dst + "mlp.down_proj.weight"] = take(f"{src}mlp.down_proj.weight")
         out[dst + "input_layernorm.weight"] = take(f"{src}input_layernorm.weight")
         out[dst + "post_attention_layernorm.weight"] = take(f"{src}post_attention_layernorm.weight")
@@ -292,10 +294,6 @@ def unfuse_hf_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
         if ".qkv_proj." in name:
             for part, chunk in zip("qkv", t.split([c.q_size, c.kv_size, c.kv_size])):
                 out[hf.replace("qkv_proj", f"{part}_proj")] = chunk
-        elif ".gate_up_proj." in name:
-            gate, up = t.chunk(2)
-            out[hf.replace("gate_up_proj", "gate_proj")] = gate
-            out[hf.replace("gate_up_proj", "up_proj")] = up
         else:
             out[hf] = t
     return out
