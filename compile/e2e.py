@@ -3,10 +3,14 @@
 
 Both run the default model's dequantised weights in the same process: batches of
 ``--prompt-len``-token prompts, ``--new-tokens`` greedy tokens each, EOS ignored. Each
-system's decode step time is the median over its steps (the engine's from timing ``step()``,
-transformers' from a logits processor that stamps every generated position), so prefill is
-left out of both. The matrix-product floor and the engine's share of step time spent
-outside the forward (scheduling, planning, sampling) come from the same run.
+system's decode step time is the median over its steps, prefill left out of both. The two
+run in lockstep: a logits processor inside ``generate()`` runs (and times) one engine step
+each time transformers produces a position, transformers' step being the time between two
+such calls; the ratio is the median over
+those neighbouring pairs (on a shared VM whose speed drifts 10-15% over a minute, a
+neighbour sees the same machine; two back-to-back runs do not). The matrix-product floor and the
+engine's share of step time spent outside the forward (scheduling, planning, sampling)
+come from the same run.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.engine import StepTiming
 from nanoserve.model.loader import resolve_model_path
 
-COLUMNS = ["batch", "engine_tok_s", "hf_tok_s", "engine_vs_hf", "engine_step_ms", "hf_step_ms", "floor_ms",
-           "engine_x_floor", "hf_x_floor", "outside_forward", "same_tokens"]
+COLUMNS = ["batch", "engine_tok_s", "hf_tok_s", "engine_vs_hf", "ratio_p10", "ratio_p90", "engine_step_ms",
+           "hf_step_ms", "floor_ms", "engine_x_floor", "hf_x_floor", "outside_forward", "same_tokens"]
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -34,44 +38,81 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
 
 
-def engine_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
-    """Median decode step seconds, share outside the forward, and the tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    engine.decode_timing = StepTiming()  # this run's figure alone
-    durations, outputs = [], {}
-    while engine.has_unfinished():
+class _EngineSteps:
+    """Drives the engine one step at a time and times each; collects the finished tokens."""
+
+    def __init__(self, engine, prompts: list[list[int]], new_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        self.engine = engine
+        self.ids = [engine.add_request(p, params) for p in prompts]
+        engine.decode_timing = StepTiming()  # this run's figure alone
+        self.durations: list[float] = []
+        self.outputs: dict[str, list[int]] = {}
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished():
+            return
         started = time.perf_counter()
-        for out in engine.step():
+        for out in self.engine.step():
             if out.finished:
-                outputs[out.request_id] = out.token_ids
-        durations.append(time.perf_counter() - started)
-    decode = durations[1:]  # the first step is the batch's prefill
-    return statistics.median(decode), engine.decode_timing.outside_forward_share, [outputs[i] for i in ids]
+                self.outputs[out.request_id] = out.token_ids
+        self.durations.append(time.perf_counter() - started)
+
+    @property
+    def decode_steps(self) -> list[float]:
+        return self.durations[1:]  # the first step is the batch's prefill
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [self.outputs[i] for i in self.ids]
 
 
-class _StepClock:
-    """A transformers logits processor that only records when each position is produced."""
+def engine_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float, list[list[int]]]:
+    """The engine alone: its decode step times, share outside the forward, and the tokens."""
+    steps = _EngineSteps(engine, prompts, new_tokens)
+    while engine.has_unfinished():
+        steps.step()
+    return steps.decode_steps, engine.decode_timing.outside_forward_share, steps.tokens
 
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
+
+class _Lockstep:
+    """A transformers logits processor that runs one engine step each time generate()
+    produces a position, so the two systems alternate step by step on the same machine.
+    transformers' step is the time from one call's exit to the next call's entry: its
+    forward, cache update and generate() bookkeeping, without the engine's step."""
+
+    def __init__(self, engine_steps: _EngineSteps) -> None:
+        self.engine_steps = engine_steps
+        self.hf_durations: list[float] = []
+        self._left: float | None = None
 
     def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
+        entered = time.perf_counter()
+        if self._left is not None:
+            self.hf_durations.append(entered - self._left)
+        self.engine_steps.step()
+        self._left = time.perf_counter()
         return scores
 
 
-def hf_run(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+def paired_run(engine, model, prompts: list[list[int]], new_tokens: int):
+    """Both systems decoding the same prompts in lockstep. Returns (engine step times,
+    transformers step times, outside-forward share, engine tokens, transformers tokens);
+    the i-th times of both are neighbours in time, so their ratio sees one machine state."""
     from transformers import LogitsProcessorList
 
-    clock = _StepClock()
+    engine_steps = _EngineSteps(engine, prompts, new_tokens)
+    lockstep = _Lockstep(engine_steps)
     input_ids = torch.tensor(prompts)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([clock]))
-    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    return statistics.median(steps), out[:, input_ids.shape[1]:].tolist()
+                             logits_processor=LogitsProcessorList([lockstep]))
+    while engine.has_unfinished():  # the engine has as many steps as generate() has positions
+        engine_steps.step()
+    hf_tokens = out[:, input_ids.shape[1]:].tolist()
+    return (engine_steps.decode_steps, lockstep.hf_durations, engine.decode_timing.outside_forward_share,
+            engine_steps.tokens, hf_tokens)
 
 
 def load_reference(model: str):
@@ -95,18 +136,26 @@ def run(args: argparse.Namespace) -> list[dict]:
     warm = make_prompts(max(args.batches), 8, vocab, seed=99)
     engine_run(engine, warm, 4)  # first-call costs out of the measurement
     if reference is not None:
-        hf_run(reference, warm[:2], 4)
+        paired_run(engine, reference, warm[:2], 4)
     results = []
     for batch in args.batches:
         prompts = make_prompts(batch, args.prompt_len, vocab)
-        engine_step, outside, engine_tokens = engine_run(engine, prompts, args.new_tokens)
+        if reference is None:
+            engine_steps, outside, _ = engine_run(engine, prompts, args.new_tokens)
+        else:
+            engine_steps, hf_steps, outside, engine_tokens, hf_tokens = paired_run(
+                engine, reference, prompts, args.new_tokens)
         floor = matmul_floor_seconds(engine.model, batch)
+        engine_step = statistics.median(engine_steps)
         row = dict(batch=batch, engine_tok_s=batch / engine_step, engine_step_ms=engine_step * 1e3,
                    floor_ms=floor * 1e3, engine_x_floor=engine_step / floor, outside_forward=outside)
         if reference is not None:
-            hf_step, hf_tokens = hf_run(reference, prompts, args.new_tokens)
+            # Pair each transformers step with the engine step run right after it.
+            ratios = sorted(h / e for h, e in zip(hf_steps, engine_steps))
+            hf_step = statistics.median(hf_steps)
             same = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
-            row.update(hf_tok_s=batch / hf_step, hf_step_ms=hf_step * 1e3, engine_vs_hf=hf_step / engine_step,
+            row.update(hf_tok_s=batch / hf_step, hf_step_ms=hf_step * 1e3, engine_vs_hf=statistics.median(ratios),
+                       ratio_p10=ratios[len(ratios) // 10], ratio_p90=ratios[len(ratios) * 9 // 10],
                        hf_x_floor=hf_step / floor, same_tokens=f"{same}/{batch}")
         results.append(row)
         print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
