@@ -2,7 +2,9 @@
 
 `SlotTable` is one `[max_batch_size, max_model_len]` int64 buffer allocated once.
 A decode step appends one cell per row (one indexed write, one length update) and
-reads its rectangle: a *window* (`slots[:n, :width]`, a view of the buffer) when the
+reads its rectangle. `append` also comes in two halves: `stage` writes the cells of
+several steps at once (one indexed write) and `advance` is then each step's length
+update. Either way: a *window* (`slots[:n, :width]`, a view of the buffer) when the
 rows are the prefix `0..n-1`, a *gather* (narrow, then `index_select`) otherwise.
 The lengths always come back as a copy: a later append writes at column `length`,
 which for a short row is inside a rectangle somebody may still hold, and only a
@@ -127,7 +129,9 @@ class SlotTable:
         self.resyncs = 0
         self.windows = 0
         self.gathers = 0
-        self.version = 0  # bumped by everything but append: lets a caller tell that rows moved under it
+        self.version = 0  # bumped by everything but stage/advance: lets a caller tell that rows moved under it
+        self._staged_rows: Rows | None = None  # what the last stage() wrote, and how many columns are left
+        self._staged_left = 0
 
     # -- rows --------------------------------------------------------------------------
 
@@ -211,6 +215,50 @@ class SlotTable:
         else:
             self._host_lens[rows.index] = cols + 1
         self.appended_cells += rows.n
+        self._staged_left = 0
+        self.version += 1
+
+    def stage(self, rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
+        """Write the next ``steps`` cells of every row past its length: ``slots`` [steps, n],
+        row ``rows[i]``'s cells in column i. One indexed write; no length moves, so nothing
+        staged is read yet. ``advance(rows)`` then takes one staged column per call into the
+        rows: ``append`` split in two, so a block run writes its cells once and each of its
+        steps is a length update. Anything else that changes the table drops what is staged.
+        Raises ValueError past ``max_model_len``.
+        """
+        rows = self.rows(rows)
+        if slots.ndim != 2 or slots.shape[1] != rows.n:
+            raise ValueError(f"stage needs [steps, {rows.n}] slots, got {tuple(slots.shape)}")
+        steps = slots.shape[0]
+        start = self._host_lens[rows.index]
+        if int(start.max()) + steps > self.max_model_len:
+            raise self._full_error(rows, steps)
+        cols = start + np.arange(steps).reshape(steps, 1)  # [steps, n]
+        if self._on_host:
+            self._host_slots[rows.index, cols] = slots if isinstance(slots, np.ndarray) else slots.numpy()
+        else:
+            if isinstance(slots, np.ndarray):
+                slots = torch.from_numpy(slots).to(self.device)
+            index = rows.device_index.expand(steps, rows.n)
+            self.slots.index_put_((index, torch.from_numpy(cols).to(self.device)), slots)
+        self._staged_rows, self._staged_left = rows, steps
+
+    def advance(self, rows: RowsLike) -> None:
+        """One step of staged cells becomes part of the rows: each length goes up by one.
+        Raises ValueError when nothing is staged for exactly these rows."""
+        rows = self.rows(rows)
+        if self._staged_rows is not rows or not self._staged_left:
+            raise ValueError(f"advance: no staged cells for rows {list(rows.ids)}; stage() them first "
+                             "(a resync, reset or append since then drops them)")
+        self._staged_left -= 1
+        if not self._on_host:
+            self.lens.index_add_(0, rows.device_index, self._ones[: rows.n])
+        if rows.is_prefix:
+            lengths = rows.lengths
+            lengths += rows.ones  # a view: in place
+        else:
+            self._host_lens[rows.index] += 1
+        self.appended_cells += rows.n
 
     def resync(self, table: TableLike, row: int) -> None:
         """Copy a whole row in from its block table (rebuild_mapping for one row)."""
@@ -225,6 +273,7 @@ class SlotTable:
         self.resynced_cells += n
         self.resyncs += 1
         self._resyncs_by_row[row] += 1
+        self._staged_left = 0
         self.version += 1
 
     def sync(self, tables: Sequence[TableLike], rows: RowsLike, lengths: np.ndarray | None = None) -> list[int]:
@@ -247,6 +296,7 @@ class SlotTable:
         self._check_row(row)
         self.lens[row] = 0
         self._host_lens[row] = 0
+        self._staged_left = 0
         self.version += 1
 
     # -- reads -------------------------------------------------------------------------
@@ -319,9 +369,10 @@ class SlotTable:
             raise ValueError(f"row {row} outside 0..{self.max_batch_size - 1}")
         return row
 
-    def _full_error(self, rows: Rows) -> ValueError:
-        full = rows.index[self._host_lens[rows.index] >= self.max_model_len].tolist()
+    def _full_error(self, rows: Rows, steps: int = 1) -> ValueError:
+        full = rows.index[self._host_lens[rows.index] + steps > self.max_model_len].tolist()
+        more = "" if steps == 1 else f" (or cannot take {steps} more)"
         return ValueError(
-            f"rows {full} already hold max_model_len={self.max_model_len} tokens; "
+            f"rows {full} already hold max_model_len={self.max_model_len} tokens{more}; "
             "the scheduler must finish or preempt them before another decode step"
         )

@@ -97,6 +97,54 @@ def test_append_needs_one_slot_per_row():
         SlotTable(4, 8).append([0, 1], torch.tensor([1, 2, 3]))
 
 
+def test_stage_then_advance_equals_append_step_by_step(write_path):
+    staged, appended = SlotTable(4, 8, numpy_writes=write_path), SlotTable(4, 8, numpy_writes=write_path)
+    for table in (staged, appended):
+        table.resync(table_of([1], 3), 1)
+    steps = torch.tensor([[10, 20], [11, 21], [12, 22]])  # [steps, rows]: rows 0 and 1
+    staged.stage([0, 1], steps)
+    assert staged.lengths([0, 1]).tolist() == [0, 3]  # staged cells are not read yet
+    for step in steps:
+        staged.advance([0, 1])
+        appended.append([0, 1], step)
+        (got, got_lens), (want, want_lens) = staged.read([0, 1], 6), appended.read([0, 1], 6)
+        assert torch.equal(got_lens, want_lens)
+        readable = torch.arange(6) < want_lens.view(2, 1)  # cells past a length are unread
+        assert torch.equal(got[readable], want[readable])
+    assert staged.appended_cells == appended.appended_cells == 6
+    with pytest.raises(ValueError, match=r"no staged cells for rows \[0, 1\]"):
+        staged.advance([0, 1])  # all three steps taken
+
+
+@pytest.mark.parametrize("change", ["append", "resync", "reset", "other rows"])
+def test_any_other_change_drops_what_is_staged(change):
+    table = SlotTable(4, 8)
+    table.stage([0, 1], torch.tensor([[1, 2], [3, 4]]))
+    version = table.version
+    if change == "append":
+        table.append([0, 1], torch.tensor([5, 6]))
+    elif change == "resync":
+        table.resync(table_of([1], 2), 3)
+    elif change == "reset":
+        table.reset(2)
+    if change == "other rows":
+        rows = [1, 0]
+    else:
+        rows = [0, 1]
+        assert table.version > version  # a caller holding a layout can tell
+    with pytest.raises(ValueError, match="no staged cells"):
+        table.advance(rows)
+
+
+def test_stage_past_max_model_len_names_the_rows():
+    table = SlotTable(2, 4)
+    table.resync(table_of([0], 2), 1)
+    with pytest.raises(ValueError, match=r"rows \[1\] already hold max_model_len=4 tokens \(or cannot take 3"):
+        table.stage([0, 1], torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"stage needs \[steps, 2\] slots"):
+        table.stage([0, 1], torch.zeros(3, dtype=torch.long))
+
+
 @pytest.mark.parametrize("rows", [[0, 0], [4], [-1], []])
 def test_bad_row_sets_are_refused(rows):
     with pytest.raises(ValueError):

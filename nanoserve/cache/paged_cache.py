@@ -5,10 +5,10 @@ and reads the step's `slot_mapping` window out of it. The host keeps every row's
 (`block_ids`, like vLLM's block tables) and token counts. Within a *block run* (steps over
 the same rows, nothing changed in between, no row crossing into a block it does not hold)
 every row's write slot, position and length go up by one per step, so a run's vectors are
-laid out once, for all of its steps, in a few array operations. A step inside a run is one
-count update, the table's append (one indexed write, one length update) and a view: no
-Python loop over rows and no tensor built from a list. Only a row that needs a new block
-costs Python of its own.
+laid out once, for all of its steps, in a few array operations, and its cells are staged
+into the slot table in one indexed write. A step inside a run is one count update, the
+table's `advance` (one length update) and a view: no Python loop over rows and no tensor
+built from a list. Only a row that needs a new block costs Python of its own.
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ class _Run:
     over the run, so all of them are laid out at once."""
 
     rows: Rows
-    versions: tuple[int, int]
+    counts_version: int
+    table_version: int
     length: int
     first_width: int  # the longest context at the run's first step; one more each step
     vectors: tuple[torch.Tensor, ...]  # write_slots, positions, context_lens of step 0, then step 1, ...
     counts: np.ndarray | None  # a prefix's token counts: a view, advanced in place
-    host_layout: np.ndarray | None  # the same layout as numpy, for a host table's append
     step: int = 0
 
 
@@ -245,14 +245,16 @@ class BatchedPagedKVCache:
         """Advance every row by one token and address the step.
 
         Syncs the mirror, grows block tables that are full, appends the write slots to the
-        slot table and takes the plan's slot_mapping out of it (`[n, longest context]`).
+        slot table (staged once per block run, advanced each step) and takes the plan's
+        slot_mapping out of it (`[n, longest context]`).
         Raises PoolExhaustedError (before changing anything) when rows need blocks the
         pool lacks; `can_append` says so beforehand.
         """
-        rows = self.slot_table.rows(rows)
+        table = self.slot_table
+        rows = table.rows(rows)
         run = self._run
         if (run is None or run.rows is not rows or run.step == run.length
-                or run.versions != (self._counts.version, self.slot_table.version)):
+                or run.counts_version != self._counts.version or run.table_version != table.version):
             run = self._run = self._start_run(rows)
         elif run.counts is not None:
             run.counts += rows.ones  # every row's block table holds one more token
@@ -261,10 +263,10 @@ class BatchedPagedKVCache:
         k = run.step
         run.step = k + 1
         write_slots, positions, context_lens = run.vectors[3 * k: 3 * k + 3]
-        self.slot_table.append(rows, write_slots if run.host_layout is None else run.host_layout[3 * k])
+        table.advance(rows)  # this step's write slots were staged when the run began
         return DecodePlan(
             rows=rows.ids,
-            slot_mapping=self.slot_table.rect(rows, run.first_width + k),
+            slot_mapping=table.rect(rows, run.first_width + k),
             context_lens=context_lens,
             write_slots=write_slots,
             positions=positions,
@@ -291,15 +293,16 @@ class BatchedPagedKVCache:
         length = min(block_size - int(offset.max()), self.max_model_len - longest)
         first = np.stack((self.block_ids[index, block] * block_size + offset, positions, positions + 1))
         layout = (first + self._offsets[:length]).reshape(3 * length, rows.n)  # [step * 3 + field, row]
+        self.slot_table.stage(rows, layout[0::3])  # every step's write slots, one indexed write
         return _Run(
             rows=rows,
-            versions=(self._counts.version, self.slot_table.version),
+            counts_version=self._counts.version,
+            table_version=self.slot_table.version,
             length=length,
             first_width=longest + 1,
             # One view per step and field, all made by one call: cheaper than slicing every step.
             vectors=torch.from_numpy(layout).to(self.device).unbind(0),
             counts=counts[: rows.n] if rows.is_prefix else None,
-            host_layout=layout if self.device.type == "cpu" else None,
         )
 
     def _grow(self, rows: list[int]) -> None:
