@@ -196,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     results = run(args)
     print("\n" + format_table(results, COLUMNS))
-    write_csv(results, args.out / "e2e.csv")
+    name = "e2e-compile" if args.compile else "e2e"  # the eager record is not overwritten
+    write_csv(results, args.out / f"{name}.csv")
     if not args.no_plot:
-        write_plot(results, args.out / "e2e.png")
-    print(f"wrote {args.out / 'e2e.csv'}" + ("" if args.no_plot else " and e2e.png"))
+        write_plot(results, args.out / f"{name}.png")
+    print(f"wrote {args.out / name}.csv" + ("" if args.no_plot else f" and {name}.png"))
     return 0
