@@ -65,7 +65,10 @@ class _Run:
     table_version: int
     length: int
     first_width: int  # the longest context at the run's first step; one more each step
-    vectors: tuple[torch.Tensor, ...]  # write_slots, positions, context_lens of step 0, then step 1, ...
+    write_slots: tuple[torch.Tensor, ...]  # one [n] view per step
+    # length + 1 views: a step's context lengths are the next step's positions, so the same
+    # (never written) view serves both.
+    positions: tuple[torch.Tensor, ...]
     counts: np.ndarray | None  # a prefix's token counts: a view, advanced in place
     step: int = 0
 
@@ -118,7 +121,7 @@ class BatchedPagedKVCache:
         self._live = np.zeros(max_batch_size, dtype=bool)
         self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
         self._owner[self._scratch_block] = _SCRATCH_OWNER
-        self._offsets = np.arange(block_size, dtype=np.int64).reshape(block_size, 1, 1)
+        self._steps = np.arange(block_size + 1, dtype=np.int64).reshape(block_size + 1, 1)
         self._run: _Run | None = None
 
     # -- rows ------------------------------------------------------------------------
@@ -262,46 +265,51 @@ class BatchedPagedKVCache:
             self._counts.array[rows.index] += 1
         k = run.step
         run.step = k + 1
-        write_slots, positions, context_lens = run.vectors[3 * k: 3 * k + 3]
         table.advance(rows)  # this step's write slots were staged when the run began
         return DecodePlan(
             rows=rows.ids,
             slot_mapping=table.rect(rows, run.first_width + k),
-            context_lens=context_lens,
-            write_slots=write_slots,
-            positions=positions,
+            context_lens=run.positions[k + 1],
+            write_slots=run.write_slots[k],
+            positions=run.positions[k],
             is_window=rows.is_prefix,
         )
 
     def _start_run(self, rows: Rows) -> _Run:
         """The slow path, once per block run: sync the mirror, grow full tables, lay out the run."""
         index, counts, block_size = rows.index, self._counts.array, self.block_size
-        if not self._live[index].all():
+        # A prefix is addressed by a slice: numpy views, no fancy-index copies.
+        pick = slice(0, rows.n) if rows.is_prefix else index
+        if not self._live[pick].all():
             raise ValueError(f"plan_decode: rows {index[~self._live[index]].tolist()} are not live; "
                              "prefill or adopt them first")
-        positions = counts[index]  # the token each row writes this step
+        positions = counts[pick].copy()  # the token each row writes this step
         self.slot_table.sync(self.tables, rows, lengths=positions)  # from here the table agrees
         longest = int(positions.max())
         if longest >= self.max_model_len:
             raise ValueError(f"plan_decode: rows {index[positions >= self.max_model_len].tolist()} are at "
                              f"max_model_len={self.max_model_len}; finish them")
-        self._grow(index[positions >= self._capacity[index]].tolist())
-        counts[index] = positions + 1
+        full = positions >= self._capacity[pick]
+        if full.any():
+            self._grow(index[full].tolist())
+        counts[pick] = positions + 1
         # Until some row crosses into a block it does not hold yet (or reaches max_model_len),
-        # every row's write slot, position and length go up by one per step.
+        # every row's write slot, position and length go up by one per step: [step, row] arrays.
         block, offset = np.divmod(positions, block_size)
         length = min(block_size - int(offset.max()), self.max_model_len - longest)
-        first = np.stack((self.block_ids[index, block] * block_size + offset, positions, positions + 1))
-        layout = (first + self._offsets[:length]).reshape(3 * length, rows.n)  # [step * 3 + field, row]
-        self.slot_table.stage(rows, layout[0::3])  # every step's write slots, one indexed write
+        steps = self._steps[:length + 1]
+        write_slots = (self.block_ids[index, block] * block_size + offset) + steps[:length]
+        positions = positions + steps
+        self.slot_table.stage(rows, write_slots)  # every step's cells, one indexed write
         return _Run(
             rows=rows,
             counts_version=self._counts.version,
             table_version=self.slot_table.version,
             length=length,
             first_width=longest + 1,
-            # One view per step and field, all made by one call: cheaper than slicing every step.
-            vectors=torch.from_numpy(layout).to(self.device).unbind(0),
+            # One view per step, all made by one call: cheaper than slicing every step.
+            write_slots=torch.from_numpy(write_slots).to(self.device).unbind(0),
+            positions=torch.from_numpy(positions).to(self.device).unbind(0),
             counts=counts[: rows.n] if rows.is_prefix else None,
         )
 
