@@ -323,12 +323,14 @@ class BatchedPagedKVCache:
                 "the scheduler should preempt before planning (can_append tells it)"
             )
         blocks = self.pool.allocate(len(rows))
+        tables = self.tables
         for row, block in zip(rows, blocks):
-            self.tables[row].add_blocks((block,))
-        grown = np.asarray(rows)
-        self.block_ids[grown, self._capacity[grown] // self.block_size] = blocks
-        self._owner[blocks] = grown
-        self._capacity[grown] += self.block_size
+            tables[row].add_blocks((block,))
+        grown, ids = np.asarray(rows), np.asarray(blocks)
+        capacity = self._capacity[grown]
+        self.block_ids[grown, capacity // self.block_size] = ids
+        self._owner[ids] = grown
+        self._capacity[grown] = capacity + self.block_size
 
     # -- K/V -------------------------------------------------------------------------
 
