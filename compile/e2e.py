@@ -6,11 +6,10 @@ Both run the default model's dequantised weights in the same process: batches of
 system's decode step time is the median over its steps, prefill left out of both. The two
 run in lockstep: a logits processor inside ``generate()`` runs (and times) one engine step
 each time transformers produces a position, transformers' step being the time between two
-such calls; the ratio is the median over
-those neighbouring pairs (on a shared VM whose speed drifts 10-15% over a minute, a
-neighbour sees the same machine; two back-to-back runs do not). The matrix-product floor and the
-engine's share of step time spent outside the forward (scheduling, planning, sampling)
-come from the same run.
+such calls. The ratio is the median over those neighbouring pairs: on a shared VM whose
+speed drifts 10-15% over a minute, a neighbour sees the same machine; two back-to-back runs
+do not. The matrix-product floor and the engine's share of step time spent outside the
+forward (scheduling, planning, sampling) come from the same run.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt text ('-' reads stdin)")
     generate.set_defaults(handler=run_generate)
     serve = add_serve_subcommand(commands)
-    serve.set_defaults(handler=lambda args: run_serve_handler(args))
+    serve.set_defaults(handler=run_serve_handler)
     return parser
 
 

@@ -195,26 +195,8 @@ class SlotTable:
         rows = self.rows(rows)
         if slots.shape != (rows.n,):
             raise ValueError(f"append needs [{rows.n}] slots, got {tuple(slots.shape)}")
-        cols = rows.lengths if rows.is_prefix else self._host_lens[rows.index]
-        if self._on_host:
-            values = slots if isinstance(slots, np.ndarray) else slots.numpy()
-            try:  # a column past the edge raises here, before any length moves
-                self._host_slots[rows.index, cols] = values
-            except IndexError:
-                raise self._full_error(rows) from None
-        else:
-            if isinstance(slots, np.ndarray):
-                slots = torch.from_numpy(slots).to(self.device)
-            if int(cols.max()) >= self.max_model_len:
-                raise self._full_error(rows)
-            self.slots.index_put_((rows.device_index, self.lens.index_select(0, rows.device_index)), slots)
-            self.lens.index_add_(0, rows.device_index, self._ones[: rows.n])
-        # The one length update (on the host it is the buffer's own length too).
-        if rows.is_prefix:
-            cols += rows.ones  # a view: in place
-        else:
-            self._host_lens[rows.index] = cols + 1
-        self.appended_cells += rows.n
+        self.stage(rows, slots.reshape(1, rows.n))  # raises past the edge, before any length moves
+        self.advance(rows)
         self._staged_left = 0
         self.version += 1
 
