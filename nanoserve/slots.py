@@ -248,9 +248,13 @@ class SlotTable:
         n = table.num_tokens
         if n > self.max_model_len:
             raise ValueError(f"row {row}: table holds {n} tokens, the slot table is {self.max_model_len} wide")
-        if n:
-            self.slots[row, :n] = rebuild_mapping([table], [0], device=self.device)[0]
-        self.lens[row] = n
+        if self._on_host:  # numpy views of the buffers: a fraction of torch's setitem
+            if n:
+                self._host_slots[row, :n] = rebuild_mapping([table], [0]).numpy()[0]
+        else:
+            if n:
+                self.slots[row, :n] = rebuild_mapping([table], [0], device=self.device)[0]
+            self.lens[row] = n
         self._host_lens[row] = n
         self.resynced_cells += n
         self.resyncs += 1
@@ -276,7 +280,8 @@ class SlotTable:
     def reset(self, row: int) -> None:
         """Set a row's length to zero. Clears nothing: the old cells sit past the length, unread."""
         self._check_row(row)
-        self.lens[row] = 0
+        if not self._on_host:
+            self.lens[row] = 0
         self._host_lens[row] = 0
         self._staged_left = 0
         self.version += 1

@@ -312,6 +312,58 @@ def test_plan_decode_without_blocks_raises_and_changes_nothing():
     assert cache.num_tokens(0) == 4 and cache.slot_table.length(0) == 4
 
 
+def blocks_held_exactly(cache: BatchedPagedKVCache, rows) -> bool:
+    """No row holds a block before a token needs it (runs plan ahead, they do not allocate ahead)."""
+    return all(cache.tables[r].num_blocks == -(-cache.num_tokens(r) // cache.block_size) for r in rows)
+
+
+def test_a_run_crosses_block_boundaries_taking_each_block_on_the_step_that_needs_it():
+    cache = small_cache(num_blocks=64)
+    for row, n in enumerate([1, 4, 6]):  # rows cross at different steps
+        cache.allocate_prompt(row, n)
+    used = [cache.pool.num_used]
+    for _ in range(40):
+        plan = cache.plan_decode([0, 1, 2])
+        check_plan_addressing(plan, cache.tables)
+        assert blocks_held_exactly(cache, [0, 1, 2])
+        used.append(cache.pool.num_used)
+    assert cache.slot_table.resyncs == 3  # the prompts: 40 steps over 30 block crossings resynced nothing
+    assert used[-1] - used[0] == sum(-(-(n + 40) // 4) - (-(-n // 4)) for n in [1, 4, 6])
+
+
+def test_someone_else_using_the_pool_mid_run_restarts_the_run(device):
+    cache = small_cache(device)
+    cache.allocate_prompt(0, 3)
+    cache.allocate_prompt(1, 1)
+    cache.plan_decode([0, 1])  # a run that plans rows 0 and 1 into the pool's next ids
+    taken = cache.pool.allocate(2)  # ... which somebody else now holds
+    for _ in range(12):
+        plan = cache.plan_decode([0, 1])
+        check_plan_addressing(plan, cache.tables)
+    held = set(cache.tables[0].blocks) | set(cache.tables[1].blocks)
+    assert not held & set(taken) and blocks_held_exactly(cache, [0, 1])
+    cache.pool.free(taken)  # and a free mid-run changes the next ids again
+    for _ in range(12):
+        check_plan_addressing(cache.plan_decode([0, 1]), cache.tables)
+    assert blocks_held_exactly(cache, [0, 1])
+    check_slots_agree(cache.slot_table, cache.tables, [0, 1])
+
+
+def test_a_run_stops_at_the_step_whose_block_the_pool_lacks():
+    cache = small_cache(num_blocks=5)  # scratch + 4
+    cache.allocate_prompt(0, 2)  # 1 block each; 2 left: each row can cross once
+    cache.allocate_prompt(1, 4)
+    steps = 0
+    with pytest.raises(PoolExhaustedError, match=r"rows \[1\] each need a new block and the pool has 0 free"):
+        for _ in range(10):
+            cache.plan_decode([0, 1])
+            steps += 1
+    assert steps == 4  # row 1 crossed at step 0; row 0 at step 2; row 1 needs its third block at step 4
+    assert cache.num_tokens(1) == 8 and cache.slot_table.length(1) == 8 and cache.pool.num_free == 0
+    cache.free(0)
+    check_plan_addressing(cache.plan_decode([1]), cache.tables)
+
+
 def test_admission_arithmetic():
     cache = small_cache(num_blocks=6)  # 5 usable blocks of 4
     assert cache.blocks_needed(9) == 3 and cache.can_allocate(20) and not cache.can_allocate(21)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -21,7 +22,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from nanoserve.cache import BatchedPagedKVCache, BlockTable, DecodePlan
+from nanoserve.cache import BatchedPagedKVCache, BlockTable, DecodePlan, PoolExhaustedError
 from nanoserve.cache.gates import check_plan_addressing, check_slots_agree
 from nanoserve.slots import SlotTable
 
@@ -56,6 +57,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         self.tenant = [0] * MAX_ROWS
         self.next_tenant = 1
         self.held: list[Held] = []
+        self.outside: list[int] = []  # blocks somebody other than a row took from the pool
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -105,9 +107,14 @@ class SlotTableMachine(RuleBasedStateMachine):
         if data.draw(st.booleans(), label="sorted"):
             rows.sort()
         for _ in range(steps):
-            if not self.cache.can_append(rows) or max(self.cache.num_tokens(r) for r in rows) >= MAX_MODEL_LEN:
+            if max(self.cache.num_tokens(r) for r in rows) >= MAX_MODEL_LEN:
                 return
             before = [self.cache.num_tokens(r) for r in rows]
+            if not self.cache.can_append(rows):  # refused, and nothing changes
+                with pytest.raises(PoolExhaustedError):
+                    self.cache.plan_decode(rows)
+                assert [self.cache.num_tokens(r) for r in rows] == before
+                return
             plan = self.cache.plan_decode(rows)
             assert plan.context_lens.tolist() == [n + 1 for n in before]
             assert plan.is_window == (rows == list(range(len(rows))))
@@ -148,6 +155,16 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert self.cache.num_tokens(dst) == n and not self.cache.is_live(src)
         self.new_tenant(src)
         self.new_tenant(dst)
+
+    @rule(data=st.data(), n=st.integers(0, 3))
+    def outsider_uses_the_pool(self, data, n):
+        """Something other than a row takes blocks from the pool or gives them back, between
+        decode steps: a run that planned on the pool's next ids must notice."""
+        if self.outside and data.draw(st.booleans(), label="give back"):
+            self.cache.pool.free(self.outside)
+            self.outside = []
+        elif n <= self.cache.pool.num_free:
+            self.outside += self.cache.pool.allocate(n)
 
     @rule()
     def sync(self):
@@ -203,10 +220,13 @@ class SlotTableMachine(RuleBasedStateMachine):
         held = [b for r in range(MAX_ROWS) for b in cache.tables[r].blocks]
         assert len(held) == len(set(held)), "a block is in two tables"
         assert cache.scratch_slot // BLOCK_SIZE not in held
-        assert pool.num_used == len(held) + 1  # + the scratch block: nothing leaked
+        assert not set(held) & set(self.outside), "a row holds a block somebody else took"
+        assert pool.num_used == len(held) + 1 + len(self.outside)  # + the scratch block: nothing leaked
         for r in range(MAX_ROWS):
             if not cache.is_live(r):
                 assert cache.tables[r].is_empty
+            # exact: a row holds a block from the step its first token needs it, never before
+            assert cache.tables[r].num_blocks == -(-cache.num_tokens(r) // BLOCK_SIZE)
 
 
 def test_slot_table_against_rebuild_mapping(device):

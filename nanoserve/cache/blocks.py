@@ -33,6 +33,7 @@ class BlockPool:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
         self._in_use = bytearray(num_blocks)
+        self.version = 0  # bumped by every allocate and free: while it holds, peek() tells the future
 
     @property
     def num_free(self) -> int:
@@ -61,7 +62,15 @@ class BlockPool:
         blocks = [self._free.pop() for _ in range(n)]
         for block in blocks:
             self._in_use[block] = 1
+        self.version += 1
         return blocks
+
+    def peek(self, n: int) -> list[int]:
+        """The ids the next allocations will hand out, in order, taking nothing: `allocate(a)`
+        then `allocate(b)` return `peek(a + b)` split in two, as long as `version` holds."""
+        if not 0 <= n <= len(self._free):
+            raise ValueError(f"cannot peek at {n} blocks: {len(self._free)} free")
+        return self._free[len(self._free) - n :][::-1]
 
     def free(self, blocks: Iterable[int]) -> None:
         """Give blocks back. Raises BlockFreeError (freeing nothing) on a foreign, free or repeated block."""
@@ -76,6 +85,7 @@ class BlockPool:
         for block in blocks:
             self._in_use[block] = 0
             self._free.append(int(block))
+        self.version += 1
         # Keep handing out the lowest ids first, so freed blocks are reused before untouched ones.
         self._free.sort(reverse=True)
 

@@ -56,13 +56,16 @@ class DecodePlan:
 
 @dataclass
 class _Run:
-    """A block run: consecutive steps over the same rows, nothing changed in between, no row
-    crossing into a block it does not hold. Every per-row vector is an arithmetic progression
-    over the run, so all of them are laid out at once."""
+    """A decode run: consecutive steps over the same rows with nothing changed in between.
+    Every per-row vector is an arithmetic progression over the run, so all of them are laid
+    out at once. A row crossing into a new block mid-run does not end it: the block it will
+    get is the pool's next free id (`BlockPool.peek`), known while nothing else touches the
+    pool, and the step that needs it takes it for real."""
 
     rows: Rows
     counts_version: int
     table_version: int
+    pool_version: int
     length: int
     first_width: int  # the longest context at the run's first step; one more each step
     write_slots: tuple[torch.Tensor, ...]  # one [n] view per step
@@ -70,6 +73,9 @@ class _Run:
     # (never written) view serves both.
     positions: tuple[torch.Tensor, ...]
     counts: np.ndarray | None  # a prefix's token counts: a view, advanced in place
+    # (step, row ids, block ids) for each step where rows take a block, last step first
+    grows: list[tuple[int, np.ndarray, np.ndarray]]
+    next_grow: int  # the step of grows[-1], or -1
     step: int = 0
 
 
@@ -80,6 +86,10 @@ class BatchedPagedKVCache:
     rows may write and no real row ever reads. `max_model_len` is clamped to the slots the
     rest of the pool holds.
     """
+
+    # A run laid out but cut short wastes its unused steps (a few hundred ns each); one that
+    # is used up doubles the next, so a steady batch spends little on starts.
+    MAX_RUN_STEPS = 256
 
     def __init__(
         self,
@@ -121,8 +131,9 @@ class BatchedPagedKVCache:
         self._live = np.zeros(max_batch_size, dtype=bool)
         self._owner = np.full(num_blocks, _NO_OWNER, dtype=np.int64)
         self._owner[self._scratch_block] = _SCRATCH_OWNER
-        self._steps = np.arange(block_size + 1, dtype=np.int64).reshape(block_size + 1, 1)
+        self._steps = np.arange(self.MAX_RUN_STEPS + 1, dtype=np.int64).reshape(-1, 1)
         self._run: _Run | None = None
+        self._run_steps = block_size  # the next run's length: doubles while runs are used up
 
     # -- rows ------------------------------------------------------------------------
 
@@ -248,7 +259,7 @@ class BatchedPagedKVCache:
         """Advance every row by one token and address the step.
 
         Syncs the mirror, grows block tables that are full, appends the write slots to the
-        slot table (staged once per block run, advanced each step) and takes the plan's
+        slot table (staged once per run, advanced each step) and takes the plan's
         slot_mapping out of it (`[n, longest context]`).
         Raises PoolExhaustedError (before changing anything) when rows need blocks the
         pool lacks; `can_append` says so beforehand.
@@ -257,12 +268,16 @@ class BatchedPagedKVCache:
         rows = table.rows(rows)
         run = self._run
         if (run is None or run.rows is not rows or run.step == run.length
-                or run.counts_version != self._counts.version or run.table_version != table.version):
-            run = self._run = self._start_run(rows)
-        elif run.counts is not None:
-            run.counts += rows.ones  # every row's block table holds one more token
+                or run.counts_version != self._counts.version or run.table_version != table.version
+                or run.pool_version != self.pool.version):
+            run = self._run = self._start_run(rows, run)
         else:
-            self._counts.array[rows.index] += 1
+            if run.counts is not None:
+                run.counts += rows.ones  # every row's block table holds one more token
+            else:
+                self._counts.array[rows.index] += 1
+            if run.step == run.next_grow:
+                self._take_blocks(run)
         k = run.step
         run.step = k + 1
         table.advance(rows)  # this step's write slots were staged when the run began
@@ -275,8 +290,9 @@ class BatchedPagedKVCache:
             is_window=rows.is_prefix,
         )
 
-    def _start_run(self, rows: Rows) -> _Run:
-        """The slow path, once per block run: sync the mirror, grow full tables, lay out the run."""
+    def _start_run(self, rows: Rows, last: _Run | None) -> _Run:
+        """The slow path, once per run: sync the mirror, plan the blocks rows will cross
+        into, lay out every step's vectors and stage the run's cells in the slot table."""
         index, counts, block_size = rows.index, self._counts.array, self.block_size
         # A prefix is addressed by a slice: numpy views, no fancy-index copies.
         pick = slice(0, rows.n) if rows.is_prefix else index
@@ -289,48 +305,82 @@ class BatchedPagedKVCache:
         if longest >= self.max_model_len:
             raise ValueError(f"plan_decode: rows {index[positions >= self.max_model_len].tolist()} are at "
                              f"max_model_len={self.max_model_len}; finish them")
-        full = positions >= self._capacity[pick]
-        if full.any():
-            self._grow(index[full].tolist())
+        used_up = last is not None and last.rows is rows and last.step == last.length
+        self._run_steps = min(2 * self._run_steps, self.MAX_RUN_STEPS) if used_up else block_size
+        length = min(self._run_steps, self.max_model_len - longest)
+        # Every row's position goes up by one per step: [step, row] arrays for the whole run.
+        tokens = positions + self._steps[: length + 1]
+        block, offset = np.divmod(tokens[:length], block_size)
+        # A row crosses into a block it does not hold where its token starts a block past its
+        # capacity; nonzero lists those (step, row) pairs step-major, the order they allocate in.
+        steps, at = np.nonzero((offset == 0) & (tokens[:length] >= self._capacity[pick]))
+        if len(steps):
+            length, grows = self._plan_grows(rows, steps, at, block[steps, at], length)
+            tokens, block, offset = tokens[: length + 1], block[:length], offset[:length]
+        else:
+            grows = []
         counts[pick] = positions + 1
-        # Until some row crosses into a block it does not hold yet (or reaches max_model_len),
-        # every row's write slot, position and length go up by one per step: [step, row] arrays.
-        block, offset = np.divmod(positions, block_size)
-        length = min(block_size - int(offset.max()), self.max_model_len - longest)
-        steps = self._steps[:length + 1]
-        write_slots = (self.block_ids[index, block] * block_size + offset) + steps[:length]
-        positions = positions + steps
+        write_slots = self.block_ids[index, block] * block_size + offset
         self.slot_table.stage(rows, write_slots)  # every step's cells, one indexed write
-        return _Run(
+        run = _Run(
             rows=rows,
             counts_version=self._counts.version,
             table_version=self.slot_table.version,
+            pool_version=self.pool.version,
             length=length,
             first_width=longest + 1,
             # One view per step, all made by one call: cheaper than slicing every step.
             write_slots=torch.from_numpy(write_slots).to(self.device).unbind(0),
-            positions=torch.from_numpy(positions).to(self.device).unbind(0),
+            positions=torch.from_numpy(tokens).to(self.device).unbind(0),
             counts=counts[: rows.n] if rows.is_prefix else None,
+            grows=grows,
+            next_grow=grows[-1][0] if grows else -1,
         )
+        if run.next_grow == 0:
+            self._take_blocks(run)
+        return run
 
-    def _grow(self, rows: list[int]) -> None:
-        """One more block for each of `rows` (all or nothing)."""
-        if not rows:
-            return
-        if len(rows) > self.pool.num_free:
-            raise PoolExhaustedError(
-                f"rows {rows} each need a new block and the pool has {self.pool.num_free} free; "
-                "the scheduler should preempt before planning (can_append tells it)"
-            )
-        blocks = self.pool.allocate(len(rows))
+    def _plan_grows(self, rows: Rows, steps: np.ndarray, at: np.ndarray, blocks: np.ndarray,
+                    length: int) -> tuple[int, list]:
+        """Give each crossing (at batch index `at[i]`, step `steps[i]`, into block number
+        `blocks[i]` of its row) the id the pool will hand out for it, written ahead into the
+        mirror, and group them by step. Cuts the run before the first crossing the pool
+        cannot serve; raises PoolExhaustedError when that is the run's first step."""
+        free = self.pool.num_free
+        if len(steps) > free:
+            length = int(steps[free])  # the first crossing left without a block ends the run
+            if length == 0:
+                short = rows.index[at[steps == 0]].tolist()
+                raise PoolExhaustedError(
+                    f"rows {short} each need a new block and the pool has {free} free; "
+                    "the scheduler should preempt before planning (can_append tells it)")
+            steps, at, blocks = steps[:free], at[:free], blocks[:free]
+            keep = steps < length
+            steps, at, blocks = steps[keep], at[keep], blocks[keep]
+            if not len(steps):
+                return length, []
+        grown = rows.index[at]
+        ids = np.asarray(self.pool.peek(len(steps)), dtype=np.int64)
+        self.block_ids[grown, blocks] = ids
+        starts = np.flatnonzero(steps[1:] != steps[:-1]) + 1
+        bounds = [0, *starts.tolist(), len(steps)]
+        grows = [(int(steps[a]), grown[a:b], ids[a:b]) for a, b in zip(bounds[-2::-1], bounds[:0:-1])]
+        return length, grows
+
+    def _take_blocks(self, run: _Run) -> None:
+        """This step's crossings: the rows take the blocks the run planned for them."""
+        _, grown, ids = run.grows.pop()
+        taken = self.pool.allocate(len(ids))
+        if taken != ids.tolist():  # the run checks pool.version every step: a bug, not a race
+            raise RuntimeError(f"the pool handed out blocks {taken}, the run planned {ids.tolist()}")
         tables = self.tables
-        for row, block in zip(rows, blocks):
+        for row, block in zip(grown.tolist(), taken):
             tables[row].add_blocks((block,))
-        grown, ids = np.asarray(rows), np.asarray(blocks)
-        capacity = self._capacity[grown]
-        self.block_ids[grown, capacity // self.block_size] = ids
         self._owner[ids] = grown
-        self._capacity[grown] = capacity + self.block_size
+        self._capacity[grown] += self.block_size
+        run.counts_version = self._counts.version
+        run.pool_version = self.pool.version
+        run.next_grow = run.grows[-1][0] if run.grows else -1
 
     # -- K/V -------------------------------------------------------------------------
 
