@@ -111,7 +111,7 @@ class SlotTable:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.slots = torch.zeros((max_batch_size, max_model_len), dtype=torch.int64, device=self.device)
-        self.lens = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
+        self._lens = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
         # On the host the buffers are plain memory, and a numpy view is the cheapest handle on
         # them for small indexed writes (a numpy call costs a fraction of a torch dispatch).
         # Elsewhere the host keeps its own copy of the lengths, so it never waits on the device.
@@ -119,7 +119,7 @@ class SlotTable:
         if self._on_host and self.device.type != "cpu":
             raise ValueError(f"numpy_writes needs a CPU table, not {self.device}")
         self._host_slots = self.slots.numpy() if self._on_host else None
-        self._host_lens = self.lens.numpy() if self._on_host else np.zeros(max_batch_size, dtype=np.int64)
+        self._host_lens = self._lens.numpy() if self._on_host else np.zeros(max_batch_size, dtype=np.int64)
         self._ones = torch.ones(max_batch_size, dtype=torch.int64, device=self.device)
         self._resyncs_by_row = np.zeros(max_batch_size, dtype=np.int64)
         self._rows_memo: dict[tuple[int, ...], Rows] = {}
@@ -132,6 +132,9 @@ class SlotTable:
         self.version = 0  # bumped by everything but stage/advance: lets a caller tell that rows moved under it
         self._staged_rows: Rows | None = None  # what the last stage() wrote, and how many columns are left
         self._staged_left = 0
+        # Columns advance() took into the staged rows that the lengths do not count yet: a
+        # step costs a counter, and the lengths catch up (one add) before anything reads them.
+        self._advanced = 0
 
     # -- rows --------------------------------------------------------------------------
 
@@ -176,11 +179,19 @@ class SlotTable:
         """Whether a read over `rows` is a view of the buffer (rows are the prefix 0..n-1)."""
         return self.rows(rows).is_prefix
 
+    @property
+    def lens(self) -> torch.Tensor:
+        """The rows' lengths on the table's device `[max_batch_size]` (the buffer itself)."""
+        self._settle()
+        return self._lens
+
     def length(self, row: int) -> int:
+        self._settle()
         return int(self._host_lens[self._check_row(row)])
 
     def lengths(self, rows: RowsLike) -> np.ndarray:
         """The host's copy of the rows' lengths (no device read)."""
+        self._settle()
         return self._host_lens[self.rows(rows).index].copy()
 
     # -- writes ------------------------------------------------------------------------
@@ -212,6 +223,7 @@ class SlotTable:
         if slots.ndim != 2 or slots.shape[1] != rows.n:
             raise ValueError(f"stage needs [steps, {rows.n}] slots, got {tuple(slots.shape)}")
         steps = slots.shape[0]
+        self._settle()
         start = self._host_lens[rows.index]
         if int(start.max()) + steps > self.max_model_len:
             raise self._full_error(rows, steps)
@@ -227,24 +239,35 @@ class SlotTable:
 
     def advance(self, rows: RowsLike) -> None:
         """One step of staged cells becomes part of the rows: each length goes up by one.
-        Raises ValueError when nothing is staged for exactly these rows."""
+        The step itself is a counter; every read of the lengths settles them first (one add
+        per run of steps, on the device too, not one per step). Raises ValueError when
+        nothing is staged for exactly these rows."""
         rows = self.rows(rows)
         if self._staged_rows is not rows or not self._staged_left:
             raise ValueError(f"advance: no staged cells for rows {list(rows.ids)}; stage() them first "
                              "(a resync, reset or append since then drops them)")
         self._staged_left -= 1
-        if not self._on_host:
-            self.lens.index_add_(0, rows.device_index, self._ones[: rows.n])
-        if rows.is_prefix:
-            lengths = rows.lengths
-            lengths += rows.ones  # a view: in place
-        else:
-            self._host_lens[rows.index] += 1
+        self._advanced += 1
         self.appended_cells += rows.n
+
+    def _settle(self) -> None:
+        """Bring the lengths up to date with the columns advance() took since they last were."""
+        steps = self._advanced
+        if not steps:
+            return
+        self._advanced = 0
+        rows = self._staged_rows
+        if rows.is_prefix:
+            rows.lengths[:] += steps  # a view of the host lengths
+        else:
+            self._host_lens[rows.index] += steps
+        if not self._on_host:
+            self._lens.index_add_(0, rows.device_index, self._ones[: rows.n] * steps)
 
     def resync(self, table: TableLike, row: int) -> None:
         """Copy a whole row in from its block table (rebuild_mapping for one row)."""
         self._check_row(row)
+        self._settle()
         n = table.num_tokens
         if n > self.max_model_len:
             raise ValueError(f"row {row}: table holds {n} tokens, the slot table is {self.max_model_len} wide")
@@ -254,7 +277,7 @@ class SlotTable:
         else:
             if n:
                 self.slots[row, :n] = rebuild_mapping([table], [0], device=self.device)[0]
-            self.lens[row] = n
+            self._lens[row] = n
         self._host_lens[row] = n
         self.resynced_cells += n
         self.resyncs += 1
@@ -272,6 +295,7 @@ class SlotTable:
         rows = self.rows(rows)
         if lengths is None:
             lengths = np.fromiter((tables[r].num_tokens for r in rows.ids), dtype=np.int64, count=rows.n)
+        self._settle()
         stale = rows.index[self._host_lens[rows.index] != lengths].tolist()
         for row in stale:
             self.resync(tables[row], row)
@@ -280,8 +304,9 @@ class SlotTable:
     def reset(self, row: int) -> None:
         """Set a row's length to zero. Clears nothing: the old cells sit past the length, unread."""
         self._check_row(row)
+        self._settle()
         if not self._on_host:
-            self.lens[row] = 0
+            self._lens[row] = 0
         self._host_lens[row] = 0
         self._staged_left = 0
         self.version += 1
@@ -296,9 +321,10 @@ class SlotTable:
         """
         rows = self.rows(rows)
         rect = self.rect(rows, width)
+        lens = self.lens
         if rows.is_prefix:
-            return rect, self.lens[: rows.n].clone()
-        return rect, self.lens.index_select(0, rows.device_index)
+            return rect, lens[: rows.n].clone()
+        return rect, lens.index_select(0, rows.device_index)
 
     def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
         """Just the rectangle of `read`: a window for a prefix, a gathered copy otherwise."""
@@ -332,6 +358,7 @@ class SlotTable:
 
     def render(self, rows: RowsLike | None = None, max_cols: int = 12) -> str:
         """A text picture of the table: each row's length and its first cells ('.' past the length)."""
+        self._settle()
         ids = self.rows(rows).ids if rows is not None else tuple(np.flatnonzero(self._host_lens).tolist())
         head = (
             f"SlotTable {self.max_batch_size} x {self.max_model_len} on {self.device}: "
