@@ -17,6 +17,10 @@ Each timed region includes the prompt (the rebuild arm allocates it; the table a
 resync it). Arms run interleaved, `repeats` times; the table quotes medians, and next to
 them the ratio of best runs (each arm's cost with nothing else interfering; on a shared
 machine the table arm, all small numpy/torch calls, is the one that interference hurts).
+Each timed run has the garbage collector off, as timeit does, and no collection is forced
+before it: a full collection empties the interpreter's free lists, and the run after it pays
+to refill them (~0.8 ms on this VM, a fifth of the window arm at 512 steps; a decode loop
+does not pay that every 512 steps).
 Cells are exact counts: cells the rebuild built vs cells the table wrote (resynced + appended).
 """
 
@@ -170,8 +174,7 @@ def measure(work: Workload, repeats: int) -> dict[str, float | int]:
     for repeat in range(repeats):
         turn = repeat % len(ARMS)
         for arm in ARMS[turn:] + ARMS[:turn]:  # rotate the order: no arm always runs first
-            gc.collect()
-            gc.disable()
+            gc.disable()  # as timeit does: no collection inside a timed run, none forced before it
             try:
                 result = RUNNERS[arm](work)
             finally:

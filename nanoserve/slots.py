@@ -70,7 +70,6 @@ class Rows:
     device_index: torch.Tensor
     is_prefix: bool
     lengths: np.ndarray | None
-    ones: np.ndarray  # [n] ones: adding an array of the same shape is the cheapest numpy increment
     owner: object
 
 
@@ -167,7 +166,6 @@ class SlotTable:
             device_index=torch.tensor(ids, dtype=torch.int64, device=self.device),
             is_prefix=is_prefix,
             lengths=self._host_lens[: len(ids)] if is_prefix else None,
-            ones=np.ones(len(ids), dtype=np.int64),
             owner=self,
         )
         if len(self._rows_memo) >= self._MEMO_LIMIT:

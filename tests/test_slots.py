@@ -116,6 +116,20 @@ def test_stage_then_advance_equals_append_step_by_step(write_path):
         staged.advance([0, 1])  # all three steps taken
 
 
+def test_advanced_steps_reach_the_device_lengths_in_one_update_per_read(monkeypatch):
+    """The torch write path: a step is a counter; the lengths catch up once, when read."""
+    table = SlotTable(4, 16, numpy_writes=False)
+    table.stage([0, 2], torch.arange(20).reshape(10, 2))
+    adds = []
+    original = torch.Tensor.index_add_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda self, *a: adds.append(a) or original(self, *a))
+    for _ in range(10):
+        table.advance([0, 2])
+    assert adds == []
+    assert table.lens.tolist() == [10, 0, 10, 0] and len(adds) == 1
+    assert table.read([0, 1, 2], 10)[1].tolist() == [10, 0, 10] and len(adds) == 1
+
+
 @pytest.mark.parametrize("change", ["append", "resync", "reset", "other rows"])
 def test_any_other_change_drops_what_is_staged(change):
     table = SlotTable(4, 8)

@@ -92,14 +92,33 @@ class BlockPool:
 
 class _Counts:
     """Token counts for a set of tables, in one host array, plus a version bumped by any
-    table change outside a decode step. The cache shares one across its rows so a step
-    advances every row with one vectorised add, and can tell when its tables moved under it."""
+    table change outside a decode step. The cache shares one across its rows so it can tell
+    when its tables moved under it, and so a decode step is one counter: `step(rows)` names
+    the rows a run of steps advances, each step bumps `steps`, and the array catches up
+    (one add) whenever anybody reads it."""
 
-    __slots__ = ("array", "version")
+    __slots__ = ("_array", "version", "steps", "_stepping")
 
     def __init__(self, size: int) -> None:
-        self.array = np.zeros(size, dtype=np.int64)
+        self._array = np.zeros(size, dtype=np.int64)
         self.version = 0
+        self.steps = 0  # decode steps over `_stepping` the array does not count yet
+        self._stepping: slice | np.ndarray = slice(0, 0)
+
+    @property
+    def array(self) -> np.ndarray:
+        self._settle()
+        return self._array
+
+    def step(self, rows: slice | np.ndarray) -> None:
+        """From now on each `steps += 1` adds one token to every row in `rows` (a slice or ids)."""
+        self._settle()  # the previous rows first
+        self._stepping = rows
+
+    def _settle(self) -> None:
+        if self.steps:
+            self._array[self._stepping] += self.steps
+            self.steps = 0
 
 
 class BlockTable:

@@ -2,13 +2,16 @@
 
 A decode step is `plan_decode(rows)`: it appends each row's write slot to the `SlotTable`
 and reads the step's `slot_mapping` window out of it. The host keeps every row's block ids
-(`block_ids`, like vLLM's block tables) and token counts. Within a *block run* (steps over
-the same rows, nothing changed in between, no row crossing into a block it does not hold)
-every row's write slot, position and length go up by one per step, so a run's vectors are
-laid out once, for all of its steps, in a few array operations, and its cells are staged
-into the slot table in one indexed write. A step inside a run is one count update, the
-table's `advance` (one length update) and a view: no Python loop over rows and no tensor
-built from a list. Only a row that needs a new block costs Python of its own.
+(`block_ids`, like vLLM's block tables) and token counts. Within a *run* (steps over the
+same rows with nothing changed in between) every row's write slot, position and length go
+up by one per step, so a run's vectors are laid out once, for all of its steps, in a few
+array operations, and its cells are staged into the slot table in one indexed write. A row
+that crosses into a new block mid-run does not end the run: the block it will get is the
+pool's next free id, known in advance while nothing else touches the pool (`pool.version`
+says), and is taken from the pool on the step that needs it, so the pool's accounting is
+exactly what a step-by-step allocator's would be. A step inside a run is two counters, a
+view and the plan: no Python loop over rows and no tensor built from a list. Only a row
+that takes a new block costs Python of its own.
 """
 
 from __future__ import annotations
@@ -72,7 +75,6 @@ class _Run:
     # length + 1 views: a step's context lengths are the next step's positions, so the same
     # (never written) view serves both.
     positions: tuple[torch.Tensor, ...]
-    counts: np.ndarray | None  # a prefix's token counts: a view, advanced in place
     # (step, row ids, block ids) for each step where rows take a block, last step first
     grows: list[tuple[int, np.ndarray, np.ndarray]]
     next_grow: int  # the step of grows[-1], or -1
@@ -272,10 +274,7 @@ class BatchedPagedKVCache:
                 or run.pool_version != self.pool.version):
             run = self._run = self._start_run(rows, run)
         else:
-            if run.counts is not None:
-                run.counts += rows.ones  # every row's block table holds one more token
-            else:
-                self._counts.array[rows.index] += 1
+            self._counts.steps += 1  # every row's block table holds one more token
             if run.step == run.next_grow:
                 self._take_blocks(run)
         k = run.step
@@ -320,6 +319,7 @@ class BatchedPagedKVCache:
         else:
             grows = []
         counts[pick] = positions + 1
+        self._counts.step(pick)
         write_slots = self.block_ids[index, block] * block_size + offset
         self.slot_table.stage(rows, write_slots)  # every step's cells, one indexed write
         run = _Run(
@@ -332,7 +332,6 @@ class BatchedPagedKVCache:
             # One view per step, all made by one call: cheaper than slicing every step.
             write_slots=torch.from_numpy(write_slots).to(self.device).unbind(0),
             positions=torch.from_numpy(tokens).to(self.device).unbind(0),
-            counts=counts[: rows.n] if rows.is_prefix else None,
             grows=grows,
             next_grow=grows[-1][0] if grows else -1,
         )
