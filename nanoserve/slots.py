@@ -143,10 +143,15 @@ class SlotTable:
             if rows.owner is self:
                 return rows
             rows = rows.ids
-        elif isinstance(rows, int):
-            rows = range(rows)
+        elif isinstance(rows, range) and rows.start == 0 and rows.step == 1:
+            rows = rows.stop  # the prefix of that many rows
         elif isinstance(rows, (torch.Tensor, np.ndarray)):
             rows = rows.tolist()
+        if isinstance(rows, int):  # a prefix, remembered under its size: no tuple to build and hash
+            cached = self._rows_memo.get(rows)
+            if cached is None:
+                cached = self._rows_memo[rows] = self.rows(tuple(range(rows)))
+            return cached
         key = tuple(rows)
         cached = self._rows_memo.get(key)
         if cached is not None:

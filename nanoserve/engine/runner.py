@@ -41,7 +41,7 @@ class ModelRunner:
     def decode(self, requests: list[Request]) -> torch.Tensor:
         """Logits [len(requests), vocab]: one new token for each of rows 0..n-1."""
         num_rows = len(requests)
-        plan = self.cache.plan_decode(range(num_rows))
+        plan = self.cache.plan_decode(num_rows)
         if self.decode_step.compiled:
             # The capture gate: a graph reads the table's own buffer, so the rows must be a
             # prefix; a gather here is the scheduler's fault and is refused, not run.
