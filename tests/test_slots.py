@@ -159,7 +159,15 @@ def test_stage_past_max_model_len_names_the_rows():
         table.stage([0, 1], torch.zeros(3, dtype=torch.long))
 
 
-@pytest.mark.parametrize("rows", [[0, 0], [4], [-1], []])
+def test_a_prefix_given_by_size_or_range_is_the_same_remembered_row_set():
+    table = SlotTable(4, 8)
+    prefix = table.rows(3)
+    assert prefix is table.rows(range(3)) and prefix.ids == (0, 1, 2) and prefix.is_prefix
+    assert prefix is table.rows(3)  # remembered, not rebuilt
+    assert table.rows(range(1, 3)).ids == (1, 2) and not table.rows(range(1, 3)).is_prefix
+
+
+@pytest.mark.parametrize("rows", [[0, 0], [4], [-1], [], 0, 5, range(0)])
 def test_bad_row_sets_are_refused(rows):
     with pytest.raises(ValueError):
         SlotTable(4, 8).rows(rows)
