@@ -218,7 +218,7 @@ class SlotTable:
         """Write the next ``steps`` cells of every row past its length: ``slots`` [steps, n],
         row ``rows[i]``'s cells in column i. One indexed write; no length moves, so nothing
         staged is read yet. ``advance(rows)`` then takes one staged column per call into the
-        rows: ``append`` split in two, so a block run writes its cells once and each of its
+        rows: ``append`` split in two, so a decode run writes its cells once and each of its
         steps is a length update. Anything else that changes the table drops what is staged.
         Raises ValueError past ``max_model_len``.
         """

@@ -292,20 +292,25 @@ class BatchedPagedKVCache:
     def _start_run(self, rows: Rows, last: _Run | None) -> _Run:
         """The slow path, once per run: sync the mirror, plan the blocks rows will cross
         into, lay out every step's vectors and stage the run's cells in the slot table."""
-        index, counts, block_size = rows.index, self._counts.array, self.block_size
+        index, counts, block_size, table = rows.index, self._counts.array, self.block_size, self.slot_table
         # A prefix is addressed by a slice: numpy views, no fancy-index copies.
         pick = slice(0, rows.n) if rows.is_prefix else index
-        if not self._live[pick].all():
+        # The last run was over these rows, ran to its end and nothing else changed since: the
+        # rows are still live and the table still agrees. Such runs also double in length.
+        continued = (last is not None and last.rows is rows and last.step == last.length
+                     and last.counts_version == self._counts.version and last.table_version == table.version
+                     and last.pool_version == self.pool.version)
+        if not continued and not self._live[pick].all():
             raise ValueError(f"plan_decode: rows {index[~self._live[index]].tolist()} are not live; "
                              "prefill or adopt them first")
         positions = counts[pick].copy()  # the token each row writes this step
-        self.slot_table.sync(self.tables, rows, lengths=positions)  # from here the table agrees
+        if not continued:
+            table.sync(self.tables, rows, lengths=positions)  # from here the table agrees
         longest = int(positions.max())
         if longest >= self.max_model_len:
             raise ValueError(f"plan_decode: rows {index[positions >= self.max_model_len].tolist()} are at "
                              f"max_model_len={self.max_model_len}; finish them")
-        used_up = last is not None and last.rows is rows and last.step == last.length
-        self._run_steps = min(2 * self._run_steps, self.MAX_RUN_STEPS) if used_up else block_size
+        self._run_steps = min(2 * self._run_steps, self.MAX_RUN_STEPS) if continued else block_size
         length = min(self._run_steps, self.max_model_len - longest)
         # Every row's position goes up by one per step: [step, row] arrays for the whole run.
         tokens = positions + self._steps[: length + 1]
@@ -321,11 +326,11 @@ class BatchedPagedKVCache:
         counts[pick] = positions + 1
         self._counts.step(pick)
         write_slots = self.block_ids[index, block] * block_size + offset
-        self.slot_table.stage(rows, write_slots)  # every step's cells, one indexed write
+        table.stage(rows, write_slots)  # every step's cells, one indexed write
         run = _Run(
             rows=rows,
             counts_version=self._counts.version,
-            table_version=self.slot_table.version,
+            table_version=table.version,
             pool_version=self.pool.version,
             length=length,
             first_width=longest + 1,
