@@ -249,18 +249,20 @@ def write_plot(results: list[dict], path: Path) -> None:
 
     steps = [r["steps"] for r in results]
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.5))
+    colors = dict(zip(ARMS, ("C0", "C1", "C2", "C3")))  # one colour per arm in every panel
     for arm, style in zip(ARMS, ("o-", "x--", "s-", "^-")):
-        left.plot(steps, [r[f"{arm}_ms"] for r in results], style, label=arm)
+        left.plot(steps, [r[f"{arm}_ms"] for r in results], style, color=colors[arm], label=arm)
     left.set(xscale="log", yscale="log", xlabel="decode steps", ylabel="ms per run (median)",
              title="addressing time per run")
     left.legend()
-    mid.plot(steps, [r["day51_us_per_step"] for r in results], "x--", label="day51 (the seed's append)")
-    mid.plot(steps, [r["window_us_per_step"] for r in results], "s-", label="window")
-    mid.plot(steps, [r["gather_us_per_step"] for r in results], "^-", label="gather")
+    mid.plot(steps, [r["day51_us_per_step"] for r in results], "x--", color=colors["day51"],
+             label="day51 (the seed's append)")
+    mid.plot(steps, [r["window_us_per_step"] for r in results], "s-", color=colors["window"], label="window")
+    mid.plot(steps, [r["gather_us_per_step"] for r in results], "^-", color=colors["gather"], label="gather")
     mid.set(xscale="log", xlabel="decode steps", ylabel="us per step", title="table arms: cost per step (prompt set-up included)", ylim=(0, None))
     mid.legend()
-    right.plot(steps, [r["cells_rebuilt"] for r in results], "o-", label="rebuilt (rebuild arm)")
-    right.plot(steps, [r["cells_written"] for r in results], "s-", label="written (slot table)")
+    right.plot(steps, [r["cells_rebuilt"] for r in results], "o-", color=colors["rebuild"], label="rebuilt (rebuild arm)")
+    right.plot(steps, [r["cells_written"] for r in results], "s-", color=colors["window"], label="written (slot table)")
     right.set(xscale="log", yscale="log", xlabel="decode steps", ylabel="int64 cells", title="addressing cells")
     right.legend()
     for ax in (left, mid, right):
@@ -278,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 64, 128, 512])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for slotbench.csv and slotbench.png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
