@@ -117,6 +117,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                 return
             plan = self.cache.plan_decode(rows)
             assert plan.context_lens.tolist() == [n + 1 for n in before]
+            assert plan.context_lens.tolist() == self.cache.slot_table.lengths(rows).tolist()  # the table's own
             assert plan.is_window == (rows == list(range(len(rows))))
             check_plan_addressing(plan, self.cache.tables)
             self.hold(plan)
