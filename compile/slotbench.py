@@ -19,7 +19,7 @@ them the ratio of best runs (each arm's cost with nothing else interfering; on a
 machine the table arm, all small numpy/torch calls, is the one that interference hurts).
 Each timed run has the garbage collector off, as timeit does, and no collection is forced
 before it: a full collection empties the interpreter's free lists, and the run after it pays
-to refill them (~0.8 ms on this VM, a fifth of the window arm at 512 steps; a decode loop
+to refill them (~0.8 ms on this VM, a quarter of the window arm at 512 steps; a decode loop
 does not pay that every 512 steps).
 Cells are exact counts: cells the rebuild built vs cells the table wrote (resynced + appended).
 """

@@ -58,18 +58,13 @@ def rebuild_mapping(
 
 @dataclass(frozen=True, eq=False)
 class Rows:
-    """A batch's row ids, validated once, in every form one SlotTable indexes with.
-
-    For a prefix, `lengths` is a view of the owner's host lengths, so a step updates them
-    in place; for scattered rows it is None and `index` picks them out.
-    """
+    """A batch's row ids, validated once, in every form one SlotTable indexes with."""
 
     ids: tuple[int, ...]
     n: int
     index: np.ndarray
     device_index: torch.Tensor
     is_prefix: bool
-    lengths: np.ndarray | None
     owner: object
 
 
@@ -170,7 +165,6 @@ class SlotTable:
             index=index,
             device_index=torch.tensor(ids, dtype=torch.int64, device=self.device),
             is_prefix=is_prefix,
-            lengths=self._host_lens[: len(ids)] if is_prefix else None,
             owner=self,
         )
         if len(self._rows_memo) >= self._MEMO_LIMIT:
@@ -260,10 +254,7 @@ class SlotTable:
             return
         self._advanced = 0
         rows = self._staged_rows
-        if rows.is_prefix:
-            rows.lengths[:] += steps  # a view of the host lengths
-        else:
-            self._host_lens[rows.index] += steps
+        self._host_lens[rows.index] += steps
         if not self._on_host:
             self._lens.index_add_(0, rows.device_index, self._ones[: rows.n] * steps)
 

@@ -269,10 +269,11 @@ class BatchedPagedKVCache:
         table = self.slot_table
         rows = table.rows(rows)
         run = self._run
-        if (run is None or run.rows is not rows or run.step == run.length
-                or run.counts_version != self._counts.version or run.table_version != table.version
-                or run.pool_version != self.pool.version):
-            run = self._run = self._start_run(rows, run)
+        # The run still holds: same rows, and nothing changed the tables, the table or the pool.
+        current = (run is not None and run.rows is rows and run.counts_version == self._counts.version
+                   and run.table_version == table.version and run.pool_version == self.pool.version)
+        if not current or run.step == run.length:
+            run = self._run = self._start_run(rows, continued=current)
         else:
             self._counts.steps += 1  # every row's block table holds one more token
             if run.step == run.next_grow:
@@ -289,17 +290,14 @@ class BatchedPagedKVCache:
             is_window=rows.is_prefix,
         )
 
-    def _start_run(self, rows: Rows, last: _Run | None) -> _Run:
+    def _start_run(self, rows: Rows, continued: bool) -> _Run:
         """The slow path, once per run: sync the mirror, plan the blocks rows will cross
-        into, lay out every step's vectors and stage the run's cells in the slot table."""
+        into, lay out every step's vectors and stage the run's cells in the slot table.
+        `continued`: the last run was over these rows, ran to its end and nothing else changed
+        since, so the rows are still live and the table still agrees; such runs also double."""
         index, counts, block_size, table = rows.index, self._counts.array, self.block_size, self.slot_table
         # A prefix is addressed by a slice: numpy views, no fancy-index copies.
         pick = slice(0, rows.n) if rows.is_prefix else index
-        # The last run was over these rows, ran to its end and nothing else changed since: the
-        # rows are still live and the table still agrees. Such runs also double in length.
-        continued = (last is not None and last.rows is rows and last.step == last.length
-                     and last.counts_version == self._counts.version and last.table_version == table.version
-                     and last.pool_version == self.pool.version)
         if not continued and not self._live[pick].all():
             raise ValueError(f"plan_decode: rows {index[~self._live[index]].tolist()} are not live; "
                              "prefill or adopt them first")
