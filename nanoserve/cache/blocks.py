@@ -33,7 +33,6 @@ class BlockPool:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
         self._in_use = bytearray(num_blocks)
-        self.version = 0  # bumped by every allocate and free: while it holds, peek() tells the future
 
     @property
     def num_free(self) -> int:
@@ -62,15 +61,7 @@ class BlockPool:
         blocks = [self._free.pop() for _ in range(n)]
         for block in blocks:
             self._in_use[block] = 1
-        self.version += 1
         return blocks
-
-    def peek(self, n: int) -> list[int]:
-        """The ids the next allocations will hand out, in order, taking nothing: `allocate(a)`
-        then `allocate(b)` return `peek(a + b)` split in two, as long as `version` holds."""
-        if not 0 <= n <= len(self._free):
-            raise ValueError(f"cannot peek at {n} blocks: {len(self._free)} free")
-        return self._free[len(self._free) - n :][::-1]
 
     def free(self, blocks: Iterable[int]) -> None:
         """Give blocks back. Raises BlockFreeError (freeing nothing) on a foreign, free or repeated block."""
@@ -85,61 +76,33 @@ class BlockPool:
         for block in blocks:
             self._in_use[block] = 0
             self._free.append(int(block))
-        self.version += 1
         # Keep handing out the lowest ids first, so freed blocks are reused before untouched ones.
         self._free.sort(reverse=True)
 
 
-class _Counts:
-    """Token counts for a set of tables, in one host array, plus a version bumped by any
-    table change outside a decode step. The cache shares one across its rows so it can tell
-    when its tables moved under it, and so a decode step is one counter: `step(rows)` names
-    the rows a run of steps advances, each step bumps `steps`, and the array catches up
-    (one add) whenever anybody reads it."""
-
-    __slots__ = ("_array", "version", "steps", "_stepping")
-
-    def __init__(self, size: int) -> None:
-        self._array = np.zeros(size, dtype=np.int64)
-        self.version = 0
-        self.steps = 0  # decode steps over `_stepping` the array does not count yet
-        self._stepping: slice | np.ndarray = slice(0, 0)
-
-    @property
-    def array(self) -> np.ndarray:
-        self._settle()
-        return self._array
-
-    def step(self, rows: slice | np.ndarray) -> None:
-        """From now on each `steps += 1` adds one token to every row in `rows` (a slice or ids)."""
-        self._settle()  # the previous rows first
-        self._stepping = rows
-
-    def _settle(self) -> None:
-        if self.steps:
-            self._array[self._stepping] += self.steps
-            self.steps = 0
-
-
 class BlockTable:
-    """One request's physical blocks and how many tokens they hold."""
+    """One request's physical blocks and how many tokens they hold.
 
-    __slots__ = ("block_size", "_blocks", "_counts", "_index")
+    The token count is one cell of an int64 array: the table's own by default, or a
+    cell of the slot table's lengths when a cache binds the table to a row (`bound_to`),
+    so the row's length has a single owner.
+    """
+
+    __slots__ = ("block_size", "_blocks", "_count")
 
     def __init__(self, block_size: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._blocks: list[int] = []
-        self._counts = _Counts(1)
-        self._index = 0
+        self._count = np.zeros(1, dtype=np.int64)
 
     @classmethod
-    def _in_counts(cls, block_size: int, counts: _Counts, index: int) -> BlockTable:
-        """A table whose token count lives at `counts.array[index]` (the cache's rows)."""
+    def bound_to(cls, block_size: int, lengths: np.ndarray, row: int) -> BlockTable:
+        """An empty table whose token count is `lengths[row]` (a view, not a copy)."""
         table = cls(block_size)
-        table._counts = counts
-        table._index = index
+        table._count = lengths[row : row + 1]
+        table._count[0] = 0
         return table
 
     def __repr__(self) -> str:
@@ -155,7 +118,7 @@ class BlockTable:
 
     @property
     def num_tokens(self) -> int:
-        return int(self._counts.array[self._index])
+        return int(self._count[0])
 
     @property
     def capacity(self) -> int:
@@ -177,21 +140,19 @@ class BlockTable:
 
     def add_blocks(self, blocks: Sequence[int]) -> None:
         self._blocks.extend(map(int, blocks))
-        self._counts.version += 1
 
     def advance(self, num_tokens: int = 1) -> None:
         """Count `num_tokens` more tokens as held. Raises if the blocks cannot take them."""
         total = self.num_tokens + num_tokens
         if num_tokens < 0 or total > self.capacity:
             raise ValueError(f"cannot hold {total} tokens in {len(self._blocks)} blocks of {self.block_size}")
-        self._counts.array[self._index] = total
-        self._counts.version += 1
+        self._count[0] = total
 
     def adopt(self, other: BlockTable) -> None:
         """Take over `other`'s blocks and tokens, leaving `other` empty.
 
-        Refuses a non-empty table: the slot mirror trusts that a row's slots only change
-        by appends or by a reset that drops its length to zero (see nanoserve.slots).
+        Refuses a non-empty table: a slot table trusts that a row's slots only change by
+        appends or by a reset that drops its length to zero (see nanoserve.slots).
         """
         if not self.is_empty:
             raise ValueError(
@@ -202,17 +163,11 @@ class BlockTable:
             raise ValueError(f"block_size mismatch: {other.block_size} adopted into {self.block_size}")
         if other.num_tokens > other.capacity:
             raise ValueError(f"adopted table claims {other.num_tokens} tokens in {other.capacity} slots")
-        blocks, num_tokens = other._blocks, other.num_tokens
-        other._blocks = []
-        other._counts.array[other._index] = 0
-        other._counts.version += 1
-        self._blocks = blocks
-        self._counts.array[self._index] = num_tokens
-        self._counts.version += 1
+        self._blocks, self._count[0] = other._blocks, other.num_tokens
+        other._blocks, other._count[0] = [], 0
 
     def clear(self) -> list[int]:
         """Empty the table and return the blocks it held (for the pool)."""
         blocks, self._blocks = self._blocks, []
-        self._counts.array[self._index] = 0
-        self._counts.version += 1
+        self._count[0] = 0
         return blocks
