@@ -1,13 +1,12 @@
-"""slotbench: the persistent slot table against Day 50's per-step rebuild (`python compilebench.py slots`).
+"""slotbench: the persistent slot table against a per-step rebuild (`python compilebench.py slots`).
 
 Host only, no weights. `rows` rows decode `steps` tokens after a `prompt`-token prompt,
 and every arm produces the same DecodePlan fields each step:
 
-  rebuild  Day 50's plan: grow each block table by one token, then rebuild_mapping
-           (one slot() call per cell) and lists -> tensors for the other fields.
-  day51    the seed's own Day 51 step, reconstructed from its diary: the same persistent
-           table, appended through a Python loop over rows and four small tensors built from
-           lists per step. It calibrates the machine: the seed measured 11.44x on its own.
+  rebuild  grow each block table by one token, then rebuild_mapping (one slot() call per
+           cell) and lists -> tensors for the other fields.
+  day51    the seed's first append step: the same persistent table, appended through a
+           Python loop over rows and four small tensors built from lists per step.
   window   BatchedPagedKVCache.plan_decode over rows 0..n-1: appends to the SlotTable and
            reads a view of it.
   gather   the same over scattered rows: the read is a copy (what a scheduler that does not
@@ -77,7 +76,7 @@ class ArmRun:
 
 
 def grow_by_one(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[int]) -> list[int]:
-    """Days 50 and 51: each row's block table takes one more token; returns the new lengths."""
+    """Each row's block table takes one more token; returns the new lengths."""
     for row in rows:
         table = tables[row]
         if table.num_tokens == table.capacity:
@@ -87,7 +86,7 @@ def grow_by_one(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[i
 
 
 def day50_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[int]) -> DecodePlan:
-    """Day 50's decode step: every address rebuilt from the block tables."""
+    """A decode step that rebuilds every address from the block tables."""
     lengths = grow_by_one(tables, pool, rows)
     return DecodePlan(
         rows=tuple(rows),
@@ -100,13 +99,13 @@ def day50_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[in
 
 
 def day51_plan(tables: dict[int, BlockTable], pool: BlockPool, table: SlotTable, rows: list[int]) -> DecodePlan:
-    """The seed's Day 51 step: append through a loop over rows and list-built tensors, then read."""
+    """The seed's first append step: a loop over rows and list-built tensors, then a read."""
     lengths = grow_by_one(tables, pool, rows)
     write_slots = torch.tensor([tables[row].slot(n - 1) for row, n in zip(rows, lengths)])
     positions = torch.tensor([n - 1 for n in lengths])
     index = torch.tensor(rows)
     table.slots[index, positions] = write_slots
-    table.lens[index] += 1
+    table.lengths_array[rows] += 1
     return DecodePlan(tuple(rows), table.slots[: len(rows), : max(lengths)], torch.tensor(lengths),
                       write_slots, positions, True)
 
@@ -147,9 +146,9 @@ def run_day51(work: Workload) -> ArmRun:
 
 def run_table(work: Workload, arm: str) -> ArmRun:
     cache = BatchedPagedKVCache(1, 1, 1, work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, work.max_model_len)
-    rows = cache.slot_table.rows(work.row_ids(arm))
+    rows = work.row_ids(arm)
     start = time.perf_counter()
-    for row in rows.ids:
+    for row in rows:
         cache.allocate_prompt(row, work.prompt)
     for _ in range(work.steps):
         plan = cache.plan_decode(rows)
@@ -217,18 +216,16 @@ def format_table(results: list[dict]) -> str:
 
 
 def verdict(results: list[dict]) -> list[str]:
-    """The issue's two bars, where the sweep has the steps they name (512, and 64 for the per-step ratio)."""
+    """What the sweep says at 512 steps (the seed's figure) and how the window's per-step cost grows."""
     by_steps = {r["steps"]: r for r in results}
     lines = []
     if 512 in by_steps:
         r = by_steps[512]
-        speedup = r["speedup"]
-        lines.append(f"window vs rebuild at 512 steps: {speedup:.1f}x median (bar >= 30x: "
-                     f"{'met' if speedup >= 30 else 'NOT met'}); best run vs best run {r['speedup_best']:.1f}x; "
-                     f"per repeat {r['speedup_min']:.1f}-{r['speedup_max']:.1f}x")
+        lines.append(f"window vs rebuild at 512 steps: {r['speedup']:.1f}x median; best run vs best run "
+                     f"{r['speedup_best']:.1f}x; per repeat {r['speedup_min']:.1f}-{r['speedup_max']:.1f}x")
     if 512 in by_steps and 64 in by_steps:
         ratio = by_steps[512]["window_us_per_step"] / by_steps[64]["window_us_per_step"]
-        lines.append(f"window per step, 512 vs 64 steps: {ratio:.2f}x (bar <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")
+        lines.append(f"window per step, 512 vs 64 steps: {ratio:.2f}x")
     return lines
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoserve.cache.blocks import BlockFreeError, BlockPool, BlockTable, PoolExhaustedError, _Counts
+from nanoserve.cache.blocks import BlockFreeError, BlockPool, BlockTable, PoolExhaustedError
 
 
 def test_pool_hands_out_lowest_ids_first_and_counts():
@@ -123,29 +123,15 @@ def test_clear_returns_blocks_and_empties():
     assert table.is_empty and table.capacity == 0
 
 
-def test_stepped_counts_settle_before_any_table_reads_them():
-    counts = _Counts(4)
-    tables = [BlockTable._in_counts(4, counts, row) for row in range(4)]
-    for table in tables:
-        table.add_blocks([0, 1])
-    counts.step(np.array([1, 3]))
-    for _ in range(5):
-        counts.steps += 1
-    assert [t.num_tokens for t in tables] == [0, 5, 0, 5] and counts.steps == 0
-    counts.steps += 1
-    counts.step(slice(0, 2))  # a new row set: what the old one stepped is counted first
-    counts.steps += 2
-    assert counts.array.tolist() == [2, 8, 0, 6]
+def test_a_bound_table_counts_in_the_shared_array():
+    lengths = np.zeros(3, dtype=np.int64)
+    table = BlockTable.bound_to(4, lengths, 1)
+    table.add_blocks([0, 1])
+    table.advance(5)
+    assert lengths.tolist() == [0, 5, 0]
+    lengths[1] += 1  # one owner: whoever bumps the array bumps the table
+    assert table.num_tokens == 6
     with pytest.raises(ValueError, match="cannot hold 9 tokens"):
-        tables[1].advance(1)  # the settled count is what advance checks against capacity
-
-
-def test_pool_peek_tells_the_next_allocations_while_the_version_holds():
-    pool = BlockPool(8, 4)
-    pool.allocate(2)
-    pool.free([0])
-    version, ahead = pool.version, pool.peek(3)
-    assert ahead == [0, 2, 3] and pool.version == version  # peeking takes nothing
-    assert pool.allocate(1) + pool.allocate(2) == ahead and pool.version > version
-    with pytest.raises(ValueError, match="cannot peek at 5 blocks: 4 free"):
-        pool.peek(5)
+        table.advance(3)
+    table.clear()
+    assert lengths.tolist() == [0, 0, 0]

@@ -56,9 +56,14 @@ def test_slots_agree_names_a_wrong_cell(cache):
 
 
 def test_slots_agree_names_a_wrong_length(cache):
-    cache.slot_table.reset(0)  # behind the cache's back
+    # A cache's rows share their lengths with the table; tables of its own can disagree.
+    tables = [BlockTable(cache.block_size) for _ in range(2)]
+    for table, row in zip(tables, (0, 1)):
+        table.add_blocks(cache.tables[row].blocks)
+        table.advance(cache.num_tokens(row))
+    cache.slot_table.reset(0)
     with pytest.raises(GateError, match=r"row 0: slot table length 0 \(device 0\), block table holds 8"):
-        check_slots_agree(cache.slot_table, cache.tables, [0, 1])
+        check_slots_agree(cache.slot_table, tables, [0, 1])
 
 
 # -- check_mapping_is_window ---------------------------------------------------------------
@@ -156,7 +161,7 @@ def test_appends_incremental_holds_for_a_decode_run(cache):
 def test_appends_incremental_fails_when_a_row_is_rebuilt_mid_run(cache):
     before = cache.slot_table.counters()
     cache.plan_decode([0, 1])
-    cache.slot_table.reset(1)  # the mirror goes stale behind the cache: the next step resyncs row 1
+    cache.slot_table.resync(cache.tables[1], 1)  # a row rebuilt instead of appended to
     cache.plan_decode([0, 1])
     with pytest.raises(GateError, match=r"wrote 4 appended \+ 4 resynced cells.*Rows \[1\] were rebuilt"):
         check_appends_incremental(before, cache.slot_table.counters(), rows=2, steps=2)
@@ -172,7 +177,7 @@ def test_resyncs_bounded_holds_for_one_prompt_per_row(cache):
 def test_resyncs_bounded_fails_and_names_the_row(cache):
     before = cache.slot_table.counters()
     for _ in range(3):
-        cache.slot_table.reset(0)
+        cache.slot_table.resync(cache.tables[0], 0)
         cache.plan_decode([0, 1])
     with pytest.raises(GateError, match=r"\{0: 3\}"):
         check_resyncs_bounded(before, cache.slot_table.counters(), max_per_row=1)

@@ -45,16 +45,11 @@ def test_rebuild_mapping_of_empty_rows_is_zero_wide():
 # -- SlotTable -----------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["numpy", "torch"])
-def write_path(request) -> bool:
-    return request.param == "numpy"
-
-
-def test_both_write_paths_append_and_read_alike(write_path):
-    table = SlotTable(4, 8, numpy_writes=write_path)
+def test_append_and_read(device):
+    table = SlotTable(4, 8, device)
     table.resync(table_of([1], 3), 2)
-    table.append([0, 2], torch.tensor([11, 12]))
-    table.append([0, 1, 2], torch.tensor([13, 14, 15]))
+    table.append([0, 2], torch.tensor([11, 12], device=device))
+    table.append([0, 1, 2], torch.tensor([13, 14, 15], device=device))
     rect, lens = table.read([0, 1, 2], 5)
     assert rect[:, :5].tolist() == [[11, 13, 0, 0, 0], [14, 0, 0, 0, 0], [4, 5, 6, 12, 15]]
     assert lens.tolist() == [2, 1, 5] and table.lengths([0, 1, 2]).tolist() == [2, 1, 5]
@@ -97,80 +92,16 @@ def test_append_needs_one_slot_per_row():
         SlotTable(4, 8).append([0, 1], torch.tensor([1, 2, 3]))
 
 
-def test_stage_then_advance_equals_append_step_by_step(write_path):
-    staged, appended = SlotTable(4, 8, numpy_writes=write_path), SlotTable(4, 8, numpy_writes=write_path)
-    for table in (staged, appended):
-        table.resync(table_of([1], 3), 1)
-    steps = torch.tensor([[10, 20], [11, 21], [12, 22]])  # [steps, rows]: rows 0 and 1
-    staged.stage([0, 1], steps)
-    assert staged.lengths([0, 1]).tolist() == [0, 3]  # staged cells are not read yet
-    for step in steps:
-        staged.advance([0, 1])
-        appended.append([0, 1], step)
-        (got, got_lens), (want, want_lens) = staged.read([0, 1], 6), appended.read([0, 1], 6)
-        assert torch.equal(got_lens, want_lens)
-        readable = torch.arange(6) < want_lens.view(2, 1)  # cells past a length are unread
-        assert torch.equal(got[readable], want[readable])
-    assert staged.appended_cells == appended.appended_cells == 6
-    with pytest.raises(ValueError, match=r"no staged cells for rows \[0, 1\]"):
-        staged.advance([0, 1])  # all three steps taken
-
-
-def test_advanced_steps_reach_the_device_lengths_in_one_update_per_read(monkeypatch):
-    """The torch write path: a step is a counter; the lengths catch up once, when read."""
-    table = SlotTable(4, 16, numpy_writes=False)
-    table.stage([0, 2], torch.arange(20).reshape(10, 2))
-    adds = []
-    original = torch.Tensor.index_add_
-    monkeypatch.setattr(torch.Tensor, "index_add_", lambda self, *a: adds.append(a) or original(self, *a))
-    for _ in range(10):
-        table.advance([0, 2])
-    assert adds == []
-    assert table.lens.tolist() == [10, 0, 10, 0] and len(adds) == 1
-    assert table.read([0, 1, 2], 10)[1].tolist() == [10, 0, 10] and len(adds) == 1
-
-
-@pytest.mark.parametrize("change", ["append", "resync", "reset", "other rows"])
-def test_any_other_change_drops_what_is_staged(change):
+def test_a_prefix_given_by_size_or_range_is_the_same_row_set():
     table = SlotTable(4, 8)
-    table.stage([0, 1], torch.tensor([[1, 2], [3, 4]]))
-    version = table.version
-    if change == "append":
-        table.append([0, 1], torch.tensor([5, 6]))
-    elif change == "resync":
-        table.resync(table_of([1], 2), 3)
-    elif change == "reset":
-        table.reset(2)
-    if change == "other rows":
-        rows = [1, 0]
-    else:
-        rows = [0, 1]
-        assert table.version > version  # a caller holding a layout can tell
-    with pytest.raises(ValueError, match="no staged cells"):
-        table.advance(rows)
-
-
-def test_stage_past_max_model_len_names_the_rows():
-    table = SlotTable(2, 4)
-    table.resync(table_of([0], 2), 1)
-    with pytest.raises(ValueError, match=r"rows \[1\] already hold max_model_len=4 tokens \(or cannot take 3"):
-        table.stage([0, 1], torch.zeros(3, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"stage needs \[steps, 2\] slots"):
-        table.stage([0, 1], torch.zeros(3, dtype=torch.long))
-
-
-def test_a_prefix_given_by_size_or_range_is_the_same_remembered_row_set():
-    table = SlotTable(4, 8)
-    prefix = table.rows(3)
-    assert prefix is table.rows(range(3)) and prefix.ids == (0, 1, 2) and prefix.is_prefix
-    assert prefix is table.rows(3)  # remembered, not rebuilt
-    assert table.rows(range(1, 3)).ids == (1, 2) and not table.rows(range(1, 3)).is_prefix
+    assert table.row_ids(3) == table.row_ids(range(3)) == [0, 1, 2] and table.is_window(3)
+    assert table.row_ids(torch.tensor([2, 1])) == [2, 1] and not table.is_window(range(1, 3))
 
 
 @pytest.mark.parametrize("rows", [[0, 0], [4], [-1], [], 0, 5, range(0)])
 def test_bad_row_sets_are_refused(rows):
     with pytest.raises(ValueError):
-        SlotTable(4, 8).rows(rows)
+        SlotTable(4, 8).row_ids(rows)
 
 
 def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
@@ -216,15 +147,6 @@ def test_resync_copies_the_row_and_counts(device):
 def test_resync_of_a_row_longer_than_the_table_raises():
     with pytest.raises(ValueError, match="row 0: table holds 9 tokens"):
         SlotTable(2, 8).resync(table_of([0, 1, 2], 9), 0)
-
-
-def test_sync_resyncs_only_rows_whose_length_disagrees():
-    tables = [table_of([0], 2), table_of([1], 3)]
-    table = SlotTable(2, 8)
-    table.resync(tables[0], 0)
-    assert table.sync(tables, [0, 1]) == [1]
-    assert table.sync(tables, [0, 1]) == []
-    check_slots_agree(table, tables, [0, 1])
 
 
 def test_render_draws_lengths_and_cells():
@@ -335,11 +257,11 @@ def test_plan_decode_without_blocks_raises_and_changes_nothing():
 
 
 def blocks_held_exactly(cache: BatchedPagedKVCache, rows) -> bool:
-    """No row holds a block before a token needs it (runs plan ahead, they do not allocate ahead)."""
+    """No row holds a block before a token needs it."""
     return all(cache.tables[r].num_blocks == -(-cache.num_tokens(r) // cache.block_size) for r in rows)
 
 
-def test_a_run_crosses_block_boundaries_taking_each_block_on_the_step_that_needs_it():
+def test_decode_crosses_block_boundaries_taking_each_block_on_the_step_that_needs_it():
     cache = small_cache(num_blocks=64)
     for row, n in enumerate([1, 4, 6]):  # rows cross at different steps
         cache.allocate_prompt(row, n)
@@ -353,25 +275,25 @@ def test_a_run_crosses_block_boundaries_taking_each_block_on_the_step_that_needs
     assert used[-1] - used[0] == sum(-(-(n + 40) // 4) - (-(-n // 4)) for n in [1, 4, 6])
 
 
-def test_someone_else_using_the_pool_mid_run_restarts_the_run(device):
+def test_someone_else_using_the_pool_between_steps_is_respected(device):
     cache = small_cache(device)
     cache.allocate_prompt(0, 3)
     cache.allocate_prompt(1, 1)
-    cache.plan_decode([0, 1])  # a run that plans rows 0 and 1 into the pool's next ids
-    taken = cache.pool.allocate(2)  # ... which somebody else now holds
+    cache.plan_decode([0, 1])
+    taken = cache.pool.allocate(2)  # the ids rows 0 and 1 would take next
     for _ in range(12):
         plan = cache.plan_decode([0, 1])
         check_plan_addressing(plan, cache.tables)
     held = set(cache.tables[0].blocks) | set(cache.tables[1].blocks)
     assert not held & set(taken) and blocks_held_exactly(cache, [0, 1])
-    cache.pool.free(taken)  # and a free mid-run changes the next ids again
+    cache.pool.free(taken)  # and a free between steps changes the next ids again
     for _ in range(12):
         check_plan_addressing(cache.plan_decode([0, 1]), cache.tables)
     assert blocks_held_exactly(cache, [0, 1])
     check_slots_agree(cache.slot_table, cache.tables, [0, 1])
 
 
-def test_a_run_stops_at_the_step_whose_block_the_pool_lacks():
+def test_decode_stops_at_the_step_whose_block_the_pool_lacks():
     cache = small_cache(num_blocks=5)  # scratch + 4
     cache.allocate_prompt(0, 2)  # 1 block each; 2 left: each row can cross once
     cache.allocate_prompt(1, 4)
@@ -469,22 +391,3 @@ def test_write_kv_stores_at_the_write_slots(device):
     cache.write_kv(1, plan.write_slots, k, -k)
     assert torch.equal(cache.k_caches[1][plan.write_slots], k)
     assert torch.equal(cache.v_caches[1][plan.write_slots], -k)
-
-
-def test_steady_decode_builds_no_tensor_from_a_list_and_calls_no_slot(monkeypatch):
-    cache = small_cache(max_batch_size=4)
-    for row in range(4):
-        cache.allocate_prompt(row, 3)
-    rows = list(range(4))
-    cache.plan_decode(rows)  # the row set is validated once, here
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("torch.tensor / BlockTable.slot on the per-step path")
-
-    monkeypatch.setattr(torch, "tensor", refuse)
-    monkeypatch.setattr(BlockTable, "slot", refuse)
-    for _ in range(20):  # crosses several block boundaries (block_size 4)
-        cache.plan_decode(rows)
-    monkeypatch.undo()
-    assert cache.slot_table.resyncs == 4  # the prompts only
-    check_slots_agree(cache.slot_table, cache.tables, rows)
