@@ -21,6 +21,21 @@ settings.register_profile(
 settings.load_profile(os.environ.get("NANOSERVE_HYPOTHESIS", "ci"))
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def dense_greedy():
+    """The greedy continuation by the dense oracle: the whole sequence re-run for every token."""
+    from nanoserve.model.llama import dense_forward
+
+    @torch.no_grad()
+    def greedy(model, prompt_ids, steps: int) -> list[int]:
+        ids = list(prompt_ids)
+        for _ in range(steps):
+            ids.append(int(dense_forward(model, torch.tensor([ids]))[0, -1].argmax()))
+        return ids[len(prompt_ids):]
+
+    return greedy
 # Parametrise device-generic tests over these: cpu always, cuda where present.
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 

@@ -108,3 +108,15 @@ def test_padded_rows_write_only_the_scratch_slot(tiny):
     assert step.write_slots[1:4].tolist() == [e.cache.scratch_slot] * 3
     assert step.context_lens[1:4].tolist() == [0, 0, 0]
     assert step.stats.waste.padded_cells > 0
+
+
+def test_two_engines_in_one_process_count_only_their_own_graphs(tiny):
+    first = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1,), width_buckets=(32,),
+                   warmup="eager")
+    assert first.stats()["graphs_built"] == 1
+    second = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1, 2), width_buckets=(32,),
+                    warmup="eager")
+    assert second.stats()["graphs_built"] == 2  # its own grid, compiled for its own buffers
+    assert first.stats()["graphs_built"] == 1  # untouched by the second engine's compiles
+    first.generate([[5] * 10], [greedy(4)], use_tqdm=False)
+    assert first.stats()["recompiles_after_warmup"] == 0 and second.stats()["graphs_built"] == 2

@@ -162,3 +162,10 @@ def test_stream_yields_the_same_text_as_generate():
     engine = tiny_engine(random_model(tiny_config(), seed=1))
     with pytest.raises(ValueError, match="tokenizer"):
         list(engine.stream("hello"))
+
+
+def test_the_package_exports_the_engine_api():
+    import nanoserve
+    from nanoserve.engine import Engine, SamplingParams, build_engine
+
+    assert (nanoserve.Engine, nanoserve.SamplingParams, nanoserve.build_engine) == (Engine, SamplingParams, build_engine)

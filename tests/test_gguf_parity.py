@@ -10,7 +10,6 @@ from nanoserve.model.gguf_loader import GGUFCheckpoint, unpermute_rotary_rows
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.loader import build_model, load_model
-from nanoserve.model.simple_generate import SimpleSampling, generate_tokens
 
 transformers = pytest.importorskip("transformers")
 Q = gguf.GGMLQuantizationType
@@ -126,10 +125,10 @@ def test_default_model_logits_match_transformers(smollm2, hf_smollm2, prompt):
 
 @pytest.mark.model
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["plain", "code", "chat"])
-def test_default_model_greedy_tokens_match_transformers(smollm2, hf_smollm2, prompt):
+def test_default_model_greedy_tokens_match_transformers(smollm2, hf_smollm2, prompt, dense_greedy):
     model, tokenizer = smollm2
     prompt_ids = tokenizer.encode(prompt)
-    ours = list(generate_tokens(model, prompt_ids, SimpleSampling(max_tokens=GREEDY_TOKENS)))
+    ours = dense_greedy(model, prompt_ids, GREEDY_TOKENS)
     hf_smollm2.generation_config.eos_token_id = None  # exactly GREEDY_TOKENS tokens, even past EOS
     with torch.no_grad():
         out = hf_smollm2.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids)),

@@ -7,7 +7,6 @@ import pytest
 from nanoserve.launch import build_parser, main
 from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.loader import load_model
-from nanoserve.model.simple_generate import SimpleSampling, generate_tokens
 from nanoserve.model.synthetic import random_model, tiny_config
 
 CONFIG = tiny_config(vocab_size=260)
@@ -19,11 +18,11 @@ def tiny_gguf(tmp_path, gguf_writer):
     return gguf_writer(tmp_path / "tiny.gguf", CONFIG, weights)
 
 
-def test_generate_prints_the_greedy_continuation(tiny_gguf, capsys):
+def test_generate_prints_the_greedy_continuation(tiny_gguf, capsys, dense_greedy):
     assert main(["generate", "--model", str(tiny_gguf), "--max-tokens", "6", "hello"]) == 0
     out = capsys.readouterr()
     model, tokenizer = load_model(str(tiny_gguf))
-    ids = list(generate_tokens(model, tokenizer.encode("hello"), SimpleSampling(max_tokens=6)))
+    ids = dense_greedy(model, tokenizer.encode("hello"), 6)
     stop = tokenizer.eos_token_id
     expected = tokenizer.decode(ids[: ids.index(stop)] if stop in ids else ids, skip_special_tokens=True)
     assert out.out == expected + "\n"

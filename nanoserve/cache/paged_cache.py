@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError

@@ -81,6 +81,7 @@ class DecodeStep:
         self.stats = DecodeStats()
         self.compiled = compile
         self._seen: set[tuple[int, int]] = set()
+        self._graphs_compiled = 0  # graphs this step's backend has compiled
         self._forward = decode_forward
         if compile:
             self._prepare_compile(mode, backend, options)
@@ -91,17 +92,25 @@ class DecodeStep:
                        self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
             torch._dynamo.mark_static_address(tensor)
         grid = len(self.buckets.grid) if self.buckets is not None else 0
-        # Every bucket is one specialisation of the same code object; the default limit (8)
-        # would silently send the rest of the grid to eager.
+        # Process-wide, because dynamo keeps it per code object: every bucket is a specialisation
+        # of decode_forward, and the default limit (8) would silently send the rest of the grid to eager.
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 4 * grid + 64)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * grid + 256)
         # mode only means something to inductor; other backends (tests use "eager" to check
         # dynamo's shape discipline without paying for code generation) take none.
         # torch.compile takes a mode or explicit inductor options (e.g. cpp_wrapper), not both.
-        mode = mode if backend == "inductor" and not options else None
-        self._forward = torch.compile(decode_forward, backend=backend, mode=mode, options=options,
-                                      fullgraph=True, dynamic=False)
+        if backend == "inductor":
+            compiler = torch._TorchCompileInductorWrapper(None if options else mode, options, False)
+        else:
+            compiler = torch._dynamo.lookup_backend(backend)
+
+        def counted(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+            # This step's own count: two engines in one process never see each other's graphs.
+            self._graphs_compiled += 1
+            return compiler(graph, example_inputs)
+
+        self._forward = torch.compile(decode_forward, backend=counted, fullgraph=True, dynamic=False)
 
     def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
         if self.buckets is None:
@@ -146,22 +155,18 @@ class DecodeStep:
                 self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width)
         if not self.compiled:
             return self._forward(*args)
+        before = self._graphs_compiled
         if (rows, width) in self._seen:
-            before = _graphs_compiled()
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._forward(*args)
             finally:
-                self.stats.recompiles_after_warmup += _graphs_compiled() - before
+                self.stats.recompiles_after_warmup += self._graphs_compiled - before
         self._seen.add((rows, width))
-        before = _graphs_compiled()
         out = self._forward(*args)
-        self.stats.graphs_built += _graphs_compiled() - before
+        self.stats.graphs_built += self._graphs_compiled - before
         return out
 
     def move_row(self, src: int, dst: int) -> None:
         self.input_ids[dst] = self.input_ids[src]
 
-
-def _graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]

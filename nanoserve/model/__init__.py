@@ -4,11 +4,10 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.llama import DenseCausalAttention, LlamaModel, dense_forward
 from nanoserve.model.loader import DEFAULT_MODEL, build_model, load_config, load_model, resolve_model_path
-from nanoserve.model.simple_generate import SimpleSampling, generate_tokens
 from nanoserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL", "DenseCausalAttention", "IncrementalDetokenizer", "LlamaModel", "ModelConfig",
-    "ModelLoadError", "SimpleSampling", "Tokenizer", "build_model", "dense_forward", "generate_tokens",
+    "ModelLoadError", "Tokenizer", "build_model", "dense_forward",
     "load_config", "load_model", "resolve_model_path",
 ]
