@@ -391,3 +391,28 @@ def test_write_kv_stores_at_the_write_slots(device):
     cache.write_kv(1, plan.write_slots, k, -k)
     assert torch.equal(cache.k_caches[1][plan.write_slots], k)
     assert torch.equal(cache.v_caches[1][plan.write_slots], -k)
+
+
+def test_a_prompt_the_pool_cannot_hold_claims_nothing():
+    cache = small_cache(num_blocks=4)  # scratch + 3
+    with pytest.raises(PoolExhaustedError):
+        cache.allocate_prompt(1, 13)
+    assert not cache.is_live(1) and cache.tables[1].is_empty and cache.pool.num_free == 3
+    assert cache.slot_table.length(1) == 0
+
+
+def test_a_long_steady_batch_matches_rebuild_and_takes_blocks_lowest_id_first():
+    cache = small_cache(num_blocks=200, max_model_len=400)
+    for row, n in enumerate([1, 5, 9, 2]):
+        cache.allocate_prompt(row, n)
+    freed = cache.tables[1].blocks
+    cache.free(1)
+    cache.allocate_prompt(1, 5)
+    assert cache.tables[1].blocks == freed  # the blocks just given back, reused first
+    for _ in range(300):
+        free_before = sorted(set(range(200)) - {b for t in cache.tables for b in t.blocks} - {0})
+        full = [r for r in range(4) if cache.num_tokens(r) == cache.tables[r].capacity]
+        plan = cache.plan_decode(4)
+        assert [cache.tables[r].blocks[-1] for r in full] == free_before[: len(full)]
+    check_plan_addressing(plan, cache.tables)
+    check_slots_agree(cache.slot_table, cache.tables, range(4))
