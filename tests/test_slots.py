@@ -395,9 +395,10 @@ def test_write_kv_stores_at_the_write_slots(device):
 
 def test_a_prompt_the_pool_cannot_hold_claims_nothing():
     cache = small_cache(num_blocks=4)  # scratch + 3
+    cache.allocate_prompt(0, 8)
     with pytest.raises(PoolExhaustedError):
-        cache.allocate_prompt(1, 13)
-    assert not cache.is_live(1) and cache.tables[1].is_empty and cache.pool.num_free == 3
+        cache.allocate_prompt(1, 5)
+    assert not cache.is_live(1) and cache.tables[1].is_empty and cache.pool.num_free == 1
     assert cache.slot_table.length(1) == 0
 
 
