@@ -403,7 +403,7 @@ def test_a_prompt_the_pool_cannot_hold_claims_nothing():
 
 
 def test_a_long_steady_batch_matches_rebuild_and_takes_blocks_lowest_id_first():
-    cache = small_cache(num_blocks=200, max_model_len=400)
+    cache = small_cache(num_blocks=400, max_model_len=400)
     for row, n in enumerate([1, 5, 9, 2]):
         cache.allocate_prompt(row, n)
     freed = cache.tables[1].blocks
@@ -411,7 +411,7 @@ def test_a_long_steady_batch_matches_rebuild_and_takes_blocks_lowest_id_first():
     cache.allocate_prompt(1, 5)
     assert cache.tables[1].blocks == freed  # the blocks just given back, reused first
     for _ in range(300):
-        free_before = sorted(set(range(200)) - {b for t in cache.tables for b in t.blocks} - {0})
+        free_before = sorted(set(range(400)) - {b for t in cache.tables for b in t.blocks} - {0})
         full = [r for r in range(4) if cache.num_tokens(r) == cache.tables[r].capacity]
         plan = cache.plan_decode(4)
         assert [cache.tables[r].blocks[-1] for r in full] == free_before[: len(full)]
