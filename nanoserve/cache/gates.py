@@ -27,11 +27,7 @@ def _listed(faults: list[str]) -> str:
 
 
 def check_slots_agree(slot_table: SlotTable, tables: Sequence[TableLike], rows: Sequence[int]) -> None:
-    """Every listed row of the slot table equals rebuild_mapping: same length, same slot in every cell.
-
-    Compares every slot, not just lengths: the length-only staleness test in `sync` is
-    only sound while BlockTable.adopt refuses non-empty tables.
-    """
+    """Every listed row of the slot table equals rebuild_mapping: same length, same slot in every cell."""
     rows = list(rows)
     if not rows:
         return
@@ -91,7 +87,7 @@ def check_window_intact(plan: DecodePlan) -> None:
 
 
 def check_plan_addressing(plan: DecodePlan, tables: Sequence[TableLike]) -> None:
-    """Day 50's gate: each row's cells are its block table's slots, and the write slot is its last real cell."""
+    """Each row's cells are its block table's slots, and the write slot is its last real cell."""
     lens = plan.context_lens.tolist()
     mapping = plan.slot_mapping.cpu().tolist()
     written, positions = plan.write_slots.tolist(), plan.positions.tolist()
@@ -114,7 +110,7 @@ def check_plan_addressing(plan: DecodePlan, tables: Sequence[TableLike]) -> None
 
 
 def check_plan_fresh(plan: DecodePlan, tables: Sequence[TableLike]) -> None:
-    """Day 50's staleness gate: the plan's context_lens still match the block tables.
+    """The plan is not stale: its context_lens still match the block tables.
 
     Armed only because context_lens is a copy: lengths read live out of the table
     would always agree.
@@ -139,7 +135,7 @@ def check_appends_incremental(before: SlotCounters, after: SlotCounters, rows: i
     raise GateError(
         f"{steps} steps over {rows} rows wrote {appended} appended + {resynced} resynced cells; an incremental "
         f"table writes exactly {rows * steps} appended and 0 resynced. Rows {rebuilt} were rebuilt instead of "
-        "appended to (cache side: a row changed behind plan_decode, so its mirror went stale mid-run)."
+        "appended to (cache side: something resynced these rows between decode steps)."
     )
 
 
@@ -150,7 +146,7 @@ def check_resyncs_bounded(before: SlotCounters, after: SlotCounters, max_per_row
     if over:
         raise GateError(
             f"rows resynced more than {max_per_row} time(s): {over} (row: resyncs). A row resyncs when its "
-            "tenant changes; more means its mirror is being rebuilt instead of appended to "
+            "tenant changes; more means the row is being rebuilt instead of appended to "
             "(cache side: something changes these rows' block tables outside plan_decode)."
         )
 
@@ -173,7 +169,7 @@ def check_table_fits(
 
 
 def check_rebuild_bounded(cells_built: int, cells_appended: int, max_ratio: float = 4.0) -> None:
-    """Day 50's gate: addressing work stays within `max_ratio` cells built per cell appended."""
+    """Addressing work stays within `max_ratio` cells built per cell appended."""
     ratio = cells_built / max(cells_appended, 1)
     if ratio <= max_ratio:
         return

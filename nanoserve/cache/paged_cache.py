@@ -94,20 +94,8 @@ class BatchedPagedKVCache:
     def live_rows(self) -> list[int]:
         return [row for row, claimed in enumerate(self._claimed) if claimed]
 
-    @property
-    def num_free_rows(self) -> int:
-        return self._claimed.count(False)
-
     def is_live(self, row: int) -> bool:
         return self._claimed[self._check_row(row)]
-
-    def allocate_row(self) -> int:
-        """Claim the lowest free row (keeps running rows a prefix when rows finish in order)."""
-        if all(self._claimed):
-            raise RuntimeError(f"all {self.max_batch_size} rows are live; finish or preempt one first")
-        row = self._claimed.index(False)
-        self._claimed[row] = True
-        return row
 
     def num_tokens(self, row: int) -> int:
         return self.tables[self._check_row(row)].num_tokens
