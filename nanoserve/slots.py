@@ -99,9 +99,11 @@ class SlotTable:
 
     def row_ids(self, rows: RowsLike) -> list[int]:
         """A row set as a list of distinct ids; an int `n` is the prefix `0..n-1`."""
-        if isinstance(rows, int):
-            rows = range(rows)
-        elif isinstance(rows, (torch.Tensor, np.ndarray)):
+        if isinstance(rows, int):  # the common decode case: only the size to check
+            if not 1 <= rows <= self.max_batch_size:
+                raise ValueError(f"a prefix of {rows} rows outside 1..{self.max_batch_size}")
+            return list(range(rows))
+        if isinstance(rows, (torch.Tensor, np.ndarray)):
             rows = rows.tolist()
         ids = [int(r) for r in rows]
         if not ids:

@@ -212,15 +212,17 @@ class BatchedPagedKVCache:
             self.tables[row].add_blocks((block,))
         write_slots = torch.tensor([self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
                                    dtype=torch.int64, device=self.device)
-        self.slot_table.append(ids, write_slots)
+        is_window = self.slot_table.is_prefix(ids)
+        rows = len(ids) if is_window else ids  # a prefix by its size: checked once, above
+        self.slot_table.append(rows, write_slots)
         context_lens = positions + 1
         return DecodePlan(
             rows=tuple(ids),
-            slot_mapping=self.slot_table.rect(ids, int(context_lens.max())),
+            slot_mapping=self.slot_table.rect(rows, int(context_lens.max())),
             context_lens=torch.from_numpy(context_lens).to(self.device),
             write_slots=write_slots,
             positions=torch.from_numpy(positions).to(self.device),
-            is_window=self.slot_table.is_prefix(ids),
+            is_window=is_window,
         )
 
     def _full_rows(self, ids: list[int]) -> list[int]:
