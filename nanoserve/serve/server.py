@@ -1,11 +1,46 @@
-"""Run an app under uvicorn in a background thread (tests, notebooks, benchmarks)."""
+"""Run an app under uvicorn: in a background thread (tests, notebooks, benchmarks), or in the
+main thread with a graceful drain on SIGTERM/SIGINT (`nanoserve serve`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 
 import uvicorn
+
+logger = logging.getLogger("nanoserve.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM or SIGINT drains the app (``app.state.drain``:
+    new work gets a 503, work in flight finishes or is ended) before the server stops, so the
+    process exits 0 with no request cut mid-response. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, app, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.app, self.drain_timeout = app, drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Future | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain is not None or self._loop is None or not self.started:
+            super().handle_exit(sig, frame)  # a second signal, or not serving yet: stop now
+            return
+        logger.info("signal %d: draining for up to %.0f s (send it again to stop at once)",
+                    sig, self.drain_timeout)
+        self._drain = asyncio.run_coroutine_threadsafe(self._drain_then_exit(), self._loop)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.app.state.drain(self.drain_timeout)
+        finally:
+            self.should_exit = True
 
 
 class BackgroundServer:

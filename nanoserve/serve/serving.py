@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from nanoserve.engine import RequestError, RequestOutput, SamplingParams
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
-from nanoserve.serve.errors import ApiError
+from nanoserve.serve.errors import ApiError, quoted
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this
 
@@ -39,7 +39,7 @@ class ServeState:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+            raise ApiError(404, f"The model {quoted(model)} does not exist; this server serves "
                                 f"`{self.model_name}` (see GET /v1/models)", param="model",
                            code="model_not_found")
 
@@ -54,12 +54,19 @@ def new_id(prefix: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
 
 
-def encode(state: ServeState, text: str, param: str) -> list[int]:
+def need_tokenizer(state: ServeState, param: str):
     if state.tokenizer is None:
         raise ApiError(400, f"{param}: this server's model has no tokenizer, so text cannot be served; "
                             "send a prompt of token ids to /v1/completions", param=param,
                        code="invalid_value")
-    return state.tokenizer.encode(text)
+    return state.tokenizer
+
+
+async def encode(state: ServeState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, computed in a worker thread: a multi-megabyte prompt must not stall
+    the event loop (and with it every other client)."""
+    tokenizer = need_tokenizer(state, param)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
 def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None, prompt_param: str) -> int:
@@ -91,6 +98,8 @@ async def submit(state: ServeState, prompt_ids: list[int], params: SamplingParam
 
 
 def check_output(output: RequestOutput | BaseException) -> RequestOutput:
+    if isinstance(output, EngineStopped):  # shutting down, or the engine faulted: try elsewhere
+        raise ApiError(503, str(output), code="engine_unavailable")
     if isinstance(output, BaseException):
         raise ApiError(500, f"generation failed: {output}", code="engine_error")
     if output.finish_reason == "error":
