@@ -37,9 +37,14 @@ class ApiError(Exception):
 
 
 def from_validation_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI's list of pydantic errors -> one 400 naming the first offending field."""
-    first = exc.errors()[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    """FastAPI's list of pydantic errors -> one 400 naming the first offending field. Where a
+    field may take several types (a union), a value our own validators refused (bad Unicode)
+    explains more than "not a list", so that error is preferred."""
+    errors = exc.errors()
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # Union members appear in `loc` as type names ("list[int]"); the client's path is the rest.
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"
+           and (isinstance(part, int) or str(part).isidentifier())]
     kind = first.get("type", "")
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
