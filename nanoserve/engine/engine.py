@@ -29,13 +29,14 @@ class RequestError(ValueError):
     """A request that cannot be served (too long, empty, bad ids). It fails alone."""
 
 
-def check_unicode(text: str, what: str) -> None:
-    """Raise RequestError unless `text` is valid Unicode (a lone UTF-16 surrogate is not: it
-    can be neither tokenized nor sent back as UTF-8)."""
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not valid Unicode (a lone UTF-16 surrogate can be neither tokenized nor
+    sent back as UTF-8), or None when it is."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise RequestError(f"{what}: not valid Unicode text ({exc.reason} at character {exc.start})") from None
+        return f"not valid Unicode text ({exc.reason} at character {exc.start})"
+    return None
 
 
 @dataclass
@@ -318,7 +319,8 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("text prompts need a tokenizer; pass token ids instead")
-            check_unicode(prompt, "prompt")
+            if (problem := unicode_problem(prompt)) is not None:
+                raise RequestError(f"prompt: {problem}")
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 

@@ -113,8 +113,8 @@ def _model_card(state: ServeState, created: int) -> dict:
 
 
 class ApiKeyMiddleware:
-    """Refuse requests (all but the probes) without the right bearer token, before the body is even parsed (so a
-    bad key wins over a bad body). Plain ASGI, not BaseHTTPMiddleware, which would get between
+    """Refuse requests (all but the probes) without the right bearer token, before the body is
+    even read (so a bad key wins over a bad body). Plain ASGI, not BaseHTTPMiddleware, which would get between
     a streaming response and the client's disconnect."""
 
     def __init__(self, app, api_key: str) -> None:

@@ -91,8 +91,7 @@ class EngineLoop:
         exception instance there means the engine failed it). Raises the engine's
         RequestError if the request cannot be served, EngineStopped if the loop is down."""
         if not self.alive:
-            raise EngineStopped(self.stopped_reason if self._thread is not None else
-                                "the engine loop is not running")
+            raise EngineStopped(self.stopped_reason)
         stream = _Stream(asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._post(_Add(request_id, prompt, params, stream, accepted))
@@ -206,8 +205,11 @@ class EngineLoop:
 
     @property
     def stopped_reason(self) -> str:
+        """Why the loop takes no work (meaningful once it is not alive)."""
         if self.fault is not None:
             return f"the engine stopped after a fault ({self.fault}); the server takes no more work"
+        if self._thread is None:
+            return "the engine loop is not running"
         return "the server is shutting down"
 
 

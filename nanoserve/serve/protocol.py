@@ -15,18 +15,16 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from nanoserve.engine import RequestError, SamplingParams
-from nanoserve.engine.engine import check_unicode
+from nanoserve.engine import SamplingParams
+from nanoserve.engine.engine import unicode_problem
 from nanoserve.serve.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own ceiling for chat top_logprobs
 
 
 def _unicode(text: str) -> str:
-    try:
-        check_unicode(text, "text")
-    except RequestError as exc:
-        raise ValueError(str(exc).removeprefix("text: ")) from None
+    if (problem := unicode_problem(text)) is not None:
+        raise ValueError(problem)
     return text
 
 
