@@ -214,3 +214,30 @@ def tiny_text_engine(directory, **engine_kwargs):
     model, tokenizer = load_model(str(path))
     tokenizer.chat_template = ChatTemplate(TINY_CHAT_TEMPLATE)
     return build_engine(model, tokenizer=tokenizer, **engine_kwargs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(process, url: str, timeout: float = 60.0) -> None:
+    """Poll `url`/health until the server `process` answers 200; fail with its output if it
+    exits first, or if `timeout` seconds pass."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)

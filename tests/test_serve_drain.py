@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from conftest import tiny_text_engine  # noqa: E402
+from conftest import free_port, tiny_text_engine, wait_until_serving  # noqa: E402
 
 ENGINE = dict(max_batch_size=8, kv_cache_bytes=1 << 20, block_size=4, max_model_len=256)
 
@@ -92,12 +91,6 @@ def test_drain_finishes_short_work_ends_long_work_and_refuses_new_work(tmp_path)
     engine.check_drained()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # a fresh interpreter importing torch: ~5-10 s on 2 cores
 def test_sigterm_with_streams_in_flight_exits_0_within_the_drain_timeout_with_a_clean_log(tmp_path):
     from conftest import write_gguf
@@ -107,7 +100,7 @@ def test_sigterm_with_streams_in_flight_exits_0_within_the_drain_timeout_with_a_
 
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = write_gguf(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
-    port, drain_timeout = _free_port(), 2.0
+    port, drain_timeout = free_port(), 2.0
     argv = [sys.executable, "-m", "nanoserve.launch", "serve", "--model", str(path), "--port", str(port),
             "--max-model-len", "1024", "--kv-cache-bytes", "4M", "--max-batch-size", "8",
             "--drain-timeout", str(drain_timeout), "--log-level", "info"]
@@ -115,16 +108,7 @@ def test_sigterm_with_streams_in_flight_exits_0_within_the_drain_timeout_with_a_
     url = f"http://127.0.0.1:{port}"
     results: list[list[str]] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_serving(process, url)
         body = {"model": "tiny", "prompt": "hello", "temperature": 0, "ignore_eos": True}
         with httpx.Client(base_url=url, timeout=60) as client:
             workers = [threading.Thread(target=lambda n=n: results.append(
