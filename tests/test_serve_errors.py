@@ -97,7 +97,8 @@ def test_missing_fields_are_400s_naming_the_field(client, path, body, param):
     ({"n": 2}, "n"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"echo": True}, "echo"),  # token ids are echoed as text, and this engine has no tokenizer
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": [[1]] * 65}, "prompt"),  # a batch over MAX_PROMPTS
+    ({"prompt": [[1], [2]], "stream": True}, "prompt"),  # a streamed batch
 ])
 def test_out_of_range_or_unsupported_parameters_are_400s(client, fields, param):
     error = assert_openai_error(completion(client, **fields), 400, param)

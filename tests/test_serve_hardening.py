@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 
 import pytest
 
@@ -127,6 +128,26 @@ def test_a_huge_top_k_does_not_fail_the_greedy_requests_sharing_its_steps(client
     assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
     for response in responses[1:]:
         assert response.json()["choices"][0]["logprobs"]["tokens"] == greedy_tokens
+
+
+@pytest.mark.parametrize("prompts", [[[5, 6, 7], [9, 8], [4]], ["well", "formed"]])
+def test_a_batch_of_prompts_gets_one_choice_each_equal_to_each_alone(client, server, prompts):
+    alone = [client.post("/v1/completions", json={**GREEDY, "prompt": p, "echo": True, "logprobs": 1}).json()
+             for p in prompts]
+    batch = client.post("/v1/completions", json={**GREEDY, "prompt": prompts, "echo": True, "logprobs": 1})
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(len(prompts)))
+    for choice, single in zip(choices, alone):
+        assert choice["text"] == single["choices"][0]["text"]
+        assert choice["logprobs"]["tokens"] == single["choices"][0]["logprobs"]["tokens"]
+    assert batch.json()["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    # One prompt the engine refuses fails the batch, and none of it is left running.
+    assert_error(client.post("/v1/completions", json={**GREEDY, "prompt": [[1, 2], [999]]}), 400, "prompt")
+    deadline = time.monotonic() + 5  # the abort reaches the engine thread between steps
+    while server.engine_loop.stats["running"] + server.engine_loop.stats["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.engine_loop.stats["running"] == server.engine_loop.stats["waiting"] == 0
 
 
 def test_docs_and_openapi_need_the_key_and_probes_do_not(server):

@@ -38,7 +38,7 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
         head["object"] = "chat.completion.chunk"
         chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage)
         return serving.sse_response(state, chunks, request_id)
-    output = await serving.collect(state, queue, request_id, request)
+    output, = await serving.collect(state, request, [(queue, request_id)])
     choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
               "logprobs": chat_logprobs(state, output.logprobs), "finish_reason": output.finish_reason}
     return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}

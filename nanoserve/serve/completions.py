@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from nanoserve.engine import RequestOutput
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
 from nanoserve.serve.errors import ApiError
@@ -19,7 +20,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 async def create_completion(state: ServeState, body: CompletionRequest, request: Request):
     state.check_model(body.model)
     body.check_supported()
-    prompt = body.single_prompt()
+    prompts = body.prompts()
     requested = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     if requested == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 asks for no completion, which only makes sense with echo "
@@ -28,27 +29,41 @@ async def create_completion(state: ServeState, body: CompletionRequest, request:
     # With echo, logprobs also scores the prompt's own tokens (evaluation harnesses' loglikelihood).
     params = sampling_params(body, max_tokens=requested, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo else None)  # validate first
-    if body.echo and not isinstance(prompt, str):
+    if body.echo and not all(isinstance(prompt, str) for prompt in prompts):
         serving.need_tokenizer(state, "echo")  # token ids are echoed as their text
-    prompt_ids = await serving.encode(state, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-    serving.resolve_max_tokens(state, len(prompt_ids), requested, "prompt")
+    prompt_ids = [await serving.encode(state, p, "prompt") if isinstance(p, str) else list(p) for p in prompts]
+    for ids in prompt_ids:
+        serving.resolve_max_tokens(state, len(ids), requested, "prompt")
     request_id, created = serving.new_id("cmpl")
-    queue = await serving.submit(state, prompt_ids, params, request_id, "prompt")
-    echo = None
+    submitted: list[tuple[asyncio.Queue, str]] = []
+    try:
+        for index, ids in enumerate(prompt_ids):
+            engine_id = request_id if len(prompt_ids) == 1 else f"{request_id}-{index}"
+            submitted.append((await serving.submit(state, ids, params, engine_id, "prompt"), engine_id))
+    except BaseException:  # a later prompt refused (or the client gone): none of them runs
+        serving.abort_all(state, submitted)
+        raise
+    echoes = [None] * len(prompts)
     if body.echo:
-        echo = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
+        echoes = [p if isinstance(p, str) else state.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
     head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name}
-    if body.stream:
-        chunks = _chunks(state, head, queue, prompt_ids, echo, body.include_usage)
+    if body.stream:  # one prompt (CompletionRequest.prompts)
+        chunks = _chunks(state, head, submitted[0][0], prompt_ids[0], echoes[0], body.include_usage)
         return serving.sse_response(state, chunks, request_id)
-    output = await serving.collect(state, queue, request_id, request)
+    outputs = await serving.collect(state, request, submitted)
+    choices = [_choice(state, index, output, ids, echo)
+               for index, (output, ids, echo) in enumerate(zip(outputs, prompt_ids, echoes))]
+    usage = serving.usage(sum(map(len, prompt_ids)), sum(len(output.token_ids) for output in outputs))
+    return {**head, "choices": choices, "usage": usage}
+
+
+def _choice(state: ServeState, index: int, output: RequestOutput, prompt_ids: list[int], echo: str | None) -> dict:
     text, ids, entries = output.text, output.token_ids, output.logprobs
     if echo is not None:
         text, ids = echo + text, prompt_ids + ids
         entries = None if entries is None else output.prompt_logprobs + entries
     logprobs = None if entries is None else legacy_logprobs(state, ids, entries, 0)[0]
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}
-    return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}
 
 
 async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_ids: list[int],

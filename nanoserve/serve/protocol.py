@@ -20,6 +20,7 @@ from nanoserve.engine.engine import unicode_problem
 from nanoserve.serve.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own ceiling for chat top_logprobs
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch (evaluation harnesses send a few)
 
 
 def _unicode(text: str) -> str:
@@ -87,15 +88,18 @@ class CompletionRequest(_SamplingFields):
             if unsupported:
                 raise ApiError(400, f"{name} is not supported", param=name, code="invalid_value")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; a batch of prompts is refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of texts or of token-id lists), one
+        choice each. A streamed request takes one prompt."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt: one prompt per request is supported, got {len(prompt)}; "
-                                    "send several requests instead", param="prompt", code="invalid_value")
-            prompt = prompt[0]
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+        if not 1 <= len(batch) <= MAX_PROMPTS:
+            raise ApiError(400, f"prompt: a batch holds 1 to {MAX_PROMPTS} prompts, got {len(batch)}",
+                           param="prompt", code="invalid_value")
+        if self.stream and len(batch) > 1:
+            raise ApiError(400, f"prompt: a streamed request takes one prompt, got {len(batch)}; send them "
+                                "unstreamed or as several requests", param="prompt", code="invalid_value")
+        return batch
 
 
 class ContentPart(StrictModel):

@@ -107,21 +107,27 @@ def check_output(output: RequestOutput | BaseException) -> RequestOutput:
     return output
 
 
-async def collect(state: ServeState, queue: asyncio.Queue, request_id: str,
-                  request: Request) -> RequestOutput:
-    """Wait for the finished output; abort the request if the client hangs up first."""
-    result = asyncio.ensure_future(_last_output(queue))
+async def collect(state: ServeState, request: Request,
+                  submitted: list[tuple[asyncio.Queue, str]]) -> list[RequestOutput]:
+    """Wait for each submitted request's (queue, id) finished output; abort them all if the
+    client hangs up first."""
+    results = asyncio.ensure_future(asyncio.gather(*(_last_output(queue) for queue, _ in submitted)))
     hangup = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({result, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({results, hangup}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         hangup.cancel()
-        if not result.done():
-            result.cancel()
-            state.engine_loop.abort(request_id)
-    if not result.done() or result.cancelled():
+        if not results.done():
+            results.cancel()
+            abort_all(state, submitted)
+    if not results.done() or results.cancelled():
         raise ApiError(499, "client closed the request")
-    return check_output(result.result())
+    return [check_output(output) for output in results.result()]
+
+
+def abort_all(state: ServeState, submitted: list[tuple[asyncio.Queue, str]]) -> None:
+    for _, request_id in submitted:
+        state.engine_loop.abort(request_id)
 
 
 async def _last_output(queue: asyncio.Queue) -> RequestOutput | BaseException:
