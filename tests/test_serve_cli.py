@@ -14,6 +14,7 @@ from nanoserve.engine.options import parse_bytes
 from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.serve.cli import add_serve_subcommand, served_name
+from nanoserve.serve.limits import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -36,6 +37,13 @@ def test_defaults_bind_loopback_and_sizes_parse():
     assert [parse_bytes(s) for s in ("1024", "2k", "1.5GiB", "3 MB")] == [1024, 2048, 3 << 29, 3 << 20]
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_bytes("lots")
+
+
+def test_request_limit_and_drain_timeout_parse_with_defaults():
+    args = parse()
+    assert (args.max_request_bytes, args.drain_timeout) == (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_DRAIN_TIMEOUT)
+    args = parse("--max-request-bytes", "2M", "--drain-timeout", "7.5")
+    assert (args.max_request_bytes, args.drain_timeout) == (2 << 20, 7.5)
 
 
 def test_served_name_comes_from_the_model_argument():

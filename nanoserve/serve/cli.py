@@ -22,7 +22,8 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /health, /metrics).")
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics); "
+                    "SIGTERM or SIGINT drains it (see --drain-timeout).")
     parser.add_argument("--model", default="smollm2",
                         help="'smollm2' (default), a .gguf file, or a Hugging Face model directory")
     parser.add_argument("--served-model-name", default=None,
