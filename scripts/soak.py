@@ -3,8 +3,8 @@ hang-ups (a stream closed after its first chunk), aborts (a request given up on 
 and preemption (a KV pool too small for every row), on a tiny random model.
 
 Checks: every completed request's greedy tokens equal that prompt's tokens computed alone,
-no 5xx, the pool and the rows all back at the end (`Engine.check_drained`), and the resident
-memory at start, after warm-up and at the end. Prints one JSON summary; exits 1 on any failure.
+no 5xx, the pool and the rows all back at the end (`Engine.check_drained`), the resident
+memory at start, after warm-up and at the end, and the count of live Python objects. Prints one JSON summary; exits 1 on any failure.
 
     python scripts/soak.py                      # 10,000 requests, 64 clients
     python scripts/soak.py --requests 500 --clients 16
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     warmup = min(1000, args.requests // 10)
     asyncio.run(run_clients(soak, warmup, min(args.clients, warmup)))
-    rss_warm = rss_mib()
+    rss_warm, objects_warm = rss_mib(), len(gc.get_objects())
     asyncio.run(run_clients(soak, args.requests - warmup, args.clients))
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + 30
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "preemptions": stats["preemptions"], "aborted_in_engine": stats["aborted"],
         "blocks_free_end": stats["blocks_free"], "blocks_free_baseline": baseline, "leak": leak,
         "rss_mib": {"start": round(rss_start, 1), "after_warmup": round(rss_warm, 1), "end": round(rss_mib(), 1)},
+        # Python objects alive after warm-up and at the end: a per-request leak would show here.
+        "python_objects": {"after_warmup": objects_warm, "end": len(gc.get_objects())},
     }
     print(json.dumps(summary, indent=2))
     for failure in soak.failures[:10]:
