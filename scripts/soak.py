@@ -162,15 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         engine.check_drained()  # the loop is idle: nothing else touches the engine now
     except AssertionError as exc:
         leak = str(exc)
+    rss_end, objects_end = rss_mib(), len(gc.get_objects())  # with the server still up, as at warm-up
     server.stop()
     summary = {
         "requests": args.requests, "clients": args.clients, "seconds": round(elapsed, 1),
         "outcomes": dict(sorted(soak.outcomes.items())), "failures": len(soak.failures),
         "preemptions": stats["preemptions"], "aborted_in_engine": stats["aborted"],
         "blocks_free_end": stats["blocks_free"], "blocks_free_baseline": baseline, "leak": leak,
-        "rss_mib": {"start": round(rss_start, 1), "after_warmup": round(rss_warm, 1), "end": round(rss_mib(), 1)},
+        "rss_mib": {"start": round(rss_start, 1), "after_warmup": round(rss_warm, 1), "end": round(rss_end, 1)},
         # Python objects alive after warm-up and at the end: a per-request leak would show here.
-        "python_objects": {"after_warmup": objects_warm, "end": len(gc.get_objects())},
+        "python_objects": {"after_warmup": objects_warm, "end": objects_end},
     }
     print(json.dumps(summary, indent=2))
     for failure in soak.failures[:10]:
