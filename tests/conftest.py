@@ -193,18 +193,66 @@ def gguf_writer():
 
 
 @contextlib.contextmanager
-def served(engine, model_name: str, api_key: str | None):
-    """`engine` behind the HTTP app on a free loopback port, its loop reachable as
-    `server.engine_loop`; on exit the server stops and the loop must have ended."""
+def served(engine, model_name: str, api_key: str | None, **app_options):
+    """`engine` behind the HTTP app (`create_app(..., **app_options)`) on a free loopback port,
+    its loop reachable as `server.engine_loop`; on exit the server stops and the loop must
+    have ended."""
     from nanoserve.serve.app import create_app
     from nanoserve.serve.engine_loop import EngineLoop
     from nanoserve.serve.server import BackgroundServer
 
     loop = EngineLoop(engine)
-    server = BackgroundServer(create_app(loop, model_name, api_key=api_key)).start()
+    server = BackgroundServer(create_app(loop, model_name, api_key=api_key, **app_options)).start()
     server.engine_loop = loop
     try:
         yield server
     finally:
         server.stop()
     assert not loop.alive
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_text_engine(directory, **engine_kwargs):
+    """A tiny random model with a byte-level tokenizer and a simple chat template (a planted
+    GGUF, so text, chat and token paths all run), built with `engine_kwargs`."""
+    from nanoserve.engine import build_engine
+    from nanoserve.model.llama import unfuse_hf_weights
+    from nanoserve.model.loader import load_model
+    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.tokenizer import ChatTemplate
+
+    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
+    path = write_gguf(directory / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
+    model, tokenizer = load_model(str(path))
+    tokenizer.chat_template = ChatTemplate(TINY_CHAT_TEMPLATE)
+    return build_engine(model, tokenizer=tokenizer, **engine_kwargs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(process, url: str, timeout: float = 60.0) -> None:
+    """Poll `url`/health until the server `process` answers 200; fail with its output if it
+    exits first, or if `timeout` seconds pass."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)

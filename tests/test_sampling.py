@@ -8,14 +8,31 @@ from nanoserve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
+    ("max_tokens", -1), ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", 1.2), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("seed", -1), ("logprobs", -1), ("stop", [""]),
     ("max_tokens", 2.5), ("temperature", float("nan")),
+    # Beyond what the sampler's tensors and the generator can hold, and non-finite floats.
+    ("max_tokens", 2**63), ("top_k", 2**63), ("seed", 2**64), ("stop_token_ids", [2**63]),
+    ("logprobs", 2**63), ("prompt_logprobs", -1), ("temperature", float("inf")),
+    ("repetition_penalty", float("inf")), ("temperature", 10**400), ("max_tokens", True),
 ])
 def test_invalid_sampling_params_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_the_widest_values_that_fit_are_accepted():
+    params = SamplingParams(max_tokens=0, top_k=2**63 - 1, seed=2**64 - 1, logprobs=2**63 - 1,
+                            stop_token_ids=[2**63 - 1], temperature=1e308)
+    torch.Generator().manual_seed(params.seed)  # the generator takes the whole seed range
+
+
+def test_huge_top_k_and_logprobs_are_clamped_to_the_vocabulary():
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(top_k=2**63 - 1, logprobs=2**63 - 1), SamplingParams(temperature=0.0)]
+    out = Sampler()(logits, params, [_gen(0), None])
+    assert len(out.logprobs[0].top) == 50 and out.logprobs[1] is None
 
 
 def test_stop_accepts_a_single_string():

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,10 +14,13 @@ from nanoserve.engine.options import parse_bytes
 from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.serve.cli import add_serve_subcommand, served_name
+from nanoserve.serve.limits import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+
+from conftest import free_port, wait_until_serving  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -38,6 +39,13 @@ def test_defaults_bind_loopback_and_sizes_parse():
         parse_bytes("lots")
 
 
+def test_request_limit_and_drain_timeout_parse_with_defaults():
+    args = parse()
+    assert (args.max_request_bytes, args.drain_timeout) == (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_DRAIN_TIMEOUT)
+    args = parse("--max-request-bytes", "2M", "--drain-timeout", "7.5")
+    assert (args.max_request_bytes, args.drain_timeout) == (2 << 20, 7.5)
+
+
 def test_served_name_comes_from_the_model_argument():
     assert served_name("smollm2") == "smollm2"
     assert served_name("/models/SmolLM2-135M.Q4_1.gguf") == "SmolLM2-135M.Q4_1"
@@ -50,17 +58,11 @@ def test_a_missing_model_file_is_a_clean_exit(tmp_path):
         args.func(args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # a fresh interpreter importing torch: ~5-10 s on 2 cores
 def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path, gguf_writer):
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
-    port = _free_port()
+    port = free_port()
     script = ("import argparse, sys; from nanoserve.serve.cli import add_serve_subcommand; "
               "p = argparse.ArgumentParser(); add_serve_subcommand(p.add_subparsers()); "
               "a = p.parse_args(sys.argv[1:]); a.func(a)")
@@ -70,16 +72,7 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path, gguf_writer):
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_serving(process, url)
         headers = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}

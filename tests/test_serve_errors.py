@@ -15,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 from conftest import served  # noqa: E402
 
 from nanoserve.engine import build_engine  # noqa: E402
+from nanoserve.engine.sampler import Sampler  # noqa: E402
 from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
 from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
 
@@ -94,8 +95,10 @@ def test_missing_fields_are_400s_naming_the_field(client, path, body, param):
     ({"logprobs": 50}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"n": 2}, "n"),
-    ({"echo": True}, "echo"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"echo": True}, "echo"),  # token ids are echoed as text, and this engine has no tokenizer
+    ({"prompt": [[1]] * 65}, "prompt"),  # a batch over MAX_PROMPTS
+    ({"prompt": [[1], [2]], "stream": True}, "prompt"),  # a streamed batch
 ])
 def test_out_of_range_or_unsupported_parameters_are_400s(client, fields, param):
     error = assert_openai_error(completion(client, **fields), 400, param)
@@ -176,20 +179,30 @@ def test_non_streaming_client_that_hangs_up_aborts_its_request(client, server):
         assert _eventually(lambda: server.engine_loop.stats["blocks_free"] == baseline)
 
 
-def test_streamed_engine_error_is_reported_in_band(client, server):
-    """A request the engine fails mid-stream ends with an OpenAI error event, then [DONE]."""
-    loop = server.engine_loop
-    original = loop.engine.step
-    loop.engine.step = _raise_once(original)
+def test_streamed_request_failure_is_reported_in_band(client, server):
+    """A request the engine fails mid-stream (its own sampling raised) ends with an OpenAI
+    error event, then [DONE]; the server keeps serving."""
+    engine = server.engine_loop.engine
+    original = engine.sampler
+    engine.sampler = _FailingForSeed()
     try:
-        body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "stream": True}
+        body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "stream": True, "seed": 666}
         with client.stream("POST", "/v1/completions", json=body) as response:
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     finally:
-        loop.engine.step = original
+        engine.sampler = original
     assert events[-1] == "[DONE]"
     assert "planted" in json.loads(events[-2])["error"]["message"]
     assert_still_serving(client)
+
+
+class _FailingForSeed(Sampler):
+    """Raises for any batch holding the planted seed: one request's own fault."""
+
+    def __call__(self, logits, params, generators, histories=None):
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("planted sampling failure")
+        return super().__call__(logits, params, generators, histories)
 
 
 class _slow_steps:
@@ -209,18 +222,6 @@ class _slow_steps:
 
     def __exit__(self, *exc):
         self.engine.step = self.original
-
-
-def _raise_once(step):
-    state = {"raised": False}
-
-    def flaky_step():
-        if not state["raised"]:
-            state["raised"] = True
-            raise RuntimeError("planted step failure")
-        return step()
-
-    return flaky_step
 
 
 def _eventually(predicate, timeout: float = 1.0) -> bool:

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoserve.engine.decode import DecodeStep
+from nanoserve.engine.prompt_logprobs import score_prompt
 from nanoserve.engine.request import Request, RequestOutput, RequestStatus
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.sampler import Sampler
@@ -26,6 +27,16 @@ from nanoserve.model.tokenizer import IncrementalDetokenizer
 
 class RequestError(ValueError):
     """A request that cannot be served (too long, empty, bad ids). It fails alone."""
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not valid Unicode (a lone UTF-16 surrogate can be neither tokenized nor
+    sent back as UTF-8), or None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid Unicode text ({exc.reason} at character {exc.start})"
+    return None
 
 
 @dataclass
@@ -112,26 +123,36 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; return the requests that moved (or finished)."""
+        """Run one prefill or decode step; return the requests that moved (or finished).
+
+        What belongs to one request (its sampling, its prompt scoring, its detokenizing) fails
+        that request alone, with ``finish_reason="error"``. Anything else raising (the model,
+        the cache, the scheduler) is an engine fault: it propagates, since the engine's state
+        can no longer be trusted."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
         requests = batch.requests
-        try:
-            if isinstance(batch, DecodeBatch):
-                logits = self.runner.decode(requests)
+        failed: dict[int, str] = {}  # batch index -> why that request failed
+        if isinstance(batch, DecodeBatch):
+            logits = self.runner.decode(requests)
+        else:
+            to_score = frozenset(i for i, r in enumerate(requests)
+                                 if r.params.prompt_logprobs is not None and r.prompt_logprobs is None)
+            logits, hidden = self.runner.prefill(batch, to_score)
+            for index in sorted(to_score):
+                self._score_prompt(requests[index], hidden[index], index, failed)
+        token_ids, logprobs = self._sample(logits, requests, failed)
+        self.runner.record_tokens(requests[0].row, token_ids)
+        for index, (request, token_id, logprob) in enumerate(zip(requests, token_ids.tolist(), logprobs)):
+            if index in failed:
+                self._fail(request, failed[index])
+            elif request.params.max_tokens == 0:
+                self._finish(request, "length")  # prefill only: the prompt was the work
             else:
-                logits = self.runner.prefill(batch)
-            sampled = self._sample(logits, requests)
-        except Exception as exc:  # a step that breaks fails its requests, not the engine
-            for request in requests:
-                self._fail(request, f"step failed: {type(exc).__name__}: {exc}")
-            return outputs + [self._output(r) for r in requests]
-        self.runner.record_tokens(requests[0].row, sampled.token_ids)
-        for request, token_id, logprob in zip(requests, sampled.token_ids.tolist(), sampled.logprobs):
-            self._append_token(request, token_id, logprob)
+                self._append_token(request, token_id, logprob)
         step_outputs = [self._output(r) for r in requests]
         if isinstance(batch, DecodeBatch):
             self.decode_timing.steps += 1
@@ -139,12 +160,41 @@ class Engine:
             self.decode_timing.step_seconds += time.perf_counter() - started
         return outputs + step_outputs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+    def _score_prompt(self, request: Request, hidden: torch.Tensor, index: int, failed: dict[int, str]) -> None:
+        try:
+            request.prompt_logprobs = score_prompt(self.model, hidden, request.prompt_token_ids,
+                                                   request.params.prompt_logprobs)
+        except Exception as exc:  # this request's own work: it fails alone
+            failed[index] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                failed: dict[int, str]) -> tuple[torch.Tensor, list]:
+        """One token per row. If sampling the batch raises, every row is sampled alone (a seeded
+        row's generator rewound first), so only a row that fails on its own fails."""
         params = [r.params for r in requests]
+        generators = [r.generator for r in requests]
         histories = None
         if any(p.uses_penalties for p in params):
             histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
-        return self.sampler(logits, params, [r.generator for r in requests], histories)
+        states = [None if g is None else g.get_state() for g in generators]
+        try:
+            sampled = self.sampler(logits, params, generators, histories)
+            return sampled.token_ids, sampled.logprobs
+        except Exception:  # find the rows at fault below
+            pass
+        token_ids = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        logprobs: list = [None] * len(requests)
+        for row, (p, generator, state) in enumerate(zip(params, generators, states)):
+            if generator is not None:
+                generator.set_state(state)
+            try:
+                one = self.sampler(logits[row:row + 1], [p], [generator],
+                                   None if histories is None else [histories[row]])
+            except Exception as exc:
+                failed[row] = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
+            token_ids[row], logprobs[row] = one.token_ids[0], one.logprobs[0]
+        return token_ids, logprobs
 
     def _append_token(self, request: Request, token_id: int, logprob) -> None:
         request.output_token_ids.append(token_id)
@@ -155,19 +205,28 @@ class Engine:
         params = request.params
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         ends = is_eos or token_id in params.stop_token_ids
-        if request.detokenizer is not None and not ends:
-            request.output_text += request.detokenizer.add(token_id)
+        if request.detokenizer is not None and not ends \
+                and not self._detokenize(request, lambda: request.detokenizer.add(token_id)):
+            return
         if not ends and self._hit_stop_string(request):
             reason = "stop"  # the text is cut before the stop string; nothing held back matters
         elif ends or len(request.output_token_ids) >= params.max_tokens \
                 or request.num_tokens >= self.config.max_model_len:
             reason = "stop" if ends else "length"
-            if request.detokenizer is not None:
-                request.output_text += request.detokenizer.flush()
+            if request.detokenizer is not None and not self._detokenize(request, request.detokenizer.flush):
+                return
         else:
             return
-        self.scheduler.finish(request, reason)
-        self.requests.pop(request.request_id, None)
+        self._finish(request, reason)
+
+    def _detokenize(self, request: Request, produce) -> bool:
+        """Append ``produce()``'s text; a detokenizer that raises fails this request alone."""
+        try:
+            request.output_text += produce()
+        except Exception as exc:
+            self._fail(request, f"detokenizing failed: {type(exc).__name__}: {exc}")
+            return False
+        return True
 
     @staticmethod
     def _hit_stop_string(request: Request) -> bool:
@@ -180,9 +239,12 @@ class Engine:
                 return True
         return False
 
-    def _fail(self, request: Request, message: str) -> None:
-        self.scheduler.finish(request, "error", error=message)
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(request, reason, error=error)
         self.requests.pop(request.request_id, None)
+
+    def _fail(self, request: Request, message: str) -> None:
+        self._finish(request, "error", message)
 
     def _output(self, request: Request) -> RequestOutput:
         text = request.output_text
@@ -197,7 +259,7 @@ class Engine:
             request.request_id, request.prompt, request.prompt_token_ids, text,
             list(request.output_token_ids), request.finished, request.finish_reason, new_text,
             new_ids, list(request.logprobs) if request.params.logprobs is not None else None,
-            request.metrics, request.error)
+            request.metrics, request.error, request.prompt_logprobs)
 
     # -- loops -----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -257,6 +319,8 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("text prompts need a tokenizer; pass token ids instead")
+            if (problem := unicode_problem(prompt)) is not None:
+                raise RequestError(f"prompt: {problem}")
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 

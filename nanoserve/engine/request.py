@@ -39,6 +39,7 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # scored once, at the first prefill
     status: RequestStatus = RequestStatus.WAITING
     row: int | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
@@ -80,3 +81,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

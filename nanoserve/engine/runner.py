@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -26,16 +27,20 @@ class ModelRunner:
         self.last_forward_seconds = 0.0  # the decode forward alone, for the host-overhead figure
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch) -> torch.Tensor:
-        """Logits [len(batch.requests), vocab] at each prompt's last token."""
+    def prefill(self, batch: PrefillBatch, keep_hidden: frozenset[int] = frozenset()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [len(batch.requests), vocab] at each prompt's last token, and for the batch
+        indices in ``keep_hidden`` the final hidden states of all that request's tokens."""
         seq_lens = [r.num_tokens for r in batch.requests]
         token_ids = torch.tensor([t for r in batch.requests for t in r.all_token_ids], device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
         write_slots = torch.cat(batch.write_slots).to(self.device)
         attention = PackedPrefillAttention(self.cache, write_slots, seq_lens)
         hidden = self.model(token_ids, positions, attention)
-        last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden.index_select(0, last))
+        ends = list(itertools.accumulate(seq_lens))
+        kept = {i: hidden[ends[i] - seq_lens[i]:ends[i]] for i in keep_hidden}
+        last = torch.tensor(ends, device=self.device) - 1
+        return self.model.compute_logits(hidden.index_select(0, last)), kept
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> torch.Tensor:

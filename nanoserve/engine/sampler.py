@@ -46,7 +46,9 @@ class Sampler:
                 raise ValueError("penalties need each row's token history")
             logits = apply_penalties(logits, params, histories)
         token_ids = self._choose(logits, params, generators)
-        return SamplerOutput(token_ids, _gather_logprobs(raw_logprobs, token_ids, params))
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, [None] * len(params))
+        return SamplerOutput(token_ids, gather_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params]))
 
     def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -59,7 +61,7 @@ class Sampler:
         scaled = logits / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             vocab = logits.shape[-1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device)
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
@@ -113,21 +115,22 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     return logits - presence * (counts > 0) - frequency * counts
 
 
-def _gather_logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
-                     params: list[SamplingParams]) -> list[TokenLogprobs | None]:
-    if raw is None:
-        return [None] * len(params)
-    width = max(p.logprobs or 0 for p in params)
+def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                    widths: list[int | None]) -> list[TokenLogprobs | None]:
+    """Row i's logprob of ``token_ids[i]`` under ``raw`` (log-softmaxed [n, vocab]) and its top
+    ``widths[i]`` alternatives (at most the vocabulary); ``None`` where ``widths[i]`` is None."""
+    vocab = raw.shape[-1]
+    width = min(max(w or 0 for w in widths), vocab)
     chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     top_values, top_ids = raw.topk(width, dim=-1) if width else (None, None)
     ids = token_ids.tolist()
     out: list[TokenLogprobs | None] = []
-    for row, p in enumerate(params):
-        if p.logprobs is None:
+    for row, row_width in enumerate(widths):
+        if row_width is None:
             out.append(None)
             continue
         top = []
-        if p.logprobs:
-            top = list(zip(top_ids[row, : p.logprobs].tolist(), top_values[row, : p.logprobs].tolist()))
+        if row_width:
+            top = list(zip(top_ids[row, :row_width].tolist(), top_values[row, :row_width].tolist()))
         out.append(TokenLogprobs(ids[row], chosen[row], top))
     return out

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+INT64_MAX = 2**63 - 1  # every integer field must fit the int64 tensors the sampler builds
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a uint64
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -13,7 +16,10 @@ class SamplingParams:
     those filters. Penalties follow vLLM: repetition over prompt and output (divides
     positive logits, multiplies negative ones), presence and frequency over the output.
     ``logprobs=None`` returns none; ``logprobs=k`` returns the sampled token's logprob
-    and the top ``k`` alternatives at each step.
+    and the top ``k`` alternatives at each step. ``prompt_logprobs=k`` (as vLLM) returns each
+    prompt token's logprob given the tokens before it (``None`` for the first) and the top
+    ``k`` alternatives there. ``max_tokens=0`` only prefills: the request finishes after its
+    prompt (with ``prompt_logprobs``, that scores the prompt).
 
     Raises ``ValueError`` naming the field and its allowed range.
     """
@@ -31,6 +37,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string for convenience; store tuples (frozen, hashable).
@@ -38,23 +45,25 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_int("max_tokens", self.max_tokens, low=1)
-        _check_range("temperature", self.temperature, 0.0, None, "a float >= 0 (0 is greedy)")
-        _check_int("top_k", self.top_k, low=0, what="an int >= 0 (0 disables)")
+        _check_int("max_tokens", self.max_tokens, low=0)
+        _check_range("temperature", self.temperature, 0.0, None, "a finite float >= 0 (0 is greedy)")
+        _check_int("top_k", self.top_k, low=0, what="an int in [0, 2**63) (0 disables)")
         _check_range("top_p", self.top_p, 0.0, 1.0, "a float in (0, 1]", open_low=True)
         _check_range("min_p", self.min_p, 0.0, 1.0, "a float in [0, 1]")
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, "a float > 0", open_low=True)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, "a finite float > 0",
+                     open_low=True)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "a float in [-2, 2]")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a float in [-2, 2]")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, what="an int >= 0 or None")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, what="an int >= 0 or None")
+            _check_int("seed", self.seed, low=0, high=SEED_MAX, what="an int in [0, 2**64) or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, what="an int in [0, 2**63) or None")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0, what="a list of ints >= 0")
+            _check_int("stop_token_ids", t, low=0, what="a list of ints in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
@@ -66,15 +75,22 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _check_int(name: str, value: object, low: int, what: str | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: must be {what or f'an int >= {low}'}, got {value!r}")
+def _check_int(name: str, value: object, low: int, high: int = INT64_MAX, what: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}: must be {what or f'an int in [{low}, 2**63)'}, got {value!r}")
 
 
 def _check_range(name: str, value: object, low: float, high: float | None, what: str,
                  open_low: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
     if ok:
         ok = (value > low if open_low else value >= low) and (high is None or value <= high)
     if not ok:
         raise ValueError(f"{name}: must be {what}, got {value!r}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond any float
+        return False

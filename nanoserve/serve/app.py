@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -13,14 +15,27 @@ from nanoserve.serve.chat import create_chat_completion
 from nanoserve.serve.completions import create_completion
 from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.errors import ApiError, install_error_handlers
-from nanoserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.serve.gate import PROBES, Admission, RequestGate
+from nanoserve.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from nanoserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from nanoserve.serve.serving import ServeState
+from nanoserve.serve.tokenize import detokenize, tokenize
+
+logger = logging.getLogger("nanoserve.serve")
+ENDING_GRACE_SECONDS = 5.0  # after a drain timeout: for the ended requests to send their last event
 
 
-def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None = None) -> FastAPI:
+def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving `engine_loop`'s engine as `model_name`. The app starts the loop when it
-    starts and stops it when it stops. With `api_key`, every /v1 route needs
-    `Authorization: Bearer <api_key>`; /health and /metrics stay open (probes, scrapers)."""
+    starts and stops it when it stops. With `api_key`, every route needs
+    `Authorization: Bearer <api_key>` (the API, /tokenize, /docs, /openapi.json) except
+    /health and /metrics (probes, scrapers). `await app.state.drain(timeout)` drains it."""
     state = ServeState(engine_loop, model_name)
     created = int(time.time())
 
@@ -33,13 +48,30 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.serve = state
     install_error_handlers(app)
+    admission = app.state.admission = Admission()
+    # The last added runs first: the key check, then the gate (an unauthorised body is never read).
+    app.add_middleware(RequestGate, admission=admission, max_request_bytes=max_request_bytes)
     if api_key:  # an empty key (e.g. an empty $NANOSERVE_API_KEY) means no key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
+    async def drain(timeout: float) -> None:
+        """Stop admitting (503), let requests in flight finish for up to `timeout` seconds,
+        then end the rest: streams get a final error event, the others a 503."""
+        admission.draining = True
+        logger.info("draining: %d requests in flight, up to %.0f s", admission.in_flight, timeout)
+        if not await admission.wait_idle(timeout):
+            logger.info("drain timeout: ending %d requests still in flight", admission.in_flight)
+            await asyncio.to_thread(engine_loop.stop)  # outputs still reach this event loop
+            await admission.wait_idle(ENDING_GRACE_SECONDS)
+
+    app.state.drain = drain
+
     @app.get("/health")
     async def health():
+        if admission.draining:
+            return ApiError(503, "the server is shutting down", code="server_shutting_down").response()
         if not engine_loop.alive:
-            return ApiError(503, "the engine loop is not running", code="engine_unavailable").response()
+            return ApiError(503, engine_loop.stopped_reason, code="engine_unavailable").response()
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -64,6 +96,14 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
 
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return await tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return await detokenize(state, body)
+
     return app
 
 
@@ -73,8 +113,8 @@ def _model_card(state: ServeState, created: int) -> dict:
 
 
 class ApiKeyMiddleware:
-    """Refuse /v1 requests without the right bearer token, before the body is even parsed (so a
-    bad key wins over a bad body). Plain ASGI, not BaseHTTPMiddleware, which would get between
+    """Refuse requests (all but the probes) without the right bearer token, before the body is
+    even read (so a bad key wins over a bad body). Plain ASGI, not BaseHTTPMiddleware, which would get between
     a streaming response and the client's disconnect."""
 
     def __init__(self, app, api_key: str) -> None:
@@ -82,7 +122,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in PROBES:
             given = dict(scope["headers"]).get(b"authorization")
             if given is None or not secrets.compare_digest(given, self.expected):
                 message = "missing API key: send 'Authorization: Bearer <key>'" if given is None \

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
 from nanoserve.serve.errors import ApiError
-from nanoserve.serve.protocol import ChatCompletionRequest, sampling_params
+from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
 
 
@@ -20,11 +20,15 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     state.check_model(body.model)
     body.check_supported()
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if requested is not None and requested < 1:
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise ApiError(400, f"{name}: must be at least 1 for a chat reply, got {requested}", param=name,
+                       code="invalid_value")
     top = (body.top_logprobs or 0) if body.logprobs else None
     # Validate every field before the template and tokenizer run; the budget is settled after.
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
-    prompt_ids = serving.encode(state, render_chat(state, body), "messages")
+    prompt_ids = await serving.encode(state, await render_chat(state, body.messages), "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)
     request_id, created = serving.new_id("chatcmpl")
@@ -34,20 +38,22 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
         head["object"] = "chat.completion.chunk"
         chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage)
         return serving.sse_response(state, chunks, request_id)
-    output = await serving.collect(state, queue, request_id, request)
+    output, = await serving.collect(state, request, [(queue, request_id)])
     choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
               "logprobs": chat_logprobs(state, output.logprobs), "finish_reason": output.finish_reason}
     return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}
 
 
-def render_chat(state: ServeState, body: ChatCompletionRequest) -> str:
-    """The prompt text: the model's chat template with the generation prompt appended."""
-    messages = [m.as_template_dict() for m in body.messages]
+async def render_chat(state: ServeState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The prompt text: the model's chat template (with the generation prompt appended), rendered
+    in a worker thread so that long conversations do not stall the event loop."""
+    messages = [m.as_template_dict() for m in messages]
     if getattr(state.tokenizer, "chat_template", None) is None:
         raise ApiError(400, "messages: this server's model has no chat template; use /v1/completions",
                        param="messages", code="invalid_value")
     try:
-        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
+                                       add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception on bad roles
         raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
                        code="invalid_value") from exc

@@ -66,6 +66,7 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.fault: str | None = None  # set when an engine fault ended the loop
 
     # -- lifecycle (any thread) ------------------------------------------------------------
     def start(self) -> None:
@@ -90,7 +91,7 @@ class EngineLoop:
         exception instance there means the engine failed it). Raises the engine's
         RequestError if the request cannot be served, EngineStopped if the loop is down."""
         if not self.alive:
-            raise EngineStopped("the engine loop is not running")
+            raise EngineStopped(self.stopped_reason)
         stream = _Stream(asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._post(_Add(request_id, prompt, params, stream, accepted))
@@ -122,8 +123,9 @@ class EngineLoop:
                     self._wake.wait()
                     continue
                 self._step()
-        except Exception:  # a bug outside step(): fail loudly (health turns 503), never hang clients
-            logger.exception("engine loop crashed")
+        except Exception as exc:  # an engine fault: its state cannot be trusted, so stop serving
+            logger.exception("engine fault: the engine loop stops; /health reports 503")
+            self.fault = f"{type(exc).__name__}: {exc}"
         finally:
             self._stopping = True
             self._shutdown()
@@ -156,13 +158,10 @@ class EngineLoop:
         self.stats = self.engine.stats()  # readers see the blocks back without waiting for a step
 
     def _step(self) -> None:
+        """One engine step. A request's own failure comes back as its output; anything that
+        raises out of step() is an engine fault and ends the loop (see _run)."""
         before = self.stats
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # Engine.step fails requests itself; this is a bug, so fail them all
-            logger.exception("engine step failed")
-            self._fail_all(exc)
-            return
+        outputs = self.engine.step()
         now = time.perf_counter()
         self.stats = stats = self.engine.stats()
         if stats["decode_steps"] > before["decode_steps"]:
@@ -197,11 +196,21 @@ class EngineLoop:
         self._streams.clear()
 
     def _shutdown(self) -> None:
-        self._fail_all(EngineStopped("the server is shutting down"))
+        reason = EngineStopped(self.stopped_reason)
+        self._fail_all(reason)
         for command in self._commands:  # adds that will never be served
             if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(EngineStopped("the server is shutting down"))
+                command.accepted.set_exception(reason)
         self._commands.clear()
+
+    @property
+    def stopped_reason(self) -> str:
+        """Why the loop takes no work (meaningful once it is not alive)."""
+        if self.fault is not None:
+            return f"the engine stopped after a fault ({self.fault}); the server takes no more work"
+        if self._thread is None:
+            return "the engine loop is not running"
+        return "the server is shutting down"
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:

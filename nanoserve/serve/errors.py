@@ -14,7 +14,8 @@ logger = logging.getLogger("nanoserve.serve")
 
 # OpenAI's `type` per status; the client maps the status to its exception class.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+ECHO_LIMIT = 200  # characters of a refused value quoted back in a message
 
 
 class ApiError(Exception):
@@ -22,6 +23,8 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None) -> None:
+        # Whatever the message quotes (a model name, a field's value) must encode as UTF-8.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -34,9 +37,14 @@ class ApiError(Exception):
 
 
 def from_validation_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI's list of pydantic errors -> one 400 naming the first offending field."""
-    first = exc.errors()[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    """FastAPI's list of pydantic errors -> one 400 naming the first offending field. Where a
+    field may take several types (a union), a value our own validators refused (bad Unicode)
+    explains more than "not a list", so that error is preferred."""
+    errors = exc.errors()
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # Union members appear in `loc` as type names ("list[int]"); the client's path is the rest.
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"
+           and (isinstance(part, int) or str(part).isidentifier())]
     kind = first.get("type", "")
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
@@ -49,8 +57,14 @@ def from_validation_error(exc: RequestValidationError) -> ApiError:
     if kind == "missing":
         return ApiError(400, f"missing required parameter: {field!r}", param=param,
                         code="missing_required_parameter")
-    return ApiError(400, f"{field}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}",
+    return ApiError(400, f"{field}: {first.get('msg', 'invalid value')}, got {quoted(first.get('input'))}",
                     param=param, code="invalid_value")
+
+
+def quoted(value: object) -> str:
+    """A refused value as a message quotes it: its repr, cut at ECHO_LIMIT characters."""
+    text = repr(value)
+    return text if len(text) <= ECHO_LIMIT else text[:ECHO_LIMIT] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,32 +1,51 @@
 """The OpenAI request bodies we accept, and their mapping onto SamplingParams.
 
-Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); fields we
-cannot honour (``n > 1``, ``echo``, ``suffix``, ``logit_bias``, image parts) are refused with a
-400 that says so rather than silently dropped.
+Types are strict, as OpenAI's are: ``"8"`` or ``true`` is not an integer, ``"yes"`` is not a
+boolean, and a float must be finite (Python's JSON parser lets ``Infinity`` and ``NaN``
+through). Every text field must be valid Unicode (no lone UTF-16 surrogates). Integer ranges
+are SamplingParams' own (64-bit, the generator's seed range). Unknown fields are accepted and
+ignored (clients send `user`, `metadata`, ...); fields we cannot honour (``n > 1``,
+``suffix``, ``logit_bias``, image parts) are refused with a 400 that says so rather than
+silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from nanoserve.engine import SamplingParams
+from nanoserve.engine.engine import unicode_problem
 from nanoserve.serve.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own ceiling for chat top_logprobs
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch (evaluation harnesses send a few)
 
 
-class StreamOptions(BaseModel):
+def _unicode(text: str) -> str:
+    if (problem := unicode_problem(text)) is not None:
+        raise ValueError(problem)
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # a str that can be tokenized and sent back as UTF-8
+
+
+class StrictModel(BaseModel):
+    """Strict JSON types, finite floats; unknown fields allowed (and ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StrictModel):
     """Fields both endpoints share. ``None`` means "the OpenAI default"."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -36,7 +55,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension: run to max_tokens (benchmarks, tests)
     n: int | None = None
@@ -57,40 +76,40 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: scored)
     suffix: str | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix),
-                                  ("best_of", self.best_of not in (None, 1))):
+        for name, unsupported in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
             if unsupported:
                 raise ApiError(400, f"{name} is not supported", param=name, code="invalid_value")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; a batch of prompts is refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of texts or of token-id lists), one
+        choice each. A streamed request takes one prompt."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt: one prompt per request is supported, got {len(prompt)}; "
-                                    "send several requests instead", param="prompt", code="invalid_value")
-            prompt = prompt[0]
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+        if not 1 <= len(batch) <= MAX_PROMPTS:
+            raise ApiError(400, f"prompt: a batch holds 1 to {MAX_PROMPTS} prompts, got {len(batch)}",
+                           param="prompt", code="invalid_value")
+        if self.stream and len(batch) > 1:
+            raise ApiError(400, f"prompt: a streamed request takes one prompt, got {len(batch)}; send them "
+                                "unstreamed or as several requests", param="prompt", code="invalid_value")
+        return batch
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+class ContentPart(StrictModel):
+    type: Text
+    text: Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[ContentPart] | None = None
+class ChatMessage(StrictModel):
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         """The plain {"role", "content"} dict chat templates expect (text parts joined)."""
@@ -122,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    logprobs_param: str = "logprobs") -> SamplingParams:
+                    logprobs_param: str = "logprobs", prompt_logprobs: int | None = None) -> SamplingParams:
     """Build SamplingParams; its ValueError ("field: must be ...") becomes a 400 naming the field."""
     if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
         raise ApiError(400, f"{logprobs_param}: must be at most {MAX_TOP_LOGPROBS}, got {logprobs}",
@@ -135,14 +154,34 @@ def sampling_params(body: _SamplingFields, *, max_tokens: int, logprobs: int | N
         presence_penalty=_default(body.presence_penalty, 0.0),
         frequency_penalty=_default(body.frequency_penalty, 0.0), seed=body.seed,
         stop=body.stop or (), stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos,
-        logprobs=logprobs)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
         field = str(exc).split(":", 1)[0]
-        param = logprobs_param if field == "logprobs" else field if field in fields else None
+        param = logprobs_param if field in ("logprobs", "prompt_logprobs") else field if field in fields else None
         raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
 
 
 def _default(value, default):
     return default if value is None else value
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered through the template first."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (templated)
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "send exactly one of prompt and messages", param="prompt", code="invalid_value")
+
+
+class DetokenizeRequest(StrictModel):
+    model: Text | None = None
+    tokens: list[int]

@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from nanoserve.engine import RequestError, RequestOutput, SamplingParams
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
-from nanoserve.serve.errors import ApiError
+from nanoserve.serve.errors import ApiError, quoted
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this
 
@@ -39,7 +39,7 @@ class ServeState:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+            raise ApiError(404, f"The model {quoted(model)} does not exist; this server serves "
                                 f"`{self.model_name}` (see GET /v1/models)", param="model",
                            code="model_not_found")
 
@@ -54,12 +54,19 @@ def new_id(prefix: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
 
 
-def encode(state: ServeState, text: str, param: str) -> list[int]:
+def need_tokenizer(state: ServeState, param: str):
     if state.tokenizer is None:
         raise ApiError(400, f"{param}: this server's model has no tokenizer, so text cannot be served; "
                             "send a prompt of token ids to /v1/completions", param=param,
                        code="invalid_value")
-    return state.tokenizer.encode(text)
+    return state.tokenizer
+
+
+async def encode(state: ServeState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, computed in a worker thread: a multi-megabyte prompt must not stall
+    the event loop (and with it every other client)."""
+    tokenizer = need_tokenizer(state, param)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
 def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None, prompt_param: str) -> int:
@@ -91,6 +98,8 @@ async def submit(state: ServeState, prompt_ids: list[int], params: SamplingParam
 
 
 def check_output(output: RequestOutput | BaseException) -> RequestOutput:
+    if isinstance(output, EngineStopped):  # shutting down, or the engine faulted: try elsewhere
+        raise ApiError(503, str(output), code="engine_unavailable")
     if isinstance(output, BaseException):
         raise ApiError(500, f"generation failed: {output}", code="engine_error")
     if output.finish_reason == "error":
@@ -98,21 +107,27 @@ def check_output(output: RequestOutput | BaseException) -> RequestOutput:
     return output
 
 
-async def collect(state: ServeState, queue: asyncio.Queue, request_id: str,
-                  request: Request) -> RequestOutput:
-    """Wait for the finished output; abort the request if the client hangs up first."""
-    result = asyncio.ensure_future(_last_output(queue))
+async def collect(state: ServeState, request: Request,
+                  submitted: list[tuple[asyncio.Queue, str]]) -> list[RequestOutput]:
+    """Wait for each submitted request's (queue, id) finished output; abort them all if the
+    client hangs up first."""
+    results = asyncio.ensure_future(asyncio.gather(*(_last_output(queue) for queue, _ in submitted)))
     hangup = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({result, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({results, hangup}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         hangup.cancel()
-        if not result.done():
-            result.cancel()
-            state.engine_loop.abort(request_id)
-    if not result.done() or result.cancelled():
+        if not results.done():
+            results.cancel()
+            abort_all(state, submitted)
+    if not results.done() or results.cancelled():
         raise ApiError(499, "client closed the request")
-    return check_output(result.result())
+    return [check_output(output) for output in results.result()]
+
+
+def abort_all(state: ServeState, submitted: list[tuple[asyncio.Queue, str]]) -> None:
+    for _, request_id in submitted:
+        state.engine_loop.abort(request_id)
 
 
 async def _last_output(queue: asyncio.Queue) -> RequestOutput | BaseException:
