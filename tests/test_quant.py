@@ -94,9 +94,15 @@ def test_linears_the_int4_kernel_cannot_take_stay_dense():
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
-def test_tied_head_and_embedding_share_one_int8_matrix():
+def test_int4_keeps_the_head_dense():
     model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
     pack_model(model, WeightPlan("int4"))
+    assert model.lm_head is None and type(model.embed_tokens) is nn.Embedding
+
+
+def test_int8_tied_head_and_embedding_share_one_int8_matrix():
+    model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
+    pack_model(model, WeightPlan("int8"))
     assert isinstance(model.lm_head, Int8Linear)
     assert model.embed_tokens.table is model.lm_head
     assert model.embed_tokens(torch.tensor([3])).shape == (1, 64)
