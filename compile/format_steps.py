@@ -21,12 +21,12 @@ from compile.decode_bench import fill_rows
 from nanoserve.cache.paged_cache import BatchedPagedKVCache
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import WeightPlan, tensor_bytes
+from nanoserve.model.quant import DENSE_FROM_ROWS, WeightPlan, tensor_bytes
 
 RESULTS = Path(__file__).parent / "results" / "format_steps.csv"
 ARMS = {
     "fp32": WeightPlan("fp32"), "bf16": WeightPlan("bf16"), "int8": WeightPlan("int8"),
-    "int4": WeightPlan("int4"), "int4+bf16@16": WeightPlan("int4", dense_from_rows=16),
+    "int4": WeightPlan("int4"), "auto": WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS),
 }
 
 

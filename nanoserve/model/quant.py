@@ -24,6 +24,9 @@ from torch import nn
 
 GROUP_SIZE = 32
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+# From this many rows a bf16 GEMM beats the int4 kernel on every linear shape of the default
+# model on this repository's CPU (compile/results/linear_crossover.csv: even at 8, ahead at 16).
+DENSE_FROM_ROWS = 16
 
 
 @dataclass
