@@ -14,6 +14,7 @@ from nanoserve.model.quant import (
     Int4Linear,
     Int8Linear,
     WeightPlan,
+    int4_source,
     pack_model,
     quantize_int4,
     quantize_int8,
@@ -145,9 +146,7 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
     for name, layer in smollm2_int4.named_modules():
         if not isinstance(layer, Int4Linear):
             continue
-        hf = "model." + name + ".weight"
-        parts = [hf.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv_proj" in hf else [hf]
-        source = GroupwiseInt4.cat([groups[p] for p in parts])
+        source = int4_source(name, groups)
         exact = GroupwiseInt4(unpack_int4(layer), source.scales, source.zeros)
         assert torch.equal(exact.dequantize(), fp32[name].weight), name
 

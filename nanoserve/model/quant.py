@@ -179,7 +179,7 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
     sources = int4_sources or {}
     for name, linear in list(model.named_modules()):
         if isinstance(linear, nn.Linear) and name != "lm_head":
-            _replace(model, name, _packed_linear(linear, plan, _int4_source(model.config, name, sources)))
+            _replace(model, name, _packed_linear(linear, plan, int4_source(name, sources)))
     if plan.format == "int4":
         return  # the LM head stays bf16: an int8 head fails the fidelity gates (README)
     if model.lm_head is not None:
@@ -189,8 +189,9 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
         model.embed_tokens = Int8Embedding(model.lm_head)
 
 
-def _int4_source(config, module_name: str, sources: Mapping[str, GroupwiseInt4]) -> GroupwiseInt4 | None:
-    # The fused q/k/v projection is three HF tensors stacked along the output dimension.
+def int4_source(module_name: str, sources: Mapping[str, GroupwiseInt4]) -> GroupwiseInt4 | None:
+    """The int4 groups for one of the model's linears from HF-named ``sources``, or None.
+    The fused q/k/v projection is three HF tensors stacked along the output dimension."""
     hf = "model." + module_name + ".weight"
     parts = [hf.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv_proj" in hf else [hf]
     if all(p in sources for p in parts):
