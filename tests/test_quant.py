@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.engine.build import AUTO_CPU, resolve_weights
 from nanoserve.model.quant import (
     GROUP_SIZE,
     GroupwiseInt4,
@@ -123,6 +124,16 @@ def test_compiled_packed_decode_equals_eager_with_no_recompiles(fmt):
     stats = compiled_engine.stats()
     assert stats["weights"] == fmt and stats["recompiles_after_warmup"] == 0
     torch._dynamo.reset()
+
+
+def test_weights_argument_resolves_to_a_plan_and_refuses_contradictions():
+    assert resolve_weights(None, None, "cpu", named_model=True) == (AUTO_CPU, torch.bfloat16)
+    assert resolve_weights(None, None, "cpu", named_model=False) == (None, torch.float32)
+    assert resolve_weights("fp32", None, "cpu", named_model=True) == (WeightPlan("fp32"), torch.float32)
+    assert resolve_weights("auto", None, "cuda", named_model=True)[0] == WeightPlan("bf16")
+    for weights, dtype, device in [("int3", None, "cpu"), ("int4", "float32", "cpu"), ("int4", None, "cuda")]:
+        with pytest.raises(ValueError, match="weights"):
+            resolve_weights(weights, dtype, device, named_model=True)
 
 
 # --- the default GGUF ------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,
         max_num_batched_tokens=max_num_batched_tokens or max(2048, cache.max_model_len),
-        dtype=dtype, device=device, compile=compile, weights=weight_plan.format if weight_plan else _format_name(dtype))
+        dtype=dtype, device=device, compile=compile, weights=weight_plan.name if weight_plan else _format_name(dtype))
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
         step.warmup()

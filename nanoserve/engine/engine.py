@@ -53,7 +53,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     compile: bool = False
-    weights: str = "fp32"  # the weight format in use (nanoserve.model.quant.WEIGHT_FORMATS, or fp16)
+    weights: str = "fp32"  # the weight format in use (WeightPlan.name, or the dense dtype's name)
 
 
 Prompt = str | Sequence[int]

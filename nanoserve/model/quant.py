@@ -158,6 +158,11 @@ class WeightPlan:
             raise ValueError(f"a bf16 copy for large row counts only applies to int8/int4, not {self.format}")
 
     @property
+    def name(self) -> str:
+        """"int4", or "int4+bf16>=16" with a bf16 copy from 16 rows."""
+        return self.format + ("" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}")
+
+    @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype (the packed kernels are fast with bf16 activations only)."""
         return torch.float32 if self.format == "fp32" else torch.bfloat16
