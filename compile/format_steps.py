@@ -4,7 +4,8 @@ that format spends its time, by op.
 
 Each format owns a model, a K/V cache in its dtype and an eager ``DecodeStep``; every row
 holds ``width - 1`` tokens. The formats run interleaved (one step of each, repeated) and each
-figure is the median, so a busy machine slows every arm alike; read the ratios.
+figure is the median, so a busy machine slows every arm alike; read the ratios. ``--compile``
+adds each arm compiled (its first step per row count is the compile, left out of the median).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from compile.decode_bench import fill_rows
 from nanoserve.cache.paged_cache import BatchedPagedKVCache
+from nanoserve.engine.bucketing import Buckets
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WeightPlan, tensor_bytes
@@ -30,19 +32,21 @@ ARMS = {
 }
 
 
-def build_step(model_name: str, plan: WeightPlan, rows: int, width: int) -> DecodeStep:
+def build_step(model_name: str, plan: WeightPlan, rows: list[int], width: int, compile: bool = False) -> DecodeStep:
     model = load_model(model_name, weights=plan)[0]
     config = model.config
     cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
-                                num_blocks=rows * (width // 16 + 1) + 1, block_size=16, max_batch_size=rows,
-                                max_model_len=width, dtype=plan.dtype)
-    return DecodeStep(model, cache, rows, None)
+                                num_blocks=max(rows) * (width // 16 + 1) + 1, block_size=16,
+                                max_batch_size=max(rows), max_model_len=width, dtype=plan.dtype)
+    buckets = Buckets(tuple(rows), (width,)) if compile else None
+    return DecodeStep(model, cache, max(rows), buckets, compile=compile)
 
 
 @torch.inference_mode()
 def measure(steps: dict[str, DecodeStep], rows: int, width: int, repeats: int) -> dict[str, float]:
     for step in steps.values():
         step.run(rows, width, rows * width, *fill_rows(step.cache, rows, width))
+        step._call(rows, width)
     times: dict[str, list[float]] = {arm: [] for arm in steps}
     for _ in range(repeats):
         for arm, step in steps.items():
@@ -69,15 +73,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
+    parser.add_argument("--compile", action="store_true", help="add a compiled twin of every arm (a compile per row count)")
     parser.add_argument("--profile", choices=list(ARMS), default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
-        profile(build_step(args.model, ARMS[args.profile], 1, args.width), args.width)
+        profile(build_step(args.model, ARMS[args.profile], [1], args.width), args.width)
         return
-    steps = {arm: build_step(args.model, ARMS[arm], max(args.rows), args.width) for arm in args.arms}
+    steps = {arm: build_step(args.model, ARMS[arm], args.rows, args.width) for arm in args.arms}
+    for arm in args.arms if args.compile else ():
+        steps[f"{arm} compiled"] = build_step(args.model, ARMS[arm], args.rows, args.width, compile=True)
     results = []
     for rows in args.rows:
         ms = measure(steps, rows, args.width, args.repeats)
