@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nanoserve.engine.options import engine_kwargs
 from nanoserve.launch import build_parser, main
 from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.loader import load_model
@@ -19,7 +20,8 @@ def tiny_gguf(tmp_path, gguf_writer):
 
 
 def test_generate_prints_the_greedy_continuation(tiny_gguf, capsys, dense_greedy):
-    assert main(["generate", "--model", str(tiny_gguf), "--max-tokens", "6", "hello"]) == 0
+    # fp32: the greedy reference below is the fp32 network (a named model otherwise loads as auto).
+    assert main(["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "6", "hello"]) == 0
     out = capsys.readouterr()
     model, tokenizer = load_model(str(tiny_gguf))
     ids = dense_greedy(model, tokenizer.encode("hello"), 6)
@@ -55,3 +57,11 @@ def test_parser_has_generate_subcommand_with_documented_options():
 def test_parser_has_serve_subcommand_with_engine_options():
     args = build_parser().parse_args(["serve", "--port", "9000", "--compile", "--kv-cache-bytes", "64M"])
     assert (args.command, args.port, args.compile, args.kv_cache_bytes) == ("serve", 9000, True, 64 << 20)
+
+
+def test_weights_option_reaches_build_engine(tiny_gguf, capsys):
+    args = build_parser().parse_args(["generate", "--weights", "int4", "p"])
+    assert engine_kwargs(args)["weights"] == "int4"
+    assert build_parser().parse_args(["serve"]).weights is None  # auto for a named model
+    assert main(["generate", "--model", str(tiny_gguf), "--weights", "int4", "--max-tokens", "4", "hi"]) == 0
+    assert "new tokens" in capsys.readouterr().err  # ran to the end on int4 weights

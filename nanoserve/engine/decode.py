@@ -163,7 +163,10 @@ class DecodeStep:
             finally:
                 self.stats.recompiles_after_warmup += self._graphs_compiled - before
         self._seen.add((rows, width))
-        out = self._forward(*args)
+        # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager
+        # rounds; rounding alike makes a compiled bf16 step choose eager's tokens.
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            out = self._forward(*args)
         self.stats.graphs_built += self._graphs_compiled - before
         return out
 
