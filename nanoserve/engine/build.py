@@ -11,6 +11,7 @@ from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.engine import Engine, EngineConfig
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
+from nanoserve.model.quant import WEIGHT_FORMATS, WeightPlan, pack_model
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -21,7 +22,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                  device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
                  bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
                  width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
-                 compile_backend: str = "inductor") -> Engine:
+                 compile_backend: str = "inductor", weights: str | WeightPlan | None = None) -> Engine:
     """Build an engine.
 
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
@@ -33,17 +34,23 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     With ``compile=True`` the decode step is ``torch.compile(mode=compile_mode)`` over bucketed
     shapes (``bucketing`` defaults to on with compile, off without); ``warmup="eager"``
     compiles every bucket here, ``"lazy"`` on first use.
+
+    ``weights`` is "auto", "fp32", "bf16", "int8", "int4" or a ``WeightPlan``: how the weights are
+    held and executed (activations and the K/V cache are bf16 for all but fp32). "auto" is
+    ``AUTO_CPU`` on the CPU and bf16 on CUDA. Unset, a model named by a string loads as "auto"
+    unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in its
+    own dtype; a ``LlamaModel`` given with ``weights`` is converted in place.
     """
-    # fp32 on the CPU (its bf16 matmuls are not the default anywhere), bf16 on a GPU.
-    dtype = _as_dtype(dtype) if dtype is not None else (
-        torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    weight_plan, dtype = resolve_weights(weights, dtype, device, named_model=isinstance(model, str))
     if warmup not in ("eager", "lazy"):
         raise ValueError(f"warmup must be 'eager' or 'lazy', got {warmup!r}")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if isinstance(model, str):
-        model, tokenizer = load_model(model, dtype=dtype, device=device)
+        model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weight_plan)
     else:
+        if weight_plan is not None:
+            pack_model(model, weight_plan)
         model = model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
     config = model.config
@@ -78,11 +85,43 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,
         max_num_batched_tokens=max_num_batched_tokens or max(2048, cache.max_model_len),
-        dtype=dtype, device=device, compile=compile)
+        dtype=dtype, device=device, compile=compile, weights=weight_plan.format if weight_plan else _format_name(dtype))
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
         step.warmup()
     return engine
+
+
+# "auto" on the CPU: the fastest format that passes the fidelity gates against fp32 (README).
+AUTO_CPU = WeightPlan("int4")
+
+
+def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,
+                    named_model: bool) -> tuple[WeightPlan | None, torch.dtype]:
+    """The weight plan (None: dense weights in the model's dtype, no conversion) and the
+    activation dtype. Raises ValueError for unknown names, a dtype that contradicts the format,
+    or a packed CPU format on another device."""
+    cuda = str(device).startswith("cuda")
+    if weights is None and (dtype is not None or not named_model):
+        # fp32 on the CPU (its bf16 matmuls are not the default anywhere), bf16 on a GPU.
+        return None, _as_dtype(dtype) if dtype is not None else (torch.bfloat16 if cuda else torch.float32)
+    if weights is None or weights == "auto":
+        plan = WeightPlan("bf16") if cuda else AUTO_CPU
+    elif isinstance(weights, WeightPlan):
+        plan = weights
+    elif weights in WEIGHT_FORMATS:
+        plan = WeightPlan(weights)
+    else:
+        raise ValueError(f"weights must be one of auto, {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if plan.format in ("int8", "int4") and str(device) != "cpu":
+        raise ValueError(f"weights={plan.format!r} runs torch's CPU kernels; on {device} use bf16 or fp32")
+    if dtype is not None and _as_dtype(dtype) != plan.dtype:
+        raise ValueError(f"weights={plan.format!r} computes in {plan.dtype}, but dtype={dtype!r} was given")
+    return plan, plan.dtype
+
+
+def _format_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

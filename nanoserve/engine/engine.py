@@ -21,6 +21,7 @@ from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import DecodeBatch, Scheduler
+from nanoserve.model.quant import tensor_bytes
 from nanoserve.model.tokenizer import IncrementalDetokenizer
 
 
@@ -52,6 +53,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     compile: bool = False
+    weights: str = "fp32"  # the weight format in use (nanoserve.model.quant.WEIGHT_FORMATS, or fp16)
 
 
 Prompt = str | Sequence[int]
@@ -73,6 +75,7 @@ class Engine:
         self._ids = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self.decode_timing = StepTiming()
+        self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any bf16 copy
 
     @classmethod
     def build(cls, **kwargs) -> Engine:
@@ -296,6 +299,7 @@ class Engine:
             "recompiles_after_warmup": d.recompiles_after_warmup, "warmup_seconds": d.warmup_seconds,
             "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
             "decode_outside_forward_share": self.decode_timing.outside_forward_share,
+            "weights": self.config.weights, "weight_bytes": self.weight_bytes,
         }
 
     def check_drained(self) -> None:

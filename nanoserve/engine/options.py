@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                        help="default: float32 on cpu, bfloat16 on cuda")
+    group.add_argument("--weights", default=None, choices=["auto", "fp32", "bf16", "int8", "int4"],
+                       help="weight format (default: auto, or dense in --dtype when that is given)")
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile the decode step (reduce-overhead, bucketed static shapes)")
@@ -36,4 +38,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """build_engine's keyword arguments from add_engine_args' options."""
     return dict(max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                 kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
-                device=args.device, compile=args.compile, warmup=args.warmup)
+                weights=args.weights, device=args.device, compile=args.compile, warmup=args.warmup)

@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
+from nanoserve.model.quant import GROUP_SIZE, GroupwiseInt4
 
 Q = GGMLQuantizationType
 # Tensor types we dequantise (all through gguf.quants): the float types, the legacy block
@@ -204,6 +205,33 @@ class GGUFCheckpoint:
             if name is None:
                 raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {config.architecture}")
             out[name] = torch.from_numpy(self._dequantize(t, config)).to(dtype)
+        return out
+
+    def int4_groups(self, config: ModelConfig) -> dict[str, GroupwiseInt4]:
+        """The Q4_0 / Q4_1 tensors as int4 groups, exactly (HF naming and row order).
+
+        A block of 32 is an fp16 scale d (Q4_1: then an fp16 minimum m) and 16 bytes of codes,
+        element j in the low nibble of byte j and element j + 16 in the high one. Q4_0 is
+        w = d * (q - 8); Q4_1 is w = d * q + m = d * (q - 8) + (m + 8d).
+        """
+        out = {}
+        for t in self.reader.tensors:
+            if t.tensor_type not in (Q.Q4_0, Q.Q4_1) or hf_tensor_name(t.name) is None:
+                continue
+            n, k = (int(d) for d in reversed(t.shape))
+            blocks = np.asarray(t.data).reshape(n, k // GROUP_SIZE, -1)
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            if t.tensor_type == Q.Q4_1:
+                zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+            else:
+                zeros = np.zeros_like(d)
+            codes = blocks[..., -GROUP_SIZE // 2:]
+            q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).reshape(n, k)
+            arrays = [q, d, zeros]
+            if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+                heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+                arrays = [unpermute_rotary_rows(a, heads) for a in arrays]
+            out[hf_tensor_name(t.name)] = GroupwiseInt4(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
         return out
 
     def _dequantize(self, t: Any, config: ModelConfig) -> np.ndarray:

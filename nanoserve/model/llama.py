@@ -187,8 +187,10 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        # lm_head may be a packed layer (nanoserve.model.quant), so it is called, not read.
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict in Hugging Face naming (`model.layers.0.self_attn.q_proj.weight`...).

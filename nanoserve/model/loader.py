@@ -13,6 +13,7 @@ from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
 from nanoserve.model.llama import LlamaModel
+from nanoserve.model.quant import GroupwiseInt4, WeightPlan, pack_model
 from nanoserve.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
@@ -71,19 +72,32 @@ def load_config(model: str) -> ModelConfig:
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer]:
-    """Load weights and tokenizer. Raises FileNotFoundError or ModelLoadError naming the file at fault."""
+               device: str | torch.device = "cpu", weights: WeightPlan | None = None) -> tuple[LlamaModel, Tokenizer]:
+    """Load weights and tokenizer. Raises FileNotFoundError or ModelLoadError naming the file at fault.
+
+    With ``weights`` the model is held in that plan's format and dtype (``dtype`` is then
+    ignored); a GGUF's Q4_0/Q4_1 blocks become int4 weights without requantising.
+    """
     path = resolve_model_path(model)
+    int4_sources: dict[str, GroupwiseInt4] = {}
+    load_dtype = dtype if weights is None else torch.float32
     if path.is_dir():
         config = read_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        weights = load_hf_state_dict(path, dtype)
+        state = load_hf_state_dict(path, load_dtype)
     else:
         ckpt = GGUFCheckpoint.open(path)
         config = ckpt.config()
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path))
-        weights = ckpt.state_dict(config, dtype)
+        state = ckpt.state_dict(config, load_dtype)
+        if weights is not None and weights.format == "int4":
+            int4_sources = ckpt.int4_groups(config)
     try:
-        return build_model(config, weights, dtype, device), tokenizer
+        built = build_model(config, state, load_dtype, device)
     except (KeyError, RuntimeError) as e:  # missing tensors, or shapes that contradict the config
         raise ModelLoadError(path, f"weights do not match the model config: {e}") from e
+    if weights is not None:
+        del state  # the float tensors the packed layers replace are freed as they go
+        pack_model(built, weights, int4_sources)
+        built.to(weights.dtype)
+    return built, tokenizer

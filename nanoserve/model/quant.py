@@ -1,0 +1,215 @@
+"""Packed linear layers: the model's weights executed as int4 groups, int8 channels or bf16.
+
+torch's CPU weight-only kernels define the formats:
+
+- int4: ``_weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`` computes
+  ``x @ w.T`` with ``w[n, k] = (q[n, k] - 8) * scale[k // 32, n] + zero[k // 32, n]``, q in 0..15,
+  ``scales_and_zeros`` [K / 32, N, 2] in the activations' dtype. It needs N % 16 == 0 and
+  K % 32 == 0; with fp32 activations it runs a reference loop ~25x slower than with bf16.
+- int8: ``_weight_int8pack_mm(x, w_int8 [N, K], scales [N])``, scales in the activations' dtype.
+
+GGUF's Q4_0 (``w = d * (q - 8)``) and Q4_1 (``w = d * q + m = d * (q - 8) + (m + 8d)``) blocks are
+that int4 format with group size 32, so they are repacked without requantising; any other weight
+is rounded to nearest into it. A layer whose shape the kernel does not accept stays bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+
+
+@dataclass
+class GroupwiseInt4:
+    """A weight [N, K] as 4-bit codes in groups of 32 along K: ``w = (q - 8) * scales + zeros``.
+
+    ``q`` [N, K] uint8 in 0..15; ``scales`` and ``zeros`` [N, K / 32] fp32.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        groups = self.q.shape[1] // GROUP_SIZE
+        codes = self.q.float().view(self.q.shape[0], groups, GROUP_SIZE) - 8
+        return (codes * self.scales[..., None] + self.zeros[..., None]).view(self.q.shape)
+
+    @staticmethod
+    def cat(parts: list[GroupwiseInt4]) -> GroupwiseInt4:
+        """Stack weights along N (q, k and v into one fused projection)."""
+        return GroupwiseInt4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scales", "zeros")))
+
+
+def quantize_int4(weight: torch.Tensor) -> GroupwiseInt4:
+    """Round-to-nearest asymmetric int4 per group of 32 (min and max of each group kept exactly)."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)
+    return GroupwiseInt4(q.to(torch.uint8).view(n, k), scales, low + 8 * scales)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (codes [N, K] int8, scales [N] fp32), w = codes * scale."""
+    w = weight.float()
+    scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def int4_kernel_accepts(out_features: int, in_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
+
+
+class Int4Linear(nn.Module):
+    """``x @ w.T (+ bias)`` through the int4 kernel; from ``dense_from_rows`` rows on (a static
+    shape under compile, so the choice is made at trace time) through a bf16 copy instead."""
+
+    def __init__(self, weight: GroupwiseInt4, bias: torch.Tensor | None, dtype: torch.dtype,
+                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.q.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
+        sz = torch.stack([weight.scales.t(), weight.zeros.t()], dim=-1)  # [K / 32, N, 2]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous())
+        _register_common(self, bias, dense, dense_from_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from_rows:
+            return F.linear(x, self.dense, self.bias)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Linear(nn.Module):
+    """``x @ w.T (+ bias)`` through the int8 per-channel kernel (bf16 copy from
+    ``dense_from_rows`` rows on, as Int4Linear). ``embed`` reads the same codes as an
+    embedding table, so a tied LM head and the token embedding share one int8 matrix."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales.to(dtype))
+        _register_common(self, bias, dense, dense_from_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from_rows:
+            return F.linear(x, self.dense, self.bias)
+        out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return out if self.bias is None else out + self.bias
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[token_ids].to(self.scales.dtype) * self.scales[token_ids, None]
+
+
+def _register_common(module: nn.Module, bias: torch.Tensor | None, dense: torch.Tensor | None,
+                     dense_from_rows: int | None) -> None:
+    module.register_buffer("bias", bias)
+    module.register_buffer("dense", dense)
+    module.dense_from_rows = dense_from_rows
+
+
+class Int8Embedding(nn.Module):
+    """The token embedding read from an Int8Linear's codes (no float copy of the table)."""
+
+    def __init__(self, table: Int8Linear) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.embed(token_ids)
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of every distinct parameter and persistent buffer the module holds (a tensor shared
+    by two modules, such as a tied LM head and embedding, counts once)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    persistent = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    sizes = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if id(t) in persistent}
+    return sum(sizes.values())
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How the weights are held. ``format`` is one of WEIGHT_FORMATS; with ``dense_from_rows``
+    set, packed linears also keep a bf16 copy used for inputs of at least that many rows."""
+
+    format: str
+    dense_from_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or 'auto', got {self.format!r}")
+        if self.dense_from_rows is not None and self.format not in ("int8", "int4"):
+            raise ValueError(f"a bf16 copy for large row counts only applies to int8/int4, not {self.format}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the packed kernels are fast with bf16 activations only)."""
+        return torch.float32 if self.format == "fp32" else torch.bfloat16
+
+
+def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, GroupwiseInt4] | None = None) -> None:
+    """Replace the model's linear layers (and a tied LM head) with packed ones, in place.
+
+    The model holds float weights (fp32 keeps the rounding to the packed format exact); cast it
+    to ``plan.dtype`` afterwards (packed codes are integers and stay as they are). ``int4_sources`` maps HF weight
+    names to int4 groups taken as they are (a GGUF's Q4 blocks); other weights are quantised
+    here. The LM head runs int8 per channel in both packed formats; a tied head shares its
+    codes with the token embedding.
+    """
+    if plan.format not in ("int8", "int4"):
+        return
+    sources = int4_sources or {}
+    for name, linear in list(model.named_modules()):
+        if isinstance(linear, nn.Linear) and name != "lm_head":
+            _replace(model, name, _packed_linear(linear, plan, _int4_source(model.config, name, sources)))
+    if model.lm_head is not None:
+        model.lm_head = _int8_linear(model.lm_head.weight, model.lm_head.bias, plan)
+    else:  # tied: one int8 matrix serves as the embedding and the head
+        model.lm_head = _int8_linear(model.embed_tokens.weight, None, plan)
+        model.embed_tokens = Int8Embedding(model.lm_head)
+
+
+def _int4_source(config, module_name: str, sources: Mapping[str, GroupwiseInt4]) -> GroupwiseInt4 | None:
+    # The fused q/k/v projection is three HF tensors stacked along the output dimension.
+    hf = "model." + module_name + ".weight"
+    parts = [hf.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv_proj" in hf else [hf]
+    if all(p in sources for p in parts):
+        return GroupwiseInt4.cat([sources[p] for p in parts])
+    return None
+
+
+def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupwiseInt4 | None) -> nn.Module:
+    if plan.format == "int8":
+        return _int8_linear(linear.weight, linear.bias, plan)
+    n, k = linear.weight.shape
+    if not int4_kernel_accepts(n, k):
+        return linear  # the kernel's shape rules do not hold: this layer stays bf16
+    weight = source if source is not None else quantize_int4(linear.weight)
+    return Int4Linear(weight, linear.bias, plan.dtype, _dense_copy(linear.weight, plan), plan.dense_from_rows)
+
+
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan) -> Int8Linear:
+    codes, scales = quantize_int8(weight)
+    return Int8Linear(codes, scales, bias, plan.dtype, _dense_copy(weight, plan), plan.dense_from_rows)
+
+
+def _dense_copy(weight: torch.Tensor, plan: WeightPlan) -> torch.Tensor | None:
+    return None if plan.dense_from_rows is None else weight.detach().to(torch.bfloat16)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
