@@ -120,7 +120,6 @@ def paired_ratios(theirs: list[float], ours: list[float]) -> list[float]:
 def measure_format(work: Workload, weights: str, peers: Peers) -> list[dict]:
     engines = build_engines(work, weights)
     any_engine = next(iter(engines.values()))
-    weight_bytes = step_weight_bytes(any_engine.model)
     warm = make_prompts(max(work.batches), 8, any_engine.vocab_size, seed=99)
     one_pass(engines, peers, warm, 4)  # first-call costs (and the first compile) out of the measurement
     rows = []
@@ -129,10 +128,12 @@ def measure_format(work: Workload, weights: str, peers: Peers) -> list[dict]:
         result, arms = one_pass(engines, peers, prompts, work.new_tokens)
         floor = matmul_floor_seconds(any_engine.model, batch)
         bandwidth = read_bandwidth()
+        weight_bytes = step_weight_bytes(any_engine.model, batch)
         for mode, arm in arms.items():
             row = dict(weights=weights, mode=mode, batch=batch, **_speed(result, mode, batch),
                        floor_ms=floor * 1e3, bw_floor_ms=weight_bytes / bandwidth * 1e3,
-                       weight_mb=weight_bytes / 1e6, read_gb_s=bandwidth / 1e9,
+                       weight_mb=weight_bytes / 1e6, resident_mb=any_engine.weight_bytes / 1e6,
+                       read_gb_s=bandwidth / 1e9,
                        outside_forward=arm.outside_forward)
             row.update(x_floor=row["step_ms"] / row["floor_ms"], x_bw_floor=row["step_ms"] / row["bw_floor_ms"])
             if LLAMA_CPP in result.decode_steps:

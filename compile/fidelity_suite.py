@@ -27,9 +27,9 @@ FORMATS = ("bf16", "int8", "int4", "auto")
 COLUMNS = ["system", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", "at_least_llama", "seconds"]
 
 
-def model_in(model: str, weights: str):
-    """The network in one weight format, as the engine runs it (a one-row engine's model)."""
-    return build_engine(model, max_batch_size=1, max_model_len=64, weights=weights).model
+def engine_in(model: str, weights: str):
+    """A one-row engine in one weight format: its model is the network as the engine runs it."""
+    return build_engine(model, max_batch_size=1, max_model_len=64, weights=weights)
 
 
 def metrics_row(system: str, reference: torch.Tensor, logits: torch.Tensor, token_ids: list[int],
@@ -60,14 +60,16 @@ def timed(fn, *args):
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    reference_model, tokenizer = fidelity.load_reference(args.model)
-    token_ids = tokenizer.encode(args.text.read_text())
-    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against fp32")
-    reference = fidelity.teacher_forced_logits(reference_model, token_ids)
-    del reference_model
+    fp32 = engine_in(args.model, "fp32")
+    token_ids = fp32.tokenizer.encode(args.text.read_text())
+    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against fp32"
+          + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
+    reference = fidelity.teacher_forced_logits(fp32.model, token_ids)
+    del fp32
     rows = []
     for weights in args.weights:
-        logits, seconds = timed(fidelity.teacher_forced_logits, model_in(args.model, weights), token_ids)
+        logits, seconds = timed(fidelity.teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
+                                args.chunk_rows)
         rows.append(metrics_row(weights, reference, logits, token_ids, seconds))
         print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     if args.llama_cpp:
@@ -85,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", type=lambda t: tuple(x for x in t.split(",") if x), default=FORMATS)
     parser.add_argument("--text", type=Path, default=fidelity.FIDELITY_TEXT)
+    parser.add_argument("--chunk-rows", type=int, default=None,
+                        help="feed the text this many tokens per forward (the row count packed layers see); "
+                             "default: one forward")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip the llama.cpp row")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     parser.add_argument("--out", type=Path, default=RESULTS)

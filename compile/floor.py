@@ -31,14 +31,24 @@ def head_module(model) -> nn.Module:
     return model.embed_tokens if model.lm_head is None else model.lm_head
 
 
-def step_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every tensor the linear layers and the LM head
-    hold, in whatever format they are resident (packed int4, int8 and scales, bf16, fp32)."""
+def step_weight_bytes(model, rows: int) -> int:
+    """Bytes of weights one decode step of ``rows`` rows reads: every tensor the linear layers
+    and the LM head hold, in the format they are resident in (fp32, bf16, int8 codes and
+    scales, packed int4 and its scales and zeros). A packed layer that also keeps a bf16 copy
+    for large row counts (``dense`` from ``dense_from_rows`` rows on) reads one or the other."""
     tensors = {}
     for module in [*matmul_modules(model), head_module(model)]:
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensors[tensor.data_ptr()] = tensor.nbytes  # a tensor shared by two modules counts once
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if _read_at(module, name, rows):
+                tensors[tensor.data_ptr()] = tensor.nbytes  # a tensor shared by two modules counts once
     return sum(tensors.values())
+
+
+def _read_at(module: nn.Module, tensor_name: str, rows: int) -> bool:
+    if getattr(module, "dense", None) is None:
+        return True
+    dense_rows = rows >= module.dense_from_rows
+    return tensor_name in ("dense", "bias") if dense_rows else tensor_name != "dense"
 
 
 def activation_dtype(model) -> torch.dtype:
