@@ -62,6 +62,9 @@ def timed(fn, *args):
 def run(args: argparse.Namespace) -> list[dict]:
     fp32 = engine_in(args.model, "fp32")
     token_ids = fp32.tokenizer.encode(args.text.read_text())
+    limit = fp32.model.config.max_position_embeddings
+    if len(token_ids) > limit:
+        raise ValueError(f"{args.text} is {len(token_ids)} tokens; the model reads at most {limit} positions")
     print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against fp32"
           + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
     reference = fidelity.teacher_forced_logits(fp32.model, token_ids)

@@ -19,28 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama as a Hugging Face directory; its shapes suit the int4 kernel."""
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    reference.save_pretrained(path, safe_serialization=True)
-    write_tiny_tokenizer(path, vocab_size=256)
-    return path
-
-
-def write_tiny_tokenizer(path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer.json trained on a few words, so the directory loads by path."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.train_from_iterator(["the model reads the text"] * 10, trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"]))
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
