@@ -195,11 +195,14 @@ def write_plot(results: list[dict], path: Path) -> None:
                 lines[peer] = [(r["batch"], r[key]) for r in base]
         for label, points in lines.items():
             ax.plot(*zip(*points), marker="o", label=label)
-        for key, style, label in (("floor_ms", "--", "matmul floor"), ("bw_floor_ms", ":", "bandwidth floor")):
+        for key, style, label in (("floor_ms", "--", "bound: matrix products"),
+                                  ("bw_floor_ms", ":", "bound: weight bytes / read bandwidth")):
             ax.plot([r["batch"] for r in base], [r["batch"] / (r[key] / 1e3) for r in base],
                     linestyle=style, color="grey", label=label)
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s (median step)",
                title=f"e2e decode, nanoserve weights {weights}")
+        ax.set_xticks([r["batch"] for r in base], [str(r["batch"]) for r in base])
+        ax.minorticks_off()
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
