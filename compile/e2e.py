@@ -49,6 +49,7 @@ class Workload:
     transformers: bool = True
     llama_cpp: bool = True
     threads: int = field(default_factory=torch.get_num_threads)
+    llama_repack: bool = False  # llama.cpp's weight repacking (compile/llama_peer.py says why off)
     kv_cache_bytes: int | None = None
 
     @property
@@ -85,7 +86,8 @@ class Peers:
             if path.suffix != ".gguf":
                 print(f"llama.cpp: {path} is not a GGUF file, so its arm is skipped")
             else:
-                peers.llama = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads)
+                peers.llama = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads,
+                                                  repack=work.llama_repack)
                 peers.llama_weight_bytes = gguf_tensor_bytes(path)
         return peers
 
@@ -236,6 +238,8 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: Workload) ->
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp arm")
     parser.add_argument("--kv-cache-bytes", type=int, default=defaults.kv_cache_bytes)
     parser.add_argument("--threads", type=int, default=defaults.threads, help="llama.cpp's threads (default: torch's)")
+    parser.add_argument("--llama-repack", action="store_true",
+                        help="let llama.cpp repack its weights (AMX); crashes in llama_decode on some VMs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-plot", action="store_true")
 
@@ -244,7 +248,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
     return Workload(model=args.model, weights=args.weights, modes=args.modes, batches=args.batches,
                     prompt_len=args.prompt_len, new_tokens=args.new_tokens, transformers=not args.no_transformers,
                     llama_cpp=not args.no_llama_cpp, threads=args.threads,
-                    kv_cache_bytes=args.kv_cache_bytes)
+                    kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

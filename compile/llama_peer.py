@@ -9,7 +9,6 @@ over its logits, which is the same work as the engine's decode step.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import time
 from pathlib import Path
 
@@ -21,22 +20,34 @@ ABSENT = ("llama.cpp: llama-cpp-python is not installed, so its arm is skipped "
 
 
 def available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+    """Whether llama-cpp-python imports (installed, with its dependencies and shared library)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class LlamaCpp:
     """One llama.cpp model and context: up to ``max_rows`` sequences of ``max_len`` tokens each,
-    up to ``max_batch_tokens`` tokens per ``decode`` call, on ``threads`` threads."""
+    up to ``max_batch_tokens`` tokens per ``decode`` call, on ``threads`` threads.
+
+    ``repack`` lets llama.cpp repack the weights into its extra buffer types (AMX tiles where
+    the CPU lists AMX). Off by default: on this project's VM, whose CPU lists AMX, every
+    ``llama_decode`` over repacked weights segfaults (llama-cpp-python's own high-level API
+    too); without it llama.cpp runs the GGUF blocks through its AVX-512 dot products."""
 
     def __init__(self, path: Path, max_rows: int, max_len: int, threads: int,
-                 max_batch_tokens: int = 512) -> None:
+                 max_batch_tokens: int = 512, repack: bool = False) -> None:
         import llama_cpp
 
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
         self._silence_log = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
         llama_cpp.llama_log_set(self._silence_log, ctypes.c_void_p())  # its load log is pages long
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = repack
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = llama_cpp.llama_context_default_params()
