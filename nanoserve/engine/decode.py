@@ -155,7 +155,10 @@ class DecodeStep:
                 self.stats.recompiles_after_warmup += _graphs_compiled() - before
         self._seen.add((rows, width))
         before = _graphs_compiled()
-        out = self._forward(*args)
+        # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager
+        # rounds; rounding alike makes a compiled bf16 step choose eager's tokens.
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            out = self._forward(*args)
         self.stats.graphs_built += _graphs_compiled() - before
         return out
 

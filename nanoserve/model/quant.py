@@ -171,6 +171,8 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
     """
     if plan.format not in ("int8", "int4"):
         return
+    if any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()):
+        raise ValueError("the model's weights are packed already; load it again to choose another format")
     sources = int4_sources or {}
     for name, linear in list(model.named_modules()):
         if isinstance(linear, nn.Linear) and name != "lm_head":

@@ -1,0 +1,118 @@
+"""Packed linear layers: each format's product equals the dequantised fp32 product, the GGUF's
+Q4 blocks repack without loss, and packed weights compile into the same decode as eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.model.quant import (
+    GROUP_SIZE,
+    GroupwiseInt4,
+    Int4Linear,
+    Int8Linear,
+    WeightPlan,
+    pack_model,
+    quantize_int4,
+    quantize_int8,
+)
+from nanoserve.model.synthetic import random_model, tiny_config
+
+# [N, K]: random small shapes and every linear shape of the default model (qkv, o, gate/up, down).
+SHAPES = [(16, 32), (48, 96), (960, 576), (576, 576), (1536, 576), (576, 1536)]
+# The kernels take bf16 activations, round the output to bf16 and accumulate in fp32 in their
+# own order: an output is within this share of the largest |output| of the exact fp32 product.
+OUTPUT_TOLERANCE = 2 ** -7
+
+
+def unpack_int4(layer: Int4Linear) -> torch.Tensor:
+    """The codes [N, K] a packed layer holds, read back through its own kernel: with scale 1 and
+    zero 8 each weight is its code, and an identity input returns the matrix (exact in bf16)."""
+    k, n = layer.in_features, layer.out_features
+    unit = torch.stack([torch.ones(k // GROUP_SIZE, n), torch.full((k // GROUP_SIZE, n), 8.0)], -1)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP_SIZE, unit.bfloat16())
+    return out.t().to(torch.uint8)
+
+
+def assert_close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    want = x.float() @ weight.float().t()
+    err = (out.float() - want).abs().max().item()
+    assert err <= OUTPUT_TOLERANCE * want.abs().max().item(), (err, want.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int4_linear_equals_dequantised_product(shape, rows):
+    torch.manual_seed(0)
+    weight = quantize_int4(torch.randn(shape) * shape[1] ** -0.5)
+    layer = Int4Linear(weight, None, torch.bfloat16)
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    # The kernel holds scales and zeros in the activations' dtype: that rounding is the format's.
+    rounded = GroupwiseInt4(weight.q, weight.scales.bfloat16().float(), weight.zeros.bfloat16().float())
+    assert_close_to_product(layer(x), x, rounded.dequantize())
+    assert torch.equal(unpack_int4(layer), weight.q)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int8_linear_equals_dequantised_product(shape, rows):
+    torch.manual_seed(0)
+    codes, scales = quantize_int8(torch.randn(shape))
+    layer = Int8Linear(codes, scales, None, torch.bfloat16)
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    assert_close_to_product(layer(x), x, codes.float() * scales.bfloat16().float()[:, None])
+
+
+def test_int4_round_to_nearest_error_is_at_most_half_a_step():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256)
+    packed = quantize_int4(weight)
+    step = packed.scales.repeat_interleave(GROUP_SIZE, 1)
+    assert ((packed.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def test_dense_copy_takes_over_from_its_row_count():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    dense = weight.bfloat16()
+    layer = Int4Linear(quantize_int4(weight), None, torch.bfloat16, dense=dense, dense_from_rows=8)
+    few, many = torch.randn(7, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(many), many @ dense.t())
+    assert not torch.equal(layer(few), few @ dense.t())  # the int4 codes, not the copy
+
+
+def test_linears_the_int4_kernel_cannot_take_stay_dense():
+    # intermediate 40: gate/up have N % 16 != 0 and down has K % 32 != 0, so they keep their
+    # float weights (cast with the model); the attention projections pack.
+    model = random_model(tiny_config(intermediate_size=40), seed=0)
+    pack_model(model, WeightPlan("int4"))
+    mlp = model.layers[0].mlp
+    assert all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
+
+
+def test_tied_head_and_embedding_share_one_int8_matrix():
+    model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
+    pack_model(model, WeightPlan("int4"))
+    assert isinstance(model.lm_head, Int8Linear)
+    assert model.embed_tokens.table is model.lm_head
+    assert model.embed_tokens(torch.tensor([3])).shape == (1, 64)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_compiled_packed_decode_equals_eager_with_no_recompiles(fmt):
+    torch._dynamo.reset()
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=96, weights=fmt)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3], list(range(10, 30)), [7] * 5]
+    eager = build_engine(random_model(tiny_config(), seed=0), **options).generate(prompts, params, use_tqdm=False)
+    compiled_engine = build_engine(random_model(tiny_config(), seed=0), compile=True, row_buckets=(2, 4), width_buckets=(48, 96), **options)
+    compiled = compiled_engine.generate(prompts, params, use_tqdm=False)
+    compiled_engine.generate(prompts[:2], params, use_tqdm=False)  # every bucket again, warmed up
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    stats = compiled_engine.stats()
+    assert stats["weights"] == fmt and stats["recompiles_after_warmup"] == 0
+    torch._dynamo.reset()
