@@ -252,7 +252,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compilebench.py e2e", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="compilebench.py e2e", description=__doc__.split("\n\n")[0])
     add_workload_options(parser, Workload())
     parser.add_argument("--tag", default="", help="suffix for the output files")
     args = parser.parse_args(argv)

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compilebench.py fidelity", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="compilebench.py fidelity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--weights", type=lambda t: tuple(x for x in t.split(",") if x), default=FORMATS)
     parser.add_argument("--text", type=Path, default=fidelity.FIDELITY_TEXT)

@@ -70,7 +70,7 @@ def write_plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compilebench.py [headline]", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="compilebench.py [headline]", description=__doc__.split("\n\n")[0])
     add_workload_options(parser, DEFAULTS)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
