@@ -3,7 +3,7 @@ transformers and llama.cpp (`python compilebench.py`, the default suite, `make b
 
 The e2e suite's workload (compile/e2e.py) cut to what a newcomer came for: the ``auto``
 weights at batches 1, 8 and 32, every system interleaved step by step in one pass per batch.
-About five minutes on a 2-core CPU once the inductor cache is warm (a cold one compiles each
+Sized for about five minutes on a 2-core CPU once the inductor cache is warm (a cold one compiles each
 decode bucket first, ~1 minute each). The full grids are ``e2e`` and ``decode``.
 """
 
