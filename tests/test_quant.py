@@ -94,9 +94,15 @@ def test_linears_the_int4_kernel_cannot_take_stay_dense():
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
-def test_tied_head_and_embedding_share_one_int8_matrix():
+def test_int4_keeps_the_head_dense():
     model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
     pack_model(model, WeightPlan("int4"))
+    assert model.lm_head is None and type(model.embed_tokens) is nn.Embedding
+
+
+def test_int8_tied_head_and_embedding_share_one_int8_matrix():
+    model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
+    pack_model(model, WeightPlan("int8"))
     assert isinstance(model.lm_head, Int8Linear)
     assert model.embed_tokens.table is model.lm_head
     assert model.embed_tokens(torch.tensor([3])).shape == (1, 64)
@@ -116,3 +122,40 @@ def test_compiled_packed_decode_equals_eager_with_no_recompiles(fmt):
     stats = compiled_engine.stats()
     assert stats["weights"] == fmt and stats["recompiles_after_warmup"] == 0
     torch._dynamo.reset()
+
+
+# --- the default GGUF ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_int4(smollm2_path):
+    from nanoserve.model.loader import load_model
+    return load_model(str(smollm2_path), weights=WeightPlan("int4"))[0]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smollm2_int4):
+    # Every Q4_1 linear: the codes read back from the packed layer, times the file's own scale
+    # and zero (exact in fp32), equal the file's dequantisation bit for bit. The kernel then
+    # holds scale and zero in bf16, a rounding the fidelity gates judge.
+    from nanoserve.model.gguf_loader import GGUFCheckpoint
+    ckpt = GGUFCheckpoint.open(smollm2_path)
+    groups = ckpt.int4_groups(ckpt.config())
+    fp32 = dict(smollm2[0].named_modules())
+    for name, layer in smollm2_int4.named_modules():
+        if not isinstance(layer, Int4Linear):
+            continue
+        hf = "model." + name + ".weight"
+        parts = [hf.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv_proj" in hf else [hf]
+        source = GroupwiseInt4.cat([groups[p] for p in parts])
+        exact = GroupwiseInt4(unpack_int4(layer), source.scales, source.zeros)
+        assert torch.equal(exact.dequantize(), fp32[name].weight), name
+
+
+@pytest.mark.model
+def test_int4_resident_weights_within_1_3x_of_the_gguf_file(smollm2_path, smollm2_int4):
+    from nanoserve.model.quant import tensor_bytes
+    size = smollm2_path.stat().st_size
+    resident = tensor_bytes(smollm2_int4)
+    print(f"int4 resident weights {resident / 1e6:.1f} MB = {resident / size:.2f}x the GGUF ({size / 1e6:.1f} MB)")
+    assert resident <= 1.3 * size

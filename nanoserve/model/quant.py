@@ -166,8 +166,8 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
     The model holds float weights (fp32 keeps the rounding to the packed format exact); cast it
     to ``plan.dtype`` afterwards (packed codes are integers and stay as they are). ``int4_sources`` maps HF weight
     names to int4 groups taken as they are (a GGUF's Q4 blocks); other weights are quantised
-    here. The LM head runs int8 per channel in both packed formats; a tied head shares its
-    codes with the token embedding.
+    here. With int8 the LM head runs int8 per channel too (a tied head shares its codes with
+    the token embedding); with int4 it stays dense in ``plan.dtype``.
     """
     if plan.format not in ("int8", "int4"):
         return
@@ -177,6 +177,8 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
     for name, linear in list(model.named_modules()):
         if isinstance(linear, nn.Linear) and name != "lm_head":
             _replace(model, name, _packed_linear(linear, plan, _int4_source(model.config, name, sources)))
+    if plan.format == "int4":
+        return  # the LM head stays bf16: an int8 head fails the fidelity gates (README)
     if model.lm_head is not None:
         model.lm_head = _int8_linear(model.lm_head.weight, model.lm_head.bias, plan)
     else:  # tied: one int8 matrix serves as the embedding and the head
