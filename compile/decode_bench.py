@@ -1,5 +1,5 @@
 """decode: eager vs compiled decode steps over bucketed [rows, width] shapes
-(`python compilebench.py`, the project's main job).
+(`python compilebench.py decode`; `--quick` for a ~3-minute version).
 
 For each bucket, every row holds ``width - 1`` tokens and the step writes its ``width``-th,
 so the forward reads full windows. Each arm owns a ``DecodeStep`` over the same cache and
@@ -135,7 +135,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compilebench.py [decode]", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="compilebench.py decode", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help='"smollm2", a .gguf/HF path, or "random" (its shape)')
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

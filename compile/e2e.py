@@ -1,35 +1,60 @@
-"""e2e: offline decode throughput of the engine against Hugging Face transformers
-(`python compilebench.py e2e`).
+"""e2e: offline decode throughput of the engine, per weight format, eager and compiled, against
+llama.cpp and Hugging Face transformers (`python compilebench.py e2e`).
 
-Both run the default model's dequantised weights in the same process: batches of
-``--prompt-len``-token prompts, ``--new-tokens`` greedy tokens each, EOS ignored. Each
-system's decode step time is the median over its steps, prefill left out of both. The two
-run in lockstep: a logits processor inside ``generate()`` runs (and times) one engine step
-each time transformers produces a position, transformers' step being the time between two
-such calls. The ratio is the median over those neighbouring pairs: on a shared VM whose
-speed drifts 10-15% over a minute, a neighbour sees the same machine; two back-to-back runs
-do not. The matrix-product floor and the engine's share of step time spent outside the
-forward (scheduling, planning, sampling) come from the same run.
+Every system decodes the same batches of ``--prompt-len``-token prompts, ``--new-tokens``
+greedy tokens each, EOS ignored: the engine in each weight format and mode, llama.cpp on the
+same GGUF file (when llama-cpp-python is installed) and transformers on the dequantised fp32
+weights. Each system's decode step time is the median over its steps, prefill left out. They
+run interleaved, one step each in a rotating order (compile/interleave.py), and each ratio is
+the median over neighbouring pairs of steps. Each step is also quoted against two floors
+measured in the same run (compile/floor.py): the step's matrix products in its own format,
+and its weight bytes over the machine's read bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from compile.floor import matmul_floor_seconds
+from compile import llama_peer
+from compile.floor import matmul_floor_seconds, read_bandwidth, step_weight_bytes
+from compile.interleave import TRANSFORMERS, EngineSteps, interleaved_run, load_reference
 from compile.report import RESULTS, format_table, write_csv
-from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.engine.engine import StepTiming
+from nanoserve.engine import build_engine
 from nanoserve.model.loader import resolve_model_path
 
-COLUMNS = ["batch", "engine_tok_s", "hf_tok_s", "engine_vs_hf", "ratio_p10", "ratio_p90", "engine_step_ms",
-           "hf_step_ms", "floor_ms", "engine_x_floor", "hf_x_floor", "outside_forward", "same_tokens"]
+LLAMA_CPP = llama_peer.NAME
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "auto")
+MODES = ("eager", "compile")
+COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_tok_s", "vs_llama", "vs_llama_p10", "vs_llama_p90",
+           "hf_tok_s", "vs_hf", "step_ms", "floor_ms", "bw_floor_ms", "x_floor", "x_bw_floor", "llama_x_bw_floor",
+           "outside_forward", "same_as_hf", "same_as_llama"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one e2e run measures: every weight format x mode x batch, beside the peers asked for."""
+
+    model: str = "smollm2"
+    weights: tuple[str, ...] = WEIGHT_FORMATS
+    modes: tuple[str, ...] = MODES
+    batches: tuple[int, ...] = (1, 8, 32, 64)
+    prompt_len: int = 32
+    new_tokens: int = 128
+    transformers: bool = True
+    llama_cpp: bool = True
+    threads: int = field(default_factory=torch.get_num_threads)
+    llama_repack: bool = False  # llama.cpp's weight repacking (compile/llama_peer.py says why off)
+    kv_cache_bytes: int | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.new_tokens + 1
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -37,165 +62,204 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
 
 
-class _EngineSteps:
-    """Drives the engine one step at a time and times each; collects the finished tokens."""
-
-    def __init__(self, engine, prompts: list[list[int]], new_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        self.engine = engine
-        self.ids = [engine.add_request(p, params) for p in prompts]
-        engine.decode_timing = StepTiming()  # this run's figure alone
-        self.durations: list[float] = []
-        self.outputs: dict[str, list[int]] = {}
-
-    def step(self) -> None:
-        if not self.engine.has_unfinished():
-            return
-        started = time.perf_counter()
-        for out in self.engine.step():
-            if out.finished:
-                self.outputs[out.request_id] = out.token_ids
-        self.durations.append(time.perf_counter() - started)
-
-    @property
-    def decode_steps(self) -> list[float]:
-        return self.durations[1:]  # the first step is the batch's prefill
-
-    @property
-    def tokens(self) -> list[list[int]]:
-        return [self.outputs[i] for i in self.ids]
-
-
 def engine_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float, list[list[int]]]:
     """The engine alone: its decode step times, share outside the forward, and the tokens."""
-    steps = _EngineSteps(engine, prompts, new_tokens)
-    while engine.has_unfinished():
+    steps = EngineSteps(engine, prompts, new_tokens)
+    while not steps.done:
         steps.step()
-    return steps.decode_steps, engine.decode_timing.outside_forward_share, steps.tokens
+    return steps.decode_steps, steps.outside_forward, steps.tokens
 
 
-class _Lockstep:
-    """A transformers logits processor that runs one engine step each time generate()
-    produces a position, so the two systems alternate step by step on the same machine.
-    transformers' step is the time from one call's exit to the next call's entry: its
-    forward, cache update and generate() bookkeeping, without the engine's step."""
+@dataclass
+class Peers:
+    """The systems every pass is compared with; either may be absent."""
 
-    def __init__(self, engine_steps: _EngineSteps) -> None:
-        self.engine_steps = engine_steps
-        self.hf_durations: list[float] = []
-        self._left: float | None = None
+    reference: object | None = None  # transformers' model
+    llama: llama_peer.LlamaCpp | None = None
+    llama_weight_bytes: int = 0
 
-    def __call__(self, input_ids, scores):
-        entered = time.perf_counter()
-        if self._left is not None:
-            self.hf_durations.append(entered - self._left)
-        self.engine_steps.step()
-        self._left = time.perf_counter()
-        return scores
-
-
-def paired_run(engine, model, prompts: list[list[int]], new_tokens: int):
-    """Both systems decoding the same prompts in lockstep. Returns (engine step times,
-    transformers step times, outside-forward share, engine tokens, transformers tokens);
-    the i-th times of both are neighbours in time, so their ratio sees one machine state."""
-    from transformers import LogitsProcessorList
-
-    engine_steps = _EngineSteps(engine, prompts, new_tokens)
-    lockstep = _Lockstep(engine_steps)
-    input_ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([lockstep]))
-    while engine.has_unfinished():  # the engine has as many steps as generate() has positions
-        engine_steps.step()
-    hf_tokens = out[:, input_ids.shape[1]:].tolist()
-    return (engine_steps.decode_steps, lockstep.hf_durations, engine.decode_timing.outside_forward_share,
-            engine_steps.tokens, hf_tokens)
+    @classmethod
+    def load(cls, work: Workload) -> Peers:
+        peers = cls(reference=load_reference(work.model) if work.transformers else None)
+        if work.llama_cpp:
+            path = resolve_model_path(work.model)
+            if path.suffix != ".gguf":
+                print(f"llama.cpp: {path} is not a GGUF file, so its arm is skipped")
+            else:
+                peers.llama = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads,
+                                                  repack=work.llama_repack)
+                peers.llama_weight_bytes = gguf_tensor_bytes(path)
+        return peers
 
 
-def load_reference(model: str):
-    from transformers import AutoModelForCausalLM
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of every tensor in a GGUF file, as llama.cpp holds and reads them."""
+    from gguf import GGUFReader
 
-    path = resolve_model_path(model)
-    if path.is_dir():
-        reference = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    else:
-        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    reference.generation_config.eos_token_id = None  # run exactly new_tokens past any EOS
-    return reference.eval()
+    return sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    length = args.prompt_len + args.new_tokens + 1
-    engine = build_engine(args.model, max_batch_size=max(args.batches), max_model_len=length,
-                          kv_cache_bytes=args.kv_cache_bytes, compile=args.compile)
-    reference = None if args.no_reference else load_reference(args.model)
-    vocab = engine.vocab_size
-    warm = make_prompts(max(args.batches), 8, vocab, seed=99)
-    engine_run(engine, warm, 4)  # first-call costs out of the measurement
-    if reference is not None:
-        paired_run(engine, reference, warm[:2], 4)
-    results = []
-    for batch in args.batches:
-        prompts = make_prompts(batch, args.prompt_len, vocab)
-        if reference is None:
-            engine_steps, outside, _ = engine_run(engine, prompts, args.new_tokens)
-        else:
-            engine_steps, hf_steps, outside, engine_tokens, hf_tokens = paired_run(
-                engine, reference, prompts, args.new_tokens)
-        floor = matmul_floor_seconds(engine.model, batch)
-        engine_step = statistics.median(engine_steps)
-        row = dict(batch=batch, engine_tok_s=batch / engine_step, engine_step_ms=engine_step * 1e3,
-                   floor_ms=floor * 1e3, engine_x_floor=engine_step / floor, outside_forward=outside)
-        if reference is not None:
-            # Pair each transformers step with the engine step run right after it.
-            ratios = sorted(h / e for h, e in zip(hf_steps, engine_steps))
-            hf_step = statistics.median(hf_steps)
-            same = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
-            row.update(hf_tok_s=batch / hf_step, hf_step_ms=hf_step * 1e3, engine_vs_hf=statistics.median(ratios),
-                       ratio_p10=ratios[len(ratios) // 10], ratio_p90=ratios[len(ratios) * 9 // 10],
-                       hf_x_floor=hf_step / floor, same_tokens=f"{same}/{batch}")
-        results.append(row)
-        print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
-    return results
+def build_engines(work: Workload, weights: str) -> dict[str, object]:
+    return {mode: build_engine(work.model, max_batch_size=max(work.batches), max_model_len=work.max_len,
+                               kv_cache_bytes=work.kv_cache_bytes, compile=mode == "compile", weights=weights)
+            for mode in work.modes}
+
+
+def one_pass(engines: dict, peers: Peers, prompts: list[list[int]], new_tokens: int):
+    """Every engine and peer decoding ``prompts`` interleaved; returns (PassResult, engine arms)."""
+    arms = {mode: EngineSteps(engine, prompts, new_tokens) for mode, engine in engines.items()}
+    everyone = dict(arms)
+    if peers.llama is not None:
+        everyone[LLAMA_CPP] = llama_peer.LlamaCppSteps(peers.llama, prompts, new_tokens)
+    return interleaved_run(everyone, prompts, new_tokens, peers.reference), arms
+
+
+def paired_ratios(theirs: list[float], ours: list[float]) -> list[float]:
+    """Their step over ours for each neighbouring pair, sorted (> 1: ours is faster)."""
+    return sorted(t / o for t, o in zip(theirs, ours))
+
+
+def measure_format(work: Workload, weights: str, peers: Peers) -> list[dict]:
+    engines = build_engines(work, weights)
+    any_engine = next(iter(engines.values()))
+    warm = make_prompts(max(work.batches), 8, any_engine.vocab_size, seed=99)
+    one_pass(engines, peers, warm, 4)  # first-call costs (and the first compile) out of the measurement
+    rows = []
+    for batch in work.batches:
+        prompts = make_prompts(batch, work.prompt_len, any_engine.vocab_size)
+        result, arms = one_pass(engines, peers, prompts, work.new_tokens)
+        floor = matmul_floor_seconds(any_engine.model, batch)
+        bandwidth = read_bandwidth()
+        weight_bytes = step_weight_bytes(any_engine.model, batch)
+        for mode, arm in arms.items():
+            row = dict(weights=weights, mode=mode, batch=batch, **_speed(result, mode, batch),
+                       floor_ms=floor * 1e3, bw_floor_ms=weight_bytes / bandwidth * 1e3,
+                       weight_mb=weight_bytes / 1e6, resident_mb=any_engine.weight_bytes / 1e6,
+                       read_gb_s=bandwidth / 1e9,
+                       outside_forward=arm.outside_forward)
+            row.update(x_floor=row["step_ms"] / row["floor_ms"], x_bw_floor=row["step_ms"] / row["bw_floor_ms"])
+            if LLAMA_CPP in result.decode_steps:
+                row["llama_x_bw_floor"] = row["llama_step_ms"] / (peers.llama_weight_bytes / bandwidth * 1e3)
+            rows.append(row)
+            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def _speed(result, mode: str, batch: int) -> dict:
+    """One engine arm's tokens/s and its ratios against each peer in the pass."""
+    ours = result.decode_steps[mode]
+    step = statistics.median(ours)
+    row = dict(tok_s=batch / step, step_ms=step * 1e3)
+    for peer, key in ((LLAMA_CPP, "llama"), (TRANSFORMERS, "hf")):
+        if peer not in result.decode_steps:
+            continue
+        theirs = result.decode_steps[peer]
+        ratios = paired_ratios(theirs, ours)
+        same = sum(a == b for a, b in zip(result.tokens[mode], result.tokens[peer]))
+        row.update({f"{key}_tok_s": batch / statistics.median(theirs),
+                    f"{key}_step_ms": statistics.median(theirs) * 1e3,
+                    f"vs_{key}": statistics.median(ratios), f"vs_{key}_p10": ratios[len(ratios) // 10],
+                    f"vs_{key}_p90": ratios[len(ratios) * 9 // 10], f"same_as_{key}": f"{same}/{batch}"})
+    return row
+
+
+def run(work: Workload) -> list[dict]:
+    if work.llama_cpp and not llama_peer.available():
+        print(llama_peer.ABSENT)
+        work = replace(work, llama_cpp=False)
+    peers = Peers.load(work)
+    print(f"e2e: {work.prompt_len}-token prompts, {work.new_tokens} greedy tokens, torch threads "
+          f"{torch.get_num_threads()}" + (f", llama.cpp threads {work.threads}" if peers.llama else ""))
+    print(format_table([], COLUMNS))
+    try:
+        return [row for weights in work.weights for row in measure_format(work, weights, peers)]
+    finally:
+        if peers.llama is not None:
+            peers.llama.close()
 
 
 def write_plot(results: list[dict], path: Path) -> None:
+    """One panel per weight format: tokens/s per batch for every system, and both floors."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = [r["batch"] for r in results]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(batches, [r["engine_tok_s"] for r in results], marker="o", label="nanoserve")
-    if "hf_tok_s" in results[0]:
-        ax.plot(batches, [r["hf_tok_s"] for r in results], marker="o", label="transformers generate")
-    ax.plot(batches, [b / (r["floor_ms"] / 1e3) for b, r in zip(batches, results)], linestyle="--",
-            color="grey", label="matmul floor")
-    ax.set(xscale="log", xlabel="batch", ylabel="decode tokens/s (median step)", title="e2e decode, fp32")
-    ax.legend()
+    formats = list(dict.fromkeys(r["weights"] for r in results))
+    fig, axes = plt.subplots(1, len(formats), figsize=(5 * len(formats), 4), squeeze=False)
+    for ax, weights in zip(axes[0], formats):
+        rows = [r for r in results if r["weights"] == weights]
+        first_mode = rows[0]["mode"]
+        lines = {f"nanoserve {mode}": [(r["batch"], r["tok_s"]) for r in rows if r["mode"] == mode]
+                 for mode in dict.fromkeys(r["mode"] for r in rows)}
+        base = [r for r in rows if r["mode"] == first_mode]
+        for peer, key in ((LLAMA_CPP, "llama_tok_s"), (TRANSFORMERS + " (fp32)", "hf_tok_s")):
+            if key in base[0]:
+                lines[peer] = [(r["batch"], r[key]) for r in base]
+        for label, points in lines.items():
+            ax.plot(*zip(*points), marker="o", label=label)
+        for key, style, label in (("floor_ms", "--", "bound: matrix products"),
+                                  ("bw_floor_ms", ":", "bound: weight bytes / read bandwidth")):
+            ax.plot([r["batch"] for r in base], [r["batch"] / (r[key] / 1e3) for r in base],
+                    linestyle=style, color="grey", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s (median step)",
+               title=f"e2e decode, nanoserve weights {weights}")
+        ax.set_xticks([r["batch"] for r in base], [str(r["batch"]) for r in base])
+        ax.minorticks_off()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compilebench.py e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="the engine with compile=True")
-    parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+def _names(choices: Sequence[str]):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(x for x in text.split(",") if x)
+        unknown = [x for x in names if x not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(choices)}")
+        return names
+    return parse
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_workload_options(parser: argparse.ArgumentParser, defaults: Workload) -> None:
+    """The options e2e and the headline share (the headline with its own defaults)."""
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--weights", type=_names(WEIGHT_FORMATS), default=defaults.weights,
+                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)}")
+    parser.add_argument("--modes", type=_names(MODES), default=defaults.modes, help="eager,compile or one of them")
+    parser.add_argument("--batches", type=_ints, default=defaults.batches)
+    parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
+    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers arm")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp arm")
+    parser.add_argument("--kv-cache-bytes", type=int, default=defaults.kv_cache_bytes)
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="llama.cpp's threads (default: torch's)")
+    parser.add_argument("--llama-repack", action="store_true",
+                        help="let llama.cpp repack its weights (AMX); crashes in llama_decode on some VMs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-plot", action="store_true")
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    return Workload(model=args.model, weights=args.weights, modes=args.modes, batches=args.batches,
+                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, transformers=not args.no_transformers,
+                    llama_cpp=not args.no_llama_cpp, threads=args.threads,
+                    kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py e2e", description=__doc__.split("\n\n")[0])
+    add_workload_options(parser, Workload())
+    parser.add_argument("--tag", default="", help="suffix for the output files")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    results = run(args)
+    results = run(workload_from(args))
     print("\n" + format_table(results, COLUMNS))
-    name = "e2e-compile" if args.compile else "e2e"  # the eager record is not overwritten
+    name = f"e2e{('-' + args.tag) if args.tag else ''}"
     write_csv(results, args.out / f"{name}.csv")
     if not args.no_plot:
         write_plot(results, args.out / f"{name}.png")

@@ -1,40 +1,83 @@
-"""The matrix-product floor: a decode step's linear layers alone, with the step's shapes.
+"""The floors a decode step is quoted against, measured in the same run as the step.
 
-Every decode step multiplies each row's activations by every weight matrix (q/k/v, o,
-gate, up, down per layer, then the LM head). Nothing an engine does can make a step faster
-than those products on the same weights, so each measured step is quoted as a multiple of
-this floor.
+Matrix products: every decode step multiplies each row's activations by every weight matrix
+(q/k/v, o, gate, up, down per layer, then the LM head); nothing an engine does makes a step
+faster than those products in the same weight format. Bandwidth: the same step must read
+every byte of those weights once, so bytes / the machine's read bandwidth bounds it too
+(the bound that matters at few rows, where the products are memory-bound).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from compile.report import median_seconds
 
+READ_BYTES = 256 << 20  # far larger than any CPU cache, so the read comes from memory
 
-def matmul_weights(model) -> list[torch.Tensor]:
-    """Every matrix a decode step multiplies by, in order."""
-    weights = []
+
+def matmul_modules(model) -> list[nn.Module]:
+    """Every linear layer a decode step runs, in order (the LM head apart: see ``head_module``)."""
+    modules = []
     for layer in model.layers:
-        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                    layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight]
-    weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
-    return weights
+        modules += [layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    return modules
+
+
+def head_module(model) -> nn.Module:
+    """The module holding the LM head's weights (the embedding when they are tied)."""
+    return model.embed_tokens if model.lm_head is None else model.lm_head
+
+
+def step_weight_bytes(model, rows: int) -> int:
+    """Bytes of weights one decode step of ``rows`` rows reads: every tensor the linear layers
+    and the LM head hold, in the format they are resident in (fp32, bf16, int8 codes and
+    scales, packed int4 and its scales and zeros). A packed layer that also keeps a bf16 copy
+    for large row counts (``dense`` from ``dense_from_rows`` rows on) reads one or the other."""
+    tensors = {}
+    for module in [*matmul_modules(model), head_module(model)]:
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if _read_at(module, name, rows):
+                tensors[tensor.data_ptr()] = tensor.nbytes  # a tensor shared by two modules counts once
+    return sum(tensors.values())
+
+
+def _read_at(module: nn.Module, tensor_name: str, rows: int) -> bool:
+    if getattr(module, "dense", None) is None:
+        return True
+    dense_rows = rows >= module.dense_from_rows
+    return tensor_name in ("dense", "bias") if dense_rows else tensor_name != "dense"
+
+
+def activation_dtype(model) -> torch.dtype:
+    """The dtype of the hidden states between layers (the final norm's weight holds it)."""
+    return model.norm.weight.dtype
 
 
 @torch.inference_mode()
 def matmul_floor_seconds(model, rows: int, repeats: int = 10) -> float:
-    """Median time of one step's matrix products for ``rows`` rows."""
-    weights = matmul_weights(model)
-    device = weights[0].device
+    """Median time of one step's matrix products for ``rows`` rows, each through the model's own
+    linear modules and LM head, so each weight format is timed with its own kernels."""
+    modules = matmul_modules(model)
+    device = model.norm.weight.device
+    dtype = activation_dtype(model)
     # One input per distinct in-feature count, so each product has its real shape.
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device) for w in weights}
+    inputs = {m: torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in modules}
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=dtype, device=device)
 
     def step() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for module, x in inputs.items():
+            module(x)
+        model.compute_logits(hidden)
 
     step()
     return median_seconds(step, repeats, device)
+
+
+def read_bandwidth(num_bytes: int = READ_BYTES, repeats: int = 7) -> float:
+    """The host's read bandwidth in bytes/s: the median time to sum a tensor that fits in no cache."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()  # first touch: pages mapped before timing
+    return data.nbytes / median_seconds(data.sum, repeats, data.device)

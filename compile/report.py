@@ -14,9 +14,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """A plain aligned table of ``columns`` (floats to 3 significant decimals)."""
+    """A plain aligned table of ``columns`` (floats to 3 decimals, or 3 significant digits below 0.1)."""
     def cell(value) -> str:
         if isinstance(value, float):
+            if 0 < abs(value) < 0.1:  # a KL divergence of 0.0004 must not print as 0.000
+                return f"{value:.3g}"
             return f"{value:.3f}" if abs(value) < 1000 else f"{value:,.0f}"
         return str(value)
     body = [[cell(r.get(c, "")) for c in columns] for r in rows]

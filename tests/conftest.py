@@ -256,3 +256,25 @@ def wait_until_serving(process, url: str, timeout: float = 60.0) -> None:
             pass
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random Llama as a Hugging Face directory with a byte-level tokenizer, so it loads
+    by path like any model (its shapes suit the packed int4 kernel)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(["the model reads the text"] * 10, trainers.BpeTrainer(
+        vocab_size=config.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>"]))
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return path

@@ -1,45 +1,113 @@
-"""The e2e benchmark's lockstep harness (not its figures: a benchmark is never a timed test)."""
+"""The e2e and headline suites' harness on a tiny model (not their figures: a benchmark is
+never a timed test)."""
 
 from __future__ import annotations
+
+import csv
 
 import pytest
 import torch
 
-from compile.e2e import engine_run, make_prompts, paired_run
+from compile import headline, llama_peer
+from compile.e2e import Workload, engine_run, make_prompts, run
+from compile.floor import step_weight_bytes
+from compile.interleave import TRANSFORMERS, EngineSteps, Rotation, interleaved_run
 from nanoserve.engine import build_engine
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.loader import build_model
+from nanoserve.model.quant import WeightPlan
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def engine_and_reference(tmp_path_factory):
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def engine_and_reference(tiny_dir):
+    reference = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None
-    path = tmp_path_factory.mktemp("tiny-llama")
-    reference.save_pretrained(path, safe_serialization=True)
-    model = build_model(read_hf_config(path), load_hf_state_dict(path))
-    engine = build_engine(model, max_batch_size=4, max_model_len=64, dtype="float32", device="cpu")
+    engine = build_engine(str(tiny_dir), max_batch_size=4, max_model_len=64, weights="fp32")
     return engine, reference
 
 
-def test_lockstep_pairs_every_transformers_step_with_an_engine_step(engine_and_reference):
+def test_interleaved_pass_pairs_every_transformers_step_with_each_arms_step(engine_and_reference):
     engine, reference = engine_and_reference
     prompts = make_prompts(3, 8, 256)
-    engine_steps, hf_steps, outside, engine_tokens, hf_tokens = paired_run(engine, reference, prompts, 6)
+    result = interleaved_run({"eager": EngineSteps(engine, prompts, 6)}, prompts, 6, reference)
     # 6 positions: one prefill and 5 decode steps each, the i-th of both neighbours in time.
-    assert len(engine_steps) == len(hf_steps) == 5
-    assert all(t > 0 for t in engine_steps + hf_steps)
-    assert engine_tokens == hf_tokens and all(len(t) == 6 for t in engine_tokens)
-    assert 0.0 <= outside < 1.0
+    assert len(result.decode_steps["eager"]) == len(result.decode_steps[TRANSFORMERS]) == 5
+    assert all(t > 0 for steps in result.decode_steps.values() for t in steps)
+    assert result.tokens["eager"] == result.tokens[TRANSFORMERS]
+    assert all(len(t) == 6 for t in result.tokens["eager"])
     assert not engine.has_unfinished()
+
+
+def test_rotation_steps_every_arm_once_per_call_in_a_rotating_order():
+    order = []
+
+    class Arm:
+        def __init__(self, name):
+            self.name, self.steps = name, 0
+
+        def step(self):
+            order.append(self.name)
+            self.steps += 1
+
+        @property
+        def done(self):
+            return self.steps >= 3
+
+    rotation = Rotation({name: Arm(name) for name in "abc"})
+    while not rotation.done:
+        rotation.step_all()
+    assert order == list("abc" "bca" "cab")
 
 
 def test_engine_alone_times_its_decode_steps(engine_and_reference):
     engine, _ = engine_and_reference
-    steps, _, tokens = engine_run(engine, make_prompts(2, 5, 256), 4)
+    steps, outside, tokens = engine_run(engine, make_prompts(2, 5, 256), 4)
     assert len(steps) == 3 and [len(t) for t in tokens] == [4, 4]
+    assert 0.0 <= outside < 1.0
+
+
+def test_e2e_rows_per_format_mode_and_batch_with_floors_and_ratios(tiny_dir, monkeypatch, capsys):
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    work = Workload(model=str(tiny_dir), weights=("fp32", "int4"), modes=("eager",), batches=(1, 2),
+                    prompt_len=6, new_tokens=4)
+    rows = run(work)
+    assert llama_peer.ABSENT in capsys.readouterr().out  # said once, and every other arm still ran
+    assert [(r["weights"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 2), ("int4", 1), ("int4", 2)]
+    for r in rows:
+        assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3))
+        assert r["x_bw_floor"] == pytest.approx(r["step_ms"] / r["bw_floor_ms"])
+        assert r["vs_hf_p10"] <= r["vs_hf"] <= r["vs_hf_p90"]
+        assert "llama_tok_s" not in r
+    fp32, int4 = rows[0], rows[2]
+    assert fp32["same_as_hf"] == "1/1"  # fp32 is the reference's own arithmetic
+    assert int4["weight_mb"] < fp32["weight_mb"] / 4
+
+
+def test_step_weight_bytes_reads_the_packed_codes_or_the_bf16_copy_by_rows(tiny_dir):
+    engine = build_engine(str(tiny_dir), max_batch_size=4, max_model_len=64,
+                          weights=WeightPlan("int8", dense_from_rows=4))
+    model = engine.model
+    linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    linears.append(model.lm_head)
+    packed = sum(m.codes.nbytes + m.scales.nbytes for m in linears)
+    dense = sum(m.dense.nbytes for m in linears)
+    assert step_weight_bytes(model, 3) == packed
+    assert step_weight_bytes(model, 4) == dense
+
+
+def test_headline_writes_its_table_and_plot(tiny_dir, tmp_path, capsys):
+    status = headline.main(["--model", str(tiny_dir), "--modes", "eager", "--batches", "1,2", "--prompt-len", "6",
+                            "--new-tokens", "3", "--no-llama-cpp", "--out", str(tmp_path)])
+    assert status == 0
+    with (tmp_path / "headline.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["batch"] for r in rows] == ["1", "2"] and all(r["weights"] == "auto" for r in rows)
+    assert {"eager_tok_s", "hf_tok_s", "eager_vs_hf"} <= set(rows[0])
+    assert (tmp_path / "headline.png").stat().st_size > 0
+    assert "llama-cpp-python" not in capsys.readouterr().out  # asked not to run it: no absence note

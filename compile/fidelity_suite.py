@@ -1,0 +1,108 @@
+"""fidelity: how close each weight format's logits stay to the fp32 reference, beside llama.cpp
+on the same token ids (`python compilebench.py fidelity`).
+
+Teacher-forced over a fixed English text (compile/fidelity.py holds the text, the forward and
+the metrics): every position's logits of the format against fp32's, as top-1 agreement, mean
+and p99 KL divergence per token, and the perplexity ratio. With llama-cpp-python installed,
+llama.cpp's own logits for every position of the same ids (its GGUF as shipped) get the same
+metrics, and each format is marked at least as faithful when it is no worse on all three:
+top-1 agreement, mean KL, and the perplexity ratio's distance from 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from compile import fidelity, llama_peer
+from compile.report import RESULTS, format_table, write_csv
+from nanoserve.engine import build_engine
+from nanoserve.model.loader import resolve_model_path
+
+FORMATS = ("bf16", "int8", "int4", "auto")
+COLUMNS = ["system", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", "at_least_llama", "seconds"]
+
+
+def engine_in(model: str, weights: str):
+    """A one-row engine in one weight format: its model is the network as the engine runs it."""
+    return build_engine(model, max_batch_size=1, max_model_len=64, weights=weights)
+
+
+def metrics_row(system: str, reference: torch.Tensor, logits: torch.Tensor, token_ids: list[int],
+                seconds: float) -> dict:
+    m = fidelity.fidelity_metrics(reference[:-1], logits[:-1], torch.tensor(token_ids[1:]))
+    return dict(system=system, tokens=len(token_ids) - 1, top1=m.top1_agreement, mean_kl=m.mean_kl,
+                p99_kl=m.p99_kl, ppl=m.test_perplexity, ref_ppl=m.ref_perplexity, ppl_ratio=m.perplexity_ratio,
+                seconds=seconds)
+
+
+def at_least_as_faithful(row: dict, bar: dict) -> bool:
+    return (row["top1"] >= bar["top1"] and row["mean_kl"] <= bar["mean_kl"]
+            and abs(row["ppl_ratio"] - 1) <= abs(bar["ppl_ratio"] - 1))
+
+
+def llama_cpp_logits(model: str, token_ids: list[int], threads: int) -> torch.Tensor:
+    peer = llama_peer.LlamaCpp(resolve_model_path(model), 1, len(token_ids), threads)
+    try:
+        return torch.from_numpy(llama_peer.teacher_forced_logits(peer, token_ids))
+    finally:
+        peer.close()
+
+
+def timed(fn, *args):
+    started = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - started
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    fp32 = engine_in(args.model, "fp32")
+    token_ids = fp32.tokenizer.encode(args.text.read_text())
+    limit = fp32.model.config.max_position_embeddings
+    if len(token_ids) > limit:
+        raise ValueError(f"{args.text} is {len(token_ids)} tokens; the model reads at most {limit} positions")
+    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against fp32"
+          + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
+    reference = fidelity.teacher_forced_logits(fp32.model, token_ids)
+    del fp32
+    rows = []
+    for weights in args.weights:
+        logits, seconds = timed(fidelity.teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
+                                args.chunk_rows)
+        rows.append(metrics_row(weights, reference, logits, token_ids, seconds))
+        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    if args.llama_cpp:
+        logits, seconds = timed(llama_cpp_logits, args.model, token_ids, args.threads)
+        bar = metrics_row(f"{llama_peer.NAME} ({resolve_model_path(args.model).name})", reference, logits,
+                          token_ids, seconds)
+        for row in rows:
+            row["at_least_llama"] = "yes" if at_least_as_faithful(row, bar) else "no"
+        rows.append(bar)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py fidelity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--weights", type=lambda t: tuple(x for x in t.split(",") if x), default=FORMATS)
+    parser.add_argument("--text", type=Path, default=fidelity.FIDELITY_TEXT)
+    parser.add_argument("--chunk-rows", type=int, default=None,
+                        help="feed the text this many tokens per forward (the row count packed layers see); "
+                             "default: one forward")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip the llama.cpp row")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.llama_cpp and not llama_peer.available():
+        print(llama_peer.ABSENT)
+        args.llama_cpp = False
+    torch.set_grad_enabled(False)
+    rows = run(args)
+    print("\n" + format_table(rows, COLUMNS))
+    write_csv(rows, args.out / "fidelity.csv")
+    print(f"wrote {args.out / 'fidelity.csv'}")
+    return 0

@@ -1,0 +1,83 @@
+"""headline: the default format's decode tokens/s per batch, eager and compiled, beside
+transformers and llama.cpp (`python compilebench.py`, the default suite, `make bench`).
+
+The e2e suite's workload (compile/e2e.py) cut to what a newcomer came for: the ``auto``
+weights at batches 1, 8 and 32, every system interleaved step by step in one pass per batch.
+Sized for about five minutes on a 2-core CPU once the inductor cache is warm (a cold one compiles each
+decode bucket first, ~1 minute each). The full grids are ``e2e`` and ``decode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from compile.e2e import LLAMA_CPP, TRANSFORMERS, Workload, add_workload_options, run, workload_from
+from compile.report import format_table, write_csv
+
+DEFAULTS = Workload(weights=("auto",), batches=(1, 8, 32))
+SYSTEMS = {"nanoserve eager": "eager_tok_s", "nanoserve compiled": "compile_tok_s",
+           TRANSFORMERS + " fp32": "hf_tok_s", LLAMA_CPP: "llama_tok_s"}
+
+
+def headline_rows(results: list[dict]) -> list[dict]:
+    """One row per (weights, batch): every system's tokens/s and the engine's ratios to the peers
+    (each the median over neighbouring pairs of steps)."""
+    table: dict[tuple, dict] = {}
+    for r in results:
+        row = table.setdefault((r["weights"], r["batch"]), dict(weights=r["weights"], batch=r["batch"]))
+        row[f"{r['mode']}_tok_s"] = r["tok_s"]
+        row[f"{r['mode']}_x_bw_floor"] = r["x_bw_floor"]
+        for key in ("hf_tok_s", "llama_tok_s"):
+            if key in r:
+                row[key] = r[key]  # one pass for every mode: the same figure on each
+        for key in ("vs_llama", "vs_hf"):
+            if key in r:
+                row[f"{r['mode']}_{key}"] = r[key]
+    return list(table.values())
+
+
+def columns(rows: list[dict]) -> list[str]:
+    present = dict.fromkeys(key for row in rows for key in row)
+    order = ["weights", "batch", "eager_tok_s", "compile_tok_s", "hf_tok_s", "llama_tok_s",
+             "compile_vs_llama", "eager_vs_llama", "compile_vs_hf", "eager_vs_hf",
+             "compile_x_bw_floor", "eager_x_bw_floor"]
+    return [key for key in order if key in present]
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    """Grouped bars: tokens/s per batch, one bar per system."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = {label: key for label, key in SYSTEMS.items() if key in rows[0]}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(systems)
+    for i, (label, key) in enumerate(systems.items()):
+        xs = [b + (i - (len(systems) - 1) / 2) * width for b in range(len(rows))]
+        bars = ax.bar(xs, [r[key] for r in rows], width, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize="x-small")
+    ax.set_xticks(range(len(rows)), [f"batch {r['batch']}\nweights {r['weights']}" for r in rows])
+    ax.set(ylabel="decode tokens/s (median step)", title="decode tokens/s, same prompts, systems interleaved")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py [headline]", description=__doc__.split("\n\n")[0])
+    add_workload_options(parser, DEFAULTS)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    rows = headline_rows(run(workload_from(args)))
+    print("\n" + format_table(rows, columns(rows)))
+    write_csv(rows, args.out / "headline.csv")
+    if not args.no_plot:
+        write_plot(rows, args.out / "headline.png")
+    print(f"wrote {args.out / 'headline.csv'}" + ("" if args.no_plot else " and headline.png"))
+    return 0

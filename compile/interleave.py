@@ -1,0 +1,157 @@
+"""Several systems decoding the same prompts, one step each in turn, so that the i-th steps of
+all of them are neighbours in time and see one machine state (on a shared VM whose speed
+drifts 10-15% over a minute, back-to-back runs do not).
+
+An arm is anything with ``step()`` (one timed step; the first is the prefill), ``done``,
+``decode_steps`` (seconds, prefill left out) and ``tokens``. With transformers in the run,
+its ``generate()`` drives: a logits processor steps every other arm each time it produces a
+position, and transformers' own step is the time between two such calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nanoserve.engine import SamplingParams
+from nanoserve.engine.engine import StepTiming
+from nanoserve.model.loader import resolve_model_path
+
+TRANSFORMERS = "transformers"
+
+
+class Arm(Protocol):
+    done: bool
+    decode_steps: list[float]
+    tokens: list[list[int]]
+
+    def step(self) -> None: ...
+
+
+class EngineSteps:
+    """Drives the engine one step at a time and times each; collects the finished tokens."""
+
+    def __init__(self, engine, prompts: list[list[int]], new_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        self.engine = engine
+        self.ids = [engine.add_request(p, params) for p in prompts]
+        engine.decode_timing = StepTiming()  # this run's figure alone
+        self.durations: list[float] = []
+        self.outputs: dict[str, list[int]] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished()
+
+    def step(self) -> None:
+        if self.done:
+            return
+        started = time.perf_counter()
+        for out in self.engine.step():
+            if out.finished:
+                self.outputs[out.request_id] = out.token_ids
+        self.durations.append(time.perf_counter() - started)
+
+    @property
+    def decode_steps(self) -> list[float]:
+        return self.durations[1:]  # the first step is the batch's prefill
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [self.outputs[i] for i in self.ids]
+
+    @property
+    def outside_forward(self) -> float:
+        return self.engine.decode_timing.outside_forward_share
+
+
+class Rotation:
+    """Steps every arm once per call; the order rotates by one each call, so no arm always
+    runs first or right after transformers."""
+
+    def __init__(self, arms: Mapping[str, Arm]) -> None:
+        self.arms = list(arms.values())
+        self.calls = 0
+
+    def step_all(self) -> None:
+        turn = self.calls % len(self.arms)
+        self.calls += 1
+        for arm in self.arms[turn:] + self.arms[:turn]:
+            arm.step()
+
+    @property
+    def done(self) -> bool:
+        return all(arm.done for arm in self.arms)
+
+
+class _Lockstep:
+    """A transformers logits processor that steps every other arm each time generate()
+    produces a position. transformers' step is the time from one call's exit to the next
+    call's entry: its forward, cache update and generate() bookkeeping, without the others."""
+
+    def __init__(self, rotation: Rotation) -> None:
+        self.rotation = rotation
+        self.durations: list[float] = []
+        self._left: float | None = None
+
+    def __call__(self, input_ids, scores):
+        entered = time.perf_counter()
+        if self._left is not None:
+            self.durations.append(entered - self._left)
+        self.rotation.step_all()
+        self._left = time.perf_counter()
+        return scores
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One interleaved pass: per arm (transformers included when it ran), its decode step
+    seconds in order and its tokens."""
+
+    decode_steps: dict[str, list[float]]
+    tokens: dict[str, list[list[int]]]
+
+
+def interleaved_run(arms: Mapping[str, Arm], prompts: list[list[int]], new_tokens: int,
+                    reference=None) -> PassResult:
+    """Every arm (already holding ``prompts``) steps to the end, in rotation; with a transformers
+    ``reference``, its generate() over the same prompts drives the rotation."""
+    rotation = Rotation(arms)
+    steps = {}
+    tokens = {}
+    if reference is not None:
+        steps[TRANSFORMERS], tokens[TRANSFORMERS] = _generate(reference, rotation, prompts, new_tokens)
+    while not rotation.done:  # the arms have as many steps as generate() has positions
+        rotation.step_all()
+    for name, arm in arms.items():
+        steps[name], tokens[name] = arm.decode_steps, arm.tokens
+    return PassResult(steps, tokens)
+
+
+def _generate(reference, rotation: Rotation, prompts: list[list[int]], new_tokens: int):
+    from transformers import LogitsProcessorList
+
+    lockstep = _Lockstep(rotation)
+    input_ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        out = reference.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([lockstep]))
+    return lockstep.durations, out[:, input_ids.shape[1]:].tolist()
+
+
+def load_reference(model: str):
+    """transformers' fp32 model of the same weights (a GGUF is dequantised on load)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        reference = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+    reference.generation_config.eos_token_id = None  # run exactly new_tokens past any EOS
+    return reference.eval()

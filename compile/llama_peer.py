@@ -1,0 +1,160 @@
+"""llama.cpp as a peer: the same GGUF file through llama-cpp-python's low-level API.
+
+An optional extra (``pip install -e '.[peers]'``; it compiles llama.cpp from source for several
+minutes). Every suite runs without it and says so. Rows are llama.cpp sequences: a decode
+step is one ``llama_decode`` over a batch of one token per sequence, then a greedy argmax
+over its logits, which is the same work as the engine's decode step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import numpy as np
+
+NAME = "llama.cpp"
+ABSENT = ("llama.cpp: llama-cpp-python is not installed, so its arm is skipped "
+          "(pip install -e '.[peers]' adds it; it compiles from source for several minutes)")
+
+
+def available() -> bool:
+    """Whether llama-cpp-python imports (installed, with its dependencies and shared library)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCpp:
+    """One llama.cpp model and context: up to ``max_rows`` sequences of ``max_len`` tokens each,
+    up to ``max_batch_tokens`` tokens per ``decode`` call, on ``threads`` threads.
+
+    ``repack`` lets llama.cpp repack the weights into its extra buffer types (AMX tiles where
+    the CPU lists AMX). Off by default: on this project's VM, whose CPU lists AMX, every
+    ``llama_decode`` over repacked weights segfaults (llama-cpp-python's own high-level API
+    too); without it llama.cpp runs the GGUF blocks through its AVX-512 dot products."""
+
+    def __init__(self, path: Path, max_rows: int, max_len: int, threads: int,
+                 max_batch_tokens: int = 512, repack: bool = False) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        self._silence_log = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        llama_cpp.llama_log_set(self._silence_log, ctypes.c_void_p())  # its load log is pages long
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = repack
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_seq_max = max_rows
+        params.kv_unified = False  # each sequence its own cache stream: attention reads only its own tokens
+        params.n_ctx = max_rows * max_len
+        params.n_batch = params.n_ubatch = max(max_batch_tokens, max_rows)
+        params.n_threads = params.n_threads_batch = threads
+        self.context = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise RuntimeError(f"llama.cpp could not make a context for {max_rows} rows of {max_len} tokens")
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.max_batch_tokens = params.n_batch
+        self.batch = llama_cpp.llama_batch_init(self.max_batch_tokens, 0, 1)
+        self._tokens = np.ctypeslib.as_array(self.batch.token, shape=(self.max_batch_tokens,))
+        self._positions = np.ctypeslib.as_array(self.batch.pos, shape=(self.max_batch_tokens,))
+        self._wants_logits = np.ctypeslib.as_array(self.batch.logits, shape=(self.max_batch_tokens,))
+        np.ctypeslib.as_array(self.batch.n_seq_id, shape=(self.max_batch_tokens,))[:] = 1
+        self._seq_ids = [self.batch.seq_id[i] for i in range(self.max_batch_tokens)]
+
+    def clear(self) -> None:
+        """Forget every sequence's cache."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.context), True)
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+               wants_logits: np.ndarray) -> np.ndarray:
+        """One ``llama_decode`` of ``len(tokens)`` tokens; returns the logits of the flagged
+        ones in order, ``[flagged, vocab]``, as a view valid until the next call."""
+        n = len(tokens)
+        if n > self.max_batch_tokens:
+            raise ValueError(f"{n} tokens in one decode; this context takes at most {self.max_batch_tokens}")
+        self._tokens[:n] = tokens
+        self._positions[:n] = positions
+        self._wants_logits[:n] = wants_logits
+        for i, seq in enumerate(seq_ids):
+            self._seq_ids[i][0] = int(seq)
+        self.batch.n_tokens = n
+        status = self.lib.llama_decode(self.context, self.batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        flagged = int(np.count_nonzero(wants_logits))
+        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.context), shape=(flagged, self.vocab_size))
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.context)
+        self.lib.llama_model_free(self.model)
+
+
+class LlamaCppSteps:
+    """Greedy decoding of one batch of prompts, one step per ``step()`` call, each timed: the
+    first call is the prefill (one decode per prompt), every later one a batched decode step."""
+
+    def __init__(self, peer: LlamaCpp, prompts: list[list[int]], new_tokens: int) -> None:
+        peer.clear()
+        self.peer = peer
+        self.prompts = prompts
+        self.new_tokens = new_tokens
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.durations: list[float] = []
+        self._rows = np.arange(len(prompts))
+        self._all_rows = np.ones(len(prompts), dtype=np.int8)
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs[0]) >= self.new_tokens
+
+    def step(self) -> None:
+        if self.done:
+            return
+        started = time.perf_counter()
+        if not self.durations:
+            self._prefill()
+        else:
+            last = np.array([out[-1] for out in self.outputs])
+            positions = np.array([len(p) + len(out) - 1 for p, out in zip(self.prompts, self.outputs)])
+            logits = self.peer.decode(last, positions, self._rows, self._all_rows)
+            for out, token in zip(self.outputs, logits.argmax(axis=1).tolist()):
+                out.append(token)
+        self.durations.append(time.perf_counter() - started)
+
+    def _prefill(self) -> None:
+        for row, prompt in enumerate(self.prompts):
+            n = len(prompt)
+            wants_logits = np.zeros(n, dtype=np.int8)
+            wants_logits[-1] = 1
+            logits = self.peer.decode(np.array(prompt), np.arange(n), np.full(n, row), wants_logits)
+            self.outputs[row].append(int(logits[0].argmax()))
+
+    @property
+    def decode_steps(self) -> list[float]:
+        return self.durations[1:]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return self.outputs
+
+
+def teacher_forced_logits(peer: LlamaCpp, token_ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of ``token_ids`` as one sequence, ``[T, vocab]``
+    float32, in chunks of the context's batch size."""
+    peer.clear()
+    chunks = []
+    for start in range(0, len(token_ids), peer.max_batch_tokens):
+        chunk = np.array(token_ids[start:start + peer.max_batch_tokens])
+        n = len(chunk)
+        logits = peer.decode(chunk, np.arange(start, start + n), np.zeros(n, dtype=np.int32),
+                             np.ones(n, dtype=np.int8))
+        chunks.append(logits.copy())
+    return np.concatenate(chunks)

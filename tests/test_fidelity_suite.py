@@ -1,0 +1,31 @@
+"""The fidelity suite's harness on a tiny model (its figures for the real model are the bench's)."""
+
+from __future__ import annotations
+
+import csv
+
+from compile import fidelity, fidelity_suite, llama_peer
+
+
+def test_fidelity_suite_writes_one_row_per_format_against_fp32(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    status = fidelity_suite.main(["--model", str(tiny_llama_dir), "--text", str(fidelity.SHORT_TEXT),
+                                  "--weights", "fp32,int4", "--out", str(tmp_path)])
+    assert status == 0
+    assert llama_peer.ABSENT in capsys.readouterr().out
+    with (tmp_path / "fidelity.csv").open() as f:
+        rows = {r["system"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"fp32", "int4"}
+    fp32 = rows["fp32"]  # the reference against itself: the metrics' own zero
+    assert float(fp32["top1"]) == 1.0 and float(fp32["mean_kl"]) == 0.0 and float(fp32["ppl_ratio"]) == 1.0
+    assert int(rows["int4"]["tokens"]) == int(fp32["tokens"]) > 100
+    assert 0.0 < float(rows["int4"]["mean_kl"]) and 0.0 <= float(rows["int4"]["top1"]) <= 1.0
+
+
+def test_at_least_as_faithful_needs_no_worse_on_all_three_figures():
+    bar = dict(top1=0.97, mean_kl=0.003, ppl_ratio=1.002)
+    assert fidelity_suite.at_least_as_faithful(dict(top1=0.98, mean_kl=0.002, ppl_ratio=0.999), bar)
+    assert fidelity_suite.at_least_as_faithful(dict(bar), bar)
+    assert not fidelity_suite.at_least_as_faithful(dict(top1=0.96, mean_kl=0.002, ppl_ratio=1.0), bar)
+    assert not fidelity_suite.at_least_as_faithful(dict(top1=0.98, mean_kl=0.004, ppl_ratio=1.0), bar)
+    assert not fidelity_suite.at_least_as_faithful(dict(top1=0.98, mean_kl=0.002, ppl_ratio=0.997), bar)

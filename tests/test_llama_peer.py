@@ -1,0 +1,47 @@
+"""llama.cpp's arm on the default GGUF: rows, positions and logits line up with ours. Runs only
+where llama-cpp-python is installed (`pip install -e '.[peers]'`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile.llama_peer import LlamaCpp, LlamaCppSteps, teacher_forced_logits
+from nanoserve.model.llama import dense_forward
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[peers]')")
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once upon a time, a small robot"]
+
+
+@pytest.fixture(scope="module")
+def peer(smollm2_path):
+    peer = LlamaCpp(smollm2_path, max_rows=len(PROMPTS), max_len=64, threads=2, max_batch_tokens=16)
+    yield peer
+    peer.close()
+
+
+def test_teacher_forced_logits_predict_the_next_token_as_fp32_does(peer, smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer.encode(" ".join(PROMPTS))  # longer than one 16-token batch: chunks join up
+    theirs = torch.from_numpy(teacher_forced_logits(peer, ids))
+    ours = dense_forward(model, torch.tensor([ids]))[0]
+    assert theirs.shape == ours.shape == (len(ids), model.config.vocab_size)
+    # llama.cpp rounds activations to 8 bits, so not equal; a shifted position would agree ~never.
+    agreement = (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item()
+    assert agreement >= 0.8
+
+
+def test_batched_steps_decode_every_row_to_the_same_length(peer, smollm2):
+    _, tokenizer = smollm2
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    steps = LlamaCppSteps(peer, prompts, 6)
+    while not steps.done:
+        steps.step()
+    assert len(steps.decode_steps) == 5 and all(t > 0 for t in steps.decode_steps)
+    assert [len(t) for t in steps.tokens] == [6, 6, 6]
+    # Row 0 alone, teacher-forced over what the batch generated, predicts the batch's choices.
+    ids = prompts[0] + steps.tokens[0]
+    alone = teacher_forced_logits(peer, ids).argmax(-1)[len(prompts[0]) - 1:-1].tolist()
+    assert sum(a == b for a, b in zip(alone, steps.tokens[0])) >= 5
