@@ -72,55 +72,59 @@ def int4_kernel_accepts(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
 
 
-class Int4Linear(nn.Module):
-    """``x @ w.T (+ bias)`` through the int4 kernel; from ``dense_from_rows`` rows on (a static
-    shape under compile, so the choice is made at trace time) through a bf16 copy instead."""
+class _PackedLinear(nn.Module):
+    """A weight-only packed linear: ``x @ w.T (+ bias)`` through ``_packed_mm``; from
+    ``dense_from_rows`` rows on (a static shape under compile, so the choice is made at trace
+    time) through a bf16 copy instead."""
+
+    def __init__(self, bias: torch.Tensor | None, dense: torch.Tensor | None, dense_from_rows: int | None) -> None:
+        super().__init__()
+        self.register_buffer("bias", bias)
+        self.register_buffer("dense", dense)
+        self.dense_from_rows = dense_from_rows
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_from_rows:
+            return F.linear(x, self.dense, self.bias)
+        out = self._packed_mm(x)
+        return out if self.bias is None else out + self.bias
+
+
+class Int4Linear(_PackedLinear):
+    """The int4 group-32 kernel (torch's packed CPU format)."""
 
     def __init__(self, weight: GroupwiseInt4, bias: torch.Tensor | None, dtype: torch.dtype,
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
-        super().__init__()
+        super().__init__(bias, dense, dense_from_rows)
         self.out_features, self.in_features = weight.q.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
         sz = torch.stack([weight.scales.t(), weight.zeros.t()], dim=-1)  # [K / 32, N, 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous())
-        _register_common(self, bias, dense, dense_from_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from_rows:
-            return F.linear(x, self.dense, self.bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        return out if self.bias is None else out + self.bias
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
 
-class Int8Linear(nn.Module):
-    """``x @ w.T (+ bias)`` through the int8 per-channel kernel (bf16 copy from
-    ``dense_from_rows`` rows on, as Int4Linear). ``embed`` reads the same codes as an
-    embedding table, so a tied LM head and the token embedding share one int8 matrix."""
+class Int8Linear(_PackedLinear):
+    """The int8 per-channel kernel. ``embed`` reads the same codes as an embedding table, so a
+    tied LM head and the token embedding share one int8 matrix."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype, dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
-        super().__init__()
+        super().__init__(bias, dense, dense_from_rows)
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales.to(dtype))
-        _register_common(self, bias, dense, dense_from_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from_rows:
-            return F.linear(x, self.dense, self.bias)
-        out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
-        return out if self.bias is None else out + self.bias
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.codes[token_ids].to(self.scales.dtype) * self.scales[token_ids, None]
-
-
-def _register_common(module: nn.Module, bias: torch.Tensor | None, dense: torch.Tensor | None,
-                     dense_from_rows: int | None) -> None:
-    module.register_buffer("bias", bias)
-    module.register_buffer("dense", dense)
-    module.dense_from_rows = dense_from_rows
 
 
 class Int8Embedding(nn.Module):
