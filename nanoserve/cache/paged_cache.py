@@ -200,7 +200,8 @@ class BatchedPagedKVCache:
         if idle:
             raise ValueError(f"plan_decode: rows {idle} are not live; prefill or adopt them first")
         positions = self.slot_table.lengths(ids)  # the token each row writes this step
-        at_limit = [row for row, n in zip(ids, positions.tolist()) if n >= self.max_model_len]
+        position_list = positions.tolist()
+        at_limit = [row for row, n in zip(ids, position_list) if n >= self.max_model_len]
         if at_limit:
             raise ValueError(f"plan_decode: rows {at_limit} are at max_model_len={self.max_model_len}; finish them")
         full = self._full_rows(ids)
@@ -210,7 +211,7 @@ class BatchedPagedKVCache:
                 "the scheduler should preempt before planning (can_append tells it)")
         for row, block in zip(full, self.pool.allocate(len(full))):
             self.tables[row].add_blocks((block,))
-        write_slots = torch.tensor([self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
+        write_slots = torch.tensor([self.tables[row].slot(n) for row, n in zip(ids, position_list)],
                                    dtype=torch.int64, device=self.device)
         is_window = self.slot_table.is_prefix(ids)
         rows = len(ids) if is_window else ids  # a prefix by its size: checked once, above
