@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable
-from nanoserve.cache.gates import check_plan_addressing
+from nanoserve.cache.gates import GateError, check_plan_addressing
 from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
 from nanoserve.slots import SlotTable, rebuild_mapping
 
@@ -66,6 +66,26 @@ class Workload:
         if arm == "gather":  # every other row: never a prefix
             return list(range(1, 2 * self.rows, 2))
         return list(range(self.rows))
+
+
+def incremental_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells the persistent table writes: each prompt resynced once, then one cell per row per step."""
+    return rows * prompt_len + rows * steps
+
+
+def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells a per-step rebuild writes: a [rows, context] rectangle every step, context growing by one."""
+    return rows * sum(prompt_len + step for step in range(1, steps + 1))
+
+
+def check_appends_incremental(table: SlotTable, rows: int, steps: int) -> None:
+    """A fresh table that took `rows` prompts and `steps` decode steps appended exactly one cell
+    per row per step and resynced each row once (its prompt): it was never rebuilt."""
+    if table.appended_cells == rows * steps and table.resyncs == rows:
+        return
+    raise GateError(f"{steps} steps over {rows} rows appended {table.appended_cells} cells with {table.resyncs} "
+                    f"resyncs; an incremental table appends exactly {rows * steps} with {rows} (one per prompt). "
+                    "Cache side: something resynced rows between decode steps instead of appending to them.")
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,7 @@ def run_table(work: Workload, arm: str) -> ArmRun:
     seconds = time.perf_counter() - start
     check_plan_addressing(plan, cache.tables)
     table = cache.slot_table
+    check_appends_incremental(table, work.rows, work.steps)
     return ArmRun(seconds, table.resynced_cells + table.appended_cells, plan)
 
 

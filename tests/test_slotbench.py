@@ -9,8 +9,14 @@ import torch
 
 import compilebench
 from compile import slotbench
-from compile.slotbench import Workload, run_day51, run_rebuild, run_table
-from nanoserve.cache.pool_plan import incremental_cells, rebuilt_cells
+from compile.slotbench import Workload, incremental_cells, rebuilt_cells, run_day51, run_rebuild, run_table
+
+
+@pytest.mark.parametrize("steps,rebuilt,written", [(8, 656, 96), (64, 12_416, 320), (128, 41_216, 576),
+                                                   (512, 558_080, 2_112)])
+def test_cell_counts_match_the_seed(steps, rebuilt, written):
+    assert rebuilt_cells(4, 16, steps) == rebuilt
+    assert incremental_cells(4, 16, steps) == written
 
 
 @pytest.mark.parametrize("steps", [8, 64])
