@@ -59,8 +59,8 @@ class BatchedPagedKVCache:
         self._scratch_block = self.pool.allocate(1)[0]
         self.scratch_slot = self._scratch_block * block_size
         self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
-        # One tensor per layer: a slice of a stacked tensor written in place inside a compiled
-        # graph made inductor copy the whole cache every step.
+        # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
+        # place, inductor copies the whole stack every step.
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
