@@ -88,3 +88,10 @@ def format_planning(results: Sequence[dict]) -> str:
         lines.append(f"{r['rows']:>5} {r['context']:>8} {r['plan_us']:>8.1f}us {r['step_ms']:>9.2f}ms "
                      f"{r['plan_share_pct']:>6.2f}%")
     return "\n".join(lines)
+
+
+def planning_verdict(results: Sequence[dict], rows: int = 32, bar_pct: float = 2.0) -> list[str]:
+    """Where planning at `rows` rows stands against the bar (at most `bar_pct`% of the eager step)."""
+    return [f"planning at {r['rows']} rows: {r['plan_share_pct']:.2f}% of the eager step "
+            f"({'within' if r['plan_share_pct'] <= bar_pct else 'over'} the {bar_pct:g}% bar)"
+            for r in results if r["rows"] == rows]

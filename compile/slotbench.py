@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from compile.slot_planning import PlanningRun, format_planning, measure_planning
+from compile.slot_planning import PlanningRun, format_planning, measure_planning, planning_verdict
 from nanoserve.cache.blocks import BlockPool, BlockTable
 from nanoserve.cache.gates import GateError, check_plan_addressing
 from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
@@ -313,6 +313,8 @@ def run_planning(args: argparse.Namespace) -> list[dict]:
           f"{run.context}-token context, median of {run.steps} of each, interleaved")
     results = measure_planning(engine, run)
     print(format_planning(results))
+    for line in planning_verdict(results):
+        print(line)
     return results
 
 

@@ -10,7 +10,7 @@ import torch
 
 import compilebench
 from compile import slotbench
-from compile.slot_planning import COLUMNS, PlanningRun, format_planning, measure_planning
+from compile.slot_planning import COLUMNS, PlanningRun, format_planning, measure_planning, planning_verdict
 from compile.slotbench import Workload, incremental_cells, rebuilt_cells, run_day51, run_rebuild, run_table
 from nanoserve import build_engine
 from nanoserve.cache.gates import check_slots_agree
@@ -88,6 +88,14 @@ def test_planning_table_has_one_row_per_row_count_and_leaves_the_addressing_righ
     check_slots_agree(engine.cache.slot_table, engine.cache.tables, range(2))
     table = format_planning(results).splitlines()
     assert table[0].split() == ["rows", "context", "planning", "eager", "step", "share"] and len(table) == 4
+
+
+def test_planning_verdict_names_the_share_at_32_rows_against_the_bar():
+    results = [{"rows": 8, "plan_share_pct": 5.0}, {"rows": 32, "plan_share_pct": 0.25}]
+    assert planning_verdict(results) == ["planning at 32 rows: 0.25% of the eager step (within the 2% bar)"]
+    assert planning_verdict([{"rows": 32, "plan_share_pct": 2.5}]) == [
+        "planning at 32 rows: 2.50% of the eager step (over the 2% bar)"]
+    assert planning_verdict(results[:1]) == []
 
 
 def test_planning_refuses_a_compiled_engine():
