@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import pytest
 import torch
@@ -36,6 +37,63 @@ def dense_greedy():
         return ids[len(prompt_ids):]
 
     return greedy
+# ---------------------------------------------------------------------------------------------
+# Step limits. An engine that stops making progress (a leaked block starves admission; a
+# preemption that never ends) must fail the test naming the stuck requests, not hang it.
+STEP_LIMIT = 20_000  # engine steps one test may take; the suite's busiest engine needs ~2,000
+IDLE_STEP_LIMIT = 200  # steps in a row that schedule nothing while requests are unfinished
+
+
+def describe_stuck(engine, why: str) -> str:
+    """What is unfinished and what the pool holds, for a failure message."""
+    scheduler, cache = engine.scheduler, engine.cache
+
+    def listed(requests) -> str:
+        return ", ".join(f"{r.request_id} ({r.num_tokens} tokens, row {r.row})" for r in requests) or "none"
+
+    return (f"engine stuck: {why}. waiting: {listed(scheduler.waiting)}; running: {listed(scheduler.running)}; "
+            f"pool {cache.pool.num_free} of {cache.pool.num_blocks} blocks free; live rows {cache.live_rows}")
+
+
+def while_unfinished(engine, until=None, max_steps: int = STEP_LIMIT):
+    """Yield once per turn of a test's engine loop while `until()` holds (by default
+    `engine.has_unfinished()`); fail naming the stuck requests after `max_steps` turns.
+
+        for _ in while_unfinished(engine):
+            outputs = engine.step()
+    """
+    until = until or engine.has_unfinished
+    for _ in range(max_steps):
+        if not until():
+            return
+        yield
+    raise AssertionError(describe_stuck(engine, f"still unfinished after {max_steps} steps"))
+
+
+@pytest.fixture(autouse=True)
+def engine_step_limit(monkeypatch):
+    """Bound the loops inside the engine too (generate, stream, the server's engine loop):
+    every Engine.step counts against STEP_LIMIT, and IDLE_STEP_LIMIT steps in a row that
+    return nothing while requests are unfinished mean nothing can be scheduled any more."""
+    from nanoserve.engine.engine import Engine
+
+    step = Engine.step
+    counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> [steps, idle steps in a row]
+
+    def limited_step(self):
+        count = counts.setdefault(self, [0, 0])
+        count[0] += 1
+        if count[0] > STEP_LIMIT:
+            raise AssertionError(describe_stuck(self, f"more than {STEP_LIMIT} steps"))
+        outputs = step(self)
+        count[1] = count[1] + 1 if not outputs and self.has_unfinished() else 0
+        if count[1] >= IDLE_STEP_LIMIT:
+            raise AssertionError(describe_stuck(self, f"{IDLE_STEP_LIMIT} steps in a row scheduled nothing"))
+        return outputs
+
+    monkeypatch.setattr(Engine, "step", limited_step)
+
+
 # Parametrise device-generic tests over these: cpu always, cuda where present.
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 

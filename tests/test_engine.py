@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from conftest import while_unfinished
 
 from nanoserve.engine import Engine, SamplingParams, build_engine
 from nanoserve.model.llama import dense_forward
@@ -52,7 +53,7 @@ def test_staggered_arrivals_give_the_same_greedy_tokens(tiny):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     pending, done = list(enumerate(batch)), {}
     ids = {}
-    while pending or engine.has_unfinished():
+    for _ in while_unfinished(engine, until=lambda: pending or engine.has_unfinished()):
         for _ in range(min(3, len(pending))):  # a few new arrivals every step
             index, prompt = pending.pop(0)
             ids[engine.add_request(prompt, params)] = index
@@ -136,7 +137,11 @@ def test_drained_after_many_random_requests_with_random_aborts(tiny):
     engine = tiny_engine(tiny, kv_cache_bytes=40 * 4 * 2 * 2 * 2 * 16 * 4, max_model_len=64)
     live: list[str] = []
     submitted = 0
-    while submitted < 500 or engine.has_unfinished():
+
+    def more() -> bool:
+        return submitted < 500 or engine.has_unfinished()
+
+    for _ in while_unfinished(engine, until=more):
         for _ in range(rng.randint(0, 6)):
             if submitted >= 500:
                 break

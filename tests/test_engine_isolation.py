@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import while_unfinished
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.sampler import Sampler
@@ -74,7 +75,7 @@ def test_a_request_whose_detokenizer_raises_fails_alone(tiny, alone):
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.requests[ids[1]].detokenizer = _ExplodingDetokenizer()
     finished = {}
-    while engine.has_unfinished():
+    for _ in while_unfinished(engine):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished[ids[1]].finish_reason == "error" and "detokenizer" in finished[ids[1]].error
     assert [finished[i].token_ids for i in (ids[0], ids[2], ids[3])] == [alone[0], alone[2], alone[3]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from conftest import DEVICES
+from conftest import DEVICES, while_unfinished
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from nanoserve.cache.gates import check_slots_agree
@@ -58,7 +58,7 @@ class CompactionMachine(RuleBasedStateMachine):
         assert held + 1 == cache.pool.num_used  # + the scratch block
 
     def teardown(self):
-        while self.engine.has_unfinished():
+        for _ in while_unfinished(self.engine):
             self.engine.step()
         self.engine.check_drained()
 
