@@ -14,6 +14,9 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# A chunked step's default token budget: decode rows plus prefill chunks of a few hundred
+# tokens, so a long prompt delays running streams by a few hundred tokens' compute per step.
+DEFAULT_CHUNKED_BUDGET = 512
 
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
@@ -22,7 +25,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                  device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
                  bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
                  width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
-                 compile_backend: str = "inductor", weights: str | WeightPlan | None = None) -> Engine:
+                 compile_backend: str = "inductor", weights: str | WeightPlan | None = None,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False) -> Engine:
     """Build an engine.
 
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
@@ -40,6 +44,12 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     ``AUTO_CPU`` on the CPU and bf16 on CUDA. Unset, a model named by a string loads as "auto"
     unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in its
     own dtype; a ``LlamaModel`` given with ``weights`` is converted in place.
+
+    ``max_num_batched_tokens`` is a step's token budget. With ``enable_chunked_prefill`` (the
+    default) decode rows take one token each and prefill chunks fill the rest, so a long prompt
+    is prefilled over several steps while running streams keep decoding (unset:
+    DEFAULT_CHUNKED_BUDGET, or max_batch_size + 1 if that is larger); without it a step
+    prefills whole prompts (unset: max(2048, max_model_len)) or decodes.
     """
     weight_plan, dtype = resolve_weights(weights, dtype, device, named_model=isinstance(model, str))
     if warmup not in ("eager", "lazy"):
@@ -84,12 +94,22 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     engine_config = EngineConfig(
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens or max(2048, cache.max_model_len),
-        dtype=dtype, device=device, compile=compile, weights=weight_plan.name if weight_plan else _format_name(dtype))
+        max_num_batched_tokens=max_num_batched_tokens or default_token_budget(
+            enable_chunked_prefill, max_batch_size, cache.max_model_len),
+        dtype=dtype, device=device, compile=compile, weights=weight_plan.name if weight_plan else _format_name(dtype),
+        enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching)
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
         step.warmup()
     return engine
+
+
+def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int) -> int:
+    """A step's token budget when none is given: with chunking at least one prefill token
+    beyond a full decode batch; without, room for the longest prompt in one step."""
+    if chunked:
+        return max(DEFAULT_CHUNKED_BUDGET, max_batch_size + 1)
+    return max(2048, max_model_len)
 
 
 # "auto" on the CPU: the fastest format that passes the fidelity gates against fp32 (README):
