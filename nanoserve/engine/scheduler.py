@@ -124,7 +124,10 @@ class Scheduler:
         # Preempt by recompute, newest first, until every decoding row can grow by one.
         while len(self.running) > 1 and not self.cache.can_append(range(self.num_decoding)):
             self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
-        return self.running[:self.num_decoding]
+        decode = self.running[:self.num_decoding]
+        for request in decode:  # this step writes the K/V of its last sampled token
+            request.num_computed_tokens += 1
+        return decode
 
     def _schedule_prefill(self, budget: int, decode: list[Request]) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
