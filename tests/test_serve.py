@@ -77,7 +77,9 @@ def test_models_health_and_metrics_are_served(client, server):
                  "nanoserve_kv_blocks_free", "nanoserve_generation_tokens_total",
                  "nanoserve_time_to_first_token_seconds_bucket",
                  "nanoserve_inter_token_latency_seconds_bucket",
-                 "nanoserve_recompiles_total", "nanoserve_decode_batch_size_bucket"):
+                 "nanoserve_recompiles_total", "nanoserve_decode_batch_size_bucket",
+                 "nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total",
+                 "nanoserve_prefix_cache_blocks", "nanoserve_prefix_cache_evictions_total"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? [0-9.e+-]+$", text, re.M), f"{name} missing:\n{text}"
 
 
