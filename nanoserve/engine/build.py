@@ -26,7 +26,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                  bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
                  width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
                  compile_backend: str = "inductor", weights: str | WeightPlan | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False) -> Engine:
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True) -> Engine:
     """Build an engine.
 
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
@@ -50,12 +50,17 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     is prefilled over several steps while running streams keep decoding (unset:
     DEFAULT_CHUNKED_BUDGET, or max_batch_size + 1 if that is larger); without it a step
     prefills whole prompts (unset: max(2048, max_model_len)) or decodes.
+
+    With ``enable_prefix_caching`` (the default) full blocks of K/V stay cached after their
+    request leaves, and a new request adopts its longest cached prefix instead of recomputing it.
     """
     weight_plan, dtype = resolve_weights(weights, dtype, device, named_model=isinstance(model, str))
     if warmup not in ("eager", "lazy"):
         raise ValueError(f"warmup must be 'eager' or 'lazy', got {warmup!r}")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
+    source = model if isinstance(model, str) else f"{type(model).__name__}@{id(model):x}"
     if isinstance(model, str):
         model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weight_plan)
     else:
@@ -82,8 +87,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
             f"({block_size} tokens each, one reserved as scratch) = {plan.max_model_len} tokens for a "
             f"request, fewer than one max_model_len={max_model_len} request needs: raise kv_cache_bytes "
             f"to at least {needed_blocks * plan.bytes_per_block} or lower max_model_len")
+    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
     cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim, plan.num_blocks,
-                                block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device)
+                                block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device,
+                                enable_prefix_caching=enable_prefix_caching,
+                                prefix_salt=f"{source}|{config!r}|{dtype}|{weights_name}")
     bucketing = compile if bucketing is None else bucketing
     buckets = None
     if bucketing:
@@ -96,8 +104,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         num_blocks=plan.num_blocks,
         max_num_batched_tokens=max_num_batched_tokens or default_token_budget(
             enable_chunked_prefill, max_batch_size, cache.max_model_len),
-        dtype=dtype, device=device, compile=compile, weights=weight_plan.name if weight_plan else _format_name(dtype),
-        enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching)
+        dtype=dtype, device=device, compile=compile, weights=weights_name, enable_chunked_prefill=enable_chunked_prefill)
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
         step.warmup()

@@ -66,7 +66,6 @@ class EngineConfig:
     compile: bool = False
     weights: str = "fp32"  # the weight format in use (WeightPlan.name, or the dense dtype's name)
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
 
 
 Prompt = str | Sequence[int]
@@ -82,8 +81,7 @@ class Engine:
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.runner = ModelRunner(model, cache, decode_step, config.device)
         self.scheduler = Scheduler(cache, config.max_batch_size, config.max_num_batched_tokens,
-                                   on_row_move=self.runner.move_row, chunked=config.enable_chunked_prefill,
-                                   prefix_caching=config.enable_prefix_caching)
+                                   on_row_move=self.runner.move_row, chunked=config.enable_chunked_prefill)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -170,15 +168,14 @@ class Engine:
 
     def _prefill(self, chunks: list[PrefillChunk], failed: dict[Request, str]) -> torch.Tensor:
         """Run the chunks; score the prompt tokens they cover for requests that ask; register
-        the full blocks they completed with the prefix cache. Returns the last chunks' logits."""
+        the full blocks they completed with the prefix cache (a no-op with caching off).
+        Returns the last chunks' logits."""
         to_score = frozenset(i for i, c in enumerate(chunks) if self._scores(c))
         logits, hidden = self.runner.prefill(chunks, to_score)
         for index in sorted(to_score):
             self._score_prompt(chunks[index], hidden[index], failed)
-        if self.config.enable_prefix_caching:
-            for chunk in chunks:
-                request = chunk.request
-                self.cache.cache_full_blocks(request.row, request.all_token_ids[:chunk.end])
+        for chunk in chunks:
+            self.cache.cache_full_blocks(chunk.request.row, chunk.request.all_token_ids[:chunk.end])
         return logits
 
     @staticmethod
@@ -397,6 +394,8 @@ class Engine:
             "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
             "decode_outside_forward_share": self.decode_timing.outside_forward_share,
             "weights": self.config.weights, "weight_bytes": self.weight_bytes,
+            "chunked_prefill": self.config.enable_chunked_prefill,
+            "prefix_caching": self.cache.enable_prefix_caching, **self.cache.prefix_cache_stats(),
         }
 
     def check_drained(self) -> None:

@@ -72,8 +72,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int,
-                 on_row_move: Callable[[int, int], None] | None = None, chunked: bool = True,
-                 prefix_caching: bool = False) -> None:
+                 on_row_move: Callable[[int, int], None] | None = None, chunked: bool = True) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if chunked and max_num_batched_tokens <= max_batch_size:
@@ -84,7 +83,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.on_row_move = on_row_move
         self.chunked = chunked
-        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i].row == i; decoding rows first
         self.stats = SchedulerStats()
@@ -176,8 +174,9 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         row = len(self.running)
-        # A request that scores its prompt needs every prompt token's hidden state: it adopts nothing.
-        if self.prefix_caching and request.params.prompt_logprobs is None:
+        # A request that scores its prompt needs every prompt token's hidden state: it adopts
+        # nothing (its first chunk claims the row). The others adopt their longest cached prefix.
+        if request.params.prompt_logprobs is None:
             request.num_computed_tokens = self.cache.admit_prefix(row, request.all_token_ids)
         request.row = row
         request.status = RequestStatus.PREFILLING
@@ -252,8 +251,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         row, decoding = request.row, self.num_decoding
-        if self.prefix_caching:  # its K/V stays findable: a later turn or a recompute adopts it
-            self.cache.cache_full_blocks(row, request.all_token_ids[:self.cache.num_tokens(row)])
+        # Its K/V stays findable (with prefix caching): a later turn or a recompute adopts it.
+        self.cache.cache_full_blocks(row, request.all_token_ids[:self.cache.num_tokens(row)])
         self.cache.free(row)
         hole = row
         if row < decoding - 1:  # the last decoding row fills a decode hole
