@@ -160,7 +160,7 @@ class Engine:
         for request, message in failed.items():  # a chunk that failed before its last one
             self._fail(request, message)
             requests = requests + [request]
-        if step.decode:
+        if step.decode and not step.prefill:  # a pure decode step: the host-overhead figure's sample
             self.decode_timing.steps += 1
             self.decode_timing.forward_seconds += self.runner.last_forward_seconds
             self.decode_timing.step_seconds += time.perf_counter() - started
