@@ -130,14 +130,15 @@ class Scheduler:
     def _schedule_prefill(self, budget: int, decode: list[Request]) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
         for request in self.running[self.num_decoding:]:  # rows still prefilling, in row order
-            length = min(request.num_tokens - request.num_computed_tokens, budget,
-                         self._tokens_that_fit(request.row, decode))
-            if length < 1:
-                break
-            chunks.append(self._chunk(request, length))
-            budget -= length
-        if chunks and not chunks[-1].is_last:
-            return chunks  # the budget or the pool stopped a chunk short: nothing more fits
+            remaining = request.num_tokens - request.num_computed_tokens
+            length = min(remaining, budget, self._tokens_that_fit(request.row, decode))
+            if length >= 1:
+                chunks.append(self._chunk(request, length))
+                budget -= length
+            if length < remaining:
+                # The budget or the pool stopped this row short: no later row may complete
+                # before it, or the rows whose prefill ends would not be the first prefilling ones.
+                return chunks
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             request = self.waiting[0]
             # Without chunking one prompt larger than the budget still runs, alone.
