@@ -37,7 +37,8 @@ class PackedPrefillAttention:
         self.write_slots = write_slots
         self.chunks = chunks
         self.lengths = [c.length for c in chunks]
-        self.masks = [None if c.context_slots is None else _offset_causal_mask(c.start, c.length, write_slots.device)
+        dtype = cache.k_caches[0].dtype
+        self.masks = [None if c.context_slots is None else _offset_causal_mask(c.start, c.length, dtype, write_slots.device)
                       for c in chunks]  # built once per step, shared by every layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,9 @@ class PackedPrefillAttention:
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _offset_causal_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
-    """[length, start + length] bool: query i sees columns 0..start + i."""
+def _offset_causal_mask(start: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[length, start + length] additive mask: query i sees columns 0..start + i (0), not the
+    rest (-inf). In the K/V dtype, as the decode mask: a bool mask is converted on every call."""
     columns = torch.arange(start + length, device=device)
-    return columns.view(1, -1) <= torch.arange(start, start + length, device=device).view(-1, 1)
+    hidden = columns.view(1, -1) > torch.arange(start, start + length, device=device).view(-1, 1)
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
