@@ -223,12 +223,12 @@ class BatchedPagedKVCache:
         table = self.tables[self._row(row)]
         if len(token_ids) > table.num_tokens:
             raise ValueError(f"cache_full_blocks: row {row} holds {table.num_tokens} tokens, not {len(token_ids)}")
-        cache = self.pool.prefix_cache
-        for i, (block, block_hash) in enumerate(zip(table.blocks, chain_hashes(token_ids, self.block_size,
-                                                                               self._root_hash))):
-            known = cache.hash_of(block)
+        registry = self.pool.prefix_cache
+        hashes = chain_hashes(token_ids, self.block_size, self._root_hash)
+        for i, (block, block_hash) in enumerate(zip(table.blocks, hashes)):
+            known = registry.hash_of(block)
             if known is None:
-                cache.register(block, block_hash)
+                registry.register(block, block_hash)
             elif known != block_hash:
                 raise RuntimeError(f"row {row} block {i} (physical {block}) is cached under another prefix than "
                                    "the tokens given: the engine passed tokens that are not this row's")
