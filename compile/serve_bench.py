@@ -149,7 +149,7 @@ def long_prefill_gaps(engine, streams: int, long_ids: list[int], warm_steps: int
                 if all_decoding:
                     (gaps.during if long_id is not None else gaps.before).append(now - last[out.request_id])
                 last[out.request_id] = now
-            elif out.request_id == long_id and out.output_token_ids and long_first is None:
+            elif out.request_id == long_id and out.token_ids and long_first is None:
                 long_first, gaps.long_ttft = now, out.metrics.time_to_first_token
         if long_id is None and all_decoding:
             warm_left -= 1

@@ -1,7 +1,8 @@
-"""slotbench: the persistent slot table against a per-step rebuild (`python compilebench.py slots`).
+"""slotbench: the persistent slot table against a per-step rebuild, and what planning costs a step
+(`python compilebench.py slots`).
 
-Host only, no weights. `rows` rows decode `steps` tokens after a `prompt`-token prompt,
-and every arm produces the same DecodePlan fields each step:
+Cells (host only, no weights). `rows` rows decode `steps` tokens after a `prompt`-token
+prompt, and every arm produces the same DecodePlan fields each step:
 
   rebuild  grow each block table by one token, then rebuild_mapping (one slot() call per
            cell) and lists -> tensors for the other fields.
@@ -13,14 +14,17 @@ and every arm produces the same DecodePlan fields each step:
            keep its rows a prefix gets).
 
 Each timed region includes the prompt (the rebuild arm allocates it; the table arms also
-resync it). Arms run interleaved, `repeats` times; the table quotes medians, and next to
-them the ratio of best runs (each arm's cost with nothing else interfering; on a shared
-machine the table arm, all small numpy/torch calls, is the one that interference hurts).
-Each timed run has the garbage collector off, as timeit does, and no collection is forced
-before it: a full collection empties the interpreter's free lists, and the run after it pays
-to refill them (~0.8 ms on this VM, a quarter of the window arm at 512 steps; a decode loop
-does not pay that every 512 steps).
+resync it). Arms run interleaved, `repeats` times; the table quotes medians and the ratio
+of best runs (on a shared machine the table arm, all small numpy/torch calls, is the one
+interference hurts). Each timed run has the garbage collector off, as timeit does, and no
+collection is forced before it: the run after a full collection pays to refill the
+interpreter's free lists, which a decode loop does not pay every few hundred steps.
 Cells are exact counts: cells the rebuild built vs cells the table wrote (resynced + appended).
+The window/rebuild ratio is reported with no target.
+
+Planning (compile/slot_planning.py): per decode step at 1, 8, 32 and 64 rows, the
+runner's addressing (`plan_decode` and the lengths it reads) next to the whole eager decode
+step of the default model, measured in the same run (slots_planning.csv).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from pathlib import Path
 
 import torch
 
+from compile.slot_planning import PlanningRun, format_planning, measure_planning
 from nanoserve.cache.blocks import BlockPool, BlockTable
-from nanoserve.cache.gates import check_plan_addressing
+from nanoserve.cache.gates import GateError, check_plan_addressing
 from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
 from nanoserve.slots import SlotTable, rebuild_mapping
 
@@ -66,6 +71,26 @@ class Workload:
         if arm == "gather":  # every other row: never a prefix
             return list(range(1, 2 * self.rows, 2))
         return list(range(self.rows))
+
+
+def incremental_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells the persistent table writes: each prompt resynced once, then one cell per row per step."""
+    return rows * prompt_len + rows * steps
+
+
+def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells a per-step rebuild writes: a [rows, context] rectangle every step, context growing by one."""
+    return rows * sum(prompt_len + step for step in range(1, steps + 1))
+
+
+def check_appends_incremental(table: SlotTable, rows: int, steps: int) -> None:
+    """A fresh table that took `rows` prompts and `steps` decode steps appended exactly one cell
+    per row per step and resynced each row once (its prompt): it was never rebuilt."""
+    if table.appended_cells == rows * steps and table.resyncs == rows:
+        return
+    raise GateError(f"{steps} steps over {rows} rows appended {table.appended_cells} cells with {table.resyncs} "
+                    f"resyncs; an incremental table appends exactly {rows * steps} with {rows} (one per prompt). "
+                    "Cache side: something resynced rows between decode steps instead of appending to them.")
 
 
 @dataclass(frozen=True)
@@ -155,6 +180,7 @@ def run_table(work: Workload, arm: str) -> ArmRun:
     seconds = time.perf_counter() - start
     check_plan_addressing(plan, cache.tables)
     table = cache.slot_table
+    check_appends_incremental(table, work.rows, work.steps)
     return ArmRun(seconds, table.resynced_cells + table.appended_cells, plan)
 
 
@@ -272,13 +298,40 @@ def write_plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def run_planning(args: argparse.Namespace) -> list[dict]:
+    """The planning share: an eager engine on `args.model` sized for the planning run."""
+    from nanoserve.engine.build import build_engine
+
+    run = PlanningRun(args.plan_rows, args.context, args.plan_steps)
+    engine = build_engine(args.model, max_batch_size=max(run.row_counts), max_model_len=run.max_model_len,
+                          device=args.device)
+    print(f"\nplanning per decode step vs the eager step: {args.model} ({engine.config.weights}) on {args.device}, "
+          f"{run.context}-token context, median of {run.steps} of each, interleaved")
+    results = measure_planning(engine, run)
+    print(format_planning(results))
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py slots", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 64, 128, 512])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for slotbench.csv and slotbench.png")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--plan-rows", type=_ints, default=PlanningRun.row_counts,
+                        help="row counts of the planning table, e.g. 1,8,32,64")
+    parser.add_argument("--plan-steps", type=int, default=PlanningRun.steps,
+                        help="timed planning steps and decode steps per row count")
+    parser.add_argument("--context", type=int, default=PlanningRun.context, help="tokens per row in the planning run")
+    parser.add_argument("--model", default="smollm2", help="the planning run's model: build_engine's model argument")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-planning", action="store_true", help="the cell arms only (no weights loaded)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder for slotbench.csv, slotbench.png and slots_planning.csv")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if not 1 <= args.rows <= MAX_BATCH_SIZE // 2:
@@ -292,8 +345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(results, args.out / "slotbench.csv")
+    written = [args.out / "slotbench.csv"]
     if not args.no_plot:
         write_plot(results, args.out / "slotbench.png")
-    print(f"wrote {args.out / 'slotbench.csv'}" + ("" if args.no_plot else f" and {args.out / 'slotbench.png'}"))
+        written.append(args.out / "slotbench.png")
+    if not args.no_planning:
+        write_csv(run_planning(args), args.out / "slots_planning.csv")
+        written.append(args.out / "slots_planning.csv")
+    print("wrote " + ", ".join(str(path) for path in written))
     return 0
-

@@ -7,20 +7,17 @@ import dataclasses
 import pytest
 import torch
 
+from compile.slotbench import check_appends_incremental
 from nanoserve.cache import BatchedPagedKVCache, BlockTable
 from nanoserve.cache.gates import (
     GateError,
-    check_appends_incremental,
     check_mapping_is_window,
     check_plan_addressing,
     check_plan_fresh,
-    check_rebuild_bounded,
-    check_resyncs_bounded,
     check_slots_agree,
     check_table_fits,
     check_window_intact,
 )
-from nanoserve.cache.pool_plan import incremental_cells, rebuilt_cells
 
 
 @pytest.fixture
@@ -108,7 +105,7 @@ def test_window_intact_compares_against_the_plans_copies_not_the_live_table(cach
         check_window_intact(plan)
 
 
-# -- Day 50's gates ------------------------------------------------------------------------
+# -- the plan's own gates -----------------------------------------------------------------
 
 
 def test_plan_addressing_holds(cache):
@@ -141,46 +138,22 @@ def test_plan_fresh_fails_for_a_reused_plan(cache):
         check_plan_fresh(plan, cache.tables)
 
 
-def test_rebuild_bounded_passes_the_persistent_table_and_fails_the_rebuild():
-    appended = 4 * 512
-    check_rebuild_bounded(incremental_cells(4, 16, 512), appended)
-    with pytest.raises(GateError, match=r"558,080 cells to append 2,048 \(272x"):
-        check_rebuild_bounded(rebuilt_cells(4, 16, 512), appended)
-
-
-# -- counters gates ------------------------------------------------------------------------
+# -- the slot benchmark's gate ----------------------------------------------------------------
 
 
 def test_appends_incremental_holds_for_a_decode_run(cache):
-    before = cache.slot_table.counters()
     for _ in range(9):
         cache.plan_decode([0, 1])
-    check_appends_incremental(before, cache.slot_table.counters(), rows=2, steps=9)
+    check_appends_incremental(cache.slot_table, rows=2, steps=9)
 
 
 def test_appends_incremental_fails_when_a_row_is_rebuilt_mid_run(cache):
-    before = cache.slot_table.counters()
     cache.plan_decode([0, 1])
     cache.slot_table.resync(cache.tables[1], 1)  # a row rebuilt instead of appended to
     cache.plan_decode([0, 1])
-    with pytest.raises(GateError, match=r"wrote 4 appended \+ 4 resynced cells.*Rows \[1\] were rebuilt"):
-        check_appends_incremental(before, cache.slot_table.counters(), rows=2, steps=2)
-
-
-def test_resyncs_bounded_holds_for_one_prompt_per_row(cache):
-    empty = dataclasses.replace(cache.slot_table.counters(), resyncs_by_row=(0, 0, 0, 0))
-    for _ in range(5):
-        cache.plan_decode([0, 1])
-    check_resyncs_bounded(empty, cache.slot_table.counters(), max_per_row=1)
-
-
-def test_resyncs_bounded_fails_and_names_the_row(cache):
-    before = cache.slot_table.counters()
-    for _ in range(3):
-        cache.slot_table.resync(cache.tables[0], 0)
-        cache.plan_decode([0, 1])
-    with pytest.raises(GateError, match=r"\{0: 3\}"):
-        check_resyncs_bounded(before, cache.slot_table.counters(), max_per_row=1)
+    with pytest.raises(GateError, match=r"appended 4 cells with 3 resyncs; an incremental table appends exactly 4 "
+                                        r"with 2"):
+        check_appends_incremental(cache.slot_table, rows=2, steps=2)
 
 
 # -- check_table_fits ----------------------------------------------------------------------

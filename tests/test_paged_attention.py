@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.cache.attention import attend_window, paged_attention, paged_attention_reference, window_mask
+from nanoserve.engine.paged_attention import (
+    attend_window,
+    paged_attention,
+    paged_attention_reference,
+    window_mask,
+)
 
 
 def dense_attention(q, keys, values, scale=None):

@@ -8,14 +8,10 @@ import torch
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.cache.pool_plan import (
     block_table_bytes,
-    block_table_cells,
-    incremental_cells,
     kv_bytes_per_token,
     plan_pool,
-    rebuilt_cells,
     resident_share,
     table_bytes,
-    table_cells,
 )
 
 
@@ -26,18 +22,10 @@ def test_kv_bytes_per_token_counts_k_and_v_in_every_layer():
 
 def test_table_arithmetic_matches_the_seed():
     # 256 rows at 131,072 tokens is 268 MB of addressing; block ids are the same thing 16x smaller.
-    assert table_cells(256, 131072) == 33_554_432
-    assert table_bytes(256, 131072) == 268_435_456
-    assert block_table_cells(256, 131072, 16) == 2_097_152
+    assert table_bytes(256, 131072) == 33_554_432 * 8 == 268_435_456
+    assert block_table_bytes(256, 131072, 16) == 2_097_152 * 8
     assert table_bytes(256, 131072) // block_table_bytes(256, 131072, 16) == 16
-    assert block_table_cells(2, 17, 16) == 4  # partial blocks round up
-
-
-@pytest.mark.parametrize("steps,rebuilt,written", [(8, 656, 96), (64, 12_416, 320), (128, 41_216, 576),
-                                                   (512, 558_080, 2_112)])
-def test_cell_counts_match_the_seed(steps, rebuilt, written):
-    assert rebuilt_cells(4, 16, steps) == rebuilt
-    assert incremental_cells(4, 16, steps) == written
+    assert block_table_bytes(2, 17, 16) == 4 * 8  # partial blocks round up
 
 
 def test_resident_share():

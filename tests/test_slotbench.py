@@ -1,4 +1,5 @@
-"""slotbench counts cells exactly (a benchmark is never a timed test: counts, not clocks)."""
+"""slotbench counts cells exactly and tabulates planning (a benchmark is never a timed test: counts and
+shapes, not clocks)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ import torch
 
 import compilebench
 from compile import slotbench
-from compile.slotbench import Workload, run_day51, run_rebuild, run_table
-from nanoserve.cache.pool_plan import incremental_cells, rebuilt_cells
+from compile.slot_planning import COLUMNS, PlanningRun, format_planning, measure_planning
+from compile.slotbench import Workload, incremental_cells, rebuilt_cells, run_day51, run_rebuild, run_table
+from nanoserve import build_engine
+from nanoserve.cache.gates import check_slots_agree
+from nanoserve.model.synthetic import random_model, tiny_config
+
+
+@pytest.mark.parametrize("steps,rebuilt,written", [(8, 656, 96), (64, 12_416, 320), (128, 41_216, 576),
+                                                   (512, 558_080, 2_112)])
+def test_cell_counts_match_the_seed(steps, rebuilt, written):
+    assert rebuilt_cells(4, 16, steps) == rebuilt
+    assert incremental_cells(4, 16, steps) == written
 
 
 @pytest.mark.parametrize("steps", [8, 64])
@@ -55,12 +66,44 @@ def test_verdict_reports_the_ratios_with_no_target():
 
 
 def test_compilebench_runs_the_slots_suite_and_writes_results(tmp_path, capsys):
-    assert compilebench.main(["slots", "--steps", "4", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    argv = ["slots", "--steps", "4", "8", "--repeats", "1", "--out", str(tmp_path), "--no-planning"]
+    assert compilebench.main(argv) == 0
     rows = list(csv.DictReader((tmp_path / "slotbench.csv").open()))
     assert [int(r["steps"]) for r in rows] == [4, 8]
     assert [int(r["cells_written"]) for r in rows] == [80, 96]
     assert (tmp_path / "slotbench.png").stat().st_size > 0
+    assert not (tmp_path / "slots_planning.csv").exists()
     assert "cells rebuilt -> written" in capsys.readouterr().out
+
+
+def test_planning_table_has_one_row_per_row_count_and_leaves_the_addressing_right():
+    engine = build_engine(random_model(tiny_config()), max_batch_size=4, max_model_len=64)
+    run = PlanningRun(row_counts=(1, 4, 2), context=5, steps=3, warmup=1)
+    results = measure_planning(engine, run)
+    assert [list(r) for r in results] == [COLUMNS] * 3
+    assert [r["rows"] for r in results] == [1, 4, 2] and {r["context"] for r in results} == {5}
+    assert all(r["plan_us"] > 0 and r["step_ms"] > 0 and r["plan_share_pct"] > 0 for r in results)
+    # The last row count's rows took the warm-up, then a planning and a decode step per timed pair.
+    assert [engine.cache.num_tokens(row) for row in range(4)] == [5 + 1 + 2 * 3] * 2 + [0, 0]
+    check_slots_agree(engine.cache.slot_table, engine.cache.tables, range(2))
+    table = format_planning(results).splitlines()
+    assert table[0].split() == ["rows", "context", "planning", "eager", "step", "share"] and len(table) == 4
+
+
+def test_planning_refuses_a_compiled_engine():
+    engine = build_engine(random_model(tiny_config()), max_batch_size=2, max_model_len=32, compile=True,
+                          compile_backend="eager")
+    with pytest.raises(ValueError, match="eager step"):
+        measure_planning(engine, PlanningRun(row_counts=(1,), context=2, steps=1))
+
+
+def test_compilebench_slots_writes_the_planning_csv(tmp_path, tiny_llama_dir, capsys):
+    argv = ["slots", "--steps", "4", "--repeats", "1", "--no-plot", "--out", str(tmp_path), "--model",
+            str(tiny_llama_dir), "--plan-rows", "1,3", "--plan-steps", "2", "--context", "4", "--device", "cpu"]
+    assert compilebench.main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "slots_planning.csv").open()))
+    assert [list(r) for r in rows] == [COLUMNS] * 2 and [int(r["rows"]) for r in rows] == [1, 3]
+    assert "planning per decode step vs the eager step" in capsys.readouterr().out
 
 
 def test_compilebench_names_its_suites_and_refuses_unknown_ones(capsys):

@@ -1,7 +1,7 @@
 """Physical blocks and the per-request tables that map tokens onto them.
 
-A `BlockPool` hands out fixed-size blocks of `block_size` slots; a `BlockTable` is
-one request's blocks and token count. Token t lives at slot
+A `BlockPool` hands out fixed-size blocks of `block_size` slots; a `BlockTable` is one
+request's blocks and token count. Token t lives at slot
 `blocks[t // block_size] * block_size + t % block_size`.
 """
 
@@ -36,8 +36,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockPool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_slots = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
         self._refs = [0] * num_blocks  # holders of each block: the one count of them
         self.prefix_cache = PrefixCache()
@@ -58,10 +58,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
     def is_used(self, block: int) -> bool:
         return 0 <= block < self.num_blocks and self._refs[block] > 0
 
@@ -76,8 +72,7 @@ class BlockPool:
         if n > self.num_free:
             raise PoolExhaustedError(
                 f"pool exhausted: asked for {n} blocks, {self.num_free} of {self.num_blocks} free "
-                f"(block_size {self.block_size}); the scheduler should preempt or wait (check can_allocate first)"
-            )
+                f"(block_size {self.block_size}); the scheduler should preempt or wait (check can_allocate first)")
         empty = min(n, len(self._free))
         blocks = [self._free.pop() for _ in range(empty)]
         blocks += [self.prefix_cache.evict() for _ in range(n - empty)]
@@ -125,9 +120,8 @@ class BlockPool:
 class BlockTable:
     """One request's physical blocks and how many tokens they hold.
 
-    The token count is one cell of an int64 array: the table's own by default, or a
-    cell of the slot table's lengths when a cache binds the table to a row (`bound_to`),
-    so the row's length has a single owner.
+    The token count is one cell of an int64 array: the table's own, or the slot table's
+    lengths when a cache binds the table to a row (`bound_to`), so a row's length has one owner.
     """
 
     __slots__ = ("block_size", "_blocks", "_count")
@@ -177,8 +171,7 @@ class BlockTable:
 
     def blocks_needed(self, extra_tokens: int) -> int:
         """Blocks to add before `extra_tokens` more tokens fit."""
-        total = self.num_tokens + extra_tokens
-        return max(0, -(-total // self.block_size) - len(self._blocks))
+        return max(0, -(-(self.num_tokens + extra_tokens) // self.block_size) - len(self._blocks))
 
     def add_blocks(self, blocks: Sequence[int]) -> None:
         self._blocks.extend(map(int, blocks))
@@ -191,20 +184,13 @@ class BlockTable:
         self._count[0] = total
 
     def adopt(self, other: BlockTable) -> None:
-        """Take over `other`'s blocks and tokens, leaving `other` empty.
-
-        Refuses a non-empty table: a slot table trusts that a row's slots only change by
-        appends or by a reset that drops its length to zero (see nanoserve.slots).
-        """
+        """Take over `other`'s blocks and tokens, leaving `other` empty. Refuses a non-empty
+        table: a slot table trusts that a row's slots change only by appends or after a reset."""
         if not self.is_empty:
-            raise ValueError(
-                f"adopt refused: this table still holds {self.num_tokens} tokens in blocks {self._blocks}; "
-                "reset the row (giving its blocks back) before handing it to another request"
-            )
+            raise ValueError(f"adopt refused: this table still holds {self.num_tokens} tokens in blocks "
+                             f"{self._blocks}; reset the row (giving its blocks back) before handing it on")
         if other.block_size != self.block_size:
             raise ValueError(f"block_size mismatch: {other.block_size} adopted into {self.block_size}")
-        if other.num_tokens > other.capacity:
-            raise ValueError(f"adopted table claims {other.num_tokens} tokens in {other.capacity} slots")
         self._blocks, self._count[0] = other._blocks, other.num_tokens
         other._blocks, other._count[0] = [], 0
 

@@ -1,38 +1,35 @@
 """Gates: invariants of the addressing layer, switched on in tests and debug runs.
 
 Each `check_*` returns None when its invariant holds and raises GateError naming the
-rows, columns or slots at fault and which side owns the fix. A gate that compares
-live state against live state cannot fail, so the window gates compare a held
-window against the plan's own copies (`write_slots`, `context_lens`).
+rows, columns or slots at fault and which side owns the fix. A gate that compares live
+state with live state cannot fail, so the window gates compare a held window against
+the plan's own copies (`write_slots`, `context_lens`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nanoserve.cache.blocks import BlockTable
 from nanoserve.cache.paged_cache import DecodePlan
 from nanoserve.cache.pool_plan import block_table_bytes, resident_share, table_bytes
-from nanoserve.slots import SlotCounters, SlotTable, TableLike, rebuild_mapping
-
-_MAX_LISTED = 8
+from nanoserve.slots import SlotTable, rebuild_mapping
 
 
 class GateError(AssertionError):
     """An addressing invariant does not hold."""
 
 
-def _listed(faults: list[str]) -> str:
-    more = f"\n  ... and {len(faults) - _MAX_LISTED} more" if len(faults) > _MAX_LISTED else ""
-    return "\n  " + "\n  ".join(faults[:_MAX_LISTED]) + more
+def _listed(faults: list[str], most: int = 8) -> str:
+    more = f"\n  ... and {len(faults) - most} more" if len(faults) > most else ""
+    return "\n  " + "\n  ".join(faults[:most]) + more
 
 
-def check_slots_agree(slot_table: SlotTable, tables: Sequence[TableLike], rows: Sequence[int]) -> None:
+def check_slots_agree(slot_table: SlotTable, tables: Sequence[BlockTable], rows: Sequence[int]) -> None:
     """Every listed row of the slot table equals rebuild_mapping: same length, same slot in every cell."""
     rows = list(rows)
-    if not rows:
-        return
     expected = rebuild_mapping(tables, rows).cpu()
-    host = slot_table.slots[rows, : expected.shape[1]].cpu()
+    held = slot_table.slots[rows, : expected.shape[1]].cpu()
     device_lens = slot_table.lens[rows].cpu().tolist()
     faults = []
     for i, row in enumerate(rows):
@@ -40,16 +37,13 @@ def check_slots_agree(slot_table: SlotTable, tables: Sequence[TableLike], rows: 
         if have != want or device_lens[i] != want:
             faults.append(f"row {row}: slot table length {have} (device {device_lens[i]}), block table holds {want}")
             continue
-        wrong = (host[i, :want] != expected[i, :want]).nonzero().flatten().tolist()
+        wrong = (held[i, :want] != expected[i, :want]).nonzero().flatten().tolist()
         if wrong:
-            col = wrong[0]
-            faults.append(f"row {row} col {col}: slot table says {int(host[i, col])}, block table says "
-                          f"{int(expected[i, col])} ({len(wrong)} cells differ)")
+            faults.append(f"row {row} col {wrong[0]}: slot table says {int(held[i, wrong[0]])}, block table "
+                          f"says {int(expected[i, wrong[0]])} ({len(wrong)} cells differ)")
     if faults:
-        raise GateError(
-            "slot table disagrees with the block tables (cache side: a table changed without a resync, "
-            "or a tenant change skipped reset_row):" + _listed(faults) + "\n" + slot_table.render(rows)
-        )
+        raise GateError("slot table disagrees with the block tables (cache side: a table changed without a "
+                        "resync, or a tenant change skipped reset_row):" + _listed(faults))
 
 
 def check_mapping_is_window(plan: DecodePlan, slot_table: SlotTable) -> None:
@@ -58,50 +52,44 @@ def check_mapping_is_window(plan: DecodePlan, slot_table: SlotTable) -> None:
     same_storage = mapping.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     if same_storage and mapping.storage_offset() == 0 and mapping.stride(0) == buffer.stride(0):
         return
-    rows = list(plan.rows)
     raise GateError(
-        f"plan over rows {rows} reads a gathered copy, not a window of the slot table: a captured graph "
-        f"replays the addresses it recorded, so its rows must be the prefix 0..{len(rows) - 1}. "
+        f"plan over rows {list(plan.rows)} reads a gathered copy, not a window of the slot table: a captured "
+        f"graph replays the addresses it recorded, so its rows must be the prefix 0..{len(plan.rows) - 1}. "
         "Fix on the scheduler side: admit into the lowest free row and compact (move_row) when a row "
-        "in the middle finishes."
-    )
+        "in the middle finishes.")
 
 
 def check_window_intact(plan: DecodePlan) -> None:
     """Each row's last real cell in the (live) window still holds the slot the plan wrote there."""
-    lens = plan.context_lens
     if plan.slot_mapping.shape[1] == 0:
         return
+    lens = plan.context_lens
     last = plan.slot_mapping.gather(1, (lens - 1).clamp(min=0).view(-1, 1)).view(-1)
     bad = ((lens > 0) & (last != plan.write_slots)).nonzero().flatten().tolist()
-    if not bad:
-        return
     lens, last, written = lens.tolist(), last.tolist(), plan.write_slots.tolist()
     faults = [f"row {plan.rows[i]} col {lens[i] - 1}: window now says slot {last[i]}, the plan wrote {written[i]}"
               for i in bad]
-    raise GateError(
-        "a held window was rewritten under its plan:" + _listed(faults) + "\n"
-        "A row was reset or re-tenanted while a plan over it was still in use. Fix on the engine side: "
-        "finish the step before reset_row / adopt_row / move_row on its rows."
-    )
+    if faults:
+        raise GateError("a held window was rewritten under its plan:" + _listed(faults) + "\nA row was reset "
+                        "or re-tenanted while a plan over it was still in use. Fix on the engine side: finish "
+                        "the step before reset_row / adopt_row / move_row on its rows.")
 
 
-def check_plan_addressing(plan: DecodePlan, tables: Sequence[TableLike]) -> None:
+def check_plan_addressing(plan: DecodePlan, tables: Sequence[BlockTable]) -> None:
     """Each row's cells are its block table's slots, and the write slot is its last real cell."""
-    lens = plan.context_lens.tolist()
-    mapping = plan.slot_mapping.cpu().tolist()
+    lens, mapping = plan.context_lens.tolist(), plan.slot_mapping.cpu().tolist()
     written, positions = plan.write_slots.tolist(), plan.positions.tolist()
     faults = []
     for i, row in enumerate(plan.rows):
         n, table = lens[i], tables[row]
-        if n < 1 or n > len(mapping[i]) or n > table.num_tokens:
+        if not 1 <= n <= min(len(mapping[i]), table.num_tokens):
             faults.append(f"row {row}: context_len {n} outside the rectangle ({len(mapping[i])} wide) "
                           f"or the table ({table.num_tokens} tokens)")
             continue
         wrong = [t for t in range(n) if mapping[i][t] != table.slot(t)]
         if wrong:
-            t = wrong[0]
-            faults.append(f"row {row} col {t}: mapping says {mapping[i][t]}, block table says {table.slot(t)}")
+            faults.append(f"row {row} col {wrong[0]}: mapping says {mapping[i][wrong[0]]}, "
+                          f"block table says {table.slot(wrong[0])}")
         if written[i] != mapping[i][n - 1] or positions[i] != n - 1:
             faults.append(f"row {row}: writes slot {written[i]} at position {positions[i]}, but its last real "
                           f"cell is col {n - 1} = slot {mapping[i][n - 1]}")
@@ -109,51 +97,19 @@ def check_plan_addressing(plan: DecodePlan, tables: Sequence[TableLike]) -> None
         raise GateError("plan addressing is wrong (cache side: plan_decode):" + _listed(faults))
 
 
-def check_plan_fresh(plan: DecodePlan, tables: Sequence[TableLike]) -> None:
-    """The plan is not stale: its context_lens still match the block tables.
-
-    Armed only because context_lens is a copy: lengths read live out of the table
-    would always agree.
-    """
+def check_plan_fresh(plan: DecodePlan, tables: Sequence[BlockTable]) -> None:
+    """The plan's context_lens still match the block tables. It can fail only because
+    context_lens is a copy: lengths read live out of the table would always agree."""
     lens = plan.context_lens.tolist()
     faults = [f"row {row}: plan says {lens[i]} tokens, block table now holds {tables[row].num_tokens}"
               for i, row in enumerate(plan.rows) if lens[i] != tables[row].num_tokens]
     if faults:
-        raise GateError(
-            "plan is stale:" + _listed(faults) + "\nA plan is good for the one step it was made for. "
-            "Fix on the engine side: call plan_decode again instead of reusing a plan."
-        )
+        raise GateError("plan is stale:" + _listed(faults) + "\nA plan is good for the one step it was made "
+                        "for. Fix on the engine side: call plan_decode again instead of reusing a plan.")
 
 
-def check_appends_incremental(before: SlotCounters, after: SlotCounters, rows: int, steps: int) -> None:
-    """Between two counter snapshots, `steps` steps over `rows` rows wrote exactly rows * steps cells."""
-    appended = after.appended_cells - before.appended_cells
-    resynced = after.resynced_cells - before.resynced_cells
-    if appended == rows * steps and resynced == 0:
-        return
-    rebuilt = [row for row, (a, b) in enumerate(zip(before.resyncs_by_row, after.resyncs_by_row)) if b > a]
-    raise GateError(
-        f"{steps} steps over {rows} rows wrote {appended} appended + {resynced} resynced cells; an incremental "
-        f"table writes exactly {rows * steps} appended and 0 resynced. Rows {rebuilt} were rebuilt instead of "
-        "appended to (cache side: something resynced these rows between decode steps)."
-    )
-
-
-def check_resyncs_bounded(before: SlotCounters, after: SlotCounters, max_per_row: int = 1) -> None:
-    """No row resynced more than `max_per_row` times between two counter snapshots."""
-    over = {row: b - a for row, (a, b) in enumerate(zip(before.resyncs_by_row, after.resyncs_by_row))
-            if b - a > max_per_row}
-    if over:
-        raise GateError(
-            f"rows resynced more than {max_per_row} time(s): {over} (row: resyncs). A row resyncs when its "
-            "tenant changes; more means the row is being rebuilt instead of appended to "
-            "(cache side: something changes these rows' block tables outside plan_decode)."
-        )
-
-
-def check_table_fits(
-    max_batch_size: int, max_model_len: int, block_size: int, kv_bytes: int, max_share: float = 0.10
-) -> None:
+def check_table_fits(max_batch_size: int, max_model_len: int, block_size: int, kv_bytes: int,
+                     max_share: float = 0.10) -> None:
     """The slot table's reservation is at most `max_share` of the cache's resident memory."""
     share = resident_share(max_batch_size, max_model_len, kv_bytes)
     if share <= max_share:
@@ -164,18 +120,4 @@ def check_table_fits(
         f"A block-id table [{max_batch_size}, {-(-max_model_len // block_size)}] would be "
         f"{block_table_bytes(max_batch_size, max_model_len, block_size):,} bytes ({block_size}x smaller, with the "
         "multiply moved into the kernel). Fix on the launch side: pass the max_model_len the pool was planned "
-        "around (PoolPlan.max_model_len), or lower max_batch_size."
-    )
-
-
-def check_rebuild_bounded(cells_built: int, cells_appended: int, max_ratio: float = 4.0) -> None:
-    """Addressing work stays within `max_ratio` cells built per cell appended."""
-    ratio = cells_built / max(cells_appended, 1)
-    if ratio <= max_ratio:
-        return
-    raise GateError(
-        f"addressing wrote {cells_built:,} cells to append {cells_appended:,} ({ratio:.0f}x, limit {max_ratio:g}x): "
-        "rebuilding [rows, context] every step is quadratic in the run length. Fix on the cache side: keep the "
-        "persistent SlotTable and append to it."
-    )
-
+        "around (PoolPlan.max_model_len), or lower max_batch_size.")

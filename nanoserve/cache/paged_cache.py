@@ -1,10 +1,7 @@
 """The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table.
 
-A decode step is `plan_decode(rows)`: rows whose last block is full take one block each
-from the pool, each row's write slot is appended to the `SlotTable` (one indexed write,
-one length bump), and the step's `slot_mapping` is read out of the table as a window.
-A row's length is one cell of the slot table's lengths, which the row's block table
-reads too, so every step settles it once, for every reader.
+Each row's block table counts its tokens in the slot table's lengths, so a decode step
+(`plan_decode`) settles every row's length once, for every reader.
 """
 
 from __future__ import annotations
@@ -21,13 +18,12 @@ from nanoserve.slots import RowsLike, SlotTable
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Everything one decode step needs to address the cache. A value: nothing changes it
-    after plan_decode returns.
+    """What one decode step needs to address the cache; nothing changes it once made.
 
     slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy;
-        width is the longest context.
-    context_lens [n]: the rows' lengths counting the token written this step. A copy, not a
-        view of the table: a held plan's lengths never move (the staleness gates rely on it).
+        width is the longest context. Live storage: later appends land past each row's length.
+    context_lens [n]: lengths counting this step's token. A copy, so a held plan's lengths
+        never move (the staleness gates rely on it).
     write_slots [n], positions [n]: where this step's K/V goes, and its position.
     """
 
@@ -39,10 +35,6 @@ class DecodePlan:
     is_window: bool
 
     @property
-    def num_rows(self) -> int:
-        return len(self.rows)
-
-    @property
     def width(self) -> int:
         return self.slot_mapping.shape[1]
 
@@ -51,33 +43,21 @@ class BatchedPagedKVCache:
     """K/V storage for up to `max_batch_size` rows, addressed through a persistent SlotTable.
 
     One block is reserved at construction; its first slot is `scratch_slot`, where padded
-    rows may write and no real row ever reads. `max_model_len` is clamped to the slots the
-    rest of the pool holds. Every operation that fails raises before it changes anything.
+    rows write and no row reads. `max_model_len` is clamped to the slots the other blocks
+    hold. Every operation that fails raises before it changes anything.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        max_batch_size: int,
-        max_model_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        enable_prefix_caching: bool = False,
-        prefix_salt: str = "",
-    ) -> None:
-        sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                     max_batch_size=max_batch_size, max_model_len=max_model_len)
-        if any(v < 1 for v in sizes.values()):
-            raise ValueError(f"cache sizes must be positive: {sizes}")
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 max_batch_size: int, max_model_len: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", enable_prefix_caching: bool = False,
+                 prefix_salt: str = "") -> None:
+        if min(num_layers, num_kv_heads, head_dim, max_model_len) < 1:
+            raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
+                             f"head_dim {head_dim}, max_model_len {max_model_len}")
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (one is the reserved scratch block)")
         self.device = torch.device(device)
-        self.block_size = block_size
-        self.max_batch_size = max_batch_size
+        self.block_size, self.max_batch_size = block_size, max_batch_size
         self.pool = BlockPool(num_blocks, block_size)
         self._scratch_block = self.pool.allocate(1)[0]
         self.scratch_slot = self._scratch_block * block_size
@@ -94,25 +74,19 @@ class BatchedPagedKVCache:
         self.enable_prefix_caching = enable_prefix_caching
         self._root_hash = root_hash(prefix_salt)
 
-    # -- rows ------------------------------------------------------------------------
-
     @property
     def live_rows(self) -> list[int]:
         return [row for row, claimed in enumerate(self._claimed) if claimed]
 
     def is_live(self, row: int) -> bool:
-        return self._claimed[self._check_row(row)]
+        return self._claimed[self._row(row)]
 
     def num_tokens(self, row: int) -> int:
-        return self.tables[self._check_row(row)].num_tokens
+        return self.tables[self._row(row)].num_tokens
 
     def adopt_row(self, row: int, table: BlockTable) -> None:
-        """Hand `table`'s blocks and tokens to `row` (claiming it), leaving `table` empty.
-
-        The blocks must be allocated from this cache's pool and held by no other row.
-        Raises if the row's own table is not empty (reset it first).
-        """
-        self._check_row(row)
+        """Hand `table`'s blocks and tokens to `row` (claiming it), leaving `table` empty. The
+        blocks must come from this pool and be held by no other row; the row must be empty."""
         if table.num_tokens > self.max_model_len:
             raise ValueError(f"row {row}: adopted table holds {table.num_tokens} tokens; "
                              f"max_model_len is {self.max_model_len}")
@@ -121,20 +95,17 @@ class BatchedPagedKVCache:
         holder = {block: f"row {r}" for r, held in enumerate(self.tables) for block in held.blocks}
         holder[self._scratch_block] = "the scratch block"
         for block in table.blocks:
-            if not self.pool.is_used(block) or block in holder:
+            if block in holder or not self.pool.is_used(block):
                 owner = f"held by {holder[block]}" if block in holder else "free in the pool"
                 raise ValueError(f"row {row}: cannot adopt block {block}: it is {owner}")
-        self.tables[row].adopt(table)
+        self.tables[self._row(row)].adopt(table)
         self._claimed[row] = True
         self.slot_table.resync(self.tables[row], row)
 
     def allocate_prompt(self, row: int, num_tokens: int) -> torch.Tensor:
-        """Grow `row` (claiming it if free) by `num_tokens` new tokens; returns their slots [num_tokens].
-
-        Allocates the blocks they need and resyncs the row. Raises ValueError past
-        max_model_len and PoolExhaustedError when blocks run out, changing nothing.
-        """
-        table = self.tables[self._check_row(row)]
+        """Grow `row` (claiming it) by `num_tokens` tokens in new blocks; returns their slots.
+        Raises ValueError past max_model_len and PoolExhaustedError, changing nothing."""
+        table = self.tables[self._row(row)]
         start = table.num_tokens
         if num_tokens < 1 or start + num_tokens > self.max_model_len:
             raise ValueError(f"row {row}: cannot add {num_tokens} tokens to {start} (max_model_len {self.max_model_len})")
@@ -146,10 +117,9 @@ class BatchedPagedKVCache:
 
     def reset_row(self, row: int) -> None:
         """Give the row's blocks back and set its length to zero; the row stays claimed."""
-        table = self.tables[self._check_row(row)]
+        table = self.tables[self._row(row)]
         self.pool.free(table.blocks[::-1])  # a prefix's tail turns evictable first, so it goes first
-        table.clear()
-        self.slot_table.reset(row)
+        table.clear()  # the length is the slot table's: this resets the row there too
 
     def free(self, row: int) -> None:
         """Give back the row's blocks and the row itself."""
@@ -158,24 +128,19 @@ class BatchedPagedKVCache:
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a request from `src` to the empty row `dst` (compaction); `src` ends free."""
-        self._check_row(src)
-        self._check_row(dst)
-        if src == dst or not self._claimed[src]:
+        if src == dst or not self.is_live(src):
             raise ValueError(f"move_row({src}, {dst}): the source must be a live row other than the destination")
-        if not self.tables[dst].is_empty:
+        if not self.tables[self._row(dst)].is_empty:
             raise ValueError(f"move_row: destination row {dst} still holds {self.num_tokens(dst)} tokens; free it first")
         self.tables[dst].adopt(self.tables[src])
         self._claimed[dst], self._claimed[src] = True, False
         self.slot_table.resync(self.tables[dst], dst)
-        self.slot_table.reset(src)
-
-    # -- admission arithmetic -----------------------------------------------------------
 
     def blocks_needed(self, num_tokens: int, row: int | None = None) -> int:
         """Blocks to allocate before `num_tokens` more tokens fit in `row` (or in a fresh row)."""
         if row is None:
             return -(-num_tokens // self.block_size)
-        return self.tables[self._check_row(row)].blocks_needed(num_tokens)
+        return self.tables[self._row(row)].blocks_needed(num_tokens)
 
     def can_allocate(self, num_tokens: int, row: int | None = None) -> bool:
         """Whether the pool has the blocks for `num_tokens` more tokens (length limits aside)."""
@@ -186,57 +151,44 @@ class BatchedPagedKVCache:
         return len(self._full_rows(self.slot_table.row_ids(rows)))
 
     def can_append(self, rows: RowsLike) -> bool:
-        """Whether the pool has a block for every row that needs one to decode one more token."""
         return self.blocks_to_append(rows) <= self.pool.num_free
-
-    # -- the decode step ----------------------------------------------------------------
 
     def plan_decode(self, rows: RowsLike) -> DecodePlan:
         """Advance every row by one token and address the step.
 
-        Rows whose last block is full take one block each (in row order, so the pool hands
-        out ids as a step-by-step allocator does), the write slots are appended to the slot
-        table, and the plan's slot_mapping is read out of it (`[n, longest context]`).
-        Raises (changing nothing) ValueError for rows that are not live or are at
-        max_model_len, and PoolExhaustedError when rows need blocks the pool lacks;
-        `can_append` says so beforehand.
+        Rows whose last block is full take one block each, in row order (so ids go out as
+        a step-by-step allocator hands them); the write slots are appended to the slot table
+        and the plan's slot_mapping is read out of it, `[n, longest context]`. Raises,
+        changing nothing, ValueError for rows not live or at max_model_len and
+        PoolExhaustedError when the pool lacks their blocks (`can_append` says so first).
         """
         ids = self.slot_table.row_ids(rows)
         idle = [row for row in ids if not self._claimed[row]]
         if idle:
             raise ValueError(f"plan_decode: rows {idle} are not live; prefill or adopt them first")
         positions = self.slot_table.lengths(ids)  # the token each row writes this step
-        position_list = positions.tolist()
-        at_limit = [row for row, n in zip(ids, position_list) if n >= self.max_model_len]
+        at_limit = [row for row, n in zip(ids, positions.tolist()) if n >= self.max_model_len]
         if at_limit:
             raise ValueError(f"plan_decode: rows {at_limit} are at max_model_len={self.max_model_len}; finish them")
         full = self._full_rows(ids)
         if len(full) > self.pool.num_free:
-            raise PoolExhaustedError(
-                f"rows {full} each need a new block and the pool has {self.pool.num_free} free; "
-                "the scheduler should preempt before planning (can_append tells it)")
+            raise PoolExhaustedError(f"rows {full} each need a new block and the pool has {self.pool.num_free} "
+                                     "free; the scheduler should preempt before planning (can_append tells it)")
         for row, block in zip(full, self.pool.allocate(len(full))):
             self.tables[row].add_blocks((block,))
-        write_slots = torch.tensor([self.tables[row].slot(n) for row, n in zip(ids, position_list)],
+        write_slots = torch.tensor([self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
                                    dtype=torch.int64, device=self.device)
-        is_window = self.slot_table.is_prefix(ids)
-        rows = len(ids) if is_window else ids  # a prefix by its size: checked once, above
+        is_window = ids == list(range(len(ids)))
+        rows = len(ids) if is_window else ids  # a prefix passed by its size: checked once, above
         self.slot_table.append(rows, write_slots)
         context_lens = positions + 1
-        return DecodePlan(
-            rows=tuple(ids),
-            slot_mapping=self.slot_table.rect(rows, int(context_lens.max())),
-            context_lens=torch.from_numpy(context_lens).to(self.device),
-            write_slots=write_slots,
-            positions=torch.from_numpy(positions).to(self.device),
-            is_window=is_window,
-        )
+        return DecodePlan(tuple(ids), self.slot_table.rect(rows, int(context_lens.max())),
+                          torch.from_numpy(context_lens).to(self.device), write_slots,
+                          torch.from_numpy(positions).to(self.device), is_window)
 
     def _full_rows(self, ids: list[int]) -> list[int]:
         """The rows whose blocks are full: their next token needs a new block."""
         return [row for row in ids if self.tables[row].num_tokens >= self.tables[row].capacity]
-
-    # -- prefix caching --------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` a new request could adopt now: a whole number of cached blocks,
@@ -247,7 +199,7 @@ class BatchedPagedKVCache:
         """Claim the empty `row` and adopt the longest cached prefix of `token_ids` (each block
         gains a holder); returns the tokens adopted (0 with caching off). Counts the query and
         the hit. Raises ValueError (changing nothing) when the row holds blocks or tokens."""
-        table = self.tables[self._check_row(row)]
+        table = self.tables[self._row(row)]
         if not table.is_empty:
             raise ValueError(f"admit_prefix: row {row} still holds {table.num_tokens} tokens in {table.blocks}; "
                              "free or reset it first")
@@ -268,15 +220,15 @@ class BatchedPagedKVCache:
         registered disagrees with `token_ids` (they are not this row's tokens)."""
         if not self.enable_prefix_caching:
             return
-        table = self.tables[self._check_row(row)]
+        table = self.tables[self._row(row)]
         if len(token_ids) > table.num_tokens:
             raise ValueError(f"cache_full_blocks: row {row} holds {table.num_tokens} tokens, not {len(token_ids)}")
-        cache = self.pool.prefix_cache
-        for i, (block, block_hash) in enumerate(zip(table.blocks, chain_hashes(token_ids, self.block_size,
-                                                                               self._root_hash))):
-            known = cache.hash_of(block)
+        registry = self.pool.prefix_cache
+        hashes = chain_hashes(token_ids, self.block_size, self._root_hash)
+        for i, (block, block_hash) in enumerate(zip(table.blocks, hashes)):
+            known = registry.hash_of(block)
             if known is None:
-                cache.register(block, block_hash)
+                registry.register(block, block_hash)
             elif known != block_hash:
                 raise RuntimeError(f"row {row} block {i} (physical {block}) is cached under another prefix than "
                                    "the tokens given: the engine passed tokens that are not this row's")
@@ -291,16 +243,12 @@ class BatchedPagedKVCache:
         usable = (len(token_ids) - 1) // self.block_size * self.block_size
         return self.pool.prefix_cache.lookup(chain_hashes(token_ids[:usable], self.block_size, self._root_hash))
 
-    # -- K/V -------------------------------------------------------------------------
-
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""
         self.k_caches[layer].index_copy_(0, write_slots, k)
         self.v_caches[layer].index_copy_(0, write_slots, v)
 
-    # -- helpers -----------------------------------------------------------------------
-
-    def _check_row(self, row: int) -> int:
+    def _row(self, row: int) -> int:
         if not 0 <= row < self.max_batch_size:
             raise ValueError(f"row {row} outside 0..{self.max_batch_size - 1}")
         return row

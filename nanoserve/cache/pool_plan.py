@@ -1,8 +1,8 @@
 """Sizing the cache: a bytes budget and the model's KV geometry in, `num_blocks` and `max_model_len` out.
 
-Also the addressing arithmetic the slot table is judged by: what a persistent
-`[max_batch_size, max_model_len]` slot table costs against vLLM's block-id table,
-and how many cells the persistent table writes against a per-step rebuild.
+Also what the persistent `[max_batch_size, max_model_len]` slot table costs next to
+vLLM's block-id table `[max_batch_size, blocks per row]` (the same information,
+`block_size` times smaller), for `check_table_fits`.
 """
 
 from __future__ import annotations
@@ -19,34 +19,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def table_cells(max_batch_size: int, max_model_len: int) -> int:
-    """Cells in the persistent slot table: one per row per token it could hold."""
-    return max_batch_size * max_model_len
-
-
 def table_bytes(max_batch_size: int, max_model_len: int) -> int:
-    """Bytes the slot table reserves for the life of the process."""
-    return table_cells(max_batch_size, max_model_len) * INDEX_BYTES
-
-
-def block_table_cells(max_batch_size: int, max_model_len: int, block_size: int) -> int:
-    """Cells in a block-id table ([max_seqs, max_blocks], vLLM's): one per row per block."""
-    return max_batch_size * -(-max_model_len // block_size)
+    """Bytes the slot table reserves for the life of the process: one int64 per row per token."""
+    return max_batch_size * max_model_len * INDEX_BYTES
 
 
 def block_table_bytes(max_batch_size: int, max_model_len: int, block_size: int) -> int:
-    """Bytes of the block-id table: the same information, block_size times smaller."""
-    return block_table_cells(max_batch_size, max_model_len, block_size) * INDEX_BYTES
-
-
-def incremental_cells(rows: int, prompt_len: int, steps: int) -> int:
-    """Cells the persistent table writes: each prompt resynced once, then one cell per row per step."""
-    return rows * prompt_len + rows * steps
-
-
-def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
-    """Cells a per-step rebuild writes: a [rows, context] rectangle every step, context growing by one."""
-    return rows * sum(prompt_len + step for step in range(1, steps + 1))
+    """Bytes of a block-id table: one int64 per row per block (partial blocks round up)."""
+    return max_batch_size * -(-max_model_len // block_size) * INDEX_BYTES
 
 
 def resident_share(max_batch_size: int, max_model_len: int, kv_bytes: int) -> float:
@@ -87,36 +67,20 @@ class PoolPlan:
         return resident_share(self.max_batch_size, self.max_model_len, self.kv_bytes)
 
 
-def plan_pool(
-    budget_bytes: int,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    block_size: int,
-    max_batch_size: int,
-    max_model_len: int,
-) -> PoolPlan:
+def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+              block_size: int, max_batch_size: int, max_model_len: int) -> PoolPlan:
     """The most blocks `budget_bytes` of K/V can hold, and `max_model_len` clamped to them.
 
-    One block is the cache's reserved scratch block, so a row can hold at most
-    `(num_blocks - 1) * block_size` tokens. Raises ValueError when the budget cannot
-    hold that scratch block and one block for a request.
+    One block is the cache's scratch block, so a row holds at most `(num_blocks - 1) * block_size`
+    tokens. Raises ValueError when the budget cannot hold that block and one for a request.
     """
     if min(num_layers, num_kv_heads, head_dim, block_size, max_batch_size, max_model_len) < 1:
         raise ValueError("plan_pool needs positive sizes")
     bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 2:
-        raise ValueError(
-            f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "
-            "the cache needs 2 (a scratch block and one for a request): raise the budget or shrink block_size"
-        )
-    return PoolPlan(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_batch_size=max_batch_size,
-        max_model_len=min(max_model_len, (num_blocks - 1) * block_size),
-        requested_max_model_len=max_model_len,
-        bytes_per_block=bytes_per_block,
-    )
+        raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "
+                         "the cache needs 2 (a scratch block and one for a request): raise the budget or shrink "
+                         "block_size")
+    return PoolPlan(num_blocks, block_size, max_batch_size, min(max_model_len, (num_blocks - 1) * block_size),
+                    max_model_len, bytes_per_block)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.cache.attention import attend_window, window_mask
 from nanoserve.engine.bucketing import Buckets, PaddingWaste
+from nanoserve.engine.paged_attention import attend_window, window_mask
 
 
 class WindowAttention:

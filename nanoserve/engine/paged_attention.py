@@ -1,7 +1,8 @@
-"""The reference paged attention read: gather each token's K/V through the slot mapping, then mask.
+"""Paged attention: each row's one query over its cached K/V, read through its slot mapping.
 
-Padding in `slot_mapping` only has to be a legal slot index: the gather reads it and
-the mask (`column >= context_lens[row]`) throws it away.
+`paged_attention_reference` is the oracle; the decode step uses `window_mask` and
+`attend_window` (torch's fused SDPA). Padding in `slot_mapping` only has to be a legal
+slot index: the gather reads it and the mask (`column >= context_lens[row]`) throws it away.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def paged_attention(
 
 def window_mask(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask [n, 1, 1, W] every layer of a decode step shares: 0 up to each row's
-    length, -inf past it. Built once per step and in q's dtype: handing SDPA a bool mask
-    makes it convert one per call (30 layers, ~3% of a CPU step at 32 rows). A row of
-    length 0 (padding) is let see column 0, so the kernel never softmaxes an empty row."""
+    length, -inf past it. Built once per step, in q's dtype: a bool mask would be converted
+    by SDPA in every layer. A row of length 0 (padding) may see column 0, so the kernel
+    never softmaxes an empty row."""
     n = context_lens.shape[0]
     hidden = torch.arange(width, device=context_lens.device) >= context_lens.clamp(min=1).view(n, 1)
     mask = torch.zeros(n, width, dtype=dtype, device=context_lens.device).masked_fill_(hidden, float("-inf"))
@@ -88,7 +89,7 @@ def attend_window(
     One gather per K and V, then SDPA reads the [n, KV, W, D] view of it by its strides. The
     query heads that share a K/V head are handed to SDPA as that head's query rows
     ([n, KV, group, D]): one small matrix product per K/V head instead of a GQA expansion
-    per query head (~2% of a CPU decode step). A padded row's output is finite garbage.
+    per query head. A padded row's output is finite garbage.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]

@@ -1,0 +1,90 @@
+"""What addressing a decode step costs next to the step itself (part of `compilebench.py slots`).
+
+For each row count n, rows 0..n-1 of the engine's cache hold a `context`-token prompt.
+Then planning steps and whole eager decode steps alternate: a planning step is what the
+runner does to address a step (`plan_decode` over the prefix, then the host lengths it
+reads); a decode step is the runner's own `decode` (that planning plus the forward). Each
+is timed alone, synchronising a GPU around it; the table quotes medians and the share
+planning / step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampling_params import SamplingParams
+
+COLUMNS = ["rows", "context", "plan_us", "step_ms", "plan_share_pct"]
+
+
+@dataclass(frozen=True)
+class PlanningRun:
+    row_counts: tuple[int, ...] = (1, 8, 32, 64)
+    context: int = 128  # tokens each row holds before the first timed step
+    steps: int = 20  # timed planning steps, and as many timed decode steps, per row count
+    warmup: int = 2  # untimed decode steps per row count
+
+    @property
+    def max_model_len(self) -> int:
+        return self.context + self.warmup + 2 * self.steps
+
+
+def time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn()` takes, a GPU synchronised before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def plan_step(engine: Engine, rows: int) -> tuple[int, int]:
+    """The runner's addressing of one decode step over rows 0..rows-1, and nothing else:
+    the plan, then the widest and total context the step is bucketed by."""
+    engine.cache.plan_decode(rows)
+    lengths = engine.cache.slot_table.lengths(rows)
+    return int(lengths.max()), int(lengths.sum())
+
+
+def measure_rows(engine: Engine, run: PlanningRun, rows: int) -> dict:
+    """Median planning and eager-step time over `rows` rows, alternating one of each."""
+    cache, device = engine.cache, engine.cache.device
+    for row in cache.live_rows:
+        cache.free(row)
+    requests = [Request(f"plan-{row}", [0] * run.context, SamplingParams()) for row in range(rows)]
+    for row in range(rows):
+        cache.allocate_prompt(row, run.context)
+    for _ in range(run.warmup):
+        engine.runner.decode(requests)
+    planning, stepping = [], []
+    for _ in range(run.steps):
+        planning.append(time_once(lambda: plan_step(engine, rows), device))
+        stepping.append(time_once(lambda: engine.runner.decode(requests), device))
+    plan_s, step_s = statistics.median(planning), statistics.median(stepping)
+    return dict(rows=rows, context=run.context, plan_us=plan_s * 1e6, step_ms=step_s * 1e3,
+                plan_share_pct=100 * plan_s / step_s)
+
+
+def measure_planning(engine: Engine, run: PlanningRun) -> list[dict]:
+    """One result per row count; the engine must be eager with room for max(row_counts) rows
+    of `run.max_model_len` tokens."""
+    if engine.runner.decode_step.compiled:
+        raise ValueError("the planning share is measured against the eager step: build the engine without compile")
+    with torch.inference_mode():
+        return [measure_rows(engine, run, rows) for rows in run.row_counts]
+
+
+def format_planning(results: Sequence[dict]) -> str:
+    lines = [f"{'rows':>5} {'context':>8} {'planning':>10} {'eager step':>11} {'share':>7}"]
+    for r in results:
+        lines.append(f"{r['rows']:>5} {r['context']:>8} {r['plan_us']:>8.1f}us {r['step_ms']:>9.2f}ms "
+                     f"{r['plan_share_pct']:>6.2f}%")
+    return "\n".join(lines)
