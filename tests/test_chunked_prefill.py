@@ -202,3 +202,22 @@ def test_chunked_prefill_interleaved_with_compiled_decode_never_recompiles(tiny,
     assert stats["recompiles_after_warmup"] == 0 and stats["gathers"] == 0
     assert stats["graphs_built"] <= len(engine.runner.decode_step.buckets.grid)
     engine.check_drained()
+
+
+def test_a_prefilling_row_before_a_decoding_row_is_an_engine_fault(tiny):
+    engine = engine_for(tiny)
+    first = engine.add_request([1, 2, 3], greedy(8))
+    engine.step()
+    second = engine.add_request(list(range(40)), greedy(2))
+    engine.step()
+    running = engine.scheduler.running
+    assert [r.request_id for r in running] == [first, second] and running[1].status is RequestStatus.PREFILLING
+    running[0].status, running[1].status = RequestStatus.PREFILLING, RequestStatus.RUNNING  # planted
+    with pytest.raises(RuntimeError, match=r"rows out of order at \[0, 1\]"):
+        engine.scheduler._check_regions()
+
+
+def test_a_budget_that_leaves_no_prefill_token_is_refused(tiny):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 leaves no prefill token"):
+        engine_for(tiny, max_num_batched_tokens=4)
+    engine_for(tiny, max_num_batched_tokens=4, enable_chunked_prefill=False)  # whole prompts: any budget
