@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from compile import decode_bench, e2e, fidelity_suite, headline, slotbench
+from compile import decode_bench, e2e, fidelity_suite, headline, serve_bench, slotbench
 
 # name -> main(argv) -> exit status
 SUITES: dict[str, Callable[[Sequence[str]], int]] = {
@@ -18,6 +18,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "e2e": e2e.main,
     "fidelity": fidelity_suite.main,
     "slots": slotbench.main,
+    "serve": serve_bench.main,
 }
 DEFAULT_SUITE = "headline"
 

@@ -1,7 +1,11 @@
-"""Compaction keeps windows: requests arrive, finish and are aborted in random order, and every
-decode read stays a window of the slot table while the table still equals rebuild_mapping."""
+"""Compaction keeps windows: requests arrive (sharing prefixes), are prefilled in chunks, finish,
+are preempted and aborted in random order, and every decode read stays a window of the slot
+table while the table still equals rebuild_mapping and every block's reference count is the
+number of rows holding it."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import hypothesis.strategies as st
 import pytest
@@ -10,23 +14,28 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from nanoserve.cache.gates import check_slots_agree
 from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.engine.request import RequestStatus
 from nanoserve.model.synthetic import random_model, tiny_config
 
 MODEL = random_model(tiny_config(num_layers=1, vocab_size=64), seed=0)
 
 
 class CompactionMachine(RuleBasedStateMachine):
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, chunked: bool) -> None:
         super().__init__()
-        # A pool small enough that preemption happens too.
+        # A pool small enough that preemption (and eviction of cached prefixes) happens too;
+        # a budget of 7 splits prompts over several steps next to up to 4 decoding rows.
         self.engine = build_engine(MODEL, max_batch_size=4, block_size=4, max_model_len=32,
-                                   kv_cache_bytes=20 * 4 * 2 * 16 * 2 * 4, device=device)
+                                   kv_cache_bytes=20 * 4 * 2 * 16 * 2 * 4, device=device,
+                                   enable_chunked_prefill=chunked, max_num_batched_tokens=7 if chunked else None)
         self.live: list[str] = []
 
-    @rule(length=st.integers(1, 20), max_tokens=st.integers(1, 10))
-    def arrive(self, length, max_tokens):
+    @rule(stem=st.integers(0, 2), shared=st.integers(0, 12), own=st.lists(st.integers(0, 63), max_size=8),
+          max_tokens=st.integers(1, 10))
+    def arrive(self, stem, shared, own, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.live.append(self.engine.add_request([3] * length, params))
+        prompt = [stem] * shared + own or [stem]
+        self.live.append(self.engine.add_request(prompt, params))
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps):
@@ -48,14 +57,18 @@ class CompactionMachine(RuleBasedStateMachine):
     def running_rows_are_a_prefix_and_agree_with_rebuild_mapping(self):
         running = self.engine.scheduler.running
         assert [r.row for r in running] == list(range(len(running)))
+        decoding = [r.status is RequestStatus.RUNNING for r in running]
+        assert decoding == sorted(decoding, reverse=True)  # decoding rows first, then prefilling
         assert sorted(self.engine.cache.live_rows) == list(range(len(running)))
         check_slots_agree(self.engine.cache.slot_table, self.engine.cache.tables, range(len(running)))
 
     @invariant()
     def pool_accounting_holds(self):
-        cache = self.engine.cache
-        held = sum(t.num_blocks for t in cache.tables)
-        assert held + 1 == cache.pool.num_used  # + the scratch block
+        cache, pool = self.engine.cache, self.engine.cache.pool
+        holders = Counter(block for t in cache.tables for block in t.blocks)
+        assert len(holders) + 1 == pool.num_used  # + the scratch block
+        assert all(pool.ref_count(block) == n for block, n in holders.items())
+        assert pool.num_empty + pool.num_cached + pool.num_used == pool.num_blocks
 
     def teardown(self):
         for _ in while_unfinished(self.engine):
@@ -63,6 +76,7 @@ class CompactionMachine(RuleBasedStateMachine):
         self.engine.check_drained()
 
 
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
-def test_compaction_keeps_every_decode_read_a_window(device):
-    run_state_machine_as_test(lambda: CompactionMachine(device))
+def test_compaction_keeps_every_decode_read_a_window(device, chunked):
+    run_state_machine_as_test(lambda: CompactionMachine(device, chunked))

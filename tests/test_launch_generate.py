@@ -65,3 +65,11 @@ def test_weights_option_reaches_build_engine(tiny_gguf, capsys):
     assert build_parser().parse_args(["serve"]).weights is None  # auto for a named model
     assert main(["generate", "--model", str(tiny_gguf), "--weights", "int4", "--max-tokens", "4", "hi"]) == 0
     assert "new tokens" in capsys.readouterr().err  # ran to the end on int4 weights
+
+
+def test_chunked_prefill_and_prefix_caching_switches_reach_build_engine():
+    on = engine_kwargs(build_parser().parse_args(["serve"]))
+    assert (on["enable_chunked_prefill"], on["enable_prefix_caching"], on["max_num_batched_tokens"]) == (True, True, None)
+    off = engine_kwargs(build_parser().parse_args(
+        ["generate", "--no-chunked-prefill", "--no-prefix-caching", "--max-num-batched-tokens", "64", "p"]))
+    assert (off["enable_chunked_prefill"], off["enable_prefix_caching"], off["max_num_batched_tokens"]) == (False, False, 64)

@@ -77,8 +77,29 @@ def test_models_health_and_metrics_are_served(client, server):
                  "nanoserve_kv_blocks_free", "nanoserve_generation_tokens_total",
                  "nanoserve_time_to_first_token_seconds_bucket",
                  "nanoserve_inter_token_latency_seconds_bucket",
-                 "nanoserve_recompiles_total", "nanoserve_decode_batch_size_bucket"):
+                 "nanoserve_recompiles_total", "nanoserve_decode_batch_size_bucket",
+                 "nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total",
+                 "nanoserve_prefix_cache_blocks", "nanoserve_prefix_cache_evictions_total"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? [0-9.e+-]+$", text, re.M), f"{name} missing:\n{text}"
+
+
+def test_metrics_count_the_prefix_cache_hits_of_a_repeated_chat(client, server):
+    names = ("nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total")
+    with httpx.Client(base_url=server.url) as plain:
+        before = [_metric(plain.get("/metrics").text, name) for name in names]
+        for _ in range(2):
+            response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
+        prompt_tokens = response.usage.prompt_tokens
+        deadline = time.monotonic() + 1.0  # the stats snapshot is replaced after the step
+        while True:
+            queries, hits = (_metric(plain.get("/metrics").text, n) - b for n, b in zip(names, before))
+            if queries == 2 * prompt_tokens or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+    block = ENGINE_OPTIONS["block_size"]
+    adoptable = (prompt_tokens - 1) // block * block  # the second request finds all of it cached
+    assert queries == 2 * prompt_tokens
+    assert adoptable <= hits <= 2 * adoptable and adoptable > 0
 
 
 def test_completion_text_equals_engine_generate(client, reference):

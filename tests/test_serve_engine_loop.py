@@ -111,7 +111,9 @@ def test_metrics_render_as_prometheus_text():
     metrics.record_tokens(1, ttft=0.2, gap=None)
     metrics.record_tokens(2, ttft=None, gap=0.02)
     metrics.record_finished("stop")
-    stats = {"running": 2, "waiting": 1, "blocks_free": 10, "blocks_total": 16, "recompiles": 0}
+    stats = {"running": 2, "waiting": 1, "blocks_free": 10, "blocks_total": 16, "recompiles": 0,
+             "prefix_cache_queries": 96, "prefix_cache_hits": 64, "prefix_cache_blocks": 5,
+             "prefix_cache_evictions": 2}
     text = metrics.render(stats)
     sample = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$')
     declared = set()
@@ -125,3 +127,6 @@ def test_metrics_render_as_prometheus_text():
     assert "nanoserve_generation_tokens_total 3" in text
     assert 'nanoserve_requests_finished_total{reason="stop"} 1' in text
     assert "nanoserve_inter_token_latency_seconds_count 2" in text
+    for line in ("nanoserve_prefix_cache_queries_total 96", "nanoserve_prefix_cache_hits_total 64",
+                 "nanoserve_prefix_cache_blocks 5", "nanoserve_prefix_cache_evictions_total 2"):
+        assert line in text.splitlines(), line

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from nanoserve.cache.prefix_cache import PrefixCache
+
 
 class PoolExhaustedError(RuntimeError):
     """The pool has fewer free blocks than were asked for."""
@@ -21,8 +23,15 @@ class BlockFreeError(ValueError):
 
 
 class BlockPool:
-    """A free list of `num_blocks` physical blocks of `block_size` slots each, handed out
-    lowest id first (freed blocks are reused before untouched ones)."""
+    """`num_blocks` physical blocks of `block_size` slots each, each with a reference count.
+
+    A block is empty (on the free list), used (held by one or more rows: its count is
+    positive) or cached (count zero, its K/V a known prefix that `prefix_cache` keeps until
+    an allocation finds the free list short and evicts it, least recently used first).
+    `num_free` is what an allocation can get now: empty + cached. Empty blocks come out
+    lowest id first, so a fresh pool is filled from the front; without prefix caching no
+    block is ever cached.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -30,44 +39,82 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_slots = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
-        self._in_use = bytearray(num_blocks)
+        self._refs = [0] * num_blocks  # holders of each block: the one count of them
+        self.prefix_cache = PrefixCache()
 
     @property
     def num_free(self) -> int:
+        return len(self._free) + self.prefix_cache.num_evictable
+
+    @property
+    def num_empty(self) -> int:
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        return self.prefix_cache.num_evictable
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def is_used(self, block: int) -> bool:
-        return 0 <= block < self.num_blocks and bool(self._in_use[block])
+        return 0 <= block < self.num_blocks and self._refs[block] > 0
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks. Raises PoolExhaustedError (taking nothing) when fewer are free."""
+        """Take `n` blocks, empty ones first, then evicting cached ones (least recently used
+        first). Raises PoolExhaustedError (taking nothing) when fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
+        if n > self.num_free:
             raise PoolExhaustedError(
-                f"pool exhausted: asked for {n} blocks, {len(self._free)} of {self.num_blocks} free "
+                f"pool exhausted: asked for {n} blocks, {self.num_free} of {self.num_blocks} free "
                 f"(block_size {self.block_size}); the scheduler should preempt or wait (check can_allocate first)")
-        blocks = [self._free.pop() for _ in range(n)]
+        empty = min(n, len(self._free))
+        blocks = [self._free.pop() for _ in range(empty)]
+        blocks += [self.prefix_cache.evict() for _ in range(n - empty)]
         for block in blocks:
-            self._in_use[block] = 1
+            self._refs[block] = 1
         return blocks
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """Add a holder to each block (a request adopting a cached prefix); a cached block leaves
+        the LRU. Raises BlockFreeError (changing nothing) on an empty block: its K/V mean nothing."""
+        empty = [b for b in blocks if not self._refs[b] and not self.prefix_cache.is_evictable(b)]
+        if empty:
+            raise BlockFreeError(f"cannot share blocks {empty}: they are empty (on the free list)")
+        for block in blocks:
+            if not self._refs[block]:
+                self.prefix_cache.unpark(block)
+            self._refs[block] += 1
+
     def free(self, blocks: Iterable[int]) -> None:
-        """Give blocks back. Raises BlockFreeError (freeing nothing) on a foreign, free or repeated block."""
-        blocks, seen = list(blocks), set()
+        """Drop a holder of each block. A block left with none is cached if its prefix is known,
+        else empty. Raises BlockFreeError (freeing nothing) on a foreign block, or on one freed
+        more often than it is held."""
+        blocks = list(blocks)
+        drops: dict[int, int] = {}
         for block in blocks:
             if not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
                 raise BlockFreeError(f"block {block!r} is not from this pool (ids 0..{self.num_blocks - 1})")
-            if not self._in_use[block] or block in seen:
+            drops[int(block)] = drops.get(int(block), 0) + 1
+            if drops[int(block)] > self._refs[block]:
                 raise BlockFreeError(f"double free of block {block}: it is already free")
-            seen.add(block)
-        for block in blocks:
-            self._in_use[block] = 0
-        self._free = sorted(self._free + [int(b) for b in blocks], reverse=True)
+        emptied = []
+        for block in map(int, blocks):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            if self.prefix_cache.hash_of(block) is None:
+                emptied.append(block)
+            else:
+                self.prefix_cache.park(block)
+        if emptied:
+            # Keep handing out the lowest ids first, so freed blocks are reused before untouched ones.
+            self._free = sorted(self._free + emptied, reverse=True)
 
 
 class BlockTable:

@@ -6,11 +6,13 @@ Each row's block table counts its tokens in the slot table's lengths, so a decod
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
+from nanoserve.cache.prefix_cache import chain_hashes, root_hash
 from nanoserve.slots import RowsLike, SlotTable
 
 
@@ -47,7 +49,8 @@ class BatchedPagedKVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  max_batch_size: int, max_model_len: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", enable_prefix_caching: bool = False,
+                 prefix_salt: str = "") -> None:
         if min(num_layers, num_kv_heads, head_dim, max_model_len) < 1:
             raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
                              f"head_dim {head_dim}, max_model_len {max_model_len}")
@@ -68,6 +71,8 @@ class BatchedPagedKVCache:
         lengths = self.slot_table.lengths_array
         self.tables = [BlockTable.bound_to(block_size, lengths, row) for row in range(max_batch_size)]
         self._claimed = [False] * max_batch_size  # a reset row stays claimed, with no tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root_hash = root_hash(prefix_salt)
 
     @property
     def live_rows(self) -> list[int]:
@@ -113,7 +118,7 @@ class BatchedPagedKVCache:
     def reset_row(self, row: int) -> None:
         """Give the row's blocks back and set its length to zero; the row stays claimed."""
         table = self.tables[self._row(row)]
-        self.pool.free(table.blocks)
+        self.pool.free(table.blocks[::-1])  # a prefix's tail turns evictable first, so it goes first
         table.clear()  # the length is the slot table's: this resets the row there too
 
     def free(self, row: int) -> None:
@@ -184,6 +189,59 @@ class BatchedPagedKVCache:
     def _full_rows(self, ids: list[int]) -> list[int]:
         """The rows whose blocks are full: their next token needs a new block."""
         return [row for row in ids if self.tables[row].num_tokens >= self.tables[row].capacity]
+
+    def match_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` a new request could adopt now: a whole number of cached blocks,
+        at most len(token_ids) - 1 (one token is always computed, for the logits). A pure query."""
+        return len(self._cached_prefix(token_ids)) * self.block_size
+
+    def admit_prefix(self, row: int, token_ids: Sequence[int]) -> int:
+        """Claim the empty `row` and adopt the longest cached prefix of `token_ids` (each block
+        gains a holder); returns the tokens adopted (0 with caching off). Counts the query and
+        the hit. Raises ValueError (changing nothing) when the row holds blocks or tokens."""
+        table = self.tables[self._row(row)]
+        if not table.is_empty:
+            raise ValueError(f"admit_prefix: row {row} still holds {table.num_tokens} tokens in {table.blocks}; "
+                             "free or reset it first")
+        blocks = self._cached_prefix(token_ids)
+        self.pool.share(blocks)
+        table.add_blocks(blocks)
+        table.advance(len(blocks) * self.block_size)
+        self._claimed[row] = True
+        self.slot_table.resync(table, row)
+        if self.enable_prefix_caching:
+            self.pool.prefix_cache.record_query(len(token_ids), table.num_tokens)
+        return table.num_tokens
+
+    def cache_full_blocks(self, row: int, token_ids: Sequence[int]) -> None:
+        """Register the row's full blocks among its first len(token_ids) tokens, whose K/V are
+        written, under their prefix hashes (a hash that already names a block keeps it).
+        No-op with caching off. Raises if the row holds fewer tokens, or if a block already
+        registered disagrees with `token_ids` (they are not this row's tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[self._row(row)]
+        if len(token_ids) > table.num_tokens:
+            raise ValueError(f"cache_full_blocks: row {row} holds {table.num_tokens} tokens, not {len(token_ids)}")
+        registry = self.pool.prefix_cache
+        hashes = chain_hashes(token_ids, self.block_size, self._root_hash)
+        for i, (block, block_hash) in enumerate(zip(table.blocks, hashes)):
+            known = registry.hash_of(block)
+            if known is None:
+                registry.register(block, block_hash)
+            elif known != block_hash:
+                raise RuntimeError(f"row {row} block {i} (physical {block}) is cached under another prefix than "
+                                   "the tokens given: the engine passed tokens that are not this row's")
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """prefix_cache_queries / _hits (tokens), _blocks (blocks holding a known prefix), _evictions."""
+        return self.pool.prefix_cache.stats()
+
+    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return []
+        usable = (len(token_ids) - 1) // self.block_size * self.block_size
+        return self.pool.prefix_cache.lookup(chain_hashes(token_ids[:usable], self.block_size, self._root_hash))
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""

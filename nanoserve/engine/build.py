@@ -14,6 +14,9 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# A chunked step's default token budget: decode rows plus prefill chunks of a few hundred
+# tokens, so a long prompt delays running streams by a few hundred tokens' compute per step.
+DEFAULT_CHUNKED_BUDGET = 512
 
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
@@ -22,7 +25,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                  device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
                  bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
                  width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
-                 compile_backend: str = "inductor", weights: str | WeightPlan | None = None) -> Engine:
+                 compile_backend: str = "inductor", weights: str | WeightPlan | None = None,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True) -> Engine:
     """Build an engine.
 
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
@@ -40,12 +44,23 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     ``AUTO_CPU`` on the CPU and bf16 on CUDA. Unset, a model named by a string loads as "auto"
     unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in its
     own dtype; a ``LlamaModel`` given with ``weights`` is converted in place.
+
+    ``max_num_batched_tokens`` is a step's token budget. With ``enable_chunked_prefill`` (the
+    default) decode rows take one token each and prefill chunks fill the rest, so a long prompt
+    is prefilled over several steps while running streams keep decoding (unset:
+    DEFAULT_CHUNKED_BUDGET, or max_batch_size + 1 if that is larger); without it a step
+    prefills whole prompts (unset: max(2048, max_model_len)) or decodes.
+
+    With ``enable_prefix_caching`` (the default) full blocks of K/V stay cached after their
+    request leaves, and a new request adopts its longest cached prefix instead of recomputing it.
     """
     weight_plan, dtype = resolve_weights(weights, dtype, device, named_model=isinstance(model, str))
     if warmup not in ("eager", "lazy"):
         raise ValueError(f"warmup must be 'eager' or 'lazy', got {warmup!r}")
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
+    source = model if isinstance(model, str) else f"{type(model).__name__}@{id(model):x}"
     if isinstance(model, str):
         model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weight_plan)
     else:
@@ -72,8 +87,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
             f"({block_size} tokens each, one reserved as scratch) = {plan.max_model_len} tokens for a "
             f"request, fewer than one max_model_len={max_model_len} request needs: raise kv_cache_bytes "
             f"to at least {needed_blocks * plan.bytes_per_block} or lower max_model_len")
+    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
     cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim, plan.num_blocks,
-                                block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device)
+                                block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device,
+                                enable_prefix_caching=enable_prefix_caching,
+                                prefix_salt=f"{source}|{config!r}|{dtype}|{weights_name}")
     bucketing = compile if bucketing is None else bucketing
     buckets = None
     if bucketing:
@@ -84,12 +102,21 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     engine_config = EngineConfig(
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens or max(2048, cache.max_model_len),
-        dtype=dtype, device=device, compile=compile, weights=weight_plan.name if weight_plan else _format_name(dtype))
+        max_num_batched_tokens=max_num_batched_tokens or default_token_budget(
+            enable_chunked_prefill, max_batch_size, cache.max_model_len),
+        dtype=dtype, device=device, compile=compile, weights=weights_name, enable_chunked_prefill=enable_chunked_prefill)
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
         step.warmup()
     return engine
+
+
+def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int) -> int:
+    """A step's token budget when none is given: with chunking at least one prefill token
+    beyond a full decode batch; without, room for the longest prompt in one step."""
+    if chunked:
+        return max(DEFAULT_CHUNKED_BUDGET, max_batch_size + 1)
+    return max(2048, max_model_len)
 
 
 # "auto" on the CPU: the fastest format that passes the fidelity gates against fp32 (README):

@@ -21,7 +21,7 @@ from nanoserve.engine.request import Request, RequestOutput, RequestStatus
 from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.engine.scheduler import DecodeBatch, Scheduler
+from nanoserve.engine.scheduler import PrefillChunk, Scheduler
 from nanoserve.model.quant import tensor_bytes
 from nanoserve.model.tokenizer import IncrementalDetokenizer
 
@@ -65,6 +65,7 @@ class EngineConfig:
     device: str = "cpu"
     compile: bool = False
     weights: str = "fp32"  # the weight format in use (WeightPlan.name, or the dense dtype's name)
+    enable_chunked_prefill: bool = True
 
 
 Prompt = str | Sequence[int]
@@ -80,7 +81,7 @@ class Engine:
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.runner = ModelRunner(model, cache, decode_step, config.device)
         self.scheduler = Scheduler(cache, config.max_batch_size, config.max_num_batched_tokens,
-                                   on_row_move=self.runner.move_row)
+                                   on_row_move=self.runner.move_row, chunked=config.enable_chunked_prefill)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -126,7 +127,8 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; return the requests that moved (or finished).
+        """Run one step (decode rows, prefill chunks, or both); return the requests that
+        moved (or finished).
 
         What belongs to one request (its sampling, its prompt scoring, its detokenizing) fails
         that request alone, with ``finish_reason="error"``. Anything else raising (the model,
@@ -134,44 +136,72 @@ class Engine:
         can no longer be trusted."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
+        step = self.scheduler.schedule()
+        if step is None:
             return outputs
-        requests = batch.requests
-        failed: dict[int, str] = {}  # batch index -> why that request failed
-        if isinstance(batch, DecodeBatch):
-            logits = self.runner.decode(requests)
-        else:
-            to_score = frozenset(i for i, r in enumerate(requests)
-                                 if r.params.prompt_logprobs is not None and r.prompt_logprobs is None)
-            logits, hidden = self.runner.prefill(batch, to_score)
-            for index in sorted(to_score):
-                self._score_prompt(requests[index], hidden[index], index, failed)
-        token_ids, logprobs = self._sample(logits, requests, failed)
-        self.runner.record_tokens(requests[0].row, token_ids)
-        for index, (request, token_id, logprob) in enumerate(zip(requests, token_ids.tolist(), logprobs)):
-            if index in failed:
-                self._fail(request, failed[index])
-            elif request.params.max_tokens == 0:
-                self._finish(request, "length")  # prefill only: the prompt was the work
-            else:
-                self._append_token(request, token_id, logprob)
-        step_outputs = [self._output(r) for r in requests]
-        if isinstance(batch, DecodeBatch):
+        failed: dict[Request, str] = {}  # request -> why it failed
+        logits = []
+        if step.decode:
+            logits.append(self.runner.decode(step.decode))
+        if step.prefill:
+            logits.append(self._prefill(step.prefill, failed))
+        requests = step.sampled
+        if requests:
+            token_ids, logprobs = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0],
+                                               requests, failed)
+            self.runner.record_tokens(requests[0].row, token_ids)
+            for request, token_id, logprob in zip(requests, token_ids.tolist(), logprobs):
+                if request in failed:
+                    self._fail(request, failed.pop(request))
+                elif request.params.max_tokens == 0:
+                    self._finish(request, "length")  # prefill only: the prompt was the work
+                else:
+                    self._append_token(request, token_id, logprob)
+        for request, message in failed.items():  # a chunk that failed before its last one
+            self._fail(request, message)
+            requests = requests + [request]
+        if step.decode and not step.prefill:  # a pure decode step: the host-overhead figure's sample
             self.decode_timing.steps += 1
             self.decode_timing.forward_seconds += self.runner.last_forward_seconds
             self.decode_timing.step_seconds += time.perf_counter() - started
-        return outputs + step_outputs
+        return outputs + [self._output(r) for r in requests]
 
-    def _score_prompt(self, request: Request, hidden: torch.Tensor, index: int, failed: dict[int, str]) -> None:
+    def _prefill(self, chunks: list[PrefillChunk], failed: dict[Request, str]) -> torch.Tensor:
+        """Run the chunks; score the prompt tokens they cover for requests that ask; register
+        the full blocks they completed with the prefix cache (a no-op with caching off).
+        Returns the last chunks' logits."""
+        to_score = frozenset(i for i, c in enumerate(chunks) if self._scores(c))
+        logits, hidden = self.runner.prefill(chunks, to_score)
+        for index in sorted(to_score):
+            self._score_prompt(chunks[index], hidden[index], failed)
+        for chunk in chunks:
+            self.cache.cache_full_blocks(chunk.request.row, chunk.request.all_token_ids[:chunk.end])
+        return logits
+
+    @staticmethod
+    def _scores(chunk: PrefillChunk) -> bool:
+        """Whether this chunk covers prompt positions still to be scored (the first prefill
+        scores; a recompute after preemption finds the scores already made)."""
+        request = chunk.request
+        if request.params.prompt_logprobs is None:
+            return False
+        scored = 0 if request.prompt_logprobs is None else len(request.prompt_logprobs)
+        return scored < len(request.prompt_token_ids) and chunk.start < len(request.prompt_token_ids)
+
+    def _score_prompt(self, chunk: PrefillChunk, hidden: torch.Tensor, failed: dict[Request, str]) -> None:
+        # Position p's logits score prompt token p + 1: this chunk scores tokens start + 1 ..
+        request, prompt = chunk.request, chunk.request.prompt_token_ids
+        targets = prompt[chunk.start + 1:min(chunk.end, len(prompt) - 1) + 1]
+        # A prefill restarted by preemption rescores from its start: the same positions, the same values.
+        scored = (request.prompt_logprobs or [None])[:chunk.start + 1]
         try:
-            request.prompt_logprobs = score_prompt(self.model, hidden, request.prompt_token_ids,
-                                                   request.params.prompt_logprobs)
+            request.prompt_logprobs = scored + score_prompt(self.model, hidden, targets,
+                                                            request.params.prompt_logprobs)
         except Exception as exc:  # this request's own work: it fails alone
-            failed[index] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
+            failed[request] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
 
     def _sample(self, logits: torch.Tensor, requests: list[Request],
-                failed: dict[int, str]) -> tuple[torch.Tensor, list]:
+                failed: dict[Request, str]) -> tuple[torch.Tensor, list]:
         """One token per row. If sampling the batch raises, every row is sampled alone (a seeded
         row's generator rewound first), so only a row that fails on its own fails."""
         params = [r.params for r in requests]
@@ -194,7 +224,7 @@ class Engine:
                 one = self.sampler(logits[row:row + 1], [p], [generator],
                                    None if histories is None else [histories[row]])
             except Exception as exc:
-                failed[row] = f"sampling failed: {type(exc).__name__}: {exc}"
+                failed[requests[row]] = f"sampling failed: {type(exc).__name__}: {exc}"
                 continue
             token_ids[row], logprobs[row] = one.token_ids[0], one.logprobs[0]
         return token_ids, logprobs
@@ -351,7 +381,7 @@ class Engine:
         table = self.cache.slot_table
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "steps": s.prefill_steps + s.decode_steps, "prefill_steps": s.prefill_steps,
+            "steps": s.steps, "prefill_steps": s.prefill_steps,
             "decode_steps": s.decode_steps, "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens, "preemptions": s.preemptions,
             "compactions": s.compactions, "finished": s.finished, "aborted": s.aborted,
@@ -364,6 +394,8 @@ class Engine:
             "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
             "decode_outside_forward_share": self.decode_timing.outside_forward_share,
             "weights": self.config.weights, "weight_bytes": self.weight_bytes,
+            "chunked_prefill": self.config.enable_chunked_prefill,
+            "prefix_caching": self.cache.enable_prefix_caching, **self.cache.prefix_cache_stats(),
         }
 
     def check_drained(self) -> None:

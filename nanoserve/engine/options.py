@@ -32,10 +32,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="torch.compile the decode step (reduce-overhead, bucketed static shapes)")
     group.add_argument("--warmup", default="lazy", choices=["lazy", "eager"],
                        help="with --compile: build every bucket's graph up front (eager) or on first use")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="a step's token budget (decode rows + prefill chunks)")
+    group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       help="prefill whole prompts in steps of their own (running streams wait)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="recompute every prompt instead of reusing cached K/V of shared prefixes")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """build_engine's keyword arguments from add_engine_args' options."""
     return dict(max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                 kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
-                weights=args.weights, device=args.device, compile=args.compile, warmup=args.warmup)
+                weights=args.weights, device=args.device, compile=args.compile, warmup=args.warmup,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching)

@@ -11,13 +11,13 @@ CHUNK = 256  # positions scored at once: a long prompt never holds [len, vocab] 
 
 
 @torch.inference_mode()
-def score_prompt(model, hidden: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs | None]:
-    """``hidden`` is the prompt's [len, hidden] final states. Position i's logits score token
-    i + 1; the first token has nothing before it, so its entry is None."""
-    targets = torch.tensor(token_ids[1:], device=hidden.device)
-    scored: list[TokenLogprobs | None] = [None]
+def score_prompt(model, hidden: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
+    """``hidden`` holds final states [>= len(targets), hidden] of consecutive prompt positions;
+    position i's logits score ``targets[i]``, the prompt token after it."""
+    target_ids = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+    scored: list[TokenLogprobs] = []
     for start in range(0, len(targets), CHUNK):
         end = min(start + CHUNK, len(targets))
         raw = torch.log_softmax(model.compute_logits(hidden[start:end]).float(), dim=-1)
-        scored.extend(gather_logprobs(raw, targets[start:end], [top] * (end - start)))
+        scored.extend(gather_logprobs(raw, target_ids[start:end], [top] * (end - start)))
     return scored

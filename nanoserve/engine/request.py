@@ -13,8 +13,9 @@ from nanoserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"  # queued, no row (new, or preempted: its K/V is recomputed)
+    PREFILLING = "prefilling"  # holds a row; some of its tokens' K/V are not computed yet
+    RUNNING = "running"  # holds a row and decodes one token per step
     FINISHED = "finished"
 
 
@@ -39,9 +40,13 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # scored once, at the first prefill
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # scored chunk by chunk, at the first prefill
     status: RequestStatus = RequestStatus.WAITING
     row: int | None = None
+    # Tokens whose K/V are in the cache (adopted from the prefix cache or computed); 0 without
+    # a row. Prefill is done when it reaches num_tokens; a decoding request then sits one
+    # behind (its last sampled token is the next step's input).
+    num_computed_tokens: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     generator: torch.Generator | None = None

@@ -1,4 +1,4 @@
-"""Executes a scheduled step: packed prefill (eager) and the fixed-shape decode step."""
+"""Executes a scheduled step: packed prefill chunks (eager) and the fixed-shape decode step."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 import torch
 
 from nanoserve.cache.gates import check_mapping_is_window
-from nanoserve.engine.attention import PackedPrefillAttention
+from nanoserve.engine.attention import ChunkContext, PackedPrefillAttention
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import PrefillBatch
+from nanoserve.engine.scheduler import PrefillChunk
 
 
 class ModelRunner:
@@ -27,19 +27,24 @@ class ModelRunner:
         self.last_forward_seconds = 0.0  # the decode forward alone, for the host-overhead figure
 
     @torch.inference_mode()
-    def prefill(self, batch: PrefillBatch, keep_hidden: frozenset[int] = frozenset()
+    def prefill(self, chunks: list[PrefillChunk], keep_hidden: frozenset[int] = frozenset()
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Logits [len(batch.requests), vocab] at each prompt's last token, and for the batch
-        indices in ``keep_hidden`` the final hidden states of all that request's tokens."""
-        seq_lens = [r.num_tokens for r in batch.requests]
-        token_ids = torch.tensor([t for r in batch.requests for t in r.all_token_ids], device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
-        write_slots = torch.cat(batch.write_slots).to(self.device)
-        attention = PackedPrefillAttention(self.cache, write_slots, seq_lens)
-        hidden = self.model(token_ids, positions, attention)
-        ends = list(itertools.accumulate(seq_lens))
-        kept = {i: hidden[ends[i] - seq_lens[i]:ends[i]] for i in keep_hidden}
-        last = torch.tensor(ends, device=self.device) - 1
+        """Write the chunks' K/V and return logits [number of last chunks, vocab] at the last
+        token of each chunk that ends its request's prefill (in chunk order), and for the
+        chunk indices in ``keep_hidden`` the final hidden states of that chunk's tokens."""
+        lengths = [c.length for c in chunks]
+        token_ids = torch.tensor([t for c in chunks for t in c.request.all_token_ids[c.start:c.end]],
+                                 device=self.device)
+        positions = torch.cat([torch.arange(c.start, c.end, device=self.device) for c in chunks])
+        write_slots = torch.cat([c.write_slots for c in chunks]).to(self.device)
+        slots = self.cache.slot_table.slots
+        contexts = [ChunkContext(c.start, c.length, slots[c.request.row, :c.end] if c.start else None)
+                    for c in chunks]
+        hidden = self.model(token_ids, positions, PackedPrefillAttention(self.cache, write_slots, contexts))
+        ends = list(itertools.accumulate(lengths))
+        kept = {i: hidden[ends[i] - lengths[i]:ends[i]] for i in keep_hidden}
+        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.is_last], dtype=torch.long,
+                            device=self.device)
         return self.model.compute_logits(hidden.index_select(0, last)), kept
 
     @torch.inference_mode()

@@ -1,9 +1,17 @@
 """Continuous batching: who runs this step, on which row, and who gives way when blocks run out.
 
-Rows are kept a prefix ``0..n-1`` of the slot table (the running list is indexed by row), so
-every decode read is a window: admission takes row ``n``, and a row that leaves from the
-middle is filled by moving the last row into the hole (compaction, through the cache's
-``move_row``, which resyncs the slot table).
+A step has a token budget (``max_num_batched_tokens``). Decode rows are served first (one
+token each), then prefill chunks fill what is left: the rows still prefilling, in row order,
+then new requests, FIFO. A prompt longer than what is left is prefilled over several steps
+while the decode rows keep decoding. Without chunking a step is either whole prompts or one
+decode step, as before chunking existed.
+
+Rows are kept a prefix of the slot table in two regions: decoding rows ``0..d-1`` (so every
+decode read is a window), then prefilling rows ``d..n-1``. Chunks are handed out in row
+order and only the last of them can stop short of its prompt's end, so the rows whose
+prefill completes in a step are exactly ``d..d+c-1``: they join the decode region where
+they stand. A row that leaves is filled by moving rows (compaction, through the cache's
+``move_row``): the last decoding row into a decode hole, the last row into what is left.
 """
 
 from __future__ import annotations
@@ -19,21 +27,39 @@ from nanoserve.engine.request import Request, RequestStatus
 
 
 @dataclass
-class PrefillBatch:
-    requests: list[Request]
-    write_slots: list[torch.Tensor]  # per request, where its tokens' K/V go
+class PrefillChunk:
+    """Tokens [start, start + length) of a request, whose K/V go to ``write_slots``; the
+    tokens before ``start`` are already in the cache and are attended to through the row."""
+
+    request: Request
+    start: int
+    length: int
+    write_slots: torch.Tensor
+    is_last: bool  # the request's prefill ends here: its logits give its next token
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @dataclass
-class DecodeBatch:
-    requests: list[Request]  # requests[i].row == i
+class ScheduledStep:
+    decode: list[Request]  # decode[i].row == i
+    prefill: list[PrefillChunk]  # on rows len(decode).., in row order
+
+    @property
+    def sampled(self) -> list[Request]:
+        """The requests that get a token this step, on the contiguous rows 0.. (or, without
+        decode rows, from the first chunk's row on)."""
+        return self.decode + [chunk.request for chunk in self.prefill if chunk.is_last]
 
 
 @dataclass
 class SchedulerStats:
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_tokens: int = 0
+    steps: int = 0
+    prefill_steps: int = 0  # steps with at least one prefill chunk
+    decode_steps: int = 0  # steps with decode rows
+    prefill_tokens: int = 0  # tokens whose K/V a prefill computed (adopted prefixes excluded)
     decode_tokens: int = 0
     preemptions: int = 0
     compactions: int = 0
@@ -46,13 +72,19 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int,
-                 on_row_move: Callable[[int, int], None] | None = None) -> None:
+                 on_row_move: Callable[[int, int], None] | None = None, chunked: bool = True) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if chunked and max_num_batched_tokens <= max_batch_size:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no prefill token once "
+                             f"{max_batch_size} rows decode: with chunked prefill it must exceed max_batch_size")
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.on_row_move = on_row_move
+        self.chunked = chunked
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # running[i].row == i
+        self.running: list[Request] = []  # running[i].row == i; decoding rows first
         self.stats = SchedulerStats()
 
     # -- queue -------------------------------------------------------------------------------
@@ -62,67 +94,152 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- one step ----------------------------------------------------------------------------
-    def schedule(self) -> PrefillBatch | DecodeBatch | None:
-        """Prefill first (new or preempted requests), else one decode step for every row."""
-        prefill = self._admit()
-        if prefill.requests:
-            self.stats.prefill_steps += 1
-            self.stats.prefill_tokens += sum(r.num_tokens for r in prefill.requests)
-            return prefill
-        if not self.running:
-            return None
-        self._make_room_for_one_token_per_row()
-        n = len(self.running)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += n
-        self.stats.decode_rows_total += n
-        self.stats.max_decode_rows = max(self.stats.max_decode_rows, n)
-        return DecodeBatch(list(self.running))
+    @property
+    def num_decoding(self) -> int:
+        return sum(r.status is RequestStatus.RUNNING for r in self.running)
 
-    def _admit(self) -> PrefillBatch:
-        batch = PrefillBatch([], [])
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_batch_size:
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        """Decode first, then prefill chunks in what is left of the budget (chunked); without
+        chunking, whole prompts first, else one decode step. None when nothing can run."""
+        if self.chunked:
+            decode = self._schedule_decode()
+            step = ScheduledStep(decode, self._schedule_prefill(self.max_num_batched_tokens - len(decode), decode))
+            while not step.decode and not step.prefill and self.running:
+                self._preempt_stuck_prefill()
+                step = ScheduledStep([], self._schedule_prefill(self.max_num_batched_tokens, []))
+        else:
+            step = ScheduledStep([], self._schedule_prefill(self.max_num_batched_tokens, []))
+            if not step.prefill:
+                step = ScheduledStep(self._schedule_decode(), [])
+        if not step.decode and not step.prefill:
+            return None
+        self._count(step)
+        self._check_regions()
+        return step
+
+    def _schedule_decode(self) -> list[Request]:
+        # Preempt by recompute, newest first, until every decoding row can grow by one.
+        while len(self.running) > 1 and not self.cache.can_append(range(self.num_decoding)):
+            self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
+        decode = self.running[:self.num_decoding]
+        for request in decode:  # this step writes the K/V of its last sampled token
+            request.num_computed_tokens += 1
+        return decode
+
+    def _schedule_prefill(self, budget: int, decode: list[Request]) -> list[PrefillChunk]:
+        chunks: list[PrefillChunk] = []
+        for request in self.running[self.num_decoding:]:  # rows still prefilling, in row order
+            remaining = request.num_tokens - request.num_computed_tokens
+            length = min(remaining, budget, self._tokens_that_fit(request.row, decode))
+            if length >= 1:
+                chunks.append(self._chunk(request, length))
+                budget -= length
+            if length < remaining:
+                # The budget or the pool stopped this row short: no later row may complete
+                # before it, or the rows whose prefill ends would not be the first prefilling ones.
+                return chunks
+        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             request = self.waiting[0]
-            need = request.num_tokens
-            # One request larger than the budget still runs alone; otherwise respect it.
-            if batch.requests and need > budget:
+            # Without chunking one prompt larger than the budget still runs, alone.
+            if not self.chunked and chunks and request.num_tokens > budget:
                 break
-            # Room for the prompt and its first decode token, plus a block of headroom for
-            # every running row: admitting into a pool the running rows are about to need
-            # only buys a preemption (and a recompute) on the next decode step.
-            headroom = len(self.running) + len(batch.requests)
-            if self.cache.blocks_needed(need + 1) + headroom > self.cache.pool.num_free:
+            if not self._has_room_for(request, decode):
                 break
             self.waiting.popleft()
-            row = len(self.running)
-            batch.write_slots.append(self.cache.allocate_prompt(row, need))
-            request.row = row
-            request.status = RequestStatus.RUNNING
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.perf_counter()
-            self.running.append(request)
-            batch.requests.append(request)
-            budget -= need
-        return batch
+            self._admit(request)
+            remaining = request.num_tokens - request.num_computed_tokens
+            length = min(remaining, budget) if self.chunked else remaining
+            chunks.append(self._chunk(request, length))
+            budget -= length
+        return chunks
 
-    def _make_room_for_one_token_per_row(self) -> None:
-        # Preempt by recompute, newest first, until every remaining row can grow by one.
-        while len(self.running) > 1 and not self.cache.can_append(range(len(self.running))):
-            victim = max(self.running, key=lambda r: r.metrics.arrival_time)
-            self._release(victim)
-            victim.status = RequestStatus.WAITING
-            victim.metrics.num_preemptions += 1
-            self.waiting.appendleft(victim)
-            self.stats.preemptions += 1
+    def _has_room_for(self, request: Request, decode: list[Request]) -> bool:
+        # Room for the whole sequence and its first decode token (an adopted prefix may be
+        # evictable blocks, so it is counted too), the rest of every prefilling row, and a
+        # block of headroom for every running row: admitting into a pool the running rows are
+        # about to need only buys a preemption (and a recompute) on a later step.
+        reserved = sum(self.cache.blocks_needed(r.num_tokens - r.num_computed_tokens + 1, r.row)
+                       for r in self.running[self.num_decoding:])
+        need = self.cache.blocks_needed(request.num_tokens + 1) + reserved + len(self.running)
+        return need <= self._spare_blocks(decode)
+
+    def _tokens_that_fit(self, row: int, decode: list[Request]) -> int:
+        """Tokens the row can grow by now: the rest of its last block, then whole free blocks."""
+        slack = -self.cache.num_tokens(row) % self.cache.block_size
+        return slack + max(self._spare_blocks(decode), 0) * self.cache.block_size
+
+    def _spare_blocks(self, decode: list[Request]) -> int:
+        """Free blocks once this step's decode rows have taken theirs."""
+        return self.cache.pool.num_free - (self.cache.blocks_to_append(range(len(decode))) if decode else 0)
+
+    def _admit(self, request: Request) -> None:
+        row = len(self.running)
+        # A request that scores its prompt needs every prompt token's hidden state: it adopts
+        # nothing (its first chunk claims the row). The others adopt their longest cached prefix.
+        if request.params.prompt_logprobs is None:
+            request.num_computed_tokens = self.cache.admit_prefix(row, request.all_token_ids)
+        request.row = row
+        request.status = RequestStatus.PREFILLING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.perf_counter()
+        self.running.append(request)
+
+    def _chunk(self, request: Request, length: int) -> PrefillChunk:
+        start = request.num_computed_tokens
+        write_slots = self.cache.allocate_prompt(request.row, length)
+        request.num_computed_tokens += length
+        is_last = request.num_computed_tokens == request.num_tokens
+        if is_last:  # it decodes from the next step on; its row is the first prefilling one
+            request.status = RequestStatus.RUNNING
+        return PrefillChunk(request, start, length, write_slots, is_last)
+
+    def _count(self, step: ScheduledStep) -> None:
+        s = self.stats
+        s.steps += 1
+        if step.prefill:
+            s.prefill_steps += 1
+            s.prefill_tokens += sum(chunk.length for chunk in step.prefill)
+        if step.decode:
+            n = len(step.decode)
+            s.decode_steps += 1
+            s.decode_tokens += n
+            s.decode_rows_total += n
+            s.max_decode_rows = max(s.max_decode_rows, n)
+
+    def _check_regions(self) -> None:
+        """Engine fault if rows are not [decoding..., prefilling...] with running[i].row == i."""
+        d = self.num_decoding
+        bad = [i for i, r in enumerate(self.running)
+               if r.row != i or (r.status is RequestStatus.RUNNING) != (i < d)]
+        if bad:
+            states = [(r.request_id, r.row, r.status.value) for r in self.running]
+            raise RuntimeError(f"scheduler rows out of order at {bad}: decoding rows must be 0..{d - 1} "
+                               f"and prefilling rows after them; running = {states}")
+
+    # -- giving way --------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self._release(victim)
+        victim.status = RequestStatus.WAITING
+        victim.metrics.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.stats.preemptions += 1
+
+    def _preempt_stuck_prefill(self) -> None:
+        # Nothing could run: prefilling rows hold the pool and none can grow. The newest gives way.
+        if len(self.running) == 1:
+            only = self.running[0]
+            raise RuntimeError(f"request {only.request_id} alone on the pool cannot prefill its next chunk "
+                               f"({only.num_computed_tokens}/{only.num_tokens} tokens computed, "
+                               f"{self.cache.pool.num_free} blocks free)")
+        self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
 
     # -- leaving -----------------------------------------------------------------------------
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a request wherever it is; its blocks and row go back at once."""
         if request.finished:
             return
-        if request.status is RequestStatus.RUNNING:
+        if request.row is not None:
             self._release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
@@ -134,16 +251,26 @@ class Scheduler:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
     def _release(self, request: Request) -> None:
-        row = request.row
+        row, decoding = request.row, self.num_decoding
+        # Its K/V stays findable (with prefix caching): a later turn or a recompute adopts it.
+        self.cache.cache_full_blocks(row, request.all_token_ids[:self.cache.num_tokens(row)])
         self.cache.free(row)
+        hole = row
+        if row < decoding - 1:  # the last decoding row fills a decode hole
+            self._move(decoding - 1, hole)
+            hole = decoding - 1
         last = len(self.running) - 1
-        if row != last:  # compaction: the last row fills the hole, so rows stay a prefix
-            mover = self.running[last]
-            self.cache.move_row(last, row)
-            if self.on_row_move is not None:
-                self.on_row_move(last, row)
-            mover.row = row
-            self.running[row] = mover
-            self.stats.compactions += 1
+        if hole != last:  # the last row fills what is left, so rows stay a prefix
+            self._move(last, hole)
         self.running.pop()
         request.row = None
+        request.num_computed_tokens = 0
+
+    def _move(self, src: int, dst: int) -> None:
+        mover = self.running[src]
+        self.cache.move_row(src, dst)
+        if self.on_row_move is not None:
+            self.on_row_move(src, dst)
+        mover.row = dst
+        self.running[dst] = mover
+        self.stats.compactions += 1

@@ -91,6 +91,8 @@ class ServeMetrics:
             ("nanoserve_decode_rows_mean", "Mean rows per decode step so far.",
              stats.get("mean_decode_rows", 0.0)),
             ("nanoserve_compiled_graphs", "Decode graphs built.", _stat(stats, "graphs", "graphs_built")),
+            ("nanoserve_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or evictable).",
+             stats.get("prefix_cache_blocks", 0)),
         ]
         counters = [
             ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.get("steps", 0)),
@@ -99,6 +101,13 @@ class ServeMetrics:
              stats.get("preemptions", 0)),
             ("nanoserve_recompiles_total", "Recompilations of the decode graph after warm-up.",
              _stat(stats, "recompiles", "recompiles_after_warmup")),
+            # vLLM's prefix_cache_queries / prefix_cache_hits: tokens asked about, tokens found cached.
+            ("nanoserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+             stats.get("prefix_cache_queries", 0)),
+            ("nanoserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not recomputed).",
+             stats.get("prefix_cache_hits", 0)),
+            ("nanoserve_prefix_cache_evictions_total", "Cached prefix blocks evicted to make room.",
+             stats.get("prefix_cache_evictions", 0)),
         ]
         with self._lock:
             counters += [

@@ -1,0 +1,155 @@
+"""Prefix caching in the engine: a request adopts the cached K/V of its longest shared prefix
+and computes only the rest. Adoption must not change a greedy token or a logprob (the dense
+oracle decides, fp32, logprobs within 1e-4), with chunking on or off, after eviction, across
+preemption and aborts; every leaving request gives back its row and its references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.model.llama import dense_forward
+from nanoserve.model.synthetic import random_model, tiny_config
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, 4 slots, fp32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(tiny_config(), seed=0)
+
+
+def engine_for(model, **kwargs):
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=128,
+                   max_num_batched_tokens=12)
+    return build_engine(model, **{**options, **kwargs})
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def run(engine, max_steps: int = 2000) -> dict:
+    """Step until nothing is left; the finished outputs by request id."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    raise AssertionError(f"engine still busy after {max_steps} steps: {engine.stats()}")
+
+
+def generate(engine, prompts, params) -> list:
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = run(engine)
+    return [done[i] for i in ids]
+
+
+def dense_greedy_with_logprobs(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    ids, logprobs = list(prompt), []
+    for _ in range(max_tokens):
+        row = torch.log_softmax(dense_forward(model, torch.tensor([ids]))[0, -1].float(), dim=-1)
+        ids.append(int(row.argmax()))
+        logprobs.append(float(row.max()))
+    return ids[len(prompt):], logprobs
+
+
+def with_system_prompt(count: int, seed: int, system_len: int = 22) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(system_len)]
+    return [system + [rng.randrange(256) for _ in range(rng.randint(1, 10))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_shared_prefixes_give_the_dense_oracles_tokens_and_logprobs(tiny, chunked):
+    # The first wave fills the cache; the second adopts (22 shared tokens = 5 full blocks each).
+    first, second = with_system_prompt(4, seed=1), with_system_prompt(6, seed=1)[4:] + with_system_prompt(2, seed=1)[:2]
+    cached = engine_for(tiny, enable_chunked_prefill=chunked)
+    plain = engine_for(tiny, enable_chunked_prefill=chunked, enable_prefix_caching=False)
+    params = greedy(7, logprobs=0)
+    for wave in (first, second):
+        got, ref = generate(cached, wave, params), generate(plain, wave, params)
+        for prompt, out, other in zip(wave, got, ref):
+            tokens, logprobs = dense_greedy_with_logprobs(tiny, prompt, 7)
+            assert out.token_ids == other.token_ids == tokens
+            assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=1e-4)
+    stats, plain_stats = cached.stats(), plain.stats()
+    assert stats["prefix_cache_hits"] >= 4 * 20  # the second wave adopted at least 5 blocks each
+    assert stats["prefill_tokens"] <= plain_stats["prefill_tokens"] - stats["prefix_cache_hits"]
+    assert plain_stats["prefix_cache_hits"] == 0 and stats["gathers"] == 0
+    cached.check_drained()
+
+
+def test_a_second_turn_adopts_the_whole_first_turn(tiny):
+    engine = engine_for(tiny)
+    turn1 = [(5 * i + 3) % 256 for i in range(30)]
+    out1 = generate(engine, [turn1], greedy(9))[0]
+    turn2 = turn1 + out1.token_ids + [7, 8, 9]
+    hits_before = engine.stats()["prefix_cache_hits"]
+    out2 = generate(engine, [turn2], greedy(5))[0]
+    # Prompt and reply of turn 1 (39 tokens, the last sampled one without K/V) = 9 full blocks.
+    assert engine.stats()["prefix_cache_hits"] - hits_before == 9 * 4
+    assert out2.token_ids == dense_greedy_with_logprobs(tiny, turn2, 5)[0]
+    engine.check_drained()
+
+
+def test_a_request_whose_prefix_was_evicted_gets_the_same_tokens(tiny):
+    # 12 usable blocks: the fillers need all of them, so the first prompt's cached blocks go.
+    engine = engine_for(tiny, kv_cache_bytes=13 * BLOCK_BYTES, max_model_len=44)
+    prompt = [(7 * i + 1) % 256 for i in range(24)]
+    want = dense_greedy_with_logprobs(tiny, prompt, 6)[0]
+    assert generate(engine, [prompt], greedy(6))[0].token_ids == want
+    assert engine.stats()["prefix_cache_blocks"] >= 6
+    fillers = [[(13 * i + j) % 256 for i in range(40)] for j in range(2)]
+    generate(engine, fillers, greedy(3))
+    assert engine.stats()["prefix_cache_evictions"] > 0
+    hits_before = engine.stats()["prefix_cache_hits"]
+    assert generate(engine, [prompt + [5]], greedy(6))[0].token_ids == dense_greedy_with_logprobs(tiny, prompt + [5], 6)[0]
+    assert engine.stats()["prefix_cache_hits"] - hits_before < 24  # not all of it was still there
+    engine.check_drained()
+
+
+def test_preemption_and_aborts_with_shared_prefixes_give_everything_back(tiny):
+    rng = random.Random(11)
+    engine = engine_for(tiny, kv_cache_bytes=20 * BLOCK_BYTES, max_model_len=64, max_num_batched_tokens=9)
+    prompts = with_system_prompt(24, seed=2, system_len=13)
+    expected, live = {}, []
+    for _ in range(3000):
+        if prompts and rng.random() < 0.6:
+            prompt = prompts.pop()
+            request_id = engine.add_request(prompt, greedy(rng.randint(1, 30)))
+            expected[request_id] = prompt
+            live.append(request_id)
+        if live and rng.random() < 0.05:
+            aborted = live.pop(rng.randrange(len(live)))
+            engine.abort(aborted)
+            expected.pop(aborted)
+        for out in engine.step():
+            if out.finished and out.request_id in expected:
+                live.remove(out.request_id)
+                prompt = expected.pop(out.request_id)
+                assert out.token_ids == dense_greedy_with_logprobs(tiny, prompt, len(out.token_ids))[0]
+        if not prompts and not engine.has_unfinished():
+            break
+    else:
+        raise AssertionError(f"engine still busy after 3000 steps: {engine.stats()}")
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["aborted"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["gathers"] == 0
+    engine.check_drained()
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # all but the scratch block
+
+
+def test_prompt_logprobs_requests_score_every_token_beside_a_cached_prefix(tiny):
+    engine = engine_for(tiny)
+    prompt = list(range(3, 33))
+    generate(engine, [prompt], greedy(2))  # the prefix is cached now
+    out = generate(engine, [prompt], greedy(2, prompt_logprobs=0))[0]
+    reference = torch.log_softmax(dense_forward(tiny, torch.tensor([prompt]))[0].float(), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
+        [float(reference[i - 1, prompt[i]]) for i in range(1, len(prompt))], abs=1e-4)
+    engine.check_drained()
