@@ -93,8 +93,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
 
 
 # "auto" on the CPU: the fastest format that passes the fidelity gates against fp32 (README):
-# int4 codes up to DENSE_FROM_ROWS rows, a bf16 copy of the linears from there on.
-AUTO_CPU = WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS)
+# int4 codes and the file's Q8_0 LM head (group-wise int8) up to DENSE_FROM_ROWS rows, a bf16
+# copy of the linears (and the bf16 embedding table as the head) from there on.
+AUTO_CPU = WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS, int8_head=True)
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,
