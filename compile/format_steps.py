@@ -1,6 +1,6 @@
 """Decode step time per weight format on the default model: ``python -m compile.format_steps``
 writes ``compile/results/format_steps.csv``; ``--profile int4`` prints where a 1-row step of
-that format spends its time, by op.
+that format spends its time, by op (``--profile int4 --compile``: the compiled step).
 
 Each format owns a model, a K/V cache in its dtype and an eager ``DecodeStep``; every row
 holds ``width - 1`` tokens. The formats run interleaved (one step of each, repeated) and each
@@ -21,6 +21,7 @@ import torch
 from compile.decode_bench import fill_rows
 from nanoserve.cache.paged_cache import BatchedPagedKVCache
 from nanoserve.engine.bucketing import Buckets
+from nanoserve.engine.build import AUTO_CPU
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WeightPlan, tensor_bytes
@@ -28,7 +29,8 @@ from nanoserve.model.quant import DENSE_FROM_ROWS, WeightPlan, tensor_bytes
 RESULTS = Path(__file__).parent / "results" / "format_steps.csv"
 ARMS = {
     "fp32": WeightPlan("fp32"), "bf16": WeightPlan("bf16"), "int8": WeightPlan("int8"),
-    "int4": WeightPlan("int4"), "auto": WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS),
+    "int4": WeightPlan("int4"), "int4-int8head": WeightPlan("int4", int8_head=True),
+    "int4-bf16copy": WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS), "auto": AUTO_CPU,
 }
 
 
@@ -59,6 +61,8 @@ def measure(steps: dict[str, DecodeStep], rows: int, width: int, repeats: int) -
 @torch.inference_mode()
 def profile(step: DecodeStep, width: int) -> None:
     step.run(1, width, width, *fill_rows(step.cache, 1, width))
+    for _ in range(3):  # a compiled step's first calls compile and warm up
+        step._call(1, width)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(10):
             step._call(1, width)
@@ -73,14 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a busy machine)")
-    parser.add_argument("--compile", action="store_true", help="add a compiled twin of every arm (a compile per row count)")
+    parser.add_argument("--compile", action="store_true", help="add a compiled twin of every arm (a compile per row count); with --profile, profile it compiled")
     parser.add_argument("--profile", choices=list(ARMS), default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
-        profile(build_step(args.model, ARMS[args.profile], [1], args.width), args.width)
+        profile(build_step(args.model, ARMS[args.profile], [1], args.width, compile=args.compile), args.width)
         return
     steps = {arm: build_step(args.model, ARMS[arm], args.rows, args.width) for arm in args.arms}
     for arm in args.arms if args.compile else ():

@@ -120,3 +120,17 @@ def test_two_engines_in_one_process_count_only_their_own_graphs(tiny):
     assert first.stats()["graphs_built"] == 1  # untouched by the second engine's compiles
     first.generate([[5] * 10], [greedy(4)], use_tqdm=False)
     assert first.stats()["recompiles_after_warmup"] == 0 and second.stats()["graphs_built"] == 2
+
+
+def test_engines_over_different_models_never_share_a_graph():
+    # DecodeStep drops the guards on the model's modules; each step's own backend is what keeps
+    # the second engine off the first one's graph, in which the norm's eps is a baked constant.
+    models = [random_model(tiny_config(), seed=0), random_model(tiny_config(rms_norm_eps=0.5), seed=0)]
+    eager = [[o.token_ids for o in engine(m).generate(PROMPTS, greedy(6), use_tqdm=False)] for m in models]
+    assert eager[0] != eager[1]
+    compiled = [engine(m, compile=True, compile_backend="eager", row_buckets=(4,), width_buckets=(64, 128))
+                for m in models]
+    for _ in range(2):  # the first round compiles, the second runs what each compiled
+        for built, want in zip(compiled, eager):
+            assert [o.token_ids for o in built.generate(PROMPTS, greedy(6), use_tqdm=False)] == want
+    assert all(e.stats()["recompiles_after_warmup"] == 0 for e in compiled)

@@ -13,12 +13,15 @@ from nanoserve.model.quant import (
     GROUP_SIZE,
     GroupwiseInt4,
     Int4Linear,
+    Int8GroupLinear,
     Int8Linear,
     WeightPlan,
     int4_source,
     pack_model,
     quantize_int4,
     quantize_int8,
+    quantize_int8_groups,
+    tensor_bytes,
 )
 from nanoserve.model.synthetic import random_model, tiny_config
 
@@ -68,6 +71,28 @@ def test_int8_linear_equals_dequantised_product(shape, rows):
     assert_close_to_product(layer(x), x, codes.float() * scales.bfloat16().float()[:, None])
 
 
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 576)])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int8_group_linear_equals_dequantised_product(shape, rows):
+    torch.manual_seed(0)
+    codes, scales = quantize_int8_groups(torch.randn(shape) * shape[1] ** -0.5)
+    layer = Int8GroupLinear(codes, scales, None, torch.bfloat16)
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    # The kernel holds each group's scale in bf16 (16d and d round alike): the format's rounding.
+    groups = codes.float().view(shape[0], -1, GROUP_SIZE) * scales.bfloat16().float()[..., None]
+    assert_close_to_product(layer(x), x, groups.view(shape))
+
+
+def test_int8_groups_recover_q8_0_blocks_exactly():
+    # Q8_0 as llama.cpp writes it: an fp16 scale per group, codes in -127..127 reaching +-127.
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (64, 8, GROUP_SIZE), dtype=torch.int8)
+    codes[:, :, 5] = torch.where(torch.rand(64, 8) < 0.5, 127, -127).to(torch.int8)
+    scales = (torch.rand(64, 8) * 0.02).half().float()
+    codes_back, scales_back = quantize_int8_groups((codes.float() * scales[..., None]).view(64, -1))
+    assert torch.equal(codes_back, codes.view(64, -1)) and torch.equal(scales_back, scales)
+
+
 def test_int4_round_to_nearest_error_is_at_most_half_a_step():
     torch.manual_seed(0)
     weight = torch.randn(64, 256)
@@ -110,10 +135,29 @@ def test_int8_tied_head_and_embedding_share_one_int8_matrix():
     assert model.embed_tokens(torch.tensor([3])).shape == (1, 64)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_compiled_packed_decode_equals_eager_with_no_recompiles(fmt):
+def test_int8_head_with_a_bf16_copy_shares_the_tied_embedding_table():
+    model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
+    plan = WeightPlan("int4", dense_from_rows=8, int8_head=True)
+    pack_model(model, plan)
+    model.to(plan.dtype)
+    head, table = model.lm_head, model.embed_tokens.weight
+    assert isinstance(head, Int8GroupLinear) and head.dense.data_ptr() == table.data_ptr()
+    parts = sum(tensor_bytes(m) for m in [model.embed_tokens, model.layers, model.norm, head])
+    assert tensor_bytes(model) == parts - table.nbytes  # the table counted once
+    many = torch.randn(8, 64, dtype=torch.bfloat16)
+    assert torch.equal(model.compute_logits(many), many @ table.t())
+
+
+def test_int8_head_only_applies_to_int4():
+    with pytest.raises(ValueError, match="int8 LM head"):
+        WeightPlan("int8", int8_head=True)
+
+
+@pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int8"), WeightPlan("int4", int8_head=True)],
+                         ids=lambda p: p.name)
+def test_compiled_packed_decode_equals_eager_with_no_recompiles(plan):
     torch._dynamo.reset()
-    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=96, weights=fmt)
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=96, weights=plan)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 2, 3], list(range(10, 30)), [7] * 5]
     eager = build_engine(random_model(tiny_config(), seed=0), **options).generate(prompts, params, use_tqdm=False)
@@ -122,7 +166,7 @@ def test_compiled_packed_decode_equals_eager_with_no_recompiles(fmt):
     compiled_engine.generate(prompts[:2], params, use_tqdm=False)  # every bucket again, warmed up
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     stats = compiled_engine.stats()
-    assert stats["weights"] == fmt and stats["recompiles_after_warmup"] == 0
+    assert stats["weights"] == plan.name and stats["recompiles_after_warmup"] == 0
     torch._dynamo.reset()
 
 
@@ -160,6 +204,16 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
         source = int4_source(name, groups)
         exact = GroupwiseInt4(unpack_int4(layer), source.scales, source.zeros)
         assert torch.equal(exact.dequantize(), fp32[name].weight), name
+
+
+@pytest.mark.model
+def test_int8_head_holds_the_default_ggufs_q8_0_embedding_exactly(smollm2):
+    # The tied embedding / LM head is Q8_0 in the file: group-wise int8 gets its blocks back,
+    # so the head's only rounding is the kernel's bf16 scale.
+    table = smollm2[0].embed_tokens.weight
+    codes, scales = quantize_int8_groups(table)
+    groups = codes.float().view(table.shape[0], -1, GROUP_SIZE) * scales[..., None]
+    assert torch.equal(groups.view(table.shape), table)
 
 
 @pytest.mark.model

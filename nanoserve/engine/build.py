@@ -120,8 +120,9 @@ def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int)
 
 
 # "auto" on the CPU: the fastest format that passes the fidelity gates against fp32 (README):
-# int4 codes up to DENSE_FROM_ROWS rows, a bf16 copy of the linears from there on.
-AUTO_CPU = WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS)
+# int4 codes and the file's Q8_0 LM head (group-wise int8) up to DENSE_FROM_ROWS rows, a bf16
+# copy of the linears (and the bf16 embedding table as the head) from there on.
+AUTO_CPU = WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS, int8_head=True)
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,

@@ -11,6 +11,11 @@ torch's CPU weight-only kernels define the formats:
 GGUF's Q4_0 (``w = d * (q - 8)``) and Q4_1 (``w = d * q + m = d * (q - 8) + (m + 8d)``) blocks are
 that int4 format with group size 32, so they are repacked without requantising; any other weight
 is rounded to nearest into it. A layer whose shape the kernel does not accept stays bf16.
+
+A group-32 int8 weight (GGUF's Q8_0: ``w = d * c``, c in -127..127) runs through the same int4
+kernel: ``c + 128 = 16 * hi + lo`` splits each code into two nibbles, and
+``w = (hi - 8) * 16d + (lo - 8) * d + 8d``, so ``[hi | lo]`` as one [N, 2K] int4 weight times
+``[x | x]`` is ``x @ w.T``, summed in one fp32 accumulator and rounded once.
 """
 
 from __future__ import annotations
@@ -61,6 +66,27 @@ def quantize_int4(weight: torch.Tensor) -> GroupwiseInt4:
     return GroupwiseInt4(q.to(torch.uint8).view(n, k), scales, low + 8 * scales)
 
 
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per group of 32 along K, Q8_0's rule: (codes [N, K] int8, scales [N, K / 32]
+    fp32), ``w = codes * scale``, scale = max |w| / 127. A weight dequantised from Q8_0 blocks
+    (fp16 d times an int8 code whose group reaches +-127, as llama.cpp writes them) gets its
+    blocks back exactly: max |w| / 127 is d, and every w / d is its code."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    scales = (groups.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return codes.view(n, k), scales
+
+
+def int8_groups_as_nibbles(codes: torch.Tensor, scales: torch.Tensor) -> GroupwiseInt4:
+    """A group-32 int8 weight [N, K] as the int4 weight [N, 2K] ``[hi | lo]`` (module docstring):
+    hi has scale 16d and zero 0, lo scale d and zero 8d, so hi's and lo's products sum to ``x @ w.T``."""
+    unsigned = codes.to(torch.int16) + 128
+    q = torch.cat([unsigned >> 4, unsigned & 15], dim=1).to(torch.uint8)
+    return GroupwiseInt4(q, torch.cat([16 * scales, scales], dim=1),
+                         torch.cat([torch.zeros_like(scales), 8 * scales], dim=1))
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: (codes [N, K] int8, scales [N] fp32), w = codes * scale."""
     w = weight.float()
@@ -109,6 +135,21 @@ class Int4Linear(_PackedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
 
+class Int8GroupLinear(Int4Linear):
+    """A group-32 int8 weight [N, K] (``quantize_int8_groups``) run by the int4 kernel as its two
+    nibble halves along K, ``[hi | lo]`` [N, 2K], over the input twice, ``[x | x]``. One byte
+    per weight plus two bf16 (scale, zero) pairs per group; at one row ~2.5x faster than a bf16
+    GEMV of the same matrix on this repository's CPU (the LM head, 49152 x 576)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
+        super().__init__(int8_groups_as_nibbles(codes, scales), bias, dtype, dense, dense_from_rows)
+        self.in_features = codes.shape[1]
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return super()._packed_mm(torch.cat([x, x], dim=-1))
+
+
 class Int8Linear(_PackedLinear):
     """The int8 per-channel kernel. ``embed`` reads the same codes as an embedding table, so a
     tied LM head and the token embedding share one int8 matrix."""
@@ -150,21 +191,27 @@ def tensor_bytes(module: nn.Module) -> int:
 @dataclass(frozen=True)
 class WeightPlan:
     """How the weights are held. ``format`` is one of WEIGHT_FORMATS; with ``dense_from_rows``
-    set, packed linears also keep a bf16 copy used for inputs of at least that many rows."""
+    set, packed linears also keep a bf16 copy used for inputs of at least that many rows.
+    ``int8_head`` (int4 only) runs the LM head as group-32 int8 (``Int8GroupLinear``: the
+    default GGUF's own Q8_0 blocks) instead of bf16; a tied embedding stays a bf16 table."""
 
     format: str
     dense_from_rows: int | None = None
+    int8_head: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or 'auto', got {self.format!r}")
         if self.dense_from_rows is not None and self.format not in ("int8", "int4"):
             raise ValueError(f"a bf16 copy for large row counts only applies to int8/int4, not {self.format}")
+        if self.int8_head and self.format != "int4":
+            raise ValueError(f"a group-wise int8 LM head only applies to int4, not {self.format}")
 
     @property
     def name(self) -> str:
-        """"int4", or "int4+bf16>=16" with a bf16 copy from 16 rows."""
-        return self.format + ("" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}")
+        """"int4", or "int4+int8head+bf16>=16" with a group-wise int8 head and a bf16 copy from 16 rows."""
+        head = "+int8head" if self.int8_head else ""
+        return self.format + head + ("" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -190,12 +237,34 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
         if isinstance(linear, nn.Linear) and name != "lm_head":
             _replace(model, name, _packed_linear(linear, plan, int4_source(name, sources)))
     if plan.format == "int4":
-        return  # the LM head stays bf16: an int8 head fails the fidelity gates (README)
+        # The LM head stays bf16 unless asked for group-wise int8 (per-channel int8 fails the
+        # fidelity gates, README).
+        if plan.int8_head:
+            _pack_int8_group_head(model, plan)
+        return
     if model.lm_head is not None:
         model.lm_head = _int8_linear(model.lm_head.weight, model.lm_head.bias, plan)
     else:  # tied: one int8 matrix serves as the embedding and the head
         model.lm_head = _int8_linear(model.embed_tokens.weight, None, plan)
         model.embed_tokens = Int8Embedding(model.lm_head)
+
+
+def _pack_int8_group_head(model: nn.Module, plan: WeightPlan) -> None:
+    tied = model.lm_head is None
+    head = model.embed_tokens if tied else model.lm_head
+    if not int4_kernel_accepts(*head.weight.shape):
+        return  # the kernel's shape rules do not hold: the head stays dense
+    dense = None
+    if tied and plan.dense_from_rows is not None:
+        # The embedding table, cast now, is the head's bf16 copy too: the later cast of the
+        # model leaves a tensor already in its dtype as it is, so the two stay one tensor.
+        model.embed_tokens.to(plan.dtype)
+        dense = model.embed_tokens.weight.detach()
+    elif plan.dense_from_rows is not None:
+        dense = _dense_copy(head.weight, plan)
+    codes, scales = quantize_int8_groups(head.weight)
+    model.lm_head = Int8GroupLinear(codes, scales, None if tied else head.bias, plan.dtype, dense,
+                                    plan.dense_from_rows)
 
 
 def int4_source(module_name: str, sources: Mapping[str, GroupwiseInt4]) -> GroupwiseInt4 | None:
