@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from nanoserve.cache import BatchedPagedKVCache, BlockTable, PoolExhaustedError
-from nanoserve.cache.attention import paged_attention, paged_attention_reference
+from nanoserve.engine.paged_attention import paged_attention, paged_attention_reference
 from nanoserve.slots import rebuild_mapping
 
 NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 2, 2, 4

@@ -170,7 +170,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for row, tokens in enumerate(self.running):
             assert cache.num_tokens(row) == len(tokens) == cache.slot_table.length(row)
             expected = rebuild_mapping(cache.tables, [row], device=cache.device)[0]
-            assert torch.equal(cache.slot_table.slots[row, : len(tokens)], expected), cache.slot_table.render()
+            assert torch.equal(cache.slot_table.slots[row, : len(tokens)], expected), f"row {row}: {cache.slot_table.slots[row, : len(tokens)].tolist()}"
 
     @invariant()
     def reference_counts_equal_holders_and_the_pool_adds_up(self):
