@@ -9,13 +9,12 @@ import random
 
 import pytest
 import torch
+from engine_oracle_helpers import BLOCK_BYTES, dense_greedy_with_logprobs, generate, greedy, run  # noqa: F401
+from engine_oracle_helpers import engine_for as _engine_for
 
-from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.request import RequestStatus
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.synthetic import random_model, tiny_config
-
-BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, 4 slots, fp32
 
 
 @pytest.fixture(scope="module")
@@ -24,38 +23,9 @@ def tiny():
 
 
 def engine_for(model, **kwargs):
-    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=128,
-                   max_num_batched_tokens=7)
-    return build_engine(model, **{**options, **kwargs})
+    """The shared engine with this suite's default token budget (7)."""
+    return _engine_for(model, **{"max_num_batched_tokens": 7, **kwargs})
 
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def run(engine, max_steps: int = 2000) -> dict:
-    """Step until nothing is left; the finished outputs by request id."""
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return done
-        done.update((out.request_id, out) for out in engine.step() if out.finished)
-    raise AssertionError(f"engine still busy after {max_steps} steps: {engine.stats()}")
-
-
-def generate(engine, prompts, params) -> list:
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = run(engine)
-    return [done[i] for i in ids]
-
-
-def dense_greedy_with_logprobs(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    ids, logprobs = list(prompt), []
-    for _ in range(max_tokens):
-        row = torch.log_softmax(dense_forward(model, torch.tensor([ids]))[0, -1].float(), dim=-1)
-        ids.append(int(row.argmax()))
-        logprobs.append(float(row.max()))
-    return ids[len(prompt):], logprobs
 
 
 def shared_prefix_prompts(count: int, seed: int = 0) -> list[list[int]]:

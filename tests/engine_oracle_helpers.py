@@ -1,0 +1,46 @@
+"""Engine helpers shared by the chunked-prefill and prefix-caching suites: an engine sized for
+them, a bounded step loop and the dense oracle's greedy tokens with logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.model.llama import dense_forward
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, 4 slots, fp32
+
+
+def engine_for(model, max_num_batched_tokens: int, **kwargs):
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=128,
+                   max_num_batched_tokens=max_num_batched_tokens)
+    return build_engine(model, **{**options, **kwargs})
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def run(engine, max_steps: int = 2000) -> dict:
+    """Step until nothing is left; the finished outputs by request id."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    raise AssertionError(f"engine still busy after {max_steps} steps: {engine.stats()}")
+
+
+def generate(engine, prompts, params) -> list:
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = run(engine)
+    return [done[i] for i in ids]
+
+
+def dense_greedy_with_logprobs(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    ids, logprobs = list(prompt), []
+    for _ in range(max_tokens):
+        row = torch.log_softmax(dense_forward(model, torch.tensor([ids]))[0, -1].float(), dim=-1)
+        ids.append(int(row.argmax()))
+        logprobs.append(float(row.max()))
+    return ids[len(prompt):], logprobs
