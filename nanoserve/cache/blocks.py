@@ -133,9 +133,6 @@ class BlockTable:
         table._count[0] = 0
         return table
 
-    def __repr__(self) -> str:
-        return f"BlockTable(blocks={self._blocks}, num_tokens={self.num_tokens})"
-
     @property
     def blocks(self) -> tuple[int, ...]:
         return tuple(self._blocks)
