@@ -49,9 +49,8 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
 def plan_step(engine: Engine, rows: int) -> tuple[int, int]:
     """The runner's addressing of one decode step over rows 0..rows-1, and nothing else:
     the plan, then the widest and total context the step is bucketed by."""
-    engine.cache.plan_decode(rows)
-    lengths = engine.cache.slot_table.lengths(rows)
-    return int(lengths.max()), int(lengths.sum())
+    plan = engine.cache.plan_decode(rows)
+    return plan.width, plan.total_context
 
 
 def measure_rows(engine: Engine, run: PlanningRun, rows: int) -> dict:

@@ -117,6 +117,7 @@ def day50_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[in
         rows=tuple(rows),
         slot_mapping=rebuild_mapping(tables, rows),
         context_lens=torch.tensor(lengths),
+        total_context=sum(lengths),
         write_slots=torch.tensor([tables[row].slot(n - 1) for row, n in zip(rows, lengths)]),
         positions=torch.tensor([n - 1 for n in lengths]),
         is_window=False,
@@ -132,7 +133,7 @@ def day51_plan(tables: dict[int, BlockTable], pool: BlockPool, table: SlotTable,
     table.slots[index, positions] = write_slots
     table.lengths_array[rows] += 1
     return DecodePlan(tuple(rows), table.slots[: len(rows), : max(lengths)], torch.tensor(lengths),
-                      write_slots, positions, True)
+                      sum(lengths), write_slots, positions, True)
 
 
 def run_rebuild(work: Workload) -> ArmRun:

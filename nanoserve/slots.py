@@ -1,10 +1,9 @@
 """The persistent slot table: where every row's tokens live, kept on the device.
 
-`SlotTable` is one `[max_batch_size, max_model_len]` int64 buffer, allocated once, plus
-the rows' lengths in one host array (their only owner: a cache binds its block tables'
-token counts to it). A decode step appends one cell per row and reads its rectangle: a
-*window* (a view) when the rows are the prefix `0..n-1`, a *gather* (a copy) otherwise.
-`rebuild_mapping`, the same cells built from the block tables, is the oracle.
+One `[max_batch_size, max_model_len]` int64 buffer, allocated once, and the rows' lengths in
+one host array, their only owner (the cache's block tables count their tokens in it). A
+decode step appends one cell per row and reads a rectangle: a *window* (a view) when the rows
+are the prefix `0..n-1`, else a *gather* (a copy). `rebuild_mapping` is the oracle.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ if TYPE_CHECKING:
 RowsLike = int | range | Sequence[int] | torch.Tensor | np.ndarray
 
 
-def rebuild_mapping(
-    tables: Sequence[BlockTable], rows: Sequence[int], width: int | None = None, device: str | torch.device = "cpu"
-) -> torch.Tensor:
+def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: int | None = None,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
     """`[len(rows), width]` slots cell by cell from the block tables, zero-padded (width: the
     longest row by default). Raises ValueError when a row is longer than `width`."""
     rows = list(rows)
@@ -36,12 +34,9 @@ def rebuild_mapping(
 
 
 class SlotTable:
-    """One `[max_batch_size, max_model_len]` int64 slot buffer and its rows' lengths.
-
-    Rows change only by `append`, `resync` and `reset`; the counters say what it has done.
+    """Rows change only by `append`, `resync` and `reset`; the counters say what it has done.
     Lengths are handed out as copies: a later append writes at column `length`, inside a
-    rectangle somebody may still hold, and only a length that did not move masks that cell.
-    """
+    rectangle somebody may still hold, and only a length that did not move masks that cell."""
 
     def __init__(self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu") -> None:
         if max_batch_size < 1 or max_model_len < 1:
@@ -64,20 +59,18 @@ class SlotTable:
         return ids
 
     def is_window(self, rows: RowsLike) -> bool:
-        """Whether a read over `rows` is a view of the buffer (rows are the prefix 0..n-1)."""
         ids = self.row_ids(rows)
         return ids == list(range(len(ids)))
 
     @property
     def lens(self) -> torch.Tensor:
-        """Every row's length `[max_batch_size]`, a copy on the table's device."""
+        """Every row's length, a copy on the table's device."""
         return torch.from_numpy(self.lengths_array.copy()).to(self.device)
 
     def length(self, row: int) -> int:
         return int(self.lengths_array[self.row_ids([row])[0]])
 
     def lengths(self, rows: RowsLike) -> np.ndarray:
-        """A host copy of the rows' lengths."""
         return self.lengths_array[self.row_ids(rows)]
 
     def append(self, rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
@@ -107,17 +100,17 @@ class SlotTable:
         self.resyncs += 1
 
     def reset(self, row: int) -> None:
-        """Set a row's length to zero. Clears nothing: the old cells sit past the length, unread."""
+        """Length zero. Clears nothing: the old cells sit past the length, unread."""
         self.lengths_array[self.row_ids([row])[0]] = 0
 
     def read(self, rows: RowsLike, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `[n, width]` slot rectangle (`rect`) and a copy of the rows' lengths on the device."""
+        """`rect` and a copy of the rows' lengths on the device."""
         ids = self.row_ids(rows)
         return self.rect(ids, width), torch.from_numpy(self.lengths_array[ids]).to(self.device)
 
     def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
-        """A view of the buffer when rows are the prefix 0..n-1 (a window), else a copy of
-        exactly `[n, width]` (a gather: narrowed before the index_select)."""
+        """`[n, width]`: a view of the buffer when rows are the prefix 0..n-1 (a window), else
+        a copy (a gather: narrowed before the index_select)."""
         ids = self.row_ids(rows)
         if not 0 <= width <= self.max_model_len:
             raise ValueError(f"read width {width} outside 0..{self.max_model_len}")

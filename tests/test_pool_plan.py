@@ -37,8 +37,9 @@ def test_plan_turns_a_budget_into_blocks_and_clamps_max_model_len():
     plan = plan_pool(10 * per_block + 5, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=4096)
     assert (plan.num_blocks, plan.bytes_per_block, plan.kv_bytes) == (10, per_block, 10 * per_block)
     assert plan.max_model_len == 9 * 16 and plan.requested_max_model_len == 4096  # one block is scratch
-    assert plan.num_slots == 160 and plan.table_bytes == 4 * 144 * 8
-    assert plan.block_table_bytes == 4 * 9 * 8 and 0 < plan.resident_share < 1
+    assert plan.num_blocks * plan.block_size == 160 and table_bytes(4, plan.max_model_len) == 4 * 144 * 8
+    assert block_table_bytes(4, plan.max_model_len, 16) == 4 * 9 * 8
+    assert 0 < resident_share(4, plan.max_model_len, plan.kv_bytes) < 1
 
 
 def test_plan_keeps_a_max_model_len_the_pool_can_hold():

@@ -3,11 +3,4 @@
 from nanoserve.cache.blocks import BlockFreeError, BlockPool, BlockTable, PoolExhaustedError
 from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
 
-__all__ = [
-    "BatchedPagedKVCache",
-    "BlockFreeError",
-    "BlockPool",
-    "BlockTable",
-    "DecodePlan",
-    "PoolExhaustedError",
-]
+__all__ = ["BatchedPagedKVCache", "BlockFreeError", "BlockPool", "BlockTable", "DecodePlan", "PoolExhaustedError"]

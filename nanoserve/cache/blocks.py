@@ -1,8 +1,6 @@
 """Physical blocks and the per-request tables that map tokens onto them.
 
-A `BlockPool` hands out fixed-size blocks of `block_size` slots; a `BlockTable` is one
-request's blocks and token count. Token t lives at slot
-`blocks[t // block_size] * block_size + t % block_size`.
+Token t of a `BlockTable` lives at slot `blocks[t // block_size] * block_size + t % block_size`.
 """
 
 from __future__ import annotations
@@ -23,14 +21,12 @@ class BlockFreeError(ValueError):
 
 
 class BlockPool:
-    """`num_blocks` physical blocks of `block_size` slots each, each with a reference count.
+    """`num_blocks` blocks of `block_size` slots, each with a reference count (its holders).
 
-    A block is empty (on the free list), used (held by one or more rows: its count is
-    positive) or cached (count zero, its K/V a known prefix that `prefix_cache` keeps until
-    an allocation finds the free list short and evicts it, least recently used first).
-    `num_free` is what an allocation can get now: empty + cached. Empty blocks come out
-    lowest id first, so a fresh pool is filled from the front; without prefix caching no
-    block is ever cached.
+    A block is empty (on the free list), used (count positive) or cached (count zero, its K/V
+    a known prefix that `prefix_cache` keeps until an allocation finds the free list short and
+    evicts it, least recently used first). `num_free` = empty + cached. Empty blocks go out
+    lowest id first; without prefix caching no block is ever cached.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -39,7 +35,7 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_slots = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
-        self._refs = [0] * num_blocks  # holders of each block: the one count of them
+        self._refs = [0] * num_blocks
         self.prefix_cache = PrefixCache()
 
     @property
@@ -65,8 +61,8 @@ class BlockPool:
         return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks, empty ones first, then evicting cached ones (least recently used
-        first). Raises PoolExhaustedError (taking nothing) when fewer are free."""
+        """Take `n` blocks, empty ones first, then evicting cached ones. Raises
+        PoolExhaustedError (taking nothing) when fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
@@ -81,8 +77,8 @@ class BlockPool:
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
-        """Add a holder to each block (a request adopting a cached prefix); a cached block leaves
-        the LRU. Raises BlockFreeError (changing nothing) on an empty block: its K/V mean nothing."""
+        """Add a holder to each block (a request adopting a cached prefix). Raises BlockFreeError
+        (changing nothing) on an empty block: its K/V mean nothing."""
         empty = [b for b in blocks if not self._refs[b] and not self.prefix_cache.is_evictable(b)]
         if empty:
             raise BlockFreeError(f"cannot share blocks {empty}: they are empty (on the free list)")
@@ -92,9 +88,8 @@ class BlockPool:
             self._refs[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop a holder of each block. A block left with none is cached if its prefix is known,
-        else empty. Raises BlockFreeError (freeing nothing) on a foreign block, or on one freed
-        more often than it is held."""
+        """Drop a holder of each block; one left with none is cached if its prefix is known, else
+        empty. Raises BlockFreeError (freeing nothing) on a foreign or over-freed block."""
         blocks = list(blocks)
         drops: dict[int, int] = {}
         for block in blocks:
@@ -112,17 +107,14 @@ class BlockPool:
                 emptied.append(block)
             else:
                 self.prefix_cache.park(block)
-        if emptied:
-            # Keep handing out the lowest ids first, so freed blocks are reused before untouched ones.
+        if emptied:  # freed blocks are reused before untouched ones
             self._free = sorted(self._free + emptied, reverse=True)
 
 
 class BlockTable:
-    """One request's physical blocks and how many tokens they hold.
-
-    The token count is one cell of an int64 array: the table's own, or the slot table's
-    lengths when a cache binds the table to a row (`bound_to`), so a row's length has one owner.
-    """
+    """One request's blocks and token count. The count is one cell of an int64 array: the
+    table's own, or the slot table's lengths once a cache binds the table to a row
+    (`bound_to`), so a row's length has one owner."""
 
     __slots__ = ("block_size", "_blocks", "_count")
 
@@ -141,9 +133,6 @@ class BlockTable:
         table._count[0] = 0
         return table
 
-    def __repr__(self) -> str:
-        return f"BlockTable(blocks={self._blocks}, num_tokens={self.num_tokens})"
-
     @property
     def blocks(self) -> tuple[int, ...]:
         return tuple(self._blocks)
@@ -158,7 +147,6 @@ class BlockTable:
 
     @property
     def capacity(self) -> int:
-        """Tokens the held blocks can take."""
         return len(self._blocks) * self.block_size
 
     @property
@@ -166,7 +154,6 @@ class BlockTable:
         return not self._blocks and self.num_tokens == 0
 
     def slot(self, t: int) -> int:
-        """The physical slot of token t."""
         return self._blocks[t // self.block_size] * self.block_size + t % self.block_size
 
     def blocks_needed(self, extra_tokens: int) -> int:
@@ -184,8 +171,8 @@ class BlockTable:
         self._count[0] = total
 
     def adopt(self, other: BlockTable) -> None:
-        """Take over `other`'s blocks and tokens, leaving `other` empty. Refuses a non-empty
-        table: a slot table trusts that a row's slots change only by appends or after a reset."""
+        """Take over `other`'s blocks and tokens, leaving it empty. Refuses a non-empty table: a
+        slot table trusts that a row's slots change only by appends or after a reset."""
         if not self.is_empty:
             raise ValueError(f"adopt refused: this table still holds {self.num_tokens} tokens in blocks "
                              f"{self._blocks}; reset the row (giving its blocks back) before handing it on")
@@ -195,7 +182,7 @@ class BlockTable:
         other._blocks, other._count[0] = [], 0
 
     def clear(self) -> list[int]:
-        """Empty the table and return the blocks it held (for the pool)."""
+        """Empty the table and return the blocks it held."""
         blocks, self._blocks = self._blocks, []
         self._count[0] = 0
         return blocks

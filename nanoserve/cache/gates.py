@@ -1,9 +1,8 @@
 """Gates: invariants of the addressing layer, switched on in tests and debug runs.
 
-Each `check_*` returns None when its invariant holds and raises GateError naming the
-rows, columns or slots at fault and which side owns the fix. A gate that compares live
-state with live state cannot fail, so the window gates compare a held window against
-the plan's own copies (`write_slots`, `context_lens`).
+Each `check_*` returns None when its invariant holds and raises GateError naming the rows,
+columns or slots at fault and which side owns the fix. A gate comparing live state with live
+state cannot fail, so the window gates compare against the plan's own copies.
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ class GateError(AssertionError):
     """An addressing invariant does not hold."""
 
 
-def _listed(faults: list[str], most: int = 8) -> str:
-    more = f"\n  ... and {len(faults) - most} more" if len(faults) > most else ""
-    return "\n  " + "\n  ".join(faults[:most]) + more
+def _fail_if(faults: list[str], why: str, fix: str = "") -> None:
+    if faults:
+        more = f"\n  ... and {len(faults) - 8} more" if len(faults) > 8 else ""
+        raise GateError(why + "\n  " + "\n  ".join(faults[:8]) + more + fix)
 
 
 def check_slots_agree(slot_table: SlotTable, tables: Sequence[BlockTable], rows: Sequence[int]) -> None:
@@ -34,29 +34,26 @@ def check_slots_agree(slot_table: SlotTable, tables: Sequence[BlockTable], rows:
     faults = []
     for i, row in enumerate(rows):
         want, have = tables[row].num_tokens, slot_table.length(row)
+        wrong = (held[i, :want] != expected[i, :want]).nonzero().flatten().tolist()
         if have != want or device_lens[i] != want:
             faults.append(f"row {row}: slot table length {have} (device {device_lens[i]}), block table holds {want}")
-            continue
-        wrong = (held[i, :want] != expected[i, :want]).nonzero().flatten().tolist()
-        if wrong:
+        elif wrong:
             faults.append(f"row {row} col {wrong[0]}: slot table says {int(held[i, wrong[0]])}, block table "
                           f"says {int(expected[i, wrong[0]])} ({len(wrong)} cells differ)")
-    if faults:
-        raise GateError("slot table disagrees with the block tables (cache side: a table changed without a "
-                        "resync, or a tenant change skipped reset_row):" + _listed(faults))
+    _fail_if(faults, "slot table disagrees with the block tables (cache side: a table changed without a resync, "
+             "or a tenant change skipped reset_row):")
 
 
 def check_mapping_is_window(plan: DecodePlan, slot_table: SlotTable) -> None:
     """The plan's slot_mapping is a view of the table's buffer (a capture gate, not a correctness gate)."""
     mapping, buffer = plan.slot_mapping, slot_table.slots
     same_storage = mapping.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    if same_storage and mapping.storage_offset() == 0 and mapping.stride(0) == buffer.stride(0):
-        return
-    raise GateError(
-        f"plan over rows {list(plan.rows)} reads a gathered copy, not a window of the slot table: a captured "
-        f"graph replays the addresses it recorded, so its rows must be the prefix 0..{len(plan.rows) - 1}. "
-        "Fix on the scheduler side: admit into the lowest free row and compact (move_row) when a row "
-        "in the middle finishes.")
+    if not (same_storage and mapping.storage_offset() == 0 and mapping.stride(0) == buffer.stride(0)):
+        raise GateError(
+            f"plan over rows {list(plan.rows)} reads a gathered copy, not a window of the slot table: a captured "
+            f"graph replays the addresses it recorded, so its rows must be the prefix 0..{len(plan.rows) - 1}. "
+            "Fix on the scheduler side: admit into the lowest free row and compact (move_row) when a row "
+            "in the middle finishes.")
 
 
 def check_window_intact(plan: DecodePlan) -> None:
@@ -67,12 +64,10 @@ def check_window_intact(plan: DecodePlan) -> None:
     last = plan.slot_mapping.gather(1, (lens - 1).clamp(min=0).view(-1, 1)).view(-1)
     bad = ((lens > 0) & (last != plan.write_slots)).nonzero().flatten().tolist()
     lens, last, written = lens.tolist(), last.tolist(), plan.write_slots.tolist()
-    faults = [f"row {plan.rows[i]} col {lens[i] - 1}: window now says slot {last[i]}, the plan wrote {written[i]}"
-              for i in bad]
-    if faults:
-        raise GateError("a held window was rewritten under its plan:" + _listed(faults) + "\nA row was reset "
-                        "or re-tenanted while a plan over it was still in use. Fix on the engine side: finish "
-                        "the step before reset_row / adopt_row / move_row on its rows.")
+    _fail_if([f"row {plan.rows[i]} col {lens[i] - 1}: window now says slot {last[i]}, the plan wrote {written[i]}"
+              for i in bad], "a held window was rewritten under its plan:",
+             "\nA row was reset or re-tenanted while a plan over it was still in use. Fix on the engine side: "
+             "finish the step before reset_row / adopt_row / move_row on its rows.")
 
 
 def check_plan_addressing(plan: DecodePlan, tables: Sequence[BlockTable]) -> None:
@@ -93,31 +88,27 @@ def check_plan_addressing(plan: DecodePlan, tables: Sequence[BlockTable]) -> Non
         if written[i] != mapping[i][n - 1] or positions[i] != n - 1:
             faults.append(f"row {row}: writes slot {written[i]} at position {positions[i]}, but its last real "
                           f"cell is col {n - 1} = slot {mapping[i][n - 1]}")
-    if faults:
-        raise GateError("plan addressing is wrong (cache side: plan_decode):" + _listed(faults))
+    _fail_if(faults, "plan addressing is wrong (cache side: plan_decode):")
 
 
 def check_plan_fresh(plan: DecodePlan, tables: Sequence[BlockTable]) -> None:
-    """The plan's context_lens still match the block tables. It can fail only because
-    context_lens is a copy: lengths read live out of the table would always agree."""
+    """The plan's context_lens (a copy) still match the block tables."""
     lens = plan.context_lens.tolist()
-    faults = [f"row {row}: plan says {lens[i]} tokens, block table now holds {tables[row].num_tokens}"
-              for i, row in enumerate(plan.rows) if lens[i] != tables[row].num_tokens]
-    if faults:
-        raise GateError("plan is stale:" + _listed(faults) + "\nA plan is good for the one step it was made "
-                        "for. Fix on the engine side: call plan_decode again instead of reusing a plan.")
+    _fail_if([f"row {row}: plan says {lens[i]} tokens, block table now holds {tables[row].num_tokens}"
+              for i, row in enumerate(plan.rows) if lens[i] != tables[row].num_tokens], "plan is stale:",
+             "\nA plan is good for the one step it was made for. Fix on the engine side: call plan_decode "
+             "again instead of reusing a plan.")
 
 
 def check_table_fits(max_batch_size: int, max_model_len: int, block_size: int, kv_bytes: int,
                      max_share: float = 0.10) -> None:
     """The slot table's reservation is at most `max_share` of the cache's resident memory."""
     share = resident_share(max_batch_size, max_model_len, kv_bytes)
-    if share <= max_share:
-        return
-    raise GateError(
-        f"slot table [{max_batch_size}, {max_model_len}] int64 reserves {table_bytes(max_batch_size, max_model_len):,} "
-        f"bytes, {share:.1%} of resident cache memory (limit {max_share:.0%}, K/V is {kv_bytes:,} bytes). "
-        f"A block-id table [{max_batch_size}, {-(-max_model_len // block_size)}] would be "
-        f"{block_table_bytes(max_batch_size, max_model_len, block_size):,} bytes ({block_size}x smaller, with the "
-        "multiply moved into the kernel). Fix on the launch side: pass the max_model_len the pool was planned "
-        "around (PoolPlan.max_model_len), or lower max_batch_size.")
+    if share > max_share:
+        raise GateError(
+            f"slot table [{max_batch_size}, {max_model_len}] int64 reserves "
+            f"{table_bytes(max_batch_size, max_model_len):,} bytes, {share:.1%} of resident cache memory (limit "
+            f"{max_share:.0%}, K/V is {kv_bytes:,} bytes). A block-id table [{max_batch_size}, "
+            f"{-(-max_model_len // block_size)}] would be {block_table_bytes(max_batch_size, max_model_len, block_size):,}"
+            f" bytes ({block_size}x smaller, with the multiply moved into the kernel). Fix on the launch side: pass "
+            "the max_model_len the pool was planned around (PoolPlan.max_model_len), or lower max_batch_size.")

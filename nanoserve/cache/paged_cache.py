@@ -1,7 +1,7 @@
 """The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table.
 
-Each row's block table counts its tokens in the slot table's lengths, so a decode step
-(`plan_decode`) settles every row's length once, for every reader.
+Each row's block table counts its tokens in the slot table's lengths, so a row's length has
+one owner, which `plan_decode` bumps once per step for every reader.
 """
 
 from __future__ import annotations
@@ -18,18 +18,19 @@ from nanoserve.slots import RowsLike, SlotTable
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What one decode step needs to address the cache; nothing changes it once made.
+    """One decode step's addressing; good for that step only.
 
     slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy;
         width is the longest context. Live storage: later appends land past each row's length.
-    context_lens [n]: lengths counting this step's token. A copy, so a held plan's lengths
-        never move (the staleness gates rely on it).
+    context_lens [n]: lengths counting this step's token, a copy (the staleness gates rely on it);
+        total_context is their sum, from the host.
     write_slots [n], positions [n]: where this step's K/V goes, and its position.
     """
 
     rows: tuple[int, ...]
     slot_mapping: torch.Tensor
     context_lens: torch.Tensor
+    total_context: int
     write_slots: torch.Tensor
     positions: torch.Tensor
     is_window: bool
@@ -42,9 +43,9 @@ class DecodePlan:
 class BatchedPagedKVCache:
     """K/V storage for up to `max_batch_size` rows, addressed through a persistent SlotTable.
 
-    One block is reserved at construction; its first slot is `scratch_slot`, where padded
-    rows write and no row reads. `max_model_len` is clamped to the slots the other blocks
-    hold. Every operation that fails raises before it changes anything.
+    One block is reserved at construction; its first slot is `scratch_slot`, where padded rows
+    write and no row reads. `max_model_len` is clamped to the slots the other blocks hold.
+    Every operation that fails raises before it changes anything.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -82,11 +83,16 @@ class BatchedPagedKVCache:
         return self._claimed[self._row(row)]
 
     def num_tokens(self, row: int) -> int:
+        """Tokens whose K/V the row holds (adopted or computed): the one count of them."""
         return self.tables[self._row(row)].num_tokens
 
+    def _claim(self, row: int) -> None:
+        self._claimed[row] = True
+        self.slot_table.resync(self.tables[row], row)
+
     def adopt_row(self, row: int, table: BlockTable) -> None:
-        """Hand `table`'s blocks and tokens to `row` (claiming it), leaving `table` empty. The
-        blocks must come from this pool and be held by no other row; the row must be empty."""
+        """Hand `table`'s blocks and tokens to the empty `row` (claiming it), leaving `table`
+        empty. The blocks must come from this pool and be held by no other row."""
         if table.num_tokens > self.max_model_len:
             raise ValueError(f"row {row}: adopted table holds {table.num_tokens} tokens; "
                              f"max_model_len is {self.max_model_len}")
@@ -99,8 +105,7 @@ class BatchedPagedKVCache:
                 owner = f"held by {holder[block]}" if block in holder else "free in the pool"
                 raise ValueError(f"row {row}: cannot adopt block {block}: it is {owner}")
         self.tables[self._row(row)].adopt(table)
-        self._claimed[row] = True
-        self.slot_table.resync(self.tables[row], row)
+        self._claim(row)
 
     def allocate_prompt(self, row: int, num_tokens: int) -> torch.Tensor:
         """Grow `row` (claiming it) by `num_tokens` tokens in new blocks; returns their slots.
@@ -110,9 +115,8 @@ class BatchedPagedKVCache:
         if num_tokens < 1 or start + num_tokens > self.max_model_len:
             raise ValueError(f"row {row}: cannot add {num_tokens} tokens to {start} (max_model_len {self.max_model_len})")
         table.add_blocks(self.pool.allocate(table.blocks_needed(num_tokens)))
-        self._claimed[row] = True
         table.advance(num_tokens)
-        self.slot_table.resync(table, row)
+        self._claim(row)
         return self.slot_table.slots[row, start : start + num_tokens].clone()
 
     def reset_row(self, row: int) -> None:
@@ -133,8 +137,8 @@ class BatchedPagedKVCache:
         if not self.tables[self._row(dst)].is_empty:
             raise ValueError(f"move_row: destination row {dst} still holds {self.num_tokens(dst)} tokens; free it first")
         self.tables[dst].adopt(self.tables[src])
-        self._claimed[dst], self._claimed[src] = True, False
-        self.slot_table.resync(self.tables[dst], dst)
+        self._claimed[src] = False
+        self._claim(dst)
 
     def blocks_needed(self, num_tokens: int, row: int | None = None) -> int:
         """Blocks to allocate before `num_tokens` more tokens fit in `row` (or in a fresh row)."""
@@ -143,7 +147,6 @@ class BatchedPagedKVCache:
         return self.tables[self._row(row)].blocks_needed(num_tokens)
 
     def can_allocate(self, num_tokens: int, row: int | None = None) -> bool:
-        """Whether the pool has the blocks for `num_tokens` more tokens (length limits aside)."""
         return self.blocks_needed(num_tokens, row) <= self.pool.num_free
 
     def blocks_to_append(self, rows: RowsLike) -> int:
@@ -153,15 +156,14 @@ class BatchedPagedKVCache:
     def can_append(self, rows: RowsLike) -> bool:
         return self.blocks_to_append(rows) <= self.pool.num_free
 
-    def plan_decode(self, rows: RowsLike) -> DecodePlan:
-        """Advance every row by one token and address the step.
+    def _full_rows(self, ids: list[int]) -> list[int]:
+        return [row for row in ids if self.tables[row].num_tokens >= self.tables[row].capacity]
 
-        Rows whose last block is full take one block each, in row order (so ids go out as
-        a step-by-step allocator hands them); the write slots are appended to the slot table
-        and the plan's slot_mapping is read out of it, `[n, longest context]`. Raises,
-        changing nothing, ValueError for rows not live or at max_model_len and
-        PoolExhaustedError when the pool lacks their blocks (`can_append` says so first).
-        """
+    def plan_decode(self, rows: RowsLike) -> DecodePlan:
+        """Advance every row by one token and address the step: the full rows take a block each
+        (in row order), one indexed write appends the write slots to the slot table, and the
+        slot_mapping is read out of it. Raises, changing nothing, ValueError for rows not live or
+        at max_model_len and PoolExhaustedError when the pool lacks blocks (`can_append` first)."""
         ids = self.slot_table.row_ids(rows)
         idle = [row for row in ids if not self._claimed[row]]
         if idle:
@@ -183,22 +185,17 @@ class BatchedPagedKVCache:
         self.slot_table.append(rows, write_slots)
         context_lens = positions + 1
         return DecodePlan(tuple(ids), self.slot_table.rect(rows, int(context_lens.max())),
-                          torch.from_numpy(context_lens).to(self.device), write_slots,
+                          torch.from_numpy(context_lens).to(self.device), int(context_lens.sum()), write_slots,
                           torch.from_numpy(positions).to(self.device), is_window)
 
-    def _full_rows(self, ids: list[int]) -> list[int]:
-        """The rows whose blocks are full: their next token needs a new block."""
-        return [row for row in ids if self.tables[row].num_tokens >= self.tables[row].capacity]
-
     def match_prefix(self, token_ids: Sequence[int]) -> int:
-        """Tokens of `token_ids` a new request could adopt now: a whole number of cached blocks,
-        at most len(token_ids) - 1 (one token is always computed, for the logits). A pure query."""
+        """Tokens of `token_ids` a new request could adopt now (a pure query)."""
         return len(self._cached_prefix(token_ids)) * self.block_size
 
     def admit_prefix(self, row: int, token_ids: Sequence[int]) -> int:
         """Claim the empty `row` and adopt the longest cached prefix of `token_ids` (each block
-        gains a holder); returns the tokens adopted (0 with caching off). Counts the query and
-        the hit. Raises ValueError (changing nothing) when the row holds blocks or tokens."""
+        gains a holder); returns the tokens adopted (0 with caching off) and counts the query.
+        Raises ValueError (changing nothing) when the row holds blocks or tokens."""
         table = self.tables[self._row(row)]
         if not table.is_empty:
             raise ValueError(f"admit_prefix: row {row} still holds {table.num_tokens} tokens in {table.blocks}; "
@@ -207,17 +204,15 @@ class BatchedPagedKVCache:
         self.pool.share(blocks)
         table.add_blocks(blocks)
         table.advance(len(blocks) * self.block_size)
-        self._claimed[row] = True
-        self.slot_table.resync(table, row)
+        self._claim(row)
         if self.enable_prefix_caching:
             self.pool.prefix_cache.record_query(len(token_ids), table.num_tokens)
         return table.num_tokens
 
     def cache_full_blocks(self, row: int, token_ids: Sequence[int]) -> None:
-        """Register the row's full blocks among its first len(token_ids) tokens, whose K/V are
-        written, under their prefix hashes (a hash that already names a block keeps it).
-        No-op with caching off. Raises if the row holds fewer tokens, or if a block already
-        registered disagrees with `token_ids` (they are not this row's tokens)."""
+        """Register the row's full blocks among its first len(token_ids) tokens (K/V written)
+        under their prefix hashes; a hash that already names a block keeps it. No-op with caching
+        off. Raises if the row holds fewer tokens, or a registered block disagrees with `token_ids`."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[self._row(row)]
@@ -234,10 +229,10 @@ class BatchedPagedKVCache:
                                    "the tokens given: the engine passed tokens that are not this row's")
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        """prefix_cache_queries / _hits (tokens), _blocks (blocks holding a known prefix), _evictions."""
         return self.pool.prefix_cache.stats()
 
     def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        # Whole blocks, at most len(token_ids) - 1 tokens: one is always computed, for the logits.
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return []
         usable = (len(token_ids) - 1) // self.block_size * self.block_size

@@ -1,8 +1,7 @@
 """Sizing the cache: a bytes budget and the model's KV geometry in, `num_blocks` and `max_model_len` out.
 
-Also what the persistent `[max_batch_size, max_model_len]` slot table costs next to
-vLLM's block-id table `[max_batch_size, blocks per row]` (the same information,
-`block_size` times smaller), for `check_table_fits`.
+Also what the slot table `[max_batch_size, max_model_len]` costs next to vLLM's block-id
+table `[max_batch_size, blocks per row]` (the same information, `block_size` times smaller).
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 def table_bytes(max_batch_size: int, max_model_len: int) -> int:
-    """Bytes the slot table reserves for the life of the process: one int64 per row per token."""
+    """What the slot table reserves for the life of the process."""
     return max_batch_size * max_model_len * INDEX_BYTES
 
 
 def block_table_bytes(max_batch_size: int, max_model_len: int, block_size: int) -> int:
-    """Bytes of a block-id table: one int64 per row per block (partial blocks round up)."""
+    """A block-id table's bytes (partial blocks round up)."""
     return max_batch_size * -(-max_model_len // block_size) * INDEX_BYTES
 
 
@@ -37,8 +36,6 @@ def resident_share(max_batch_size: int, max_model_len: int, kv_bytes: int) -> fl
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How big the cache is, and what it costs."""
-
     num_blocks: int  # including the reserved scratch block
     block_size: int
     max_batch_size: int
@@ -47,33 +44,14 @@ class PoolPlan:
     bytes_per_block: int
 
     @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def kv_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
-
-    @property
-    def table_bytes(self) -> int:
-        return table_bytes(self.max_batch_size, self.max_model_len)
-
-    @property
-    def block_table_bytes(self) -> int:
-        return block_table_bytes(self.max_batch_size, self.max_model_len, self.block_size)
-
-    @property
-    def resident_share(self) -> float:
-        return resident_share(self.max_batch_size, self.max_model_len, self.kv_bytes)
 
 
 def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
               block_size: int, max_batch_size: int, max_model_len: int) -> PoolPlan:
-    """The most blocks `budget_bytes` of K/V can hold, and `max_model_len` clamped to them.
-
-    One block is the cache's scratch block, so a row holds at most `(num_blocks - 1) * block_size`
-    tokens. Raises ValueError when the budget cannot hold that block and one for a request.
-    """
+    """The most blocks `budget_bytes` of K/V can hold, and `max_model_len` clamped to them (one
+    block is the cache's scratch block). Raises ValueError below that block and one for a request."""
     if min(num_layers, num_kv_heads, head_dim, block_size, max_batch_size, max_model_len) < 1:
         raise ValueError("plan_pool needs positive sizes")
     bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)

@@ -1,12 +1,9 @@
 """Prefix caching: full blocks named by a hash of everything before them, kept until needed.
 
-A full block's hash covers its token ids and its parent block's hash, and the chain starts
-from a root hash of a salt (the model, the dtype: anything that changes K/V), so two blocks
-with one hash hold the same K/V. `PrefixCache` maps hashes to blocks and back, and keeps
-the registered blocks that no row holds in an LRU (evictable: reusable by a new request with
-the same prefix, or taken by the pool when it runs short, least recently used first).
-Reference counts are the pool's (`BlockPool`): the pool tells this registry when a block's
-count reaches zero (`park`) or leaves it (`unpark`).
+A full block's hash covers its token ids and its parent's hash; the chain starts from a root
+hash of a salt (the model, the dtype: anything that changes K/V), so two blocks with one hash
+hold the same K/V. Reference counts are the pool's (`BlockPool`): it tells this registry when a
+registered block's count reaches zero (`park`: evictable, in an LRU) or leaves it (`unpark`).
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ def root_hash(salt: str) -> BlockHash:
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash) -> list[BlockHash]:
-    """The hashes of the full blocks of `token_ids`, first block first (a trailing partial block
-    has none). sha256, so two different prefixes never share a hash in practice."""
+    """The hashes (sha256) of the full blocks of `token_ids`, first block first."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     hashes, parent = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
@@ -37,12 +33,8 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash) -> 
 
 
 class PrefixCache:
-    """Which blocks hold which hashed prefix, and which of them no row holds (the LRU).
-
-    A block is registered under at most one hash and a hash names at most one block. Every
-    evictable block is registered; a registered block is evictable exactly while its
-    reference count (the pool's) is zero.
-    """
+    """Hash <-> block, one to one, and the registered blocks no row holds (evictable, LRU first):
+    a registered block is evictable exactly while its reference count (the pool's) is zero."""
 
     def __init__(self) -> None:
         self._block_of: dict[BlockHash, int] = {}
@@ -77,8 +69,8 @@ class PrefixCache:
         return blocks
 
     def register(self, block: int, block_hash: BlockHash) -> bool:
-        """Name a held block by `block_hash`, unless that hash already names a block (that one
-        is kept). Returns whether `block` was registered. Raises if the block has a hash."""
+        """Name a held block by `block_hash` unless the hash names a block already (kept); returns
+        whether it did. Raises if the block has a hash."""
         if block in self._hash_of:
             raise ValueError(f"block {block} is already registered; a block's K/V never change while held")
         if block_hash in self._block_of:
@@ -88,7 +80,7 @@ class PrefixCache:
         return True
 
     def park(self, block: int) -> None:
-        """A registered block's last holder left: it becomes the most recently used evictable one."""
+        """A registered block's last holder left: now the most recently used evictable block."""
         if block not in self._hash_of or block in self._evictable:
             raise ValueError(f"park({block}): only a registered block that is not yet evictable can be parked")
         self._evictable[block] = None

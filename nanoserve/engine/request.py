@@ -42,11 +42,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # scored chunk by chunk, at the first prefill
     status: RequestStatus = RequestStatus.WAITING
-    row: int | None = None
-    # Tokens whose K/V are in the cache (adopted from the prefix cache or computed); 0 without
-    # a row. Prefill is done when it reaches num_tokens; a decoding request then sits one
-    # behind (its last sampled token is the next step's input).
-    num_computed_tokens: int = 0
+    row: int | None = None  # while it holds one, the cache counts its K/V (cache.num_tokens(row))
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     generator: torch.Generator | None = None

@@ -56,9 +56,8 @@ class ModelRunner:
             # The capture gate: a graph reads the table's own buffer, so the rows must be a
             # prefix; a gather here is the scheduler's fault and is refused, not run.
             check_mapping_is_window(plan, self.cache.slot_table)
-        lengths = self.cache.slot_table.lengths(num_rows)  # the host's copy, counting this step's token
         started = time.perf_counter()
-        logits = self.decode_step.run(num_rows, int(lengths.max()), int(lengths.sum()), plan.write_slots,
+        logits = self.decode_step.run(num_rows, plan.width, plan.total_context, plan.write_slots,
                                       plan.positions, plan.context_lens)
         self.last_forward_seconds = time.perf_counter() - started
         return logits

@@ -122,15 +122,12 @@ class Scheduler:
         # Preempt by recompute, newest first, until every decoding row can grow by one.
         while len(self.running) > 1 and not self.cache.can_append(range(self.num_decoding)):
             self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
-        decode = self.running[:self.num_decoding]
-        for request in decode:  # this step writes the K/V of its last sampled token
-            request.num_computed_tokens += 1
-        return decode
+        return self.running[:self.num_decoding]
 
     def _schedule_prefill(self, budget: int, decode: list[Request]) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
         for request in self.running[self.num_decoding:]:  # rows still prefilling, in row order
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = request.num_tokens - self.cache.num_tokens(request.row)
             length = min(remaining, budget, self._tokens_that_fit(request.row, decode))
             if length >= 1:
                 chunks.append(self._chunk(request, length))
@@ -148,7 +145,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(request)
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = request.num_tokens - self.cache.num_tokens(request.row)
             length = min(remaining, budget) if self.chunked else remaining
             chunks.append(self._chunk(request, length))
             budget -= length
@@ -159,7 +156,7 @@ class Scheduler:
         # evictable blocks, so it is counted too), the rest of every prefilling row, and a
         # block of headroom for every running row: admitting into a pool the running rows are
         # about to need only buys a preemption (and a recompute) on a later step.
-        reserved = sum(self.cache.blocks_needed(r.num_tokens - r.num_computed_tokens + 1, r.row)
+        reserved = sum(self.cache.blocks_needed(r.num_tokens - self.cache.num_tokens(r.row) + 1, r.row)
                        for r in self.running[self.num_decoding:])
         need = self.cache.blocks_needed(request.num_tokens + 1) + reserved + len(self.running)
         return need <= self._spare_blocks(decode)
@@ -178,7 +175,7 @@ class Scheduler:
         # A request that scores its prompt needs every prompt token's hidden state: it adopts
         # nothing (its first chunk claims the row). The others adopt their longest cached prefix.
         if request.params.prompt_logprobs is None:
-            request.num_computed_tokens = self.cache.admit_prefix(row, request.all_token_ids)
+            self.cache.admit_prefix(row, request.all_token_ids)
         request.row = row
         request.status = RequestStatus.PREFILLING
         if request.metrics.first_scheduled_time is None:
@@ -186,10 +183,9 @@ class Scheduler:
         self.running.append(request)
 
     def _chunk(self, request: Request, length: int) -> PrefillChunk:
-        start = request.num_computed_tokens
+        start = self.cache.num_tokens(request.row)  # the row's K/V: adopted or computed
         write_slots = self.cache.allocate_prompt(request.row, length)
-        request.num_computed_tokens += length
-        is_last = request.num_computed_tokens == request.num_tokens
+        is_last = start + length == request.num_tokens
         if is_last:  # it decodes from the next step on; its row is the first prefilling one
             request.status = RequestStatus.RUNNING
         return PrefillChunk(request, start, length, write_slots, is_last)
@@ -230,7 +226,7 @@ class Scheduler:
         if len(self.running) == 1:
             only = self.running[0]
             raise RuntimeError(f"request {only.request_id} alone on the pool cannot prefill its next chunk "
-                               f"({only.num_computed_tokens}/{only.num_tokens} tokens computed, "
+                               f"({self.cache.num_tokens(only.row)}/{only.num_tokens} tokens computed, "
                                f"{self.cache.pool.num_free} blocks free)")
         self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
 
@@ -264,7 +260,6 @@ class Scheduler:
             self._move(last, hole)
         self.running.pop()
         request.row = None
-        request.num_computed_tokens = 0
 
     def _move(self, src: int, dst: int) -> None:
         mover = self.running[src]
