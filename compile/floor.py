@@ -21,8 +21,9 @@ def matmul_modules(model) -> list[nn.Module]:
     """Every linear layer a decode step runs, in order (the LM head apart: see ``head_module``)."""
     modules = []
     for layer in model.layers:
-        modules += [layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        mlp = layer.mlp  # gate and up are one fused linear in packed formats
+        gate_up = [m for m in (mlp.gate_proj, mlp.up_proj, mlp.gate_up_proj) if m is not None]
+        modules += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, *gate_up, mlp.down_proj]
     return modules
 
 

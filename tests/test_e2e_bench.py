@@ -93,7 +93,7 @@ def test_step_weight_bytes_reads_the_packed_codes_or_the_bf16_copy_by_rows(tiny_
                           weights=WeightPlan("int8", dense_from_rows=4))
     model = engine.model
     linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     linears.append(model.lm_head)
     packed = sum(m.codes.nbytes + m.scales.nbytes for m in linears)
     dense = sum(m.dense.nbytes for m in linears)

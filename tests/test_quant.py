@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.engine import SamplingParams, build_engine
@@ -121,6 +122,38 @@ def test_linears_the_int4_kernel_cannot_take_stay_dense():
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
+@pytest.mark.parametrize("plan", [WeightPlan("int4", dense_from_rows=8), WeightPlan("int8", dense_from_rows=8)],
+                         ids=lambda p: p.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_fused_gate_up_equals_the_separate_packed_linears_exactly(plan, rows):
+    # Packing stacks gate and up into one linear; each half of its output is bit for bit what
+    # the part packed on its own gives, on the packed codes (few rows) and on the bf16 copy.
+    model = random_model(tiny_config(), seed=0)
+    mlp = model.layers[0].mlp
+    gate, up = mlp.gate_proj.weight.detach().clone(), mlp.up_proj.weight.detach().clone()
+    pack_model(model, plan)
+    assert mlp.gate_proj is None and mlp.up_proj is None
+    fused = mlp.gate_up_proj.to(plan.dtype)
+    if plan.format == "int4":
+        alone = [Int4Linear(quantize_int4(w), None, plan.dtype, w.bfloat16(), 8) for w in (gate, up)]
+    else:
+        alone = [Int8Linear(*quantize_int8(w), None, plan.dtype, w.bfloat16(), 8) for w in (gate, up)]
+    x = torch.randn(rows, gate.shape[1], dtype=plan.dtype)
+    assert torch.equal(fused(x), torch.cat([layer(x) for layer in alone], dim=-1))
+
+
+def test_fused_mlp_equals_the_unfused_mlp_on_the_same_packed_parts():
+    model = random_model(tiny_config(), seed=0)
+    mlp = model.layers[0].mlp
+    gate, up = mlp.gate_proj.weight.detach().clone(), mlp.up_proj.weight.detach().clone()
+    pack_model(model, WeightPlan("int4"))
+    x = torch.randn(2, gate.shape[1], dtype=torch.bfloat16)
+    model.to(torch.bfloat16)
+    expected_gate, expected_up = (Int4Linear(quantize_int4(w), None, torch.bfloat16) for w in (gate, up))
+    hidden = F.silu(expected_gate(x)) * expected_up(x)
+    assert torch.equal(mlp(x), mlp.down_proj(hidden))
+
+
 def test_int4_keeps_the_head_dense():
     model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
     pack_model(model, WeightPlan("int4"))
@@ -203,7 +236,8 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
             continue
         source = int4_source(name, groups)
         exact = GroupwiseInt4(unpack_int4(layer), source.scales, source.zeros)
-        assert torch.equal(exact.dequantize(), fp32[name].weight), name
+        parts = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")] if "gate_up" in name else [name]
+        assert torch.equal(exact.dequantize(), torch.cat([fp32[p].weight for p in parts])), name
 
 
 @pytest.mark.model

@@ -233,6 +233,7 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
     if any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules()):
         raise ValueError("the model's weights are packed already; load it again to choose another format")
     sources = int4_sources or {}
+    _fuse_gate_up(model, plan)
     for name, linear in list(model.named_modules()):
         if isinstance(linear, nn.Linear) and name != "lm_head":
             _replace(model, name, _packed_linear(linear, plan, int4_source(name, sources)))
@@ -267,14 +268,38 @@ def _pack_int8_group_head(model: nn.Module, plan: WeightPlan) -> None:
                                     plan.dense_from_rows)
 
 
+# A fused linear of this model and the HF tensors it stacks along the output dimension, in order.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def int4_source(module_name: str, sources: Mapping[str, GroupwiseInt4]) -> GroupwiseInt4 | None:
     """The int4 groups for one of the model's linears from HF-named ``sources``, or None.
-    The fused q/k/v projection is three HF tensors stacked along the output dimension."""
+    A fused linear (FUSED_PARTS) is its HF tensors stacked along the output dimension."""
     hf = "model." + module_name + ".weight"
-    parts = [hf.replace("qkv_proj", f"{p}_proj") for p in "qkv"] if "qkv_proj" in hf else [hf]
+    fused = next((f for f in FUSED_PARTS if f".{f}." in hf), None)
+    parts = [hf.replace(fused, part) for part in FUSED_PARTS[fused]] if fused else [hf]
     if all(p in sources for p in parts):
         return GroupwiseInt4.cat([sources[p] for p in parts])
     return None
+
+
+def _fuse_gate_up(model: nn.Module, plan: WeightPlan) -> None:
+    """Give every MLP one [2 * intermediate, hidden] linear for gate and up, to be packed next:
+    one kernel call per layer instead of two. Lossless: int4 groups and int8 scales run along
+    K within an output row, so stacking rows changes no code or scale. An MLP whose parts the
+    kernel would not pack each on their own keeps them apart (and dense)."""
+    for mlp in model.modules():
+        if not hasattr(mlp, "fuse_gate_up") or mlp.gate_up_proj is not None:
+            continue
+        gate, up = mlp.gate_proj, mlp.up_proj
+        linears = isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
+        if not linears or gate.bias is not None or up.bias is not None:
+            continue
+        if plan.format == "int4" and not all(int4_kernel_accepts(*m.weight.shape) for m in (gate, up)):
+            continue
+        fused = nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        mlp.fuse_gate_up(fused)
 
 
 def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupwiseInt4 | None) -> nn.Module:
