@@ -14,9 +14,17 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-# A chunked step's default token budget: decode rows plus prefill chunks of a few hundred
-# tokens, so a long prompt delays running streams by a few hundred tokens' compute per step.
+# A chunked step's default token budget on a GPU: decode rows plus prefill chunks of a few
+# hundred tokens, which a GPU runs in about the time of the decode step itself.
 DEFAULT_CHUNKED_BUDGET = 512
+# On the CPU prefill is compute-bound from a few dozen tokens: a chunk costs about its tokens'
+# share of a decode step, plus its attention over the context. The budget is
+# CPU_BUDGET_PER_ROW tokens per decode row (at least CPU_MIN_BUDGET), so with every row
+# decoding a chunk is about max_batch_size tokens: a chunk step then costs about 1.3x the
+# decode step with a 2,000-token context (2x chunks cost ~1.7x, 3x ~2.3x), and a 2,000-token
+# prompt takes ~2,000 / max_batch_size steps to its first token.
+CPU_BUDGET_PER_ROW = 2
+CPU_MIN_BUDGET = 64
 
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
@@ -48,7 +56,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     ``max_num_batched_tokens`` is a step's token budget. With ``enable_chunked_prefill`` (the
     default) decode rows take one token each and prefill chunks fill the rest, so a long prompt
     is prefilled over several steps while running streams keep decoding (unset:
-    DEFAULT_CHUNKED_BUDGET, or max_batch_size + 1 if that is larger); without it a step
+    ``default_token_budget``); without it a step
     prefills whole prompts (unset: max(2048, max_model_len)) or decodes.
 
     With ``enable_prefix_caching`` (the default) full blocks of K/V stay cached after their
@@ -103,7 +111,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,
         max_num_batched_tokens=max_num_batched_tokens or default_token_budget(
-            enable_chunked_prefill, max_batch_size, cache.max_model_len),
+            enable_chunked_prefill, max_batch_size, cache.max_model_len, device),
         dtype=dtype, device=device, compile=compile, weights=weights_name, enable_chunked_prefill=enable_chunked_prefill)
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
@@ -111,11 +119,14 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     return engine
 
 
-def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int) -> int:
+def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int, device: str = "cpu") -> int:
     """A step's token budget when none is given: with chunking at least one prefill token
-    beyond a full decode batch; without, room for the longest prompt in one step."""
+    beyond a full decode batch (on the CPU about a decode batch's worth of chunk tokens, on a
+    GPU DEFAULT_CHUNKED_BUDGET); without, room for the longest prompt in one step."""
     if chunked:
-        return max(DEFAULT_CHUNKED_BUDGET, max_batch_size + 1)
+        if str(device).startswith("cuda"):
+            return max(DEFAULT_CHUNKED_BUDGET, max_batch_size + 1)
+        return max(CPU_MIN_BUDGET, CPU_BUDGET_PER_ROW * max_batch_size, max_batch_size + 1)
     return max(2048, max_model_len)
 
 
