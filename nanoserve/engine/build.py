@@ -17,14 +17,16 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # A chunked step's default token budget on a GPU: decode rows plus prefill chunks of a few
 # hundred tokens, which a GPU runs in about the time of the decode step itself.
 DEFAULT_CHUNKED_BUDGET = 512
-# On the CPU prefill is compute-bound from a few dozen tokens: a chunk costs about its tokens'
-# share of a decode step, plus its attention over the context. The budget is
-# CPU_BUDGET_PER_ROW tokens per decode row (at least CPU_MIN_BUDGET), so with every row
-# decoding a chunk is about max_batch_size tokens: a chunk step then costs about 1.3x the
-# decode step with a 2,000-token context (2x chunks cost ~1.7x, 3x ~2.3x), and a 2,000-token
-# prompt takes ~2,000 / max_batch_size steps to its first token.
-CPU_BUDGET_PER_ROW = 2
-CPU_MIN_BUDGET = 64
+# On the CPU a step's prefill chunk is a second forward after the decode rows' forward: it pays
+# that forward's fixed cost (every layer's ops, the weights read again) plus its tokens' compute
+# and their attention over the context, so running streams wait for the whole chunk. The budget
+# leaves a chunk of about half a decode batch (at least CPU_MIN_CHUNK tokens): with 32 streams
+# decoding and a 2,000-token prompt arriving (one thread), 16-token chunks kept the streams'
+# p99 inter-token latency at 2.8x the undisturbed p50 (p50 2.1x) and gave the prompt its first
+# token after ~24 s; 33-token chunks gave p99 4.5x (p50 2.5x) and ~13.5 s. That TTFT is what a
+# larger chunk buys; on a GPU the chunk forward is cheap next to the decode step, so it keeps
+# DEFAULT_CHUNKED_BUDGET.
+CPU_MIN_CHUNK = 16
 
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
@@ -121,12 +123,12 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
 
 def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int, device: str = "cpu") -> int:
     """A step's token budget when none is given: with chunking at least one prefill token
-    beyond a full decode batch (on the CPU about a decode batch's worth of chunk tokens, on a
-    GPU DEFAULT_CHUNKED_BUDGET); without, room for the longest prompt in one step."""
+    beyond a full decode batch (on the CPU a chunk of about half a decode batch, on a GPU
+    DEFAULT_CHUNKED_BUDGET); without, room for the longest prompt in one step."""
     if chunked:
         if str(device).startswith("cuda"):
             return max(DEFAULT_CHUNKED_BUDGET, max_batch_size + 1)
-        return max(CPU_MIN_BUDGET, CPU_BUDGET_PER_ROW * max_batch_size, max_batch_size + 1)
+        return max_batch_size + max(CPU_MIN_CHUNK, max_batch_size // 2)
     return max(2048, max_model_len)
 
 
