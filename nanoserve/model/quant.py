@@ -33,7 +33,8 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 # model's linears on this repository's CPU: with one thread and the weights streamed from memory
 # (compile/results/linear_crossover.csv) the two tie at 10 rows (bf16/int4 0.84 to 1.12 by
 # shape) and bf16 leads from 12 to 16 (0.53 to 0.73 at 16); with two threads and the weights in
-# cache it leads at 10 rows by 1.35x to 2.2x. Below 8 rows int4 wins by 1.3x to 3.8x. So a
+# cache it leads at 10 rows by 1.35x to 2.2x. At 8 rows and fewer int4 wins with one thread
+# (1.09x to 3.8x; at 8 rows with two threads the two tie, 0.82 to 1.08). So a
 # prefill of a few tokens past a cached prefix and a decode batch of 10 or more take the bf16
 # copy, and decode batches up to 9 keep int4.
 DENSE_FROM_ROWS = 10
