@@ -191,3 +191,16 @@ def test_a_budget_that_leaves_no_prefill_token_is_refused(tiny):
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 leaves no prefill token"):
         engine_for(tiny, max_num_batched_tokens=4)
     engine_for(tiny, max_num_batched_tokens=4, enable_chunked_prefill=False)  # whole prompts: any budget
+
+
+def test_the_default_budget_leaves_half_a_decode_batch_for_chunks_on_the_cpu_and_512_on_a_gpu(tiny):
+    from nanoserve.engine.build import default_token_budget
+
+    assert default_token_budget(True, 32, 4096, "cpu") == 48
+    assert default_token_budget(True, 33, 4096, "cpu") == 49  # a 16-token chunk beside 33 decode rows
+    assert default_token_budget(True, 4, 4096, "cpu") == 20  # a small batch still prefills 16 tokens a step
+    assert default_token_budget(True, 100, 4096, "cpu") == 150
+    assert default_token_budget(True, 32, 4096, "cuda") == 512
+    assert default_token_budget(True, 600, 4096, "cuda") == 601
+    assert default_token_budget(False, 32, 4096, "cpu") == 4096
+    assert engine_for(tiny, max_num_batched_tokens=None, max_batch_size=40).config.max_num_batched_tokens == 60

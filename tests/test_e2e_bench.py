@@ -27,7 +27,9 @@ def tiny_dir(tiny_llama_dir):
 def engine_and_reference(tiny_dir):
     reference = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None
-    engine = build_engine(str(tiny_dir), max_batch_size=4, max_model_len=64, weights="fp32")
+    # A budget for the whole batch's prompts: the batch's prefill is one step, as EngineSteps counts.
+    engine = build_engine(str(tiny_dir), max_batch_size=4, max_model_len=64, weights="fp32",
+                          max_num_batched_tokens=256)
     return engine, reference
 
 

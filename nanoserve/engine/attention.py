@@ -30,6 +30,10 @@ class PackedPrefillAttention:
     them directly (no gather). A chunk after cached tokens (an earlier chunk, an adopted
     prefix) reads its keys back through the row's slots once its own K/V are written; query
     ``i`` (position ``start + i``) sees columns ``<= start + i``.
+
+    Each chunk runs through ``grouped_causal_attention``: torch's fused CPU kernel, where
+    ``enable_gqa`` or a 3-d input would send SDPA down its unfused math path (several times
+    slower, and slower still as the context grows).
     """
 
     def __init__(self, cache, write_slots: torch.Tensor, chunks: list[ChunkContext]) -> None:
@@ -37,29 +41,45 @@ class PackedPrefillAttention:
         self.write_slots = write_slots
         self.chunks = chunks
         self.lengths = [c.length for c in chunks]
-        dtype = cache.k_caches[0].dtype
-        self.masks = [None if c.context_slots is None else _offset_causal_mask(c.start, c.length, dtype, write_slots.device)
-                      for c in chunks]  # built once per step, shared by every layer
+        self.masks: list[torch.Tensor] | None = None  # built at the first layer, shared by every layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write_kv(layer, self.write_slots, k, v)
+        if self.masks is None:
+            group = q.shape[1] // k.shape[1]
+            self.masks = [grouped_causal_mask(c.start, c.length, group, q.dtype, q.device) for c in self.chunks]
         k_cache, v_cache = self.cache.k_caches[layer], self.cache.v_caches[layer]
         outputs = []
         for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks, q.split(self.lengths),
                                               k.split(self.lengths), v.split(self.lengths)):
             if chunk.context_slots is not None:
-                k_i, v_i = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-            # [T, H, D] -> [H, T, D]; GQA: the kv heads are shared by groups of query heads.
-            out = F.scaled_dot_product_attention(
-                q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1),
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            outputs.append(out.transpose(0, 1))
+                k_i, v_i = k_cache.index_select(0, chunk.context_slots), v_cache.index_select(0, chunk.context_slots)
+            outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _offset_causal_mask(start: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[length, start + length] additive mask: query i sees columns 0..start + i (0), not the
-    rest (-inf). In the K/V dtype, as the decode mask: a bool mask is converted on every call."""
+def grouped_causal_mask(start: int, length: int, group: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """The additive mask [group * length, start + length] of ``grouped_causal_attention``:
+    query row ``g * length + i`` (position ``start + i``) sees columns ``0..start + i`` (0), not
+    the rest (-inf). In the activations' dtype: a bool mask would be converted in every layer."""
     columns = torch.arange(start + length, device=device)
     hidden = columns.view(1, -1) > torch.arange(start, start + length, device=device).view(-1, 1)
-    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return mask.repeat(group, 1)
+
+
+def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One chunk's causal attention: q [T, H, D] over its sequence's keys k, v [C, KV, D]
+    (H a multiple of KV; the last T keys are the chunk's own), with ``grouped_causal_mask``'s
+    mask; returns [T, H, D].
+
+    The ``group`` query heads that share a K/V head become ``group * T`` query rows of that
+    head (``[1, KV, group * T, D]``), so K/V are read as they are, without a copy per query
+    head, and SDPA gets the 4-d, mask-only input its fused CPU kernel takes."""
+    length, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    queries = q.view(length, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask)
+    return out.view(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, num_heads, head_dim)

@@ -29,9 +29,15 @@ from torch import nn
 
 GROUP_SIZE = 32
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
-# From this many rows a bf16 GEMM beats the int4 kernel on every linear shape of the default
-# model on this repository's CPU (compile/results/linear_crossover.csv: even at 8, ahead at 16).
-DENSE_FROM_ROWS = 16
+# From this many rows the bf16 copy is at least as fast as the int4 kernel on the default
+# model's linears on this repository's CPU: with one thread and the weights streamed from memory
+# (compile/results/linear_crossover.csv) the two tie at 10 rows (bf16/int4 0.84 to 1.12 by
+# shape) and bf16 leads from 12 to 16 (0.53 to 0.73 at 16); with two threads and the weights in
+# cache it leads at 10 rows by 1.35x to 2.2x. At 8 rows and fewer int4 wins with one thread
+# (1.09x to 3.8x; at 8 rows with two threads the two tie, 0.82 to 1.08). So a
+# prefill of a few tokens past a cached prefix and a decode batch of 10 or more take the bf16
+# copy, and decode batches up to 9 keep int4.
+DENSE_FROM_ROWS = 10
 
 
 @dataclass
@@ -209,7 +215,7 @@ class WeightPlan:
 
     @property
     def name(self) -> str:
-        """"int4", or "int4+int8head+bf16>=16" with a group-wise int8 head and a bf16 copy from 16 rows."""
+        """"int4", or "int4+int8head+bf16>=10" with a group-wise int8 head and a bf16 copy from 10 rows."""
         head = "+int8head" if self.int8_head else ""
         return self.format + head + ("" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}")
 
