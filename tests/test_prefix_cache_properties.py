@@ -168,7 +168,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         cache = self.cache
         assert cache.live_rows == list(range(len(self.running)))
         for row, tokens in enumerate(self.running):
-            assert cache.num_tokens(row) == len(tokens) == cache.slot_table.length(row)
+            assert cache.num_tokens(row) == len(tokens) == cache.slot_table.lengths_array[row]
             expected = rebuild_mapping(cache.tables, [row], device=cache.device)[0]
             assert torch.equal(cache.slot_table.slots[row, : len(tokens)], expected), f"row {row}: {cache.slot_table.slots[row, : len(tokens)].tolist()}"
 

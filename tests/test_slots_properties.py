@@ -141,7 +141,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         row = data.draw(st.sampled_from(self.cache.live_rows), label="row")
         self.cache.free(row)
         self.new_tenant(row)
-        assert not self.cache.is_live(row) and self.cache.slot_table.length(row) == 0
+        assert not self.cache.is_live(row) and self.cache.slot_table.lengths_array[row] == 0
 
     @precondition(lambda self: self.cache.live_rows and self.free_rows())
     @rule(data=st.data())
@@ -175,9 +175,9 @@ class SlotTableMachine(RuleBasedStateMachine):
         table = self.cache.slot_table
         rows = data.draw(st.lists(st.integers(0, MAX_ROWS - 1), min_size=1, max_size=MAX_ROWS, unique=True),
                          label="rows")
-        rect, lens = table.read(rows, width)
+        rect, lens = table.rect(rows, width), torch.from_numpy(table.lengths(rows)).to(table.device)
         assert rect.shape == (len(rows), width)
-        assert lens.tolist() == [table.length(r) for r in rows]
+        assert lens.tolist() == [table.lengths_array[r] for r in rows]
         if rows == list(range(len(rows))):
             # a view: the buffer's storage at the buffer's address, with the buffer's row stride
             assert rect.untyped_storage().data_ptr() == table.slots.untyped_storage().data_ptr()
