@@ -346,7 +346,7 @@ class CacheUnderShadow:
         assert cache.pool.num_free == len(shadow.free_blocks)
         assert [b for b in range(cache.pool.num_blocks) if not cache.pool.is_used(b)] == sorted(shadow.free_blocks)
         for r in range(self.max_batch_size):
-            assert cache.is_live(r) == (r in shadow.rows)
+            assert (r in cache.live_rows) == (r in shadow.rows)
             blocks = shadow.rows[r].blocks if r in shadow.rows else []
             assert list(cache.tables[r].blocks) == blocks, f"row {r}"
             assert cache.num_tokens(r) == cache.slot_table.lengths_array[r] == shadow.length(r), f"row {r}"

@@ -43,10 +43,6 @@ class BlockPool:
         return len(self._free) + self.prefix_cache.num_evictable
 
     @property
-    def num_empty(self) -> int:
-        return len(self._free)
-
-    @property
     def num_cached(self) -> int:
         return self.prefix_cache.num_evictable
 
@@ -68,7 +64,7 @@ class BlockPool:
         if n > self.num_free:
             raise PoolExhaustedError(
                 f"pool exhausted: asked for {n} blocks, {self.num_free} of {self.num_blocks} free "
-                f"(block_size {self.block_size}); the scheduler should preempt or wait (check can_allocate first)")
+                f"(block_size {self.block_size}); the scheduler should preempt or wait (compare blocks_needed with num_free first)")
         empty = min(n, len(self._free))
         blocks = [self._free.pop() for _ in range(empty)]
         blocks += [self.prefix_cache.evict() for _ in range(n - empty)]

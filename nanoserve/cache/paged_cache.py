@@ -1,8 +1,4 @@
-"""The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table.
-
-Each row's block table counts its tokens in the slot table's lengths, so a row's length has
-one owner, which `plan_decode` bumps once per step for every reader.
-"""
+"""The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table."""
 
 from __future__ import annotations
 
@@ -79,9 +75,6 @@ class BatchedPagedKVCache:
     def live_rows(self) -> list[int]:
         return [row for row, claimed in enumerate(self._claimed) if claimed]
 
-    def is_live(self, row: int) -> bool:
-        return self._claimed[self._row(row)]
-
     def num_tokens(self, row: int) -> int:
         """Tokens whose K/V the row holds (adopted or computed): the one count of them."""
         return self.tables[self._row(row)].num_tokens
@@ -132,7 +125,7 @@ class BatchedPagedKVCache:
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a request from `src` to the empty row `dst` (compaction); `src` ends free."""
-        if src == dst or not self.is_live(src):
+        if src == dst or not self._claimed[self._row(src)]:
             raise ValueError(f"move_row({src}, {dst}): the source must be a live row other than the destination")
         if not self.tables[self._row(dst)].is_empty:
             raise ValueError(f"move_row: destination row {dst} still holds {self.num_tokens(dst)} tokens; free it first")
@@ -145,9 +138,6 @@ class BatchedPagedKVCache:
         if row is None:
             return -(-num_tokens // self.block_size)
         return self.tables[self._row(row)].blocks_needed(num_tokens)
-
-    def can_allocate(self, num_tokens: int, row: int | None = None) -> bool:
-        return self.blocks_needed(num_tokens, row) <= self.pool.num_free
 
     def blocks_to_append(self, rows: RowsLike) -> int:
         """Blocks one more decode step over `rows` would allocate (rows whose blocks are full)."""
