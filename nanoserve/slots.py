@@ -34,7 +34,7 @@ def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: in
 
 
 class SlotTable:
-    """Rows change only by `append`, `resync` and `reset`; `windows`/`gathers` count the reads.
+    """Rows change only by `append`, `resync` and a zeroed length (cells past it are unread); `windows`/`gathers` count the reads.
     Lengths are handed out as copies: a later append writes at column `length`, inside a
     rectangle somebody may still hold, and only a length that did not move masks that cell."""
 
@@ -83,10 +83,6 @@ class SlotTable:
             raise ValueError(f"row {row}: table holds {n} tokens, the slot table is {self.max_model_len} wide")
         self.slots[self.row_ids([row])[0], :n] = rebuild_mapping([table], [0], device=self.device)[0]
         self.lengths_array[row] = n
-
-    def reset(self, row: int) -> None:
-        """Length zero. Clears nothing: the old cells sit past the length, unread."""
-        self.lengths_array[self.row_ids([row])[0]] = 0
 
     def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
         """`[n, width]`: a view of the buffer when rows are the prefix 0..n-1 (a window), else

@@ -67,7 +67,7 @@ def test_table_allocates_once_on_device(device):
     for _ in range(12):
         table.append([0, 1], torch.tensor([3, 4], device=device))
     table.resync(table_of([1], 2), 2)
-    table.reset(0)
+    table.lengths_array[0] = 0
     assert table.slots.data_ptr() == address
 
 
@@ -131,11 +131,11 @@ def test_read_over_scattered_rows_is_a_copy_of_exactly_the_rectangle(device):
 
 
 def test_reset_zeroes_the_length_and_clears_nothing(device):
-    table = SlotTable(2, 8, device)
-    table.resync(table_of([3], 4), 0)
-    table.reset(0)
-    assert table.lengths_array[0] == 0
-    assert table.slots[0, :4].tolist() == [12, 13, 14, 15]
+    cache = small_cache(device)
+    written = cache.allocate_prompt(0, 4).tolist()
+    cache.reset_row(0)
+    assert cache.slot_table.lengths_array[0] == 0
+    assert cache.slot_table.slots[0, :4].tolist() == written
 
 
 def test_resync_copies_the_row_and_counts(device):

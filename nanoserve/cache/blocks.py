@@ -109,25 +109,18 @@ class BlockPool:
 
 class BlockTable:
     """One request's blocks and token count. The count is one cell of an int64 array: the
-    table's own, or the slot table's lengths once a cache binds the table to a row
-    (`bound_to`), so a row's length has one owner."""
+    table's own, or `lengths[row]` (a view: a cache binds each row's table to the slot table's
+    lengths), so a row's length has one owner."""
 
     __slots__ = ("block_size", "_blocks", "_count")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lengths: np.ndarray | None = None, row: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._blocks: list[int] = []
-        self._count = np.zeros(1, dtype=np.int64)
-
-    @classmethod
-    def bound_to(cls, block_size: int, lengths: np.ndarray, row: int) -> BlockTable:
-        """An empty table whose token count is `lengths[row]` (a view, not a copy)."""
-        table = cls(block_size)
-        table._count = lengths[row : row + 1]
-        table._count[0] = 0
-        return table
+        self._count = np.zeros(1, dtype=np.int64) if lengths is None else lengths[row : row + 1]
+        self._count[0] = 0
 
     @property
     def blocks(self) -> tuple[int, ...]:

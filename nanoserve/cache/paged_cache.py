@@ -66,7 +66,7 @@ class BatchedPagedKVCache:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.slot_table = SlotTable(max_batch_size, self.max_model_len, self.device)
         lengths = self.slot_table.lengths_array
-        self.tables = [BlockTable.bound_to(block_size, lengths, row) for row in range(max_batch_size)]
+        self.tables = [BlockTable(block_size, lengths, row) for row in range(max_batch_size)]
         self._claimed = [False] * max_batch_size  # a reset row stays claimed, with no tokens
         self.enable_prefix_caching = enable_prefix_caching
         self._root_hash = root_hash(prefix_salt)
