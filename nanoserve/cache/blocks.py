@@ -146,7 +146,6 @@ class BlockTable:
         return self._blocks[t // self.block_size] * self.block_size + t % self.block_size
 
     def blocks_needed(self, extra_tokens: int) -> int:
-        """Blocks to add before `extra_tokens` more tokens fit."""
         return max(0, -(-(self.num_tokens + extra_tokens) // self.block_size) - len(self._blocks))
 
     def add_blocks(self, blocks: Sequence[int]) -> None:
@@ -171,7 +170,6 @@ class BlockTable:
         other._blocks, other._count[0] = [], 0
 
     def clear(self) -> list[int]:
-        """Empty the table and return the blocks it held."""
         blocks, self._blocks = self._blocks, []
         self._count[0] = 0
         return blocks
