@@ -150,7 +150,7 @@ class CacheUnderShadow:
         cache = self.cache
         return [
             cache.pool.num_free,
-            [b for b in range(cache.pool.num_blocks) if cache.pool.is_used(b)],
+            [b for b in range(cache.pool.num_blocks) if cache.pool.ref_count(b) > 0],
             cache.live_rows,
             [(t.blocks, t.num_tokens) for t in cache.tables],
             cache.slot_table.lengths_array.copy(),
@@ -344,7 +344,7 @@ class CacheUnderShadow:
         cache, shadow = self.cache, self.shadow
         assert cache.live_rows == sorted(shadow.rows)
         assert cache.pool.num_free == len(shadow.free_blocks)
-        assert [b for b in range(cache.pool.num_blocks) if not cache.pool.is_used(b)] == sorted(shadow.free_blocks)
+        assert [b for b in range(cache.pool.num_blocks) if not cache.pool.ref_count(b) > 0] == sorted(shadow.free_blocks)
         for r in range(self.max_batch_size):
             assert (r in cache.live_rows) == (r in shadow.rows)
             blocks = shadow.rows[r].blocks if r in shadow.rows else []

@@ -50,9 +50,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    def is_used(self, block: int) -> bool:
-        return 0 <= block < self.num_blocks and self._refs[block] > 0
-
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 

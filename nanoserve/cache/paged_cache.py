@@ -94,7 +94,7 @@ class BatchedPagedKVCache:
         holder = {block: f"row {r}" for r, held in enumerate(self.tables) for block in held.blocks}
         holder[self._scratch_block] = "the scratch block"
         for block in table.blocks:
-            if block in holder or not self.pool.is_used(block):
+            if block in holder or not (0 <= block < self.pool.num_blocks and self.pool.ref_count(block)):
                 owner = f"held by {holder[block]}" if block in holder else "free in the pool"
                 raise ValueError(f"row {row}: cannot adopt block {block}: it is {owner}")
         self.tables[self._row(row)].adopt(table)
