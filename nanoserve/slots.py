@@ -34,9 +34,10 @@ def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: in
 
 
 class SlotTable:
-    """Rows change only by `append`, `resync` and a zeroed length (cells past it are unread); `windows`/`gathers` count the reads.
-    Lengths are handed out as copies: a later append writes at column `length`, inside a
-    rectangle somebody may still hold, and only a length that did not move masks that cell."""
+    """Rows change only by `append`, `resync` and a zeroed length (cells past it go unread);
+    `windows`/`gathers` count the reads. Lengths are handed out as copies: a later append writes
+    at column `length`, inside a rectangle somebody may still hold, and only a length that did
+    not move masks that cell."""
 
     def __init__(self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu") -> None:
         if max_batch_size < 1 or max_model_len < 1:
