@@ -38,13 +38,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from compile.slot_planning import PlanningRun, format_planning, measure_planning, planning_verdict
 from nanoserve.cache.blocks import BlockPool, BlockTable
 from nanoserve.cache.gates import GateError, check_plan_addressing
 from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
-from nanoserve.slots import SlotTable, rebuild_mapping
+from nanoserve.slots import RowsLike, SlotTable, rebuild_mapping
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
@@ -83,12 +84,31 @@ def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
     return rows * sum(prompt_len + step for step in range(1, steps + 1))
 
 
-def check_appends_incremental(table: SlotTable, rows: int, steps: int) -> None:
-    """A fresh table that took `rows` prompts and `steps` decode steps appended exactly one cell
-    per row per step and resynced each row once (its prompt): it was never rebuilt."""
-    if table.appended_cells == rows * steps and table.resyncs == rows:
+class CellCount:
+    """The cells a SlotTable writes from now on: wraps that one table's `append` and `resync`."""
+
+    def __init__(self, table: SlotTable) -> None:
+        self.appended_cells = self.resynced_cells = self.resyncs = 0
+        append, resync = table.append, table.resync
+
+        def counted_append(rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
+            append(rows, slots)
+            self.appended_cells += len(slots)
+
+        def counted_resync(block_table: BlockTable, row: int) -> None:
+            resync(block_table, row)
+            self.resynced_cells += block_table.num_tokens
+            self.resyncs += 1
+
+        table.append, table.resync = counted_append, counted_resync  # type: ignore[method-assign]
+
+
+def check_appends_incremental(count: CellCount, rows: int, steps: int) -> None:
+    """A table counted from fresh that took `rows` prompts and `steps` decode steps appended
+    exactly one cell per row per step and resynced each row once (its prompt): never rebuilt."""
+    if count.appended_cells == rows * steps and count.resyncs == rows:
         return
-    raise GateError(f"{steps} steps over {rows} rows appended {table.appended_cells} cells with {table.resyncs} "
+    raise GateError(f"{steps} steps over {rows} rows appended {count.appended_cells} cells with {count.resyncs} "
                     f"resyncs; an incremental table appends exactly {rows * steps} with {rows} (one per prompt). "
                     "Cache side: something resynced rows between decode steps instead of appending to them.")
 
@@ -158,6 +178,7 @@ def run_day51(work: Workload) -> ArmRun:
     pool = BlockPool(work.num_blocks, BLOCK_SIZE)
     tables = {row: BlockTable(BLOCK_SIZE) for row in rows}
     table = SlotTable(MAX_BATCH_SIZE, work.max_model_len)
+    count = CellCount(table)
     start = time.perf_counter()
     for row in rows:
         tables[row].add_blocks(pool.allocate(tables[row].blocks_needed(work.prompt)))
@@ -167,12 +188,13 @@ def run_day51(work: Workload) -> ArmRun:
         plan = day51_plan(tables, pool, table, rows)
     seconds = time.perf_counter() - start
     check_plan_addressing(plan, tables)
-    return ArmRun(seconds, table.resynced_cells + work.rows * work.steps, plan)
+    return ArmRun(seconds, count.resynced_cells + work.rows * work.steps, plan)
 
 
 def run_table(work: Workload, arm: str) -> ArmRun:
     cache = BatchedPagedKVCache(1, 1, 1, work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, work.max_model_len)
     rows = work.row_ids(arm)
+    count = CellCount(cache.slot_table)
     start = time.perf_counter()
     for row in rows:
         cache.allocate_prompt(row, work.prompt)
@@ -180,9 +202,8 @@ def run_table(work: Workload, arm: str) -> ArmRun:
         plan = cache.plan_decode(rows)
     seconds = time.perf_counter() - start
     check_plan_addressing(plan, cache.tables)
-    table = cache.slot_table
-    check_appends_incremental(table, work.rows, work.steps)
-    return ArmRun(seconds, table.resynced_cells + table.appended_cells, plan)
+    check_appends_incremental(count, work.rows, work.steps)
+    return ArmRun(seconds, count.resynced_cells + count.appended_cells, plan)
 
 
 RUNNERS: dict[str, Callable[[Workload], ArmRun]] = {

@@ -34,9 +34,10 @@ def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: in
 
 
 class SlotTable:
-    """Rows change only by `append`, `resync` and `reset`; the counters say what it has done.
-    Lengths are handed out as copies: a later append writes at column `length`, inside a
-    rectangle somebody may still hold, and only a length that did not move masks that cell."""
+    """Rows change only by `append`, `resync` and a zeroed length (cells past it go unread);
+    `windows`/`gathers` count the reads. Lengths are handed out as copies: a later append writes
+    at column `length`, inside a rectangle somebody may still hold, and only a length that did
+    not move masks that cell."""
 
     def __init__(self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu") -> None:
         if max_batch_size < 1 or max_model_len < 1:
@@ -45,7 +46,7 @@ class SlotTable:
         self.device = torch.device(device)
         self.slots = torch.zeros((max_batch_size, max_model_len), dtype=torch.int64, device=self.device)
         self.lengths_array = np.zeros(max_batch_size, dtype=np.int64)
-        self.appended_cells = self.resynced_cells = self.resyncs = self.windows = self.gathers = 0
+        self.windows = self.gathers = 0
 
     def row_ids(self, rows: RowsLike) -> list[int]:
         """A row set as a list of distinct ids; an int `n` is the prefix `0..n-1`."""
@@ -57,18 +58,6 @@ class SlotTable:
         if not ids or len(set(ids)) != len(ids) or not all(0 <= r < self.max_batch_size for r in ids):
             raise ValueError(f"rows {ids} must be a non-empty set of distinct ids in 0..{self.max_batch_size - 1}")
         return ids
-
-    def is_window(self, rows: RowsLike) -> bool:
-        ids = self.row_ids(rows)
-        return ids == list(range(len(ids)))
-
-    @property
-    def lens(self) -> torch.Tensor:
-        """Every row's length, a copy on the table's device."""
-        return torch.from_numpy(self.lengths_array.copy()).to(self.device)
-
-    def length(self, row: int) -> int:
-        return int(self.lengths_array[self.row_ids([row])[0]])
 
     def lengths(self, rows: RowsLike) -> np.ndarray:
         return self.lengths_array[self.row_ids(rows)]
@@ -87,7 +76,6 @@ class SlotTable:
         index = (torch.tensor(ids, device=self.device), torch.from_numpy(cols).to(self.device))
         self.slots.index_put_(index, torch.as_tensor(slots, dtype=torch.int64).to(self.device))
         self.lengths_array[ids] = cols + 1
-        self.appended_cells += len(ids)
 
     def resync(self, table: BlockTable, row: int) -> None:
         """Copy a whole row in from its block table (rebuild_mapping for one row)."""
@@ -96,17 +84,6 @@ class SlotTable:
             raise ValueError(f"row {row}: table holds {n} tokens, the slot table is {self.max_model_len} wide")
         self.slots[self.row_ids([row])[0], :n] = rebuild_mapping([table], [0], device=self.device)[0]
         self.lengths_array[row] = n
-        self.resynced_cells += n
-        self.resyncs += 1
-
-    def reset(self, row: int) -> None:
-        """Length zero. Clears nothing: the old cells sit past the length, unread."""
-        self.lengths_array[self.row_ids([row])[0]] = 0
-
-    def read(self, rows: RowsLike, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rect` and a copy of the rows' lengths on the device."""
-        ids = self.row_ids(rows)
-        return self.rect(ids, width), torch.from_numpy(self.lengths_array[ids]).to(self.device)
 
     def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
         """`[n, width]`: a view of the buffer when rows are the prefix 0..n-1 (a window), else

@@ -125,7 +125,7 @@ def test_clear_returns_blocks_and_empties():
 
 def test_a_bound_table_counts_in_the_shared_array():
     lengths = np.zeros(3, dtype=np.int64)
-    table = BlockTable.bound_to(4, lengths, 1)
+    table = BlockTable(4, lengths, 1)
     table.add_blocks([0, 1])
     table.advance(5)
     assert lengths.tolist() == [0, 5, 0]

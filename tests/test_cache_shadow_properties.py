@@ -150,7 +150,7 @@ class CacheUnderShadow:
         cache = self.cache
         return [
             cache.pool.num_free,
-            [b for b in range(cache.pool.num_blocks) if cache.pool.is_used(b)],
+            [b for b in range(cache.pool.num_blocks) if cache.pool.ref_count(b) > 0],
             cache.live_rows,
             [(t.blocks, t.num_tokens) for t in cache.tables],
             cache.slot_table.lengths_array.copy(),
@@ -320,21 +320,21 @@ class CacheUnderShadow:
 
     def read(self, rows: list[int], width: int) -> None:
         table = self.cache.slot_table
-        rect, lens = table.read(rows, width)
+        rect, lens = table.rect(rows, width), torch.from_numpy(table.lengths(rows)).to(table.device)
         assert tuple(rect.shape) == (len(rows), width)
         assert lens.tolist() == [self.shadow.length(r) for r in rows]
         for i, r in enumerate(rows):
             n = min(width, self.shadow.length(r))
             assert rect[i, :n].tolist() == self.shadow.slots(r)[:n]
         assert table.lengths(rows).tolist() == lens.tolist()
-        assert table.is_window(rows) == (rows == list(range(len(rows))))
+        is_window = rect.untyped_storage().data_ptr() == table.slots.untyped_storage().data_ptr()
+        assert is_window == (rows == list(range(len(rows))))
         if width and width >= max(lens.tolist()):
             self.check_attention(rows, rect, lens)
         self.scribble_on("read's lengths", lens)
         self.scribble_on("SlotTable.lengths", table.lengths(rows))
-        self.scribble_on("SlotTable.lens", table.lens)
         self.hold("read's lengths", lens)
-        if not table.is_window(rows):
+        if not is_window:
             self.scribble_on("a gathered rect", rect)
             self.hold("a gathered rect", rect)
 
@@ -344,14 +344,14 @@ class CacheUnderShadow:
         cache, shadow = self.cache, self.shadow
         assert cache.live_rows == sorted(shadow.rows)
         assert cache.pool.num_free == len(shadow.free_blocks)
-        assert [b for b in range(cache.pool.num_blocks) if not cache.pool.is_used(b)] == sorted(shadow.free_blocks)
+        assert [b for b in range(cache.pool.num_blocks) if not cache.pool.ref_count(b) > 0] == sorted(shadow.free_blocks)
         for r in range(self.max_batch_size):
-            assert cache.is_live(r) == (r in shadow.rows)
+            assert (r in cache.live_rows) == (r in shadow.rows)
             blocks = shadow.rows[r].blocks if r in shadow.rows else []
             assert list(cache.tables[r].blocks) == blocks, f"row {r}"
-            assert cache.num_tokens(r) == cache.slot_table.length(r) == shadow.length(r), f"row {r}"
+            assert cache.num_tokens(r) == cache.slot_table.lengths_array[r] == shadow.length(r), f"row {r}"
             assert cache.tables[r].capacity == len(blocks) * shadow.block_size
-        assert cache.slot_table.lens.tolist() == [shadow.length(r) for r in range(self.max_batch_size)]
+        assert cache.slot_table.lengths_array.tolist() == [shadow.length(r) for r in range(self.max_batch_size)]
         live = [r for r in sorted(shadow.rows) if shadow.length(r)]
         for r in live:
             n = shadow.length(r)

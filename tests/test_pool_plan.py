@@ -35,11 +35,11 @@ def test_resident_share():
 def test_plan_turns_a_budget_into_blocks_and_clamps_max_model_len():
     per_block = 16 * kv_bytes_per_token(2, 2, 8, torch.float32)
     plan = plan_pool(10 * per_block + 5, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=4096)
-    assert (plan.num_blocks, plan.bytes_per_block, plan.kv_bytes) == (10, per_block, 10 * per_block)
+    assert (plan.num_blocks, plan.bytes_per_block) == (10, per_block)
     assert plan.max_model_len == 9 * 16 and plan.requested_max_model_len == 4096  # one block is scratch
     assert plan.num_blocks * plan.block_size == 160 and table_bytes(4, plan.max_model_len) == 4 * 144 * 8
     assert block_table_bytes(4, plan.max_model_len, 16) == 4 * 9 * 8
-    assert 0 < resident_share(4, plan.max_model_len, plan.kv_bytes) < 1
+    assert 0 < resident_share(4, plan.max_model_len, plan.num_blocks * plan.bytes_per_block) < 1
 
 
 def test_plan_keeps_a_max_model_len_the_pool_can_hold():
@@ -56,4 +56,4 @@ def test_a_cache_built_from_the_plan_agrees_with_it():
     plan = plan_pool(1 << 20, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=1 << 20)
     cache = BatchedPagedKVCache(2, 2, 8, plan.num_blocks, plan.block_size, 4, plan.requested_max_model_len)
     assert cache.max_model_len == plan.max_model_len
-    assert sum(t.numel() * t.element_size() for t in cache.k_caches + cache.v_caches) == plan.kv_bytes
+    assert sum(t.numel() * t.element_size() for t in cache.k_caches + cache.v_caches) == plan.num_blocks * plan.bytes_per_block

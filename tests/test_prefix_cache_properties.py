@@ -112,7 +112,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         matched = self.cache.match_prefix(tokens)
         adopted = self.cache.admit_prefix(row, tokens)
         assert adopted == matched and adopted % BS == 0 and adopted <= len(tokens) - 1
-        if not self.cache.can_allocate(len(tokens) - adopted + 1, row):  # + its first decode token
+        if self.cache.blocks_needed(len(tokens) - adopted + 1, row) > self.cache.pool.num_free:  # + its first decode token
             self.cache.free(row)  # undo: the adopted blocks go back to the LRU
             assert (self.cache.pool.num_free, self.cache.prefix_cache_stats()["prefix_cache_blocks"]) == before
             return False
@@ -168,7 +168,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         cache = self.cache
         assert cache.live_rows == list(range(len(self.running)))
         for row, tokens in enumerate(self.running):
-            assert cache.num_tokens(row) == len(tokens) == cache.slot_table.length(row)
+            assert cache.num_tokens(row) == len(tokens) == cache.slot_table.lengths_array[row]
             expected = rebuild_mapping(cache.tables, [row], device=cache.device)[0]
             assert torch.equal(cache.slot_table.slots[row, : len(tokens)], expected), f"row {row}: {cache.slot_table.slots[row, : len(tokens)].tolist()}"
 
@@ -188,7 +188,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             else:
                 assert not prefix.is_evictable(block), f"block {block} is evictable while held"
         assert pool.num_cached == cached
-        assert pool.num_empty + pool.num_cached + pool.num_used == NUM_BLOCKS
+        num_empty = sum(not pool.ref_count(b) and not pool.prefix_cache.is_evictable(b) for b in range(pool.num_blocks))
+        assert num_empty + pool.num_cached + pool.num_used == NUM_BLOCKS
         assert pool.num_used == len(holders)
         assert cache.prefix_cache_stats()["prefix_cache_blocks"] == prefix.num_registered
 

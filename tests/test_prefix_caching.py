@@ -27,9 +27,10 @@ def prefill(cache: BatchedPagedKVCache, row: int, tokens: list[int]) -> int:
 
 def accounting(cache: BatchedPagedKVCache) -> tuple[int, int, int]:
     pool = cache.pool
-    assert pool.num_empty + pool.num_cached + pool.num_used == pool.num_blocks
-    assert pool.num_free == pool.num_empty + pool.num_cached
-    return pool.num_empty, pool.num_cached, pool.num_used
+    num_empty = sum(not pool.ref_count(b) and not pool.prefix_cache.is_evictable(b) for b in range(pool.num_blocks))  # neither held nor cached
+    assert num_empty + pool.num_cached + pool.num_used == pool.num_blocks
+    assert pool.num_free == num_empty + pool.num_cached
+    return num_empty, pool.num_cached, pool.num_used
 
 
 STEM = list(range(100, 112))  # three full blocks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile.slotbench import CellCount
 from nanoserve.cache import BatchedPagedKVCache, BlockTable, PoolExhaustedError
 from nanoserve.cache.gates import check_plan_addressing, check_slots_agree
 from nanoserve.slots import SlotTable, rebuild_mapping
@@ -50,7 +51,7 @@ def test_append_and_read(device):
     table.resync(table_of([1], 3), 2)
     table.append([0, 2], torch.tensor([11, 12], device=device))
     table.append([0, 1, 2], torch.tensor([13, 14, 15], device=device))
-    rect, lens = table.read([0, 1, 2], 5)
+    rect, lens = table.rect([0, 1, 2], 5), torch.from_numpy(table.lengths([0, 1, 2])).to(table.device)
     assert rect[:, :5].tolist() == [[11, 13, 0, 0, 0], [14, 0, 0, 0, 0], [4, 5, 6, 12, 15]]
     assert lens.tolist() == [2, 1, 5] and table.lengths([0, 1, 2]).tolist() == [2, 1, 5]
     with pytest.raises(ValueError, match=r"rows \[2\] already hold"):
@@ -61,22 +62,23 @@ def test_append_and_read(device):
 def test_table_allocates_once_on_device(device):
     table = SlotTable(4, 16, device)
     assert table.slots.shape == (4, 16) and table.slots.dtype == torch.int64
-    assert table.slots.device.type == device and table.lens.device.type == device
+    assert table.slots.device.type == device
     address = table.slots.data_ptr()
     for _ in range(12):
         table.append([0, 1], torch.tensor([3, 4], device=device))
     table.resync(table_of([1], 2), 2)
-    table.reset(0)
+    table.lengths_array[0] = 0
     assert table.slots.data_ptr() == address
 
 
 def test_append_writes_each_row_at_its_own_next_column(device):
     table = SlotTable(4, 8, device)
+    count = CellCount(table)
     table.resync(table_of([1], 3), 2)
     table.append([0, 2], torch.tensor([11, 12], device=device))
     assert table.slots[0, 0].item() == 11 and table.slots[2, 3].item() == 12
-    assert table.lens.tolist() == [1, 0, 4, 0]
-    assert table.appended_cells == 2
+    assert table.lengths_array.tolist() == [1, 0, 4, 0]
+    assert count.appended_cells == 2
 
 
 def test_append_to_a_full_row_names_it():
@@ -94,8 +96,10 @@ def test_append_needs_one_slot_per_row():
 
 def test_a_prefix_given_by_size_or_range_is_the_same_row_set():
     table = SlotTable(4, 8)
-    assert table.row_ids(3) == table.row_ids(range(3)) == [0, 1, 2] and table.is_window(3)
-    assert table.row_ids(torch.tensor([2, 1])) == [2, 1] and not table.is_window(range(1, 3))
+    assert table.row_ids(3) == table.row_ids(range(3)) == [0, 1, 2]
+    assert table.rect(3, 2).data_ptr() == table.slots.data_ptr()  # read as a window
+    assert table.row_ids(torch.tensor([2, 1])) == [2, 1]
+    assert table.rect(range(1, 3), 2).data_ptr() != table.slots.data_ptr()  # not a prefix: a gather
 
 
 @pytest.mark.parametrize("rows", [[0, 0], [4], [-1], [], 0, 5, range(0)])
@@ -107,40 +111,41 @@ def test_bad_row_sets_are_refused(rows):
 def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
     table = SlotTable(4, 8, device)
     table.append([0, 1, 2], torch.tensor([5, 6, 7], device=device))
-    rect, lens = table.read([0, 1, 2], 3)
+    rect, lens = table.rect([0, 1, 2], 3), torch.from_numpy(table.lengths([0, 1, 2])).to(table.device)
     assert rect.shape == (3, 3)
     assert rect.data_ptr() == table.slots.data_ptr() and rect.stride() == table.slots.stride()
     table.append([0], torch.tensor([9], device=device))
     assert rect[0, 1].item() == 9  # live storage
     assert lens.tolist() == [1, 1, 1]  # a copy: it did not move
-    assert table.windows == 1 and table.gathers == 0 and table.is_window(range(3))
+    assert table.windows == 1 and table.gathers == 0
 
 
 def test_read_over_scattered_rows_is_a_copy_of_exactly_the_rectangle(device):
     table = SlotTable(4, 8, device)
     table.append([1, 3], torch.tensor([5, 6], device=device))
-    rect, lens = table.read([3, 1], 2)
+    rect, lens = table.rect([3, 1], 2), torch.from_numpy(table.lengths([3, 1])).to(table.device)
     assert rect.shape == (2, 2) and rect.is_contiguous()
     assert rect.data_ptr() != table.slots.data_ptr()
     assert rect[:, 0].tolist() == [6, 5] and lens.tolist() == [1, 1]
     table.append([3], torch.tensor([8], device=device))
     assert rect[0, 1].item() == 0
-    assert table.gathers == 1 and not table.is_window([3, 1])
+    assert table.gathers == 1
 
 
 def test_reset_zeroes_the_length_and_clears_nothing(device):
-    table = SlotTable(2, 8, device)
-    table.resync(table_of([3], 4), 0)
-    table.reset(0)
-    assert table.length(0) == 0 and table.lens[0].item() == 0
-    assert table.slots[0, :4].tolist() == [12, 13, 14, 15]
+    cache = small_cache(device)
+    written = cache.allocate_prompt(0, 4).tolist()
+    cache.reset_row(0)
+    assert cache.slot_table.lengths_array[0] == 0
+    assert cache.slot_table.slots[0, :4].tolist() == written
 
 
 def test_resync_copies_the_row_and_counts(device):
     table = SlotTable(2, 8, device)
+    count = CellCount(table)
     table.resync(table_of([3, 0], 6), 1)
     assert table.slots[1, :6].tolist() == [12, 13, 14, 15, 0, 1]
-    assert (table.resyncs, table.resynced_cells) == (1, 6)
+    assert (count.resyncs, count.resynced_cells) == (1, 6)
 
 
 def test_resync_of_a_row_longer_than_the_table_raises():
@@ -170,7 +175,7 @@ def test_allocate_prompt_returns_its_slots_and_resyncs(device):
     cache = small_cache(device)
     slots = cache.allocate_prompt(1, 6)
     assert slots.tolist() == [cache.tables[1].slot(t) for t in range(6)]
-    assert cache.is_live(1) and cache.num_tokens(1) == 6
+    assert 1 in cache.live_rows and cache.num_tokens(1) == 6
     check_slots_agree(cache.slot_table, cache.tables, [1])
 
 
@@ -245,7 +250,7 @@ def test_plan_decode_without_blocks_raises_and_changes_nothing():
     assert not cache.can_append([0, 1]) and cache.blocks_to_append([0, 1]) == 2
     with pytest.raises(PoolExhaustedError, match=r"rows \[0, 1\] each need a new block"):
         cache.plan_decode([0, 1])
-    assert cache.num_tokens(0) == 4 and cache.slot_table.length(0) == 4
+    assert cache.num_tokens(0) == 4 and cache.slot_table.lengths_array[0] == 4
 
 
 def blocks_held_exactly(cache: BatchedPagedKVCache, rows) -> bool:
@@ -255,6 +260,7 @@ def blocks_held_exactly(cache: BatchedPagedKVCache, rows) -> bool:
 
 def test_decode_crosses_block_boundaries_taking_each_block_on_the_step_that_needs_it():
     cache = small_cache(num_blocks=64)
+    count = CellCount(cache.slot_table)
     for row, n in enumerate([1, 4, 6]):  # rows cross at different steps
         cache.allocate_prompt(row, n)
     used = [cache.pool.num_used]
@@ -263,7 +269,7 @@ def test_decode_crosses_block_boundaries_taking_each_block_on_the_step_that_need
         check_plan_addressing(plan, cache.tables)
         assert blocks_held_exactly(cache, [0, 1, 2])
         used.append(cache.pool.num_used)
-    assert cache.slot_table.resyncs == 3  # the prompts: 40 steps over 30 block crossings resynced nothing
+    assert count.resyncs == 3  # the prompts: 40 steps over 30 block crossings resynced nothing
     assert used[-1] - used[0] == sum(-(-(n + 40) // 4) - (-(-n // 4)) for n in [1, 4, 6])
 
 
@@ -295,14 +301,14 @@ def test_decode_stops_at_the_step_whose_block_the_pool_lacks():
             cache.plan_decode([0, 1])
             steps += 1
     assert steps == 4  # row 1 crossed at step 0; row 0 at step 2; row 1 needs its third block at step 4
-    assert cache.num_tokens(1) == 8 and cache.slot_table.length(1) == 8 and cache.pool.num_free == 0
+    assert cache.num_tokens(1) == 8 and cache.slot_table.lengths_array[1] == 8 and cache.pool.num_free == 0
     cache.free(0)
     check_plan_addressing(cache.plan_decode([1]), cache.tables)
 
 
 def test_admission_arithmetic():
     cache = small_cache(num_blocks=6)  # 5 usable blocks of 4
-    assert cache.blocks_needed(9) == 3 and cache.can_allocate(20) and not cache.can_allocate(21)
+    assert cache.blocks_needed(9) == 3 and cache.blocks_needed(20) <= cache.pool.num_free < cache.blocks_needed(21)
     cache.allocate_prompt(0, 3)
     assert cache.blocks_needed(1, row=0) == 0 and cache.blocks_needed(2, row=0) == 1
     assert cache.can_append([0])
@@ -312,14 +318,14 @@ def test_free_gives_back_blocks_and_the_row():
     cache = small_cache()
     cache.allocate_prompt(0, 9)
     cache.free(0)
-    assert cache.pool.num_used == 1 and not cache.is_live(0) and cache.live_rows == []
+    assert cache.pool.num_used == 1 and 0 not in cache.live_rows and cache.live_rows == []
 
 
 def test_reset_row_keeps_the_row_and_zeroes_its_length():
     cache = small_cache()
     cache.allocate_prompt(2, 5)
     cache.reset_row(2)
-    assert cache.is_live(2) and cache.num_tokens(2) == 0 and cache.slot_table.length(2) == 0
+    assert 2 in cache.live_rows and cache.num_tokens(2) == 0 and cache.slot_table.lengths_array[2] == 0
 
 
 def test_adopt_row_takes_a_table_and_resyncs():
@@ -359,7 +365,7 @@ def test_move_row_compacts_and_frees_the_source(device):
     cache.plan_decode([0, 2])
     cache.free(0)
     cache.move_row(2, 0)
-    assert cache.live_rows == [0] and cache.num_tokens(0) == 7 and cache.slot_table.length(2) == 0
+    assert cache.live_rows == [0] and cache.num_tokens(0) == 7 and cache.slot_table.lengths_array[2] == 0
     check_slots_agree(cache.slot_table, cache.tables, [0])
     plan = cache.plan_decode([0])
     assert plan.is_window and plan.context_lens.tolist() == [8]
@@ -389,8 +395,8 @@ def test_a_prompt_the_pool_cannot_hold_claims_nothing():
     cache.allocate_prompt(0, 8)
     with pytest.raises(PoolExhaustedError):
         cache.allocate_prompt(1, 5)
-    assert not cache.is_live(1) and cache.tables[1].is_empty and cache.pool.num_free == 1
-    assert cache.slot_table.length(1) == 0
+    assert 1 not in cache.live_rows and cache.tables[1].is_empty and cache.pool.num_free == 1
+    assert cache.slot_table.lengths_array[1] == 0
 
 
 def test_a_long_steady_batch_matches_rebuild_and_takes_blocks_lowest_id_first():

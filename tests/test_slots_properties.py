@@ -59,7 +59,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------
 
     def free_rows(self) -> list[int]:
-        return [r for r in range(MAX_ROWS) if not self.cache.is_live(r)]
+        return [r for r in range(MAX_ROWS) if r not in self.cache.live_rows]
 
     def new_tenant(self, row: int) -> None:
         self.tenant[row] = self.next_tenant
@@ -87,7 +87,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     @rule(data=st.data(), length=st.integers(1, 12), adopted=st.booleans())
     def admit(self, data, length, adopted):
         row = data.draw(st.sampled_from(self.free_rows()), label="row")
-        if not self.cache.can_allocate(length):
+        if self.cache.blocks_needed(length) > self.cache.pool.num_free:
             return
         if adopted:
             self.adopt(row, length)
@@ -141,7 +141,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         row = data.draw(st.sampled_from(self.cache.live_rows), label="row")
         self.cache.free(row)
         self.new_tenant(row)
-        assert not self.cache.is_live(row) and self.cache.slot_table.length(row) == 0
+        assert row not in self.cache.live_rows and self.cache.slot_table.lengths_array[row] == 0
 
     @precondition(lambda self: self.cache.live_rows and self.free_rows())
     @rule(data=st.data())
@@ -150,7 +150,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         dst = data.draw(st.sampled_from(self.free_rows()), label="dst")
         n = self.cache.num_tokens(src)
         self.cache.move_row(src, dst)
-        assert self.cache.num_tokens(dst) == n and not self.cache.is_live(src)
+        assert self.cache.num_tokens(dst) == n and src not in self.cache.live_rows
         self.new_tenant(src)
         self.new_tenant(dst)
 
@@ -175,9 +175,9 @@ class SlotTableMachine(RuleBasedStateMachine):
         table = self.cache.slot_table
         rows = data.draw(st.lists(st.integers(0, MAX_ROWS - 1), min_size=1, max_size=MAX_ROWS, unique=True),
                          label="rows")
-        rect, lens = table.read(rows, width)
+        rect, lens = table.rect(rows, width), torch.from_numpy(table.lengths(rows)).to(table.device)
         assert rect.shape == (len(rows), width)
-        assert lens.tolist() == [table.length(r) for r in rows]
+        assert lens.tolist() == [table.lengths_array[r] for r in rows]
         if rows == list(range(len(rows))):
             # a view: the buffer's storage at the buffer's address, with the buffer's row stride
             assert rect.untyped_storage().data_ptr() == table.slots.untyped_storage().data_ptr()
@@ -221,7 +221,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert not set(held) & set(self.outside), "a row holds a block somebody else took"
         assert pool.num_used == len(held) + 1 + len(self.outside)  # + the scratch block: nothing leaked
         for r in range(MAX_ROWS):
-            if not cache.is_live(r):
+            if r not in cache.live_rows:
                 assert cache.tables[r].is_empty
             # exact: a row holds a block from the step its first token needs it, never before
             assert cache.tables[r].num_blocks == -(-cache.num_tokens(r) // BLOCK_SIZE)

@@ -43,19 +43,12 @@ class BlockPool:
         return len(self._free) + self.prefix_cache.num_evictable
 
     @property
-    def num_empty(self) -> int:
-        return len(self._free)
-
-    @property
     def num_cached(self) -> int:
         return self.prefix_cache.num_evictable
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
-
-    def is_used(self, block: int) -> bool:
-        return 0 <= block < self.num_blocks and self._refs[block] > 0
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -68,7 +61,7 @@ class BlockPool:
         if n > self.num_free:
             raise PoolExhaustedError(
                 f"pool exhausted: asked for {n} blocks, {self.num_free} of {self.num_blocks} free "
-                f"(block_size {self.block_size}); the scheduler should preempt or wait (check can_allocate first)")
+                f"(block_size {self.block_size}); the scheduler should preempt or wait (compare blocks_needed with num_free first)")
         empty = min(n, len(self._free))
         blocks = [self._free.pop() for _ in range(empty)]
         blocks += [self.prefix_cache.evict() for _ in range(n - empty)]
@@ -113,25 +106,18 @@ class BlockPool:
 
 class BlockTable:
     """One request's blocks and token count. The count is one cell of an int64 array: the
-    table's own, or the slot table's lengths once a cache binds the table to a row
-    (`bound_to`), so a row's length has one owner."""
+    table's own, or `lengths[row]` (a view: a cache binds each row's table to the slot table's
+    lengths), so a row's length has one owner."""
 
     __slots__ = ("block_size", "_blocks", "_count")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lengths: np.ndarray | None = None, row: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._blocks: list[int] = []
-        self._count = np.zeros(1, dtype=np.int64)
-
-    @classmethod
-    def bound_to(cls, block_size: int, lengths: np.ndarray, row: int) -> BlockTable:
-        """An empty table whose token count is `lengths[row]` (a view, not a copy)."""
-        table = cls(block_size)
-        table._count = lengths[row : row + 1]
-        table._count[0] = 0
-        return table
+        self._count = np.zeros(1, dtype=np.int64) if lengths is None else lengths[row : row + 1]
+        self._count[0] = 0
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -157,7 +143,6 @@ class BlockTable:
         return self._blocks[t // self.block_size] * self.block_size + t % self.block_size
 
     def blocks_needed(self, extra_tokens: int) -> int:
-        """Blocks to add before `extra_tokens` more tokens fit."""
         return max(0, -(-(self.num_tokens + extra_tokens) // self.block_size) - len(self._blocks))
 
     def add_blocks(self, blocks: Sequence[int]) -> None:
@@ -182,7 +167,6 @@ class BlockTable:
         other._blocks, other._count[0] = [], 0
 
     def clear(self) -> list[int]:
-        """Empty the table and return the blocks it held."""
         blocks, self._blocks = self._blocks, []
         self._count[0] = 0
         return blocks

@@ -1,8 +1,4 @@
-"""The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table.
-
-Each row's block table counts its tokens in the slot table's lengths, so a row's length has
-one owner, which `plan_decode` bumps once per step for every reader.
-"""
+"""The paged KV cache: K/V tensors, the block pool, one block table per row, and the slot table."""
 
 from __future__ import annotations
 
@@ -70,7 +66,7 @@ class BatchedPagedKVCache:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.slot_table = SlotTable(max_batch_size, self.max_model_len, self.device)
         lengths = self.slot_table.lengths_array
-        self.tables = [BlockTable.bound_to(block_size, lengths, row) for row in range(max_batch_size)]
+        self.tables = [BlockTable(block_size, lengths, row) for row in range(max_batch_size)]
         self._claimed = [False] * max_batch_size  # a reset row stays claimed, with no tokens
         self.enable_prefix_caching = enable_prefix_caching
         self._root_hash = root_hash(prefix_salt)
@@ -78,9 +74,6 @@ class BatchedPagedKVCache:
     @property
     def live_rows(self) -> list[int]:
         return [row for row, claimed in enumerate(self._claimed) if claimed]
-
-    def is_live(self, row: int) -> bool:
-        return self._claimed[self._row(row)]
 
     def num_tokens(self, row: int) -> int:
         """Tokens whose K/V the row holds (adopted or computed): the one count of them."""
@@ -101,7 +94,7 @@ class BatchedPagedKVCache:
         holder = {block: f"row {r}" for r, held in enumerate(self.tables) for block in held.blocks}
         holder[self._scratch_block] = "the scratch block"
         for block in table.blocks:
-            if block in holder or not self.pool.is_used(block):
+            if block in holder or not (0 <= block < self.pool.num_blocks and self.pool.ref_count(block)):
                 owner = f"held by {holder[block]}" if block in holder else "free in the pool"
                 raise ValueError(f"row {row}: cannot adopt block {block}: it is {owner}")
         self.tables[self._row(row)].adopt(table)
@@ -132,7 +125,7 @@ class BatchedPagedKVCache:
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a request from `src` to the empty row `dst` (compaction); `src` ends free."""
-        if src == dst or not self.is_live(src):
+        if src == dst or not self._claimed[self._row(src)]:
             raise ValueError(f"move_row({src}, {dst}): the source must be a live row other than the destination")
         if not self.tables[self._row(dst)].is_empty:
             raise ValueError(f"move_row: destination row {dst} still holds {self.num_tokens(dst)} tokens; free it first")
@@ -145,9 +138,6 @@ class BatchedPagedKVCache:
         if row is None:
             return -(-num_tokens // self.block_size)
         return self.tables[self._row(row)].blocks_needed(num_tokens)
-
-    def can_allocate(self, num_tokens: int, row: int | None = None) -> bool:
-        return self.blocks_needed(num_tokens, row) <= self.pool.num_free
 
     def blocks_to_append(self, rows: RowsLike) -> int:
         """Blocks one more decode step over `rows` would allocate (rows whose blocks are full)."""

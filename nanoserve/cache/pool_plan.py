@@ -14,7 +14,6 @@ INDEX_BYTES = 8  # int64 slots and block ids
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V for one token across all layers."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -24,7 +23,6 @@ def table_bytes(max_batch_size: int, max_model_len: int) -> int:
 
 
 def block_table_bytes(max_batch_size: int, max_model_len: int, block_size: int) -> int:
-    """A block-id table's bytes (partial blocks round up)."""
     return max_batch_size * -(-max_model_len // block_size) * INDEX_BYTES
 
 
@@ -41,11 +39,7 @@ class PoolPlan:
     max_batch_size: int
     max_model_len: int  # clamped to the slots the usable blocks hold
     requested_max_model_len: int
-    bytes_per_block: int
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+    bytes_per_block: int  # K/V bytes = num_blocks * bytes_per_block
 
 
 def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -17,13 +17,11 @@ import numpy as np
 BlockHash = bytes
 
 
-def root_hash(salt: str) -> BlockHash:
-    """The parent hash of a sequence's first block."""
+def root_hash(salt: str) -> BlockHash:  # the parent hash of a sequence's first block
     return hashlib.sha256(b"nanoserve prefix cache\0" + salt.encode()).digest()
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash) -> list[BlockHash]:
-    """The hashes (sha256) of the full blocks of `token_ids`, first block first."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     hashes, parent = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
