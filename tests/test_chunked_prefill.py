@@ -204,3 +204,22 @@ def test_the_default_budget_leaves_half_a_decode_batch_for_chunks_on_the_cpu_and
     assert default_token_budget(True, 600, 4096, "cuda") == 601
     assert default_token_budget(False, 32, 4096, "cpu") == 4096
     assert engine_for(tiny, max_num_batched_tokens=None, max_batch_size=40).config.max_num_batched_tokens == 60
+
+
+def test_a_step_with_no_stream_decoding_takes_the_prefill_only_budget_and_one_beside_streams_the_small_one(tiny):
+    engine = _engine_for(tiny, None)  # the CPU defaults for 4 rows: 20 tokens a step, 512 with none decoding
+    stats = engine.scheduler.stats
+    assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.prefill_only_budget) == (20, 512)
+    engine.add_request(list(range(3, 103)), greedy(20))
+    engine.step()  # nobody decodes: the whole 100-token prompt in one step
+    assert (stats.prefill_steps, stats.prefill_tokens) == (1, 100)
+    engine.add_request(list(range(103, 203)), greedy(2))
+    engine.step()  # one stream decodes: a chunk of what is left of 20
+    assert (stats.prefill_steps, stats.prefill_tokens, stats.decode_tokens) == (2, 119, 1)
+    run(engine)
+
+    capped = _engine_for(tiny, 20)  # a budget the caller sets binds every step
+    assert capped.scheduler.prefill_only_budget == 20
+    capped.add_request(list(range(3, 103)), greedy(1))
+    run(capped)
+    assert (capped.scheduler.stats.prefill_steps, capped.scheduler.stats.prefill_tokens) == (5, 100)

@@ -58,8 +58,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     ``max_num_batched_tokens`` is a step's token budget. With ``enable_chunked_prefill`` (the
     default) decode rows take one token each and prefill chunks fill the rest, so a long prompt
     is prefilled over several steps while running streams keep decoding (unset:
-    ``default_token_budget``); without it a step
-    prefills whole prompts (unset: max(2048, max_model_len)) or decodes.
+    ``default_token_budget``, and a step with no stream decoding may then prefill
+    DEFAULT_CHUNKED_BUDGET tokens); without it a step prefills whole prompts (unset:
+    max(2048, max_model_len)) or decodes.
 
     With ``enable_prefix_caching`` (the default) full blocks of K/V stay cached after their
     request leaves, and a new request adopts its longest cached prefix instead of recomputing it.
@@ -114,6 +115,10 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         num_blocks=plan.num_blocks,
         max_num_batched_tokens=max_num_batched_tokens or default_token_budget(
             enable_chunked_prefill, max_batch_size, cache.max_model_len, device),
+        # The CPU default budget is sized for the streams a chunk delays; with none decoding it
+        # would only slow a lone prompt, so such a step may prefill DEFAULT_CHUNKED_BUDGET tokens.
+        # A budget the caller sets is a hard limit on every step.
+        prefill_only_budget=None if max_num_batched_tokens or not enable_chunked_prefill else DEFAULT_CHUNKED_BUDGET,
         dtype=dtype, device=device, compile=compile, weights=weights_name, enable_chunked_prefill=enable_chunked_prefill)
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:

@@ -66,6 +66,7 @@ class EngineConfig:
     compile: bool = False
     weights: str = "fp32"  # the weight format in use (WeightPlan.name, or the dense dtype's name)
     enable_chunked_prefill: bool = True
+    prefill_only_budget: int | None = None  # a step without decode rows (None: max_num_batched_tokens)
 
 
 Prompt = str | Sequence[int]
@@ -81,7 +82,8 @@ class Engine:
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.runner = ModelRunner(model, cache, decode_step, config.device)
         self.scheduler = Scheduler(cache, config.max_batch_size, config.max_num_batched_tokens,
-                                   on_row_move=self.runner.move_row, chunked=config.enable_chunked_prefill)
+                                   on_row_move=self.runner.move_row, chunked=config.enable_chunked_prefill,
+                                   prefill_only_budget=config.prefill_only_budget)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -395,6 +397,8 @@ class Engine:
             "decode_outside_forward_share": self.decode_timing.outside_forward_share,
             "weights": self.config.weights, "weight_bytes": self.weight_bytes,
             "chunked_prefill": self.config.enable_chunked_prefill,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "prefill_only_budget": self.scheduler.prefill_only_budget,
             "prefix_caching": self.cache.enable_prefix_caching, **self.cache.prefix_cache_stats(),
         }
 

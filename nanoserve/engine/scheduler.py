@@ -72,7 +72,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int,
-                 on_row_move: Callable[[int, int], None] | None = None, chunked: bool = True) -> None:
+                 on_row_move: Callable[[int, int], None] | None = None, chunked: bool = True,
+                 prefill_only_budget: int | None = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if chunked and max_num_batched_tokens <= max_batch_size:
@@ -81,6 +82,9 @@ class Scheduler:
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A step with no decode row keeps no stream waiting, so its prefill may take this many
+        # tokens (None: the same budget as any step).
+        self.prefill_only_budget = max(max_num_batched_tokens, prefill_only_budget or 0)
         self.on_row_move = on_row_move
         self.chunked = chunked
         self.waiting: deque[Request] = deque()
@@ -100,14 +104,16 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
-        """Decode first, then prefill chunks in what is left of the budget (chunked); without
+        """Decode first, then prefill chunks in what is left of the budget (chunked; a step
+        without decode rows uses ``prefill_only_budget``); without
         chunking, whole prompts first, else one decode step. None when nothing can run."""
         if self.chunked:
             decode = self._schedule_decode()
-            step = ScheduledStep(decode, self._schedule_prefill(self.max_num_batched_tokens - len(decode), decode))
+            budget = self.max_num_batched_tokens - len(decode) if decode else self.prefill_only_budget
+            step = ScheduledStep(decode, self._schedule_prefill(budget, decode))
             while not step.decode and not step.prefill and self.running:
                 self._preempt_stuck_prefill()
-                step = ScheduledStep([], self._schedule_prefill(self.max_num_batched_tokens, []))
+                step = ScheduledStep([], self._schedule_prefill(self.prefill_only_budget, []))
         else:
             step = ScheduledStep([], self._schedule_prefill(self.max_num_batched_tokens, []))
             if not step.prefill:
