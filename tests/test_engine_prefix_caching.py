@@ -123,3 +123,23 @@ def test_prompt_logprobs_requests_score_every_token_beside_a_cached_prefix(tiny)
     assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
         [float(reference[i - 1, prompt[i]]) for i in range(1, len(prompt))], abs=1e-4)
     engine.check_drained()
+
+
+def test_a_request_sharing_a_running_rows_prefix_is_admitted_for_the_blocks_it_adds(tiny):
+    # 16 blocks of 4. A holds its 40-token prompt (10 blocks, all cached) and decodes; B shares
+    # those 40 tokens and adds 4: it needs 2 blocks of its own, not 12, so it runs beside A.
+    engine = engine_for(tiny, kv_cache_bytes=16 * BLOCK_BYTES, max_model_len=48, max_num_batched_tokens=64)
+    assert engine.cache.pool.num_blocks == 16
+    prefix = [random.Random(5).randrange(256) for _ in range(40)]
+    first = engine.add_request(prefix, greedy(8))
+    engine.step()  # A's whole prompt
+    assert engine.cache.blocks_to_admit(prefix + [1, 2, 3, 4]) == 12 - 10
+    assert engine.cache.blocks_to_admit(prefix + [1, 2, 3, 4], adopt=False) == 12
+    second = engine.add_request(prefix + [1, 2, 3, 4], greedy(4))
+    engine.step()  # A decodes, B is admitted and prefills its 4 tokens
+    assert [r.request_id for r in engine.scheduler.running] == [first, second]
+    assert engine.stats()["prefix_cache_hits"] == 40
+    done = run(engine)
+    assert done[second].token_ids == dense_greedy_with_logprobs(tiny, prefix + [1, 2, 3, 4], 4)[0]
+    assert done[first].token_ids == dense_greedy_with_logprobs(tiny, prefix, 8)[0]
+    engine.check_drained()

@@ -178,6 +178,13 @@ class BatchedPagedKVCache:
                           torch.from_numpy(context_lens).to(self.device), int(context_lens.sum()), write_slots,
                           torch.from_numpy(positions).to(self.device), is_window)
 
+    def blocks_to_admit(self, token_ids: Sequence[int], adopt: bool = True) -> int:
+        """Free blocks a new row holding `token_ids` plus one decode token takes: its blocks,
+        less the cached prefix (when it adopts one) that other rows already hold and so are not
+        counted free (a cached block no row holds is counted free, so it counts here too)."""
+        held = sum(self.pool.ref_count(b) > 0 for b in self._cached_prefix(token_ids)) if adopt else 0
+        return self.blocks_needed(len(token_ids) + 1) - held
+
     def match_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` a new request could adopt now (a pure query)."""
         return len(self._cached_prefix(token_ids)) * self.block_size

@@ -158,13 +158,14 @@ class Scheduler:
         return chunks
 
     def _has_room_for(self, request: Request, decode: list[Request]) -> bool:
-        # Room for the whole sequence and its first decode token (an adopted prefix may be
-        # evictable blocks, so it is counted too), the rest of every prefilling row, and a
-        # block of headroom for every running row: admitting into a pool the running rows are
-        # about to need only buys a preemption (and a recompute) on a later step.
+        # Room for the whole sequence and its first decode token (less the prefix blocks it
+        # would share with running rows), the rest of every prefilling row, and a block of
+        # headroom for every running row: admitting into a pool the running rows are about to
+        # need only buys a preemption (and a recompute) on a later step.
         reserved = sum(self.cache.blocks_needed(r.num_tokens - self.cache.num_tokens(r.row) + 1, r.row)
                        for r in self.running[self.num_decoding:])
-        need = self.cache.blocks_needed(request.num_tokens + 1) + reserved + len(self.running)
+        admit = self.cache.blocks_to_admit(request.all_token_ids, adopt=request.params.prompt_logprobs is None)
+        need = admit + reserved + len(self.running)
         return need <= self._spare_blocks(decode)
 
     def _tokens_that_fit(self, row: int, decode: list[Request]) -> int:
