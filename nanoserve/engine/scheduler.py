@@ -164,7 +164,7 @@ class Scheduler:
         # need only buys a preemption (and a recompute) on a later step.
         reserved = sum(self.cache.blocks_needed(r.num_tokens - self.cache.num_tokens(r.row) + 1, r.row)
                        for r in self.running[self.num_decoding:])
-        admit = self.cache.blocks_to_admit(request.all_token_ids, adopt=request.params.prompt_logprobs is None)
+        admit = self.cache.blocks_to_admit(request.all_token_ids, adopt=_adopts_prefix(request))
         need = admit + reserved + len(self.running)
         return need <= self._spare_blocks(decode)
 
@@ -179,9 +179,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         row = len(self.running)
-        # A request that scores its prompt needs every prompt token's hidden state: it adopts
-        # nothing (its first chunk claims the row). The others adopt their longest cached prefix.
-        if request.params.prompt_logprobs is None:
+        if _adopts_prefix(request):  # else its first chunk claims the row
             self.cache.admit_prefix(row, request.all_token_ids)
         request.row = row
         request.status = RequestStatus.PREFILLING
@@ -276,3 +274,9 @@ class Scheduler:
         mover.row = dst
         self.running[dst] = mover
         self.stats.compactions += 1
+
+
+def _adopts_prefix(request: Request) -> bool:
+    """Whether a request adopts its longest cached prefix on admission. One that scores its
+    prompt needs every prompt token's hidden state, so it adopts nothing."""
+    return request.params.prompt_logprobs is None
