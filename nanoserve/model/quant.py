@@ -38,6 +38,11 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 # prefill of a few tokens past a cached prefix and a decode batch of 10 or more take the bf16
 # copy, and decode batches up to 9 keep int4.
 DENSE_FROM_ROWS = 10
+# The group-wise int8 LM head (49152 x 576, run as [N, 2K] int4) crosses over sooner: the bf16
+# product reads its 57 MB at any row count, while the int4 kernel's cost grows with every row.
+# One thread: int8 1.96x faster at 1 row, 1.17x at 4, 0.74x at 5, 0.63x at 8; two threads:
+# int8 ahead at 4 rows (4.6 against 6.4 ms), behind at 8 (9.4 against 6.7 ms).
+HEAD_DENSE_FROM_ROWS = 5
 
 
 @dataclass
@@ -199,7 +204,8 @@ class WeightPlan:
     """How the weights are held. ``format`` is one of WEIGHT_FORMATS; with ``dense_from_rows``
     set, packed linears also keep a bf16 copy used for inputs of at least that many rows.
     ``int8_head`` (int4 only) runs the LM head as group-32 int8 (``Int8GroupLinear``: the
-    default GGUF's own Q8_0 blocks) instead of bf16; a tied embedding stays a bf16 table."""
+    default GGUF's own Q8_0 blocks) instead of bf16; a tied embedding stays a bf16 table. With a
+    bf16 copy the head takes it from ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows."""
 
     format: str
     dense_from_rows: int | None = None
@@ -270,8 +276,8 @@ def _pack_int8_group_head(model: nn.Module, plan: WeightPlan) -> None:
     elif plan.dense_from_rows is not None:
         dense = _dense_copy(head.weight, plan)
     codes, scales = quantize_int8_groups(head.weight)
-    model.lm_head = Int8GroupLinear(codes, scales, None if tied else head.bias, plan.dtype, dense,
-                                    plan.dense_from_rows)
+    dense_from_rows = None if dense is None else min(plan.dense_from_rows, HEAD_DENSE_FROM_ROWS)
+    model.lm_head = Int8GroupLinear(codes, scales, None if tied else head.bias, plan.dtype, dense, dense_from_rows)
 
 
 # A fused linear of this model and the HF tensors it stacks along the output dimension, in order.
