@@ -53,6 +53,30 @@ def test_shared_prefixes_give_the_dense_oracles_tokens_and_logprobs(tiny, chunke
     cached.check_drained()
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_burst_sharing_an_uncached_prefix_computes_it_once(tiny, chunked):
+    # Four prompts arrive together on an empty cache, sharing 22 tokens (5 full blocks), with
+    # budget for all of them in one step: the first computes the shared blocks, the others wait
+    # a step and adopt them, and the tokens stay the dense oracle's.
+    burst = with_system_prompt(4, seed=3)
+    engine = engine_for(tiny, max_num_batched_tokens=256, enable_chunked_prefill=chunked)
+    outs = generate(engine, burst, greedy(5))
+    for prompt, out in zip(burst, outs):
+        assert out.token_ids == dense_greedy_with_logprobs(tiny, prompt, 5)[0]
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == 3 * 20
+    assert stats["prefill_tokens"] == sum(len(p) for p in burst) - 3 * 20
+    engine.check_drained()
+
+
+def test_a_burst_with_nothing_in_common_is_admitted_in_one_step(tiny):
+    burst = [[(11 * i + 17 * j + 1) % 256 for i in range(15)] for j in range(4)]
+    engine = engine_for(tiny, max_num_batched_tokens=256)
+    generate(engine, burst, greedy(1))
+    assert engine.stats()["prefill_steps"] == 1 and engine.stats()["prefix_cache_hits"] == 0
+    engine.check_drained()
+
+
 def test_a_second_turn_adopts_the_whole_first_turn(tiny):
     engine = engine_for(tiny)
     turn1 = [(5 * i + 3) % 256 for i in range(30)]
