@@ -19,7 +19,7 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
         return build_engine(base.model, tokenizer=base.tokenizer, max_batch_size=4, max_model_len=512,
                             block_size=8, **flags)
 
-    work = ServeWorkload(requests=3, turns=2, answer_tokens=4, streams=3, long_tokens=120, chunk_tokens=24,
+    work = ServeWorkload(requests=3, bursts=2, turns=2, answer_tokens=4, streams=3, long_tokens=120, chunk_tokens=24,
                          warm_steps=2)
     rows = serve_bench.run(make, work)
     text = serve_bench.report(rows, tmp_path, plot=False)
@@ -27,6 +27,10 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
     shared = {r["caching"]: r for r in rows if r["workload"] == "shared"}
     assert shared["off"]["prefill_tokens"] == shared["off"]["prompt_tokens"]
     assert shared["on"]["prefill_tokens"] < shared["off"]["prefill_tokens"]  # the template's head is shared
+    burst = {r["caching"]: r for r in rows if r["workload"] == "burst"}
+    assert burst["off"]["prefill_tokens"] == burst["off"]["prompt_tokens"] == shared["off"]["prompt_tokens"]
+    # A cold cache: the first request computes the template's head, the other two adopt it.
+    assert burst["on"]["prefill_tokens"] < burst["off"]["prefill_tokens"]
     turns = {(r["caching"], r["turn"]): r for r in rows if r["workload"] == "turns"}
     assert turns["on", 2]["prefill_tokens"] < turns["on", 2]["prompt_tokens"] == turns["off", 2]["prefill_tokens"]
     long = {r["chunking"]: r for r in rows if r["workload"] == "long"}
@@ -34,8 +38,8 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
     assert long["on"]["steps_during"] > long["off"]["steps_during"]  # the prompt went in chunks, decoding between
     for row in long.values():
         assert row["itl_p99_ms"] >= row["itl_p50_ms"] > 0 and row["undisturbed_p50_ms"] > 0
-    assert [t["target"].split()[0] for t in serve_bench.targets(rows)] == ["shared-prefix", "chunked"]
-    assert "targets:" in text and "shared:" in text and "turns:" in text and "long:" in text
+    assert [t["target"].split()[0] for t in serve_bench.targets(rows)] == ["shared-prefix", "shared-prefix", "chunked"]
+    assert "targets:" in text and "shared:" in text and "burst:" in text and "turns:" in text and "long:" in text
     with (tmp_path / "serve.csv").open() as f:
         written = list(csv.DictReader(f))
-    assert len(written) == len(rows) + 2
+    assert len(written) == len(rows) + 3
