@@ -89,6 +89,30 @@ def test_a_long_prompt_is_chunked_while_running_rows_keep_decoding(tiny):
     engine.check_drained()
 
 
+def test_an_eager_step_decodes_and_prefills_in_one_forward_with_the_oracles_logprobs(tiny):
+    engine = engine_for(tiny, max_num_batched_tokens=8)
+    forwards = []
+    hook = engine.model.register_forward_hook(lambda module, args, out: forwards.append(out.shape[0]))
+    try:
+        streams = {engine.add_request(p, greedy(12, logprobs=0)): p for p in ([1, 2, 3], [4, 5], [6, 7, 8, 9])}
+        for _ in range(3):
+            engine.step()
+        long_prompt = [(13 * i + 5) % 256 for i in range(40)]
+        long_id = engine.add_request(long_prompt, greedy(4, logprobs=0))
+        forwards.clear()
+        engine.step()
+        assert forwards == [8]  # 3 decode tokens and a 5-token chunk: one forward
+        done = run(engine)
+    finally:
+        hook.remove()
+    for request_id, prompt in [*streams.items(), (long_id, long_prompt)]:
+        tokens, logprobs = dense_greedy_with_logprobs(tiny, prompt, len(done[request_id].token_ids))
+        assert done[request_id].token_ids == tokens
+        assert [lp.logprob for lp in done[request_id].logprobs] == pytest.approx(logprobs, abs=1e-4)
+    assert engine.stats()["gathers"] == 0
+    engine.check_drained()
+
+
 def test_preemption_mid_prefill_is_invisible_and_gives_everything_back(tiny):
     # 26 usable blocks of 4 slots: the long prompt is admitted (16 blocks), then the decoding
     # streams grow into the blocks its later chunks need and the newest, the long prompt, gives way.

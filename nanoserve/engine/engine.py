@@ -143,10 +143,13 @@ class Engine:
             return outputs
         failed: dict[Request, str] = {}  # request -> why it failed
         logits = []
-        if step.decode:
-            logits.append(self.runner.decode(step.decode))
-        if step.prefill:
-            logits.append(self._prefill(step.prefill, failed))
+        if step.decode and step.prefill and self.runner.folds_decode:
+            logits.append(self._prefill(step.prefill, failed, decode=len(step.decode)))
+        else:
+            if step.decode:
+                logits.append(self.runner.decode(step.decode))
+            if step.prefill:
+                logits.append(self._prefill(step.prefill, failed))
         requests = step.sampled
         if requests:
             token_ids, logprobs = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0],
@@ -168,12 +171,13 @@ class Engine:
             self.decode_timing.step_seconds += time.perf_counter() - started
         return outputs + [self._output(r) for r in requests]
 
-    def _prefill(self, chunks: list[PrefillChunk], failed: dict[Request, str]) -> torch.Tensor:
-        """Run the chunks; score the prompt tokens they cover for requests that ask; register
-        the full blocks they completed with the prefix cache (a no-op with caching off).
-        Returns the last chunks' logits."""
+    def _prefill(self, chunks: list[PrefillChunk], failed: dict[Request, str], decode: int = 0) -> torch.Tensor:
+        """Run the chunks (and, folded into the same forward, ``decode`` decode rows); score the
+        prompt tokens they cover for requests that ask; register the full blocks they completed
+        with the prefix cache (a no-op with caching off). Returns the decode rows' logits, then
+        the last chunks'."""
         to_score = frozenset(i for i, c in enumerate(chunks) if self._scores(c))
-        logits, hidden = self.runner.prefill(chunks, to_score)
+        logits, hidden = self.runner.prefill(chunks, to_score, decode)
         for index in sorted(to_score):
             self._score_prompt(chunks[index], hidden[index], failed)
         for chunk in chunks:

@@ -1,4 +1,9 @@
-"""Executes a scheduled step: packed prefill chunks (eager) and the fixed-shape decode step."""
+"""Executes a scheduled step: packed prefill chunks (eager) and the fixed-shape decode step.
+
+An eager step with both decode rows and prefill chunks runs them as one forward (the decode
+rows' tokens first, then the chunks'), so every layer's weights are read once a step; each
+part keeps its own attention. A compiled decode step runs its fixed-shape graph and the chunks
+in an eager forward beside it."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch
 
 from nanoserve.cache.gates import check_mapping_is_window
 from nanoserve.engine.attention import ChunkContext, PackedPrefillAttention
-from nanoserve.engine.decode import DecodeStep
+from nanoserve.engine.decode import DecodeStep, WindowAttention
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import PrefillChunk
 
@@ -26,12 +31,18 @@ class ModelRunner:
         self.device = torch.device(device)
         self.last_forward_seconds = 0.0  # the decode forward alone, for the host-overhead figure
 
+    @property
+    def folds_decode(self) -> bool:
+        """Whether decode rows run inside the prefill forward (``prefill(chunks, decode=n)``)."""
+        return not self.decode_step.compiled
+
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk], keep_hidden: frozenset[int] = frozenset()
+    def prefill(self, chunks: list[PrefillChunk], keep_hidden: frozenset[int] = frozenset(), decode: int = 0
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Write the chunks' K/V and return logits [number of last chunks, vocab] at the last
-        token of each chunk that ends its request's prefill (in chunk order), and for the
-        chunk indices in ``keep_hidden`` the final hidden states of that chunk's tokens."""
+        """Write the chunks' K/V and return logits at the last token of each chunk that ends
+        its request's prefill (in chunk order), and for the chunk indices in ``keep_hidden`` the
+        final hidden states of that chunk's tokens. With ``decode=n`` (eager only) the same
+        forward also decodes rows 0..n-1, whose logits come first: [n + last chunks, vocab]."""
         lengths = [c.length for c in chunks]
         token_ids = torch.tensor([t for c in chunks for t in c.request.all_token_ids[c.start:c.end]],
                                  device=self.device)
@@ -40,11 +51,21 @@ class ModelRunner:
         slots = self.cache.slot_table.slots
         contexts = [ChunkContext(c.start, c.length, slots[c.request.row, :c.end] if c.start else None)
                     for c in chunks]
-        hidden = self.model(token_ids, positions, PackedPrefillAttention(self.cache, write_slots, contexts))
-        ends = list(itertools.accumulate(lengths))
+        attention = PackedPrefillAttention(self.cache, write_slots, contexts)
+        if decode:
+            if self.decode_step.compiled:
+                raise RuntimeError("a compiled decode step runs in its own graph, not inside a prefill forward")
+            plan = self.cache.plan_decode(decode)
+            window = WindowAttention(self.cache.k_caches, self.cache.v_caches, plan.write_slots,
+                                     plan.slot_mapping, plan.context_lens)
+            attention = DecodeThenPrefill(decode, window, attention)
+            token_ids = torch.cat([self.decode_step.input_ids[:decode], token_ids])
+            positions = torch.cat([plan.positions, positions])
+        hidden = self.model(token_ids, positions, attention)
+        ends = [decode + end for end in itertools.accumulate(lengths)]
         kept = {i: hidden[ends[i] - lengths[i]:ends[i]] for i in keep_hidden}
-        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.is_last], dtype=torch.long,
-                            device=self.device)
+        last = torch.tensor([*range(decode), *(end - 1 for end, c in zip(ends, chunks) if c.is_last)],
+                            dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, last)), kept
 
     @torch.inference_mode()
@@ -68,3 +89,16 @@ class ModelRunner:
 
     def move_row(self, src: int, dst: int) -> None:
         self.decode_step.move_row(src, dst)
+
+
+class DecodeThenPrefill:
+    """One forward's attention when its first ``rows`` tokens are decode rows (one token each,
+    attending through their slot-table window) and the rest prefill chunks. Each part writes its
+    own K/V before reading; the parts hold different rows and share only full, read-only blocks."""
+
+    def __init__(self, rows: int, decode: WindowAttention, prefill: PackedPrefillAttention) -> None:
+        self.rows, self.decode, self.prefill = rows, decode, prefill
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.rows
+        return torch.cat([self.decode(layer, q[:n], k[:n], v[:n]), self.prefill(layer, q[n:], k[n:], v[n:])])
