@@ -17,16 +17,16 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # A chunked step's default token budget on a GPU: decode rows plus prefill chunks of a few
 # hundred tokens, which a GPU runs in about the time of the decode step itself.
 DEFAULT_CHUNKED_BUDGET = 512
-# On the CPU a step's prefill chunk is a second forward after the decode rows' forward: it pays
-# that forward's fixed cost (every layer's ops, the weights read again) plus its tokens' compute
-# and their attention over the context, so running streams wait for the whole chunk. The budget
-# leaves a chunk of about half a decode batch (at least CPU_MIN_CHUNK tokens): with 32 streams
-# decoding and a 2,000-token prompt arriving (one thread), 16-token chunks kept the streams'
-# p99 inter-token latency at 2.8x the undisturbed p50 (p50 2.1x) and gave the prompt its first
-# token after ~24 s; 33-token chunks gave p99 4.5x (p50 2.5x) and ~13.5 s. That TTFT is what a
-# larger chunk buys; on a GPU the chunk forward is cheap next to the decode step, so it keeps
-# DEFAULT_CHUNKED_BUDGET.
-CPU_MIN_CHUNK = 16
+# On the CPU an eager step runs its decode rows and its prefill chunk as one forward, so a chunk
+# costs its tokens' compute and their attention over the context, not a second pass over the
+# weights. With 32 streams decoding and a 2,000-token prompt arriving (two threads, `auto`),
+# chunks of 17 / 33 / 65 / 97 tokens kept the streams' p99 inter-token latency at 2.0x / 2.4x /
+# 2.5x / 2.4x the undisturbed p50 and gave the prompt its first token after 11.7 / 6.5 / 3.5 /
+# 2.8 s; 161 tokens went to 5.1x. The budget leaves a chunk of half a decode batch, at least
+# CPU_MIN_CHUNK tokens. A compiled decode step runs the chunk as a forward of its own: there the
+# streams' p50 was 2.5x at 17 tokens and 2.7x at 65. On a GPU the chunk is cheap next to the
+# decode step, so it keeps DEFAULT_CHUNKED_BUDGET.
+CPU_MIN_CHUNK = 64
 
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
@@ -128,7 +128,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
 
 def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int, device: str = "cpu") -> int:
     """A step's token budget when none is given: with chunking at least one prefill token
-    beyond a full decode batch (on the CPU a chunk of about half a decode batch, on a GPU
+    beyond a full decode batch (on the CPU a chunk of half a decode batch, at least CPU_MIN_CHUNK, on a GPU
     DEFAULT_CHUNKED_BUDGET); without, room for the longest prompt in one step."""
     if chunked:
         if str(device).startswith("cuda"):
