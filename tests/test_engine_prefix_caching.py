@@ -56,16 +56,20 @@ def test_shared_prefixes_give_the_dense_oracles_tokens_and_logprobs(tiny, chunke
 @pytest.mark.parametrize("chunked", [True, False])
 def test_a_burst_sharing_an_uncached_prefix_computes_it_once(tiny, chunked):
     # Four prompts arrive together on an empty cache, sharing 22 tokens (5 full blocks), with
-    # budget for all of them in one step: the first computes the shared blocks, the others wait
-    # a step and adopt them, and the tokens stay the dense oracle's.
+    # budget for all of them in one step: the first computes the shared blocks, the others adopt
+    # them in the same step (its forward writes them before reading), and the tokens and
+    # logprobs stay the dense oracle's.
     burst = with_system_prompt(4, seed=3)
     engine = engine_for(tiny, max_num_batched_tokens=256, enable_chunked_prefill=chunked)
-    outs = generate(engine, burst, greedy(5))
+    outs = generate(engine, burst, greedy(5, logprobs=0))
     for prompt, out in zip(burst, outs):
-        assert out.token_ids == dense_greedy_with_logprobs(tiny, prompt, 5)[0]
+        tokens, logprobs = dense_greedy_with_logprobs(tiny, prompt, 5)
+        assert out.token_ids == tokens
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=1e-4)
     stats = engine.stats()
     assert stats["prefix_cache_hits"] == 3 * 20
     assert stats["prefill_tokens"] == sum(len(p) for p in burst) - 3 * 20
+    assert stats["prefill_steps"] == 1
     engine.check_drained()
 
 

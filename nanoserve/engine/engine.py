@@ -173,15 +173,12 @@ class Engine:
 
     def _prefill(self, chunks: list[PrefillChunk], failed: dict[Request, str], decode: int = 0) -> torch.Tensor:
         """Run the chunks (and, folded into the same forward, ``decode`` decode rows); score the
-        prompt tokens they cover for requests that ask; register the full blocks they completed
-        with the prefix cache (a no-op with caching off). Returns the decode rows' logits, then
-        the last chunks'."""
+        prompt tokens they cover for requests that ask. Returns the decode rows' logits, then
+        the last chunks'. (The scheduler registered the chunks' full blocks with the prefix cache.)"""
         to_score = frozenset(i for i, c in enumerate(chunks) if self._scores(c))
         logits, hidden = self.runner.prefill(chunks, to_score, decode)
         for index in sorted(to_score):
             self._score_prompt(chunks[index], hidden[index], failed)
-        for chunk in chunks:
-            self.cache.cache_full_blocks(chunk.request.row, chunk.request.all_token_ids[:chunk.end])
         return logits
 
     @staticmethod

@@ -3,9 +3,10 @@
 A step has a token budget (``max_num_batched_tokens``). Decode rows are served first (one
 token each), then prefill chunks fill what is left: the rows still prefilling, in row order,
 then new requests, FIFO. A prompt longer than what is left is prefilled over several steps
-while the decode rows keep decoding. With prefix caching, a new request whose prompt shares
-uncached full blocks with one admitted ahead of it in the same step waits a step and then
-adopts them, so a burst sharing a system prompt computes it once. Without chunking a step is either whole prompts or one
+while the decode rows keep decoding. With prefix caching, the full blocks a chunk will complete
+are registered when it is scheduled, so a request admitted after it in the same step adopts
+them: a burst sharing a system prompt computes it once, in one step. (The step's forward writes
+every chunk's K/V of a layer before any chunk reads its context there.) Without chunking a step is either whole prompts or one
 decode step, as before chunking existed.
 
 Rows are kept a prefix of the slot table in two regions: decoding rows ``0..d-1`` (so every
@@ -144,17 +145,15 @@ class Scheduler:
                 # The budget or the pool stopped this row short: no later row may complete
                 # before it, or the rows whose prefill ends would not be the first prefilling ones.
                 return chunks
-        admitted: list[Request] = []
         while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
             request = self.waiting[0]
             # Without chunking one prompt larger than the budget still runs, alone.
             if not self.chunked and chunks and request.num_tokens > budget:
                 break
-            if not self._has_room_for(request, decode) or self._waits_for_prefix(request, admitted):
+            if not self._has_room_for(request, decode):
                 break
             self.waiting.popleft()
             self._admit(request)
-            admitted.append(request)
             remaining = request.num_tokens - self.cache.num_tokens(request.row)
             length = min(remaining, budget) if self.chunked else remaining
             chunks.append(self._chunk(request, length))
@@ -171,17 +170,6 @@ class Scheduler:
         admit = self.cache.blocks_to_admit(request.all_token_ids, adopt=_adopts_prefix(request))
         need = admit + reserved + len(self.running)
         return need <= self._spare_blocks(decode)
-
-    def _waits_for_prefix(self, request: Request, admitted: list[Request]) -> bool:
-        """Whether the request should wait a step: a request admitted ahead of it in this step
-        computes full blocks of its prompt that are not cached yet. Admitted together, both would
-        compute them; a step later it adopts them (a burst sharing a system prompt computes it once)."""
-        if not admitted or not self.cache.enable_prefix_caching or not _adopts_prefix(request):
-            return False
-        tokens, size = request.all_token_ids, self.cache.block_size
-        usable = (len(tokens) - 1) // size * size  # as adoption: one token is always computed
-        shared = max(_common_prefix(tokens[:usable], other.all_token_ids) for other in admitted) // size * size
-        return shared > self.cache.match_prefix(tokens)
 
     def _tokens_that_fit(self, row: int, decode: list[Request]) -> int:
         """Tokens the row can grow by now: the rest of its last block, then whole free blocks."""
@@ -205,6 +193,8 @@ class Scheduler:
     def _chunk(self, request: Request, length: int) -> PrefillChunk:
         start = self.cache.num_tokens(request.row)  # the row's K/V: adopted or computed
         write_slots = self.cache.allocate_prompt(request.row, length)
+        # Findable from now on: this step's forward writes them before anything reads them.
+        self.cache.cache_full_blocks(request.row, request.all_token_ids[:start + length])
         is_last = start + length == request.num_tokens
         if is_last:  # it decodes from the next step on; its row is the first prefilling one
             request.status = RequestStatus.RUNNING
@@ -296,8 +286,3 @@ def _adopts_prefix(request: Request) -> bool:
     prompt needs every prompt token's hidden state, so it adopts nothing."""
     return request.params.prompt_logprobs is None
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The number of leading tokens two sequences share."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
