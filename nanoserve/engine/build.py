@@ -128,8 +128,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
 
 def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int, device: str = "cpu") -> int:
     """A step's token budget when none is given: with chunking at least one prefill token
-    beyond a full decode batch (on the CPU a chunk of half a decode batch, at least CPU_MIN_CHUNK, on a GPU
-    DEFAULT_CHUNKED_BUDGET); without, room for the longest prompt in one step."""
+    beyond a full decode batch (on the CPU a chunk of half a decode batch, at least
+    CPU_MIN_CHUNK; on a GPU DEFAULT_CHUNKED_BUDGET); without, room for the longest prompt in
+    one step."""
     if chunked:
         if str(device).startswith("cuda"):
             return max(DEFAULT_CHUNKED_BUDGET, max_batch_size + 1)

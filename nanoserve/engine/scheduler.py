@@ -3,11 +3,13 @@
 A step has a token budget (``max_num_batched_tokens``). Decode rows are served first (one
 token each), then prefill chunks fill what is left: the rows still prefilling, in row order,
 then new requests, FIFO. A prompt longer than what is left is prefilled over several steps
-while the decode rows keep decoding. With prefix caching, the full blocks a chunk will complete
-are registered when it is scheduled, so a request admitted after it in the same step adopts
-them: a burst sharing a system prompt computes it once, in one step. (The step's forward writes
-every chunk's K/V of a layer before any chunk reads its context there.) Without chunking a step is either whole prompts or one
+while the decode rows keep decoding. Without chunking a step is either whole prompts or one
 decode step, as before chunking existed.
+
+With prefix caching, the full blocks a chunk will complete are registered when it is scheduled,
+so a request admitted after it in the same step adopts them: a burst sharing a system prompt
+computes it once, in one step. (The step's forward writes every chunk's K/V of a layer before
+any chunk reads its context there.)
 
 Rows are kept a prefix of the slot table in two regions: decoding rows ``0..d-1`` (so every
 decode read is a window), then prefilling rows ``d..n-1``. Chunks are handed out in row
@@ -285,4 +287,3 @@ def _adopts_prefix(request: Request) -> bool:
     """Whether a request adopts its longest cached prefix on admission. One that scores its
     prompt needs every prompt token's hidden state, so it adopts nothing."""
     return request.params.prompt_logprobs is None
-
