@@ -207,10 +207,9 @@ class BatchedPagedKVCache:
         return table.num_tokens
 
     def cache_full_blocks(self, row: int, token_ids: Sequence[int]) -> None:
-        """Register the row's full blocks among its first len(token_ids) tokens under their prefix
-        hashes (their K/V written, or written by this step's forward before anything reads them); a
-        hash that already names a block keeps it. No-op with caching off. Raises if the row holds
-        fewer tokens, or a registered block disagrees with `token_ids`."""
+        """Register the row's full blocks among its first len(token_ids) tokens under their prefix hashes
+        (K/V written, or written by this step's forward before any read); a hash that already names a block
+        keeps it. No-op with caching off. Raises if the row holds fewer tokens, or a registered block disagrees."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[self._row(row)]
