@@ -143,13 +143,11 @@ class Engine:
             return outputs
         failed: dict[Request, str] = {}  # request -> why it failed
         logits = []
-        if step.decode and step.prefill and self.runner.folds_decode:
-            logits.append(self._prefill(step.prefill, failed, decode=len(step.decode)))
-        else:
-            if step.decode:
-                logits.append(self.runner.decode(step.decode))
-            if step.prefill:
-                logits.append(self._prefill(step.prefill, failed))
+        folded = len(step.decode) if step.prefill and self.runner.folds_decode else 0  # one forward for both
+        if step.decode and not folded:
+            logits.append(self.runner.decode(step.decode))
+        if step.prefill:
+            logits.append(self._prefill(step.prefill, failed, decode=folded))
         requests = step.sampled
         if requests:
             token_ids, logprobs = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0],

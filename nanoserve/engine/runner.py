@@ -53,7 +53,7 @@ class ModelRunner:
                     for c in chunks]
         attention = PackedPrefillAttention(self.cache, write_slots, contexts)
         if decode:
-            if self.decode_step.compiled:
+            if not self.folds_decode:
                 raise RuntimeError("a compiled decode step runs in its own graph, not inside a prefill forward")
             plan = self.cache.plan_decode(decode)
             window = WindowAttention(self.cache.k_caches, self.cache.v_caches, plan.write_slots,
