@@ -74,12 +74,25 @@ def _hits(engine) -> int:
     return engine.cache.prefix_cache_stats()["prefix_cache_hits"]
 
 
+def _served(outs: list) -> list:
+    """The outputs, or RuntimeError: a benchmark request that fails is a broken run, not a data point."""
+    failed = next((out.error for out in outs if out.error), None)
+    if failed:
+        raise RuntimeError(f"benchmark request failed: {failed}")
+    return outs
+
+
+def _ttft_rows(workload: str, work: ServeWorkload, prompt_tokens: int, computed: dict, ttfts: dict) -> list[dict]:
+    """One row per caching arm: TTFT median and mean (ms) of ``ttfts[arm]`` (seconds), tokens computed."""
+    return [dict(workload=workload, caching=arm, requests=work.requests, prompt_tokens=prompt_tokens,
+                 prefill_tokens=computed[arm], ttft_p50_ms=1e3 * statistics.median(ttfts[arm]),
+                 ttft_mean_ms=1e3 * statistics.fmean(ttfts[arm])) for arm in ttfts]
+
+
 def _chat_turn(engine, messages: list[dict], max_tokens: int) -> tuple[object, int]:
     """One chat request through the engine's chat path: its output and the prompt tokens computed."""
     hits = _hits(engine)
-    out = engine.chat(messages, greedy(max_tokens))
-    if out.error:
-        raise RuntimeError(f"benchmark request failed: {out.error}")
+    out = _served([engine.chat(messages, greedy(max_tokens))])[0]
     return out, len(out.prompt_token_ids) - (_hits(engine) - hits)
 
 
@@ -105,9 +118,7 @@ def shared_prefix(make: EngineFactory, work: ServeWorkload) -> list[dict]:
             ttft[arm].append(out.metrics.time_to_first_token)
             computed[arm] += done
         prompt_tokens += len(out.prompt_token_ids)
-    return [dict(workload="shared", caching=arm, requests=work.requests, prompt_tokens=prompt_tokens,
-                 prefill_tokens=computed[arm], ttft_p50_ms=1e3 * statistics.median(ttft[arm]),
-                 ttft_mean_ms=1e3 * statistics.fmean(ttft[arm])) for arm in engines]
+    return _ttft_rows("shared", work, prompt_tokens, computed, ttft)
 
 
 def _question(i: int) -> list[dict]:
@@ -127,15 +138,11 @@ def shared_burst(make: EngineFactory, work: ServeWorkload) -> list[dict]:
             prompts = [engine.tokenizer.apply_chat_template(_question(i), add_generation_prompt=True)
                        for i in range(work.requests)]
             hits = _hits(engine)
-            outs = engine.generate(prompts, greedy(1), use_tqdm=False)
-            if any(out.error for out in outs):
-                raise RuntimeError(f"benchmark request failed: {next(o.error for o in outs if o.error)}")
+            outs = _served(engine.generate(prompts, greedy(1), use_tqdm=False))
             p50s[arm].append(statistics.median(out.metrics.time_to_first_token for out in outs))
             prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
             computed[arm] = prompt_tokens - (_hits(engine) - hits)
-    return [dict(workload="burst", caching=arm, requests=work.requests, prompt_tokens=prompt_tokens,
-                 prefill_tokens=computed[arm], ttft_p50_ms=1e3 * statistics.median(p50s[arm]),
-                 ttft_mean_ms=1e3 * statistics.fmean(p50s[arm])) for arm in p50s]
+    return _ttft_rows("burst", work, prompt_tokens, computed, p50s)
 
 
 def conversation(make: EngineFactory, work: ServeWorkload) -> list[dict]:
