@@ -10,6 +10,7 @@ from torch import nn
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.build import AUTO_CPU, resolve_weights
+from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import (
     GROUP_SIZE,
     HEAD_DENSE_FROM_ROWS,
@@ -32,16 +33,47 @@ SHAPES = [(16, 32), (48, 96), (960, 576), (576, 576), (1536, 576), (576, 1536)]
 # The kernels take bf16 activations, round the output to bf16 and accumulate in fp32 in their
 # own order: an output is within this share of the largest |output| of the exact fp32 product.
 OUTPUT_TOLERANCE = 2 ** -7
+# The group kernels each of this machine's tests runs: torch's, and nanoserve's where it builds.
+GROUP_KERNELS = ["torch", pytest.param("vnni", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler"))]
 
 
 def unpack_int4(layer: Int4Linear) -> torch.Tensor:
-    """The codes [N, K] a packed layer holds, read back through its own kernel: with scale 1 and
-    zero 8 each weight is its code, and an identity input returns the matrix (exact in bf16)."""
+    """The codes [N, K] a packed layer holds. torch's layout is read back through its own kernel:
+    with scale 1 and zero 8 each weight is its code, and an identity input returns the matrix."""
     k, n = layer.in_features, layer.out_features
+    if layer.kernel == "vnni":
+        return cpu_kernels.unpack_nibbles(layer.codes, n, k)
     unit = torch.stack([torch.ones(k // GROUP_SIZE, n), torch.full((k // GROUP_SIZE, n), 8.0)], -1)
     eye = torch.eye(k, dtype=torch.bfloat16)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP_SIZE, unit.bfloat16())
     return out.t().to(torch.uint8)
+
+
+def per_group(layer_numbers: torch.Tensor) -> torch.Tensor:
+    """The vnni kernels' fp16 [N / 16, G, 16] per-group numbers back as fp32 [N, G]."""
+    blocks, groups, _ = layer_numbers.shape
+    return layer_numbers.view(torch.float16).float().transpose(1, 2).reshape(16 * blocks, groups)
+
+
+def vnni_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """What the vnni kernels compute, exactly, in float64: per group of 32, x as two int8 codes,
+    ``x ~= fine * (254 * hi + lo)`` (hi rounds x / (max |x| / 127), lo the fp32 remainder / fine),
+    integer dot products with the unsigned codes [N, K], then
+    ``scale * fine * dot + min * fine * sum(254 * hi + lo)`` per group."""
+    m, k = x.shape
+    groups = x.float().view(m, k // GROUP_SIZE, GROUP_SIZE)
+    coarse = groups.abs().amax(-1, keepdim=True) / 127
+    fine = coarse / 254
+    reciprocal = lambda t: torch.where(t > 0, 1 / t, torch.zeros_like(t))  # noqa: E731
+    hi = (groups * reciprocal(coarse)).round()
+    rest = (groups.double() - hi.double() * coarse.double()).float()  # one rounding, as the kernel's fma
+    lo = (rest * reciprocal(fine)).round()
+    x_codes = 254 * hi.double() + lo.double()
+    dots = torch.einsum("mgk,ngk->mng", x_codes, codes.double().view(codes.shape[0], -1, GROUP_SIZE))
+    fine = fine.double().view(m, 1, -1)
+    x_sums = fine * x_codes.sum(-1)[:, None, :]
+    return (dots * scales.double() * fine + mins.double() * x_sums).sum(-1)
 
 
 def assert_close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -50,17 +82,32 @@ def assert_close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Te
     assert err <= OUTPUT_TOLERANCE * want.abs().max().item(), (err, want.abs().max().item())
 
 
+def assert_vnni_product(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                        mins: torch.Tensor, weight: torch.Tensor) -> None:
+    """The kernel's output is its exact arithmetic up to fp32 sums and the bf16 output, and the
+    activations' two int8 codes keep it as close to the product with unrounded activations as
+    torch's kernel, which reads x in bf16 (OUTPUT_TOLERANCE)."""
+    exact = vnni_product(x, codes, scales, mins)
+    err = (out.double() - exact).abs().max().item()
+    assert err <= 2 ** -8 * exact.abs().max().item() + 1e-6, (err, exact.abs().max().item())
+    assert_close_to_product(out, x, weight)
+
+
+@pytest.mark.parametrize("kernel", GROUP_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_int4_linear_equals_dequantised_product(shape, rows):
+@pytest.mark.parametrize("rows", [1, 5, 11, 32])
+def test_int4_linear_equals_dequantised_product(shape, rows, kernel):
     torch.manual_seed(0)
     weight = quantize_int4(torch.randn(shape) * shape[1] ** -0.5)
-    layer = Int4Linear(weight, None, torch.bfloat16)
+    layer = Int4Linear(weight, None, torch.bfloat16, kernel=kernel)
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
-    # The kernel holds scales and zeros in the activations' dtype: that rounding is the format's.
+    assert torch.equal(unpack_int4(layer), weight.q)
+    if kernel == "vnni":  # w = scale * code + min, both in fp16
+        assert_vnni_product(layer(x), x, weight.q, per_group(layer.scales), per_group(layer.mins), weight.dequantize())
+        return
+    # torch's kernel holds scales and zeros in the activations' dtype: that rounding is the format's.
     rounded = GroupwiseInt4(weight.q, weight.scales.bfloat16().float(), weight.zeros.bfloat16().float())
     assert_close_to_product(layer(x), x, rounded.dequantize())
-    assert torch.equal(unpack_int4(layer), weight.q)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -73,16 +120,45 @@ def test_int8_linear_equals_dequantised_product(shape, rows):
     assert_close_to_product(layer(x), x, codes.float() * scales.bfloat16().float()[:, None])
 
 
+@pytest.mark.parametrize("kernel", GROUP_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES + [(4096, 576)])
-@pytest.mark.parametrize("rows", [1, 5, 32])
-def test_int8_group_linear_equals_dequantised_product(shape, rows):
+@pytest.mark.parametrize("rows", [1, 5, 11, 32])
+def test_int8_group_linear_equals_dequantised_product(shape, rows, kernel):
     torch.manual_seed(0)
     codes, scales = quantize_int8_groups(torch.randn(shape) * shape[1] ** -0.5)
-    layer = Int8GroupLinear(codes, scales, None, torch.bfloat16)
+    layer = Int8GroupLinear(codes, scales, None, torch.bfloat16, kernel=kernel)
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    if kernel == "vnni":  # unsigned codes c + 128, w = scale * (c + 128) - 128 * scale
+        assert torch.equal(cpu_kernels.unpack_bytes(layer.codes, *shape), (codes.to(torch.int16) + 128).to(torch.uint8))
+        dense = codes.float().view(shape[0], -1, GROUP_SIZE) * scales[..., None]
+        assert_vnni_product(layer(x), x, codes.to(torch.int16) + 128, per_group(layer.scales), per_group(layer.mins),
+                            dense.view(shape))
+        return
     # The kernel holds each group's scale in bf16 (16d and d round alike): the format's rounding.
     groups = codes.float().view(shape[0], -1, GROUP_SIZE) * scales.bfloat16().float()[..., None]
     assert_close_to_product(layer(x), x, groups.view(shape))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+def test_vnni_layers_keep_their_fp16_scales_when_the_model_is_cast():
+    # model.to(dtype) casts float buffers; the scales travel as int16 bits so they stay fp16.
+    model = random_model(tiny_config(), seed=0)
+    pack_model(model, WeightPlan("int4", int8_head=True, kernel="vnni"))
+    layer = model.layers[0].self_attn.qkv_proj
+    scales = layer.scales.clone()
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    before = layer(x)
+    model.to(torch.bfloat16)
+    assert layer.scales.dtype == torch.int16 and torch.equal(layer.scales, scales) and torch.equal(layer(x), before)
+
+
+def test_vnni_kernel_refuses_what_it_cannot_run():
+    weight = quantize_int4(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="bf16 activations"):
+        Int4Linear(weight, None, torch.float32, kernel="vnni")
+    with pytest.raises(ValueError, match="kernel"):
+        WeightPlan("int8", kernel="torch")
+    assert Int4Linear(weight, None, torch.float32).kernel == "torch"  # auto: torch's kernel for fp32
 
 
 def test_int8_groups_recover_q8_0_blocks_exactly():
@@ -190,8 +266,8 @@ def test_int8_head_only_applies_to_int4():
         WeightPlan("int8", int8_head=True)
 
 
-@pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int8"), WeightPlan("int4", int8_head=True)],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int8"), WeightPlan("int4", int8_head=True),
+                                  WeightPlan("int4", int8_head=True, kernel="torch")], ids=lambda p: p.name)
 def test_compiled_packed_decode_equals_eager_with_no_recompiles(plan):
     torch._dynamo.reset()
     options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=96, weights=plan)
@@ -229,8 +305,9 @@ def smollm2_int4(smollm2_path):
 @pytest.mark.slow
 def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smollm2_int4):
     # Every Q4_1 linear: the codes read back from the packed layer, times the file's own scale
-    # and zero (exact in fp32), equal the file's dequantisation bit for bit. The kernel then
-    # holds scale and zero in bf16, a rounding the fidelity gates judge.
+    # and zero (exact in fp32), equal the file's dequantisation bit for bit. torch's kernel then
+    # holds scale and zero in bf16, a rounding the fidelity gates judge; the vnni kernels hold
+    # the block's own fp16 d and m, so their weights are the file's exactly.
     from nanoserve.model.gguf_loader import GGUFCheckpoint
     ckpt = GGUFCheckpoint.open(smollm2_path)
     groups = ckpt.int4_groups(ckpt.config())
@@ -241,7 +318,11 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
         source = int4_source(name, groups)
         exact = GroupwiseInt4(unpack_int4(layer), source.scales, source.zeros)
         parts = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")] if "gate_up" in name else [name]
-        assert torch.equal(exact.dequantize(), torch.cat([fp32[p].weight for p in parts])), name
+        weight = torch.cat([fp32[p].weight for p in parts])
+        assert torch.equal(exact.dequantize(), weight), name
+        if layer.kernel == "vnni":
+            d, m = (per_group(t).repeat_interleave(GROUP_SIZE, 1) for t in (layer.scales, layer.mins))
+            assert torch.equal(unpack_int4(layer).float() * d + m, weight), name
 
 
 @pytest.mark.model

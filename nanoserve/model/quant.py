@@ -16,6 +16,10 @@ A group-32 int8 weight (GGUF's Q8_0: ``w = d * c``, c in -127..127) runs through
 kernel: ``c + 128 = 16 * hi + lo`` splits each code into two nibbles, and
 ``w = (hi - 8) * 16d + (lo - 8) * d + 8d``, so ``[hi | lo]`` as one [N, 2K] int4 weight times
 ``[x | x]`` is ``x @ w.T``, summed in one fp32 accumulator and rounded once.
+
+On a CPU with AVX-512 VNNI both group formats run instead through nanoserve's own kernels
+(``cpu_kernels``: the same codes, scales and zeros in fp16, activations rounded to int8 per
+group), which read the weights once for up to eight rows; ``kernel="torch"`` keeps torch's.
 """
 
 from __future__ import annotations
@@ -27,8 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GROUP_SIZE = 32
+from nanoserve.model import cpu_kernels
+from nanoserve.model.cpu_kernels import GROUP_SIZE
+
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+# Who runs the group-wise products: "vnni" (cpu_kernels), "torch" (its int4 kernel), or "auto":
+# vnni where it builds and the activations are bf16.
+GROUP_KERNELS = ("auto", "vnni", "torch")
 # From this many rows the bf16 copy is at least as fast as the int4 kernel on the default
 # model's linears on this repository's CPU: with one thread and the weights streamed from memory
 # (compile/results/linear_crossover.csv) the two tie at 10 rows (bf16/int4 0.84 to 1.12 by
@@ -109,6 +118,16 @@ def int4_kernel_accepts(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
 
 
+def resolve_group_kernel(kernel: str, dtype: torch.dtype) -> str:
+    """"vnni" or "torch" for a group-wise layer with activations in ``dtype``."""
+    if kernel not in GROUP_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(GROUP_KERNELS)}, got {kernel!r}")
+    usable = dtype == torch.bfloat16 and cpu_kernels.available()
+    if kernel == "vnni" and not usable:
+        raise ValueError("the vnni kernels need bf16 activations and a CPU with AVX-512 VNNI and a C++ compiler")
+    return "vnni" if kernel == "vnni" or (kernel == "auto" and usable) else "torch"
+
+
 class _PackedLinear(nn.Module):
     """A weight-only packed linear: ``x @ w.T (+ bias)`` through ``_packed_mm``; from
     ``dense_from_rows`` rows on (a static shape under compile, so the choice is made at trace
@@ -130,35 +149,67 @@ class _PackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-class Int4Linear(_PackedLinear):
-    """The int4 group-32 kernel (torch's packed CPU format)."""
+class _GroupLinear(_PackedLinear):
+    """A group-32 weight run by ``kernel`` (resolve_group_kernel): the vnni kernels hold
+    ``codes``, ``scales`` and ``mins`` (cpu_kernels' layout), torch's int4 kernel ``packed`` and
+    ``scales_and_zeros``."""
 
-    def __init__(self, weight: GroupwiseInt4, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
+    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype, dense: torch.Tensor | None,
+                 dense_from_rows: int | None, kernel: str) -> None:
         super().__init__(bias, dense, dense_from_rows)
-        self.out_features, self.in_features = weight.q.shape
+        self.kernel = resolve_group_kernel(kernel, dtype)
+
+    def _hold_vnni(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
+        for name, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
+            self.register_buffer(name, tensor)
+
+    def _hold_torch_int4(self, weight: GroupwiseInt4, dtype: torch.dtype) -> None:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
         sz = torch.stack([weight.scales.t(), weight.zeros.t()], dim=-1)  # [K / 32, N, 2]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous())
 
-    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+    def _torch_int4_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
 
-class Int8GroupLinear(Int4Linear):
-    """A group-32 int8 weight [N, K] (``quantize_int8_groups``) run by the int4 kernel as its two
-    nibble halves along K, ``[hi | lo]`` [N, 2K], over the input twice, ``[x | x]``. One byte
-    per weight plus two bf16 (scale, zero) pairs per group; at one row ~2.5x faster than a bf16
-    GEMV of the same matrix on this repository's CPU (the LM head, 49152 x 576)."""
+class Int4Linear(_GroupLinear):
+    """An int4 group-32 weight."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None) -> None:
-        super().__init__(int8_groups_as_nibbles(codes, scales), bias, dtype, dense, dense_from_rows)
-        self.in_features = codes.shape[1]
+    def __init__(self, weight: GroupwiseInt4, bias: torch.Tensor | None, dtype: torch.dtype,
+                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
+        super().__init__(bias, dtype, dense, dense_from_rows, kernel)
+        self.out_features, self.in_features = weight.q.shape
+        if self.kernel == "vnni":
+            self._hold_vnni(*cpu_kernels.pack_int4(weight.q, weight.scales, weight.zeros))
+        else:
+            self._hold_torch_int4(weight, dtype)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return super()._packed_mm(torch.cat([x, x], dim=-1))
+        if self.kernel == "vnni":
+            return torch.ops.nanoserve.int4_mm(x, self.codes, self.scales, self.mins)
+        return self._torch_int4_mm(x)
+
+
+class Int8GroupLinear(_GroupLinear):
+    """A group-32 int8 weight [N, K] (``quantize_int8_groups``). torch's int4 kernel runs it as
+    its two nibble halves along K, ``[hi | lo]`` [N, 2K], over the input twice, ``[x | x]``;
+    either way one byte per weight plus two numbers per group, at one row ~2.5x faster than a
+    bf16 GEMV of the same matrix on this repository's CPU (the LM head, 49152 x 576)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
+        super().__init__(bias, dtype, dense, dense_from_rows, kernel)
+        self.out_features, self.in_features = codes.shape
+        if self.kernel == "vnni":
+            self._hold_vnni(*cpu_kernels.pack_int8(codes, scales))
+        else:
+            self._hold_torch_int4(int8_groups_as_nibbles(codes, scales), dtype)
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "vnni":
+            return torch.ops.nanoserve.int8_mm(x, self.codes, self.scales, self.mins)
+        return self._torch_int4_mm(torch.cat([x, x], dim=-1))
 
 
 class Int8Linear(_PackedLinear):
@@ -205,11 +256,13 @@ class WeightPlan:
     set, packed linears also keep a bf16 copy used for inputs of at least that many rows.
     ``int8_head`` (int4 only) runs the LM head as group-32 int8 (``Int8GroupLinear``: the
     default GGUF's own Q8_0 blocks) instead of bf16; a tied embedding stays a bf16 table. With a
-    bf16 copy the head takes it from ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows."""
+    bf16 copy the head takes it from ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows.
+    ``kernel`` (GROUP_KERNELS, int4 only) says who runs the group-wise layers."""
 
     format: str
     dense_from_rows: int | None = None
     int8_head: bool = False
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_FORMATS:
@@ -218,12 +271,16 @@ class WeightPlan:
             raise ValueError(f"a bf16 copy for large row counts only applies to int8/int4, not {self.format}")
         if self.int8_head and self.format != "int4":
             raise ValueError(f"a group-wise int8 LM head only applies to int4, not {self.format}")
+        if self.kernel not in GROUP_KERNELS or (self.kernel != "auto" and self.format != "int4"):
+            raise ValueError(f"kernel {self.kernel!r}: one of {', '.join(GROUP_KERNELS)}, and only with int4")
 
     @property
     def name(self) -> str:
-        """"int4", or "int4+int8head+bf16>=10" with a group-wise int8 head and a bf16 copy from 10 rows."""
+        """"int4", or "int4+int8head+bf16>=10" with a group-wise int8 head and a bf16 copy from 10
+        rows ("+torch" or "+vnni" at the end when the kernel is chosen)."""
         head = "+int8head" if self.int8_head else ""
-        return self.format + head + ("" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}")
+        dense = "" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}"
+        return self.format + head + dense + ("" if self.kernel == "auto" else f"+{self.kernel}")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -277,7 +334,8 @@ def _pack_int8_group_head(model: nn.Module, plan: WeightPlan) -> None:
         dense = _dense_copy(head.weight, plan)
     codes, scales = quantize_int8_groups(head.weight)
     dense_from_rows = None if dense is None else min(plan.dense_from_rows, HEAD_DENSE_FROM_ROWS)
-    model.lm_head = Int8GroupLinear(codes, scales, None if tied else head.bias, plan.dtype, dense, dense_from_rows)
+    model.lm_head = Int8GroupLinear(codes, scales, None if tied else head.bias, plan.dtype, dense, dense_from_rows,
+                                    plan.kernel)
 
 
 # A fused linear of this model and the HF tensors it stacks along the output dimension, in order.
@@ -321,7 +379,8 @@ def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupwiseInt4 | 
     if not int4_kernel_accepts(n, k):
         return linear  # the kernel's shape rules do not hold: this layer stays bf16
     weight = source if source is not None else quantize_int4(linear.weight)
-    return Int4Linear(weight, linear.bias, plan.dtype, _dense_copy(linear.weight, plan), plan.dense_from_rows)
+    return Int4Linear(weight, linear.bias, plan.dtype, _dense_copy(linear.weight, plan), plan.dense_from_rows,
+                      plan.kernel)
 
 
 def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan) -> Int8Linear:
