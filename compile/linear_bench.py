@@ -1,5 +1,7 @@
 """Where a bf16 GEMM overtakes the weight-only int4/int8 kernels, per linear shape of the
 default model: ``python -m compile.linear_bench`` writes ``compile/results/linear_crossover.csv``.
+``int4`` and ``int8g`` (group-wise int8, the LM head's format) run the packed linears' default
+kernel (nanoserve's vnni kernels where they build), ``int4_torch`` torch's int4 kernel.
 
 Each shape holds as many distinct random weights as the model has layers, called in turn, so
 the weights stream from memory as in a real step rather than sitting in cache. The arms run
@@ -18,25 +20,37 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from nanoserve.model.quant import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_groups,
+)
 
 RESULTS = Path(__file__).parent / "results" / "linear_crossover.csv"
 # [N, K] of the default model's linears (fused q/k/v, o, gate and up, down) and its LM head.
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (1536, 576), "down": (576, 1536), "head": (49152, 576)}
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
-COLUMNS = ["shape", "n", "k", "rows", "threads", "fp32_us", "bf16_us", "int8_us", "int4_us", "bf16_vs_int4"]
+COLUMNS = ["shape", "n", "k", "rows", "threads", "fp32_us", "bf16_us", "int8_us", "int4_us", "int4_torch_us", "int8g_us",
+           "bf16_vs_int4", "bf16_vs_int8g"]
 
 
 def arms(n: int, k: int, copies: int) -> dict[str, list]:
     """Per arm, ``copies`` callables taking x (fp32 for fp32, bf16 for the rest)."""
-    out: dict[str, list] = {"fp32": [], "bf16": [], "int8": [], "int4": []}
+    out: dict[str, list] = {"fp32": [], "bf16": [], "int8": [], "int4": [], "int4_torch": [], "int8g": []}
     for _ in range(copies):
         w = torch.randn(n, k) * k ** -0.5
         dense32, dense16 = w, w.bfloat16()
         out["fp32"].append(lambda x, w=dense32: F.linear(x.float(), w))
         out["bf16"].append(lambda x, w=dense16: F.linear(x, w))
         out["int8"].append(Int8Linear(*quantize_int8(w), None, torch.bfloat16))
-        out["int4"].append(Int4Linear(quantize_int4(w), None, torch.bfloat16) if k % GROUP_SIZE == 0 else None)
+        grouped = k % GROUP_SIZE == 0
+        out["int4"].append(Int4Linear(quantize_int4(w), None, torch.bfloat16) if grouped else None)
+        out["int4_torch"].append(Int4Linear(quantize_int4(w), None, torch.bfloat16, kernel="torch") if grouped else None)
+        out["int8g"].append(Int8GroupLinear(*quantize_int8_groups(w), None, torch.bfloat16) if grouped else None)
     return out
 
 
@@ -56,7 +70,7 @@ def measure(shape: str, rows: int, repeats: int, layers: int) -> dict:
     us = {arm: statistics.median(t[1:]) for arm, t in times.items()}
     return dict(shape=shape, n=n, k=k, rows=rows, threads=torch.get_num_threads(),
                 **{f"{arm}_us": round(v, 1) for arm, v in us.items()},
-                bf16_vs_int4=round(us["bf16"] / us["int4"], 3))
+                bf16_vs_int4=round(us["bf16"] / us["int4"], 3), bf16_vs_int8g=round(us["bf16"] / us["int8g"], 3))
 
 
 def main(argv: list[str] | None = None) -> None:

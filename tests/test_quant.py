@@ -12,6 +12,7 @@ from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.build import AUTO_CPU, resolve_weights
 from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import (
+    DENSE_FROM_ROWS,
     GROUP_SIZE,
     HEAD_DENSE_FROM_ROWS,
     GroupwiseInt4,
@@ -247,7 +248,7 @@ def test_int8_tied_head_and_embedding_share_one_int8_matrix():
 
 def test_int8_head_with_a_bf16_copy_shares_the_tied_embedding_table_from_its_own_crossover():
     model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
-    plan = WeightPlan("int4", dense_from_rows=8, int8_head=True)
+    plan = WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS, int8_head=True)
     pack_model(model, plan)
     model.to(plan.dtype)
     head, table = model.lm_head, model.embed_tokens.weight

@@ -15,6 +15,7 @@ build fails; the packed linears then run torch's kernel.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -36,10 +37,9 @@ def _cpu_has_flags() -> bool:
     return all(flag in flags for flag in CPU_FLAGS)
 
 
+@functools.cache
 def available() -> bool:
-    """Build and register the ops once per process (torch.ops keeps them); False where they cannot run."""
-    if hasattr(torch.ops.nanoserve, "int4_mm"):
-        return True
+    """Build and register the ops (once per process); False where they cannot run."""
     if not _cpu_has_flags():
         return False
     from torch.utils.cpp_extension import load

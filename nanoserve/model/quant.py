@@ -38,20 +38,17 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 # Who runs the group-wise products: "vnni" (cpu_kernels), "torch" (its int4 kernel), or "auto":
 # vnni where it builds and the activations are bf16.
 GROUP_KERNELS = ("auto", "vnni", "torch")
-# From this many rows the bf16 copy is at least as fast as the int4 kernel on the default
-# model's linears on this repository's CPU: with one thread and the weights streamed from memory
-# (compile/results/linear_crossover.csv) the two tie at 10 rows (bf16/int4 0.84 to 1.12 by
-# shape) and bf16 leads from 12 to 16 (0.53 to 0.73 at 16); with two threads and the weights in
-# cache it leads at 10 rows by 1.35x to 2.2x. At 8 rows and fewer int4 wins with one thread
-# (1.09x to 3.8x; at 8 rows with two threads the two tie, 0.82 to 1.08). So a
-# prefill of a few tokens past a cached prefix and a decode batch of 10 or more take the bf16
-# copy, and decode batches up to 9 keep int4.
-DENSE_FROM_ROWS = 10
-# The group-wise int8 LM head (49152 x 576, run as [N, 2K] int4) crosses over sooner: the bf16
-# product reads its 57 MB at any row count, while the int4 kernel's cost grows with every row.
-# One thread: int8 1.96x faster at 1 row, 1.17x at 4, 0.74x at 5, 0.63x at 8; two threads:
-# int8 ahead at 4 rows (4.6 against 6.4 ms), behind at 8 (9.4 against 6.7 ms).
-HEAD_DENSE_FROM_ROWS = 5
+# From this many rows the bf16 copy is at least as fast as the group-wise kernels on the default
+# model's linears on this repository's CPU, two threads, weights streamed from memory
+# (``python -m compile.linear_bench --threads 2``, compile/results/linear_crossover.csv): with
+# the vnni kernels bf16/int4 is 1.5-1.6x at 12 rows, 1.1-1.2x at 16, 0.94-1.08x at 24 and
+# 0.75-0.94x at 32. So decode batches up to 23 rows and short prefills (a few tokens past a
+# cached prefix) keep the int4 codes, larger batches and prompts take the bf16 copy. (torch's
+# int4 kernel, whose cost grows per 4 rows, already lost to bf16 at 10.)
+DENSE_FROM_ROWS = 24
+# The group-wise int8 LM head (49152 x 576) crosses over sooner, as it reads one byte per weight
+# against the body's half: bf16/int8 1.68x at 8 rows, 1.18x at 12, 1.07x at 16, 0.85x at 24.
+HEAD_DENSE_FROM_ROWS = 16
 
 
 @dataclass
