@@ -16,34 +16,40 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.engine.bucketing import Buckets, PaddingWaste
-from nanoserve.engine.paged_attention import attend_window, window_mask
+from nanoserve.engine.paged_attention import attend_window, fused_decode_attention, window_mask
 
 
 class WindowAttention:
     """Write each row's new K/V at its slot, then attend over the row's window of the slot
-    table, masked by ``context_lens``. The mask is built once per step for every layer. A
-    padded row (length 0) writes to the scratch slot and its output is never read."""
+    table, masked by ``context_lens``. A padded row (length 0) writes to the scratch slot and
+    its output is never read. ``fused`` (``fused_decode_attention``) reads each row's cells in
+    one pass of nanoserve's ``decode_attention`` kernel (no gathered copy, no mask); else a
+    gather and torch's SDPA, with the mask built once per step for every layer."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 write_slots: torch.Tensor, slot_mapping: torch.Tensor, context_lens: torch.Tensor) -> None:
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
+                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, fused: bool = False) -> None:
         self.k_caches, self.v_caches = k_caches, v_caches
-        self.write_slots, self.slot_mapping = write_slots, slot_mapping
-        self.mask = window_mask(context_lens, slot_mapping.shape[1], k_caches[0].dtype)
+        self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
+        self.fused = fused  # fused_decode_attention(k_caches[0]), decided outside any graph
+        self.mask = None if fused else window_mask(context_lens, slot_mapping.shape[1], k_caches[0].dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache.index_copy_(0, self.write_slots, k)
         v_cache.index_copy_(0, self.write_slots, v)
+        if self.fused:
+            return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
+                                                        q.shape[-1] ** -0.5)
         return attend_window(q, k_cache, v_cache, self.slot_mapping, self.mask)
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                    context_lens: torch.Tensor, slot_buffer: torch.Tensor, k_caches: list[torch.Tensor],
-                   v_caches: list[torch.Tensor], rows: int, width: int) -> torch.Tensor:
+                   v_caches: list[torch.Tensor], rows: int, width: int, fused: bool = False) -> torch.Tensor:
     """Logits [rows, vocab] for the first ``rows`` rows. The rectangle is sliced from the
     table's own buffer here, inside the graph, so a capture reads the table where it lives."""
     slot_mapping = slot_buffer[:rows, :width]
-    attention = WindowAttention(k_caches, v_caches, write_slots[:rows], slot_mapping, context_lens[:rows])
+    attention = WindowAttention(k_caches, v_caches, write_slots[:rows], slot_mapping, context_lens[:rows], fused)
     hidden = model(input_ids[:rows], positions[:rows], attention)
     return model.compute_logits(hidden)
 
@@ -78,6 +84,7 @@ class DecodeStep:
         self.positions = torch.zeros(size, **long)
         self.write_slots = torch.full((size,), cache.scratch_slot, **long)
         self.context_lens = torch.zeros(size, **long)
+        self.fused_attention = fused_decode_attention(cache.k_caches[0])
         self.stats = DecodeStats()
         self.compiled = compile
         self._seen: set[tuple[int, int]] = set()
@@ -157,7 +164,8 @@ class DecodeStep:
     @torch.inference_mode()  # the same dispatch keys on every call, or the guards would differ
     def _call(self, rows: int, width: int) -> torch.Tensor:
         args = (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
-                self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width)
+                self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width,
+                self.fused_attention)
         if not self.compiled:
             return self._forward(*args)
         before = self._graphs_compiled

@@ -1,13 +1,23 @@
 """Paged attention: each row's one query over its cached K/V, read through its slot mapping.
 
-`paged_attention_reference` is the oracle; the decode step uses `window_mask` and
-`attend_window` (torch's fused SDPA). Padding in `slot_mapping` only has to be a legal
-slot index: the gather reads it and the mask (`column >= context_lens[row]`) throws it away.
+`paged_attention_reference` is the oracle; the decode step uses nanoserve's
+`decode_attention` kernel where `fused_decode_attention` says so (bf16 K/V on a CPU where the
+kernels build), else `window_mask` and `attend_window` (torch's fused SDPA). Padding in
+`slot_mapping` only has to be a legal slot index: the gather reads it and the mask
+(`column >= context_lens[row]`) throws it away.
 """
 
 from __future__ import annotations
 
 import torch
+
+from nanoserve.model import cpu_kernels
+
+
+def fused_decode_attention(cache: torch.Tensor) -> bool:
+    """Whether decode steps over this K (or V) cache read it with nanoserve's decode_attention
+    kernel (bf16 on a CPU where the kernels build; the fp32 reference path keeps SDPA)."""
+    return cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and cpu_kernels.available()
 
 
 def paged_attention_reference(

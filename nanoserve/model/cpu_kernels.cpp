@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -187,14 +188,118 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return group_mm<false>(x, codes, d, m);
 }
 
+// e^x for x <= 0 (softmax after its max is taken out), 16 lanes: x = n ln2 + f with |f| <= ln2 / 2,
+// e^f by its degree-6 Taylor polynomial (relative error < 3e-7), 2^n through the exponent bits.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // e^-87 is below fp32's normal range: ~0
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// One row's query heads of one K/V head over the row's first `len` cells: out = softmax(q k^T
+// * scale) v, in fp32, rounded to bf16 once. q [group, D], out [group, D] (row stride out_stride).
+void attend_one(const uint16_t* q, int64_t q_stride, const uint16_t* k_base, const uint16_t* v_base,
+                int64_t cache_stride, const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale,
+                uint16_t* out, int64_t out_stride, std::vector<float>& scratch) {
+  const int64_t C = D / 16, padded = (len + 15) / 16 * 16;
+  scratch.assign(group * D + group * padded, 0.f);
+  float* qf = scratch.data();
+  float* scores = qf + group * D;
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t c = 0; c < C; ++c) {
+      _mm512_storeu_ps(qf + g * D + 16 * c, _mm512_mul_ps(bf16x16_to_float(q + g * q_stride + 16 * c), _mm512_set1_ps(scale)));
+    }
+  }
+  constexpr int64_t AHEAD = 8;  // cells are scattered over the cache: fetch a few ahead
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + AHEAD < len) _mm_prefetch(reinterpret_cast<const char*>(k_base + slots[t + AHEAD] * cache_stride), _MM_HINT_T0);
+    const uint16_t* k = k_base + slots[t] * cache_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * c), bf16x16_to_float(k + 16 * c), acc);
+      scores[g * padded + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  std::vector<float> total(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * padded;
+    float top = row[0];
+    for (int64_t t = 1; t < len; ++t) top = std::max(top, row[t]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __mmask16 live = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), _mm512_set1_ps(top))));
+      _mm512_storeu_ps(row + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  std::vector<__m512> acc(group * C, _mm512_setzero_ps());
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + AHEAD < len) _mm_prefetch(reinterpret_cast<const char*>(v_base + slots[t + AHEAD] * cache_stride), _MM_HINT_T0);
+    const uint16_t* v = v_base + slots[t] * cache_stride;
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512 vc = bf16x16_to_float(v + 16 * c);
+      for (int64_t g = 0; g < group; ++g) acc[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + t]), vc, acc[g * C + c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+    for (int64_t c = 0; c < C; ++c) store_bf16x16(out + g * out_stride + 16 * c, _mm512_mul_ps(acc[g * C + c], inv));
+  }
+}
+
+// q [n, H, D] bf16; k_cache, v_cache [slots, KV, D] bf16; slots [n, W] int64 (unit column stride);
+// lens [n] int64. Row r attends to its first min(max(lens[r], 1), W) cells: a padded row of length 0
+// reads cell 0, finite garbage nobody reads. Query heads h * group .. h * group + group - 1 share K/V head h.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1, "q must be [n, H, D] bf16");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
+              "caches must be contiguous bf16 [slots, KV, D] of one shape");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && D % 16 == 0 && H % KV == 0, "head sizes disagree: q ", q.sizes(), ", cache ", k_cache.sizes());
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == n && slots.scalar_type() == at::kLong && slots.stride(1) == 1,
+              "slots must be [n, W] int64 with unit column stride");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == n && lens.scalar_type() == at::kLong, "lens must be [n] int64");
+  const int64_t W = slots.size(1), group = H / KV;
+  TORCH_CHECK(W >= 1, "the window must have a column");
+  at::Tensor out = at::empty({n, H, D}, q.options());
+  const at::Tensor lens_c = lens.contiguous();
+  const int64_t* len_p = lens_c.data_ptr<int64_t>();
+  const auto* q_p = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* k_p = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* v_p = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  auto* o_p = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t* s_p = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / KV, h = task % KV;
+      const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
+      attend_one(q_p + r * q.stride(0) + h * group * q.stride(1), q.stride(1), k_p + h * D, v_p + h * D, KV * D,
+                 s_p + r * slots.stride(0), len, group, D, static_cast<float>(scale), o_p + (r * H + h * group) * D, D,
+                 scratch);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve, lib) {
   lib.def("int4_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   lib.def("int8_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
+  lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
   lib.impl("int4_mm", &int4_mm);
   lib.impl("int8_mm", &int8_mm);
+  lib.impl("decode_attention", &decode_attention);
 }

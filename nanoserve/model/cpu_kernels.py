@@ -51,11 +51,16 @@ def available() -> bool:
         return False
     for op in ("int4_mm", "int8_mm"):
         torch.library.register_fake(f"nanoserve::{op}")(_output_like)
+    torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
     return True
 
 
 def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
+
+
+def _attention_output_like(q: torch.Tensor, *args) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _per_block(values: torch.Tensor) -> torch.Tensor:
