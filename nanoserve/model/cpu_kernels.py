@@ -1,16 +1,20 @@
-"""Group-wise int4 and int8 weight products for AVX-512 VNNI CPUs (``cpu_kernels.cpp``).
+"""Group-wise int4 and int8 weight products, and decode attention, for AVX-512 VNNI CPUs
+(``cpu_kernels.cpp``).
 
 ``torch.ops.nanoserve.int4_mm(x, codes, scales, mins)`` and ``int8_mm`` compute ``x @ w.T`` for
-bf16 ``x`` [M, K] with ``w[n, k] = scales[n, k // 32] * c[n, k] + mins[n, k // 32]``: the
-activations are rounded to int8 per group of 32 and multiplied with the codes in integers,
-reading 4 (or 8) bits per weight plus two fp16 numbers per group (held as int16 bits), whatever the row count.
-torch's own int4 kernel converts every weight to float once per 4 rows, so at one row it is
-bound by that arithmetic rather than by reading the weights; this one is 1.4x faster at one
-row and 2.4x at eight on this repository's CPU (the default model's linears, two threads).
+bf16 ``x`` [M, K] with ``w[n, k] = scales[n, k // 32] * c[n, k] + mins[n, k // 32]``: each
+activation is written per group of 32 as two int8 codes and multiplied with the weight codes
+in integers, reading 4 (or 8) bits per weight plus two fp16 numbers per group (held as int16
+bits), once for up to eight rows. torch's own int4 kernel converts every weight to float once
+per 4 rows, so its cost grows with the rows from the first; on this repository's CPU (the
+default model's linears, two threads, compile/results/linear_crossover.csv) this one is
+1.0-1.3x faster at one row, 1.3-2.0x at eight and about 2x from 16.
+``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale)`` is the decode
+read of bf16 K/V: each row's query heads over its first ``lens`` cells, through its slots.
 
 The source is compiled on first use (about 15 s, kept under torch's extension cache,
 ``TORCH_EXTENSIONS_DIR``). ``available()`` is False where the CPU lacks AVX-512 VNNI or the
-build fails; the packed linears then run torch's kernel.
+build fails; the packed linears then run torch's kernel and decode attention SDPA.
 """
 
 from __future__ import annotations
