@@ -60,7 +60,8 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* xq, float* x
   for (int64_t i = 0; i < M * G; ++i) {
     __m512 v[2] = {bf16x16_to_float(x + i * GROUP), bf16x16_to_float(x + i * GROUP + 16)};
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    const float coarse = amax / 127.f, fine = coarse / 254.f;
+    // A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine would overflow.
+    const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
     const __m512 inv_coarse = _mm512_set1_ps(coarse > 0.f ? 1.f / coarse : 0.f);
     const __m512 inv_fine = _mm512_set1_ps(fine > 0.f ? 1.f / fine : 0.f);
     __m512i sum = _mm512_setzero_si512();
