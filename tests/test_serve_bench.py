@@ -20,7 +20,7 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
                             block_size=8, **flags)
 
     work = ServeWorkload(requests=3, bursts=2, turns=2, answer_tokens=4, streams=3, long_tokens=120, chunk_tokens=24,
-                         warm_steps=2)
+                         warm_steps=2, long_repeats=2)
     rows = serve_bench.run(make, work)
     text = serve_bench.report(rows, tmp_path, plot=False)
 
@@ -33,11 +33,18 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
     assert burst["on"]["prefill_tokens"] < burst["off"]["prefill_tokens"]
     turns = {(r["caching"], r["turn"]): r for r in rows if r["workload"] == "turns"}
     assert turns["on", 2]["prefill_tokens"] < turns["on", 2]["prompt_tokens"] == turns["off", 2]["prefill_tokens"]
-    long = {r["chunking"]: r for r in rows if r["workload"] == "long"}
-    assert long["on"]["long_tokens"] == 120 and long["on"]["chunk_tokens"] == 24
-    assert long["on"]["steps_during"] > long["off"]["steps_during"]  # the prompt went in chunks, decoding between
+    long = {(r["chunking"], r["repeat"]): r for r in rows if r["workload"] == "long"}
+    assert sorted(long) == [("off", 1), ("off", 2), ("on", 1), ("on", 2)]
+    for repeat in (1, 2):
+        assert long["on", repeat]["long_tokens"] == 120 and long["on", repeat]["chunk_tokens"] == 24
+        # The prompt went in chunks, decoding between.
+        assert long["on", repeat]["steps_during"] > long["off", repeat]["steps_during"]
     for row in long.values():
         assert row["itl_p99_ms"] >= row["itl_p50_ms"] > 0 and row["undisturbed_p50_ms"] > 0
+    medians = serve_bench.median_long_rows(rows)
+    ratios = sorted(long["on", repeat]["p99_x_undisturbed"] for repeat in (1, 2))
+    assert medians["on"]["p99_x_undisturbed"] == (ratios[0] + ratios[1]) / 2  # the target reads this median
+    assert serve_bench.targets(rows)[-1]["measured"] == medians["on"]["p99_x_undisturbed"]
     assert [t["target"].split()[0] for t in serve_bench.targets(rows)] == ["shared-prefix", "shared-prefix", "chunked"]
     assert "targets:" in text and "shared:" in text and "burst:" in text and "turns:" in text and "long:" in text
     with (tmp_path / "serve.csv").open() as f:
