@@ -220,9 +220,9 @@ def test_a_budget_that_leaves_no_prefill_token_is_refused(tiny):
 def test_the_default_budget_leaves_half_a_decode_batch_or_64_tokens_for_chunks_on_the_cpu_and_512_on_a_gpu(tiny):
     from nanoserve.engine.build import default_token_budget
 
-    assert default_token_budget(True, 32, 4096, "cpu") == 96
-    assert default_token_budget(True, 33, 4096, "cpu") == 97  # a 64-token chunk beside 33 decode rows
-    assert default_token_budget(True, 4, 4096, "cpu") == 68  # a small batch still prefills 64 tokens a step
+    assert default_token_budget(True, 32, 4096, "cpu") == 80
+    assert default_token_budget(True, 33, 4096, "cpu") == 81  # a 48-token chunk beside 33 decode rows
+    assert default_token_budget(True, 4, 4096, "cpu") == 52  # a small batch still prefills 48 tokens a step
     assert default_token_budget(True, 200, 4096, "cpu") == 300
     assert default_token_budget(True, 32, 4096, "cuda") == 512
     assert default_token_budget(True, 600, 4096, "cuda") == 601

@@ -19,14 +19,16 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_CHUNKED_BUDGET = 512
 # On the CPU an eager step runs its decode rows and its prefill chunk as one forward, so a chunk
 # costs its tokens' compute and their attention over the context, not a second pass over the
-# weights. With 32 streams decoding and a 2,000-token prompt arriving (two threads, `auto`),
-# chunks of 17 / 33 / 65 / 97 tokens kept the streams' p99 inter-token latency at 2.0x / 2.4x /
-# 2.5x / 2.4x the undisturbed p50 and gave the prompt its first token after 11.7 / 6.5 / 3.5 /
-# 2.8 s; 161 tokens went to 5.1x. The budget leaves a chunk of half a decode batch, at least
+# weights; at 32 rows the step is already compute-bound, so each chunk token adds about 1/32 of
+# a decode step, and the last chunks also attend over the whole prompt. With 32 streams decoding
+# and a 2,000-token prompt arriving (two threads, `auto`, three runs each), chunks of 33 / 49 / 65
+# tokens kept the streams' p99 inter-token latency at 1.8-2.3x / 2.1-3.0x / 2.6-3.4x the
+# undisturbed p50 and gave the prompt its first token after 7.3-9.8 / 6.0-7.9 / 6.0-6.3 s;
+# 161 tokens went to 5.1x. The budget leaves a chunk of half a decode batch, at least
 # CPU_MIN_CHUNK tokens. A compiled decode step runs the chunk as a forward of its own: there the
 # streams' p50 was 2.5x at 17 tokens and 2.7x at 65. On a GPU the chunk is cheap next to the
 # decode step, so it keeps DEFAULT_CHUNKED_BUDGET.
-CPU_MIN_CHUNK = 64
+CPU_MIN_CHUNK = 48
 
 
 def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,

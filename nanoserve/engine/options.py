@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="with --compile: build every bucket's graph up front (eager) or on first use")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="a step's token budget (decode rows + prefill chunks), binding every step; "
-                            "default on the CPU: max batch size + max(64, half of it), 512 with no row "
+                            "default on the CPU: max batch size + max(48, half of it), 512 with no row "
                             "decoding; on a GPU: 512")
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                        help="prefill whole prompts in steps of their own (running streams wait)")
