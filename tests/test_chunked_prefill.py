@@ -217,7 +217,7 @@ def test_a_budget_that_leaves_no_prefill_token_is_refused(tiny):
     engine_for(tiny, max_num_batched_tokens=4, enable_chunked_prefill=False)  # whole prompts: any budget
 
 
-def test_the_default_budget_leaves_half_a_decode_batch_or_64_tokens_for_chunks_on_the_cpu_and_512_on_a_gpu(tiny):
+def test_the_default_budget_leaves_half_a_decode_batch_or_48_tokens_for_chunks_on_the_cpu_and_512_on_a_gpu(tiny):
     from nanoserve.engine.build import default_token_budget
 
     assert default_token_budget(True, 32, 4096, "cpu") == 80
@@ -227,19 +227,19 @@ def test_the_default_budget_leaves_half_a_decode_batch_or_64_tokens_for_chunks_o
     assert default_token_budget(True, 32, 4096, "cuda") == 512
     assert default_token_budget(True, 600, 4096, "cuda") == 601
     assert default_token_budget(False, 32, 4096, "cpu") == 4096
-    assert engine_for(tiny, max_num_batched_tokens=None, max_batch_size=40).config.max_num_batched_tokens == 104
+    assert engine_for(tiny, max_num_batched_tokens=None, max_batch_size=40).config.max_num_batched_tokens == 88
 
 
 def test_a_step_with_no_stream_decoding_takes_the_prefill_only_budget_and_one_beside_streams_the_small_one(tiny):
-    engine = _engine_for(tiny, None)  # the CPU defaults for 4 rows: 68 tokens a step, 512 with none decoding
+    engine = _engine_for(tiny, None)  # the CPU defaults for 4 rows: 52 tokens a step, 512 with none decoding
     stats = engine.scheduler.stats
-    assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.prefill_only_budget) == (68, 512)
+    assert (engine.scheduler.max_num_batched_tokens, engine.scheduler.prefill_only_budget) == (52, 512)
     engine.add_request(list(range(3, 103)), greedy(20))
     engine.step()  # nobody decodes: the whole 100-token prompt in one step
     assert (stats.prefill_steps, stats.prefill_tokens) == (1, 100)
     engine.add_request(list(range(103, 203)), greedy(2))
-    engine.step()  # one stream decodes: a chunk of what is left of 68
-    assert (stats.prefill_steps, stats.prefill_tokens, stats.decode_tokens) == (2, 167, 1)
+    engine.step()  # one stream decodes: a chunk of what is left of 52
+    assert (stats.prefill_steps, stats.prefill_tokens, stats.decode_tokens) == (2, 151, 1)
     run(engine)
 
     capped = _engine_for(tiny, 20)  # a budget the caller sets binds every step
