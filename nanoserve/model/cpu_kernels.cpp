@@ -28,6 +28,9 @@ namespace {
 
 constexpr int64_t GROUP = 32;
 constexpr int MAX_ROWS = 8;  // rows sharing one pass over the weights (registers: 2 per row)
+// Codes are fetched this many bytes ahead of their use (their scales and mins as far ahead in
+// groups): the hardware prefetcher alone left a 1-row product at 9-11 GB/s of this VM's ~16.
+constexpr int64_t PREFETCH_BYTES = 8192;
 
 inline __m512 bf16x16_to_float(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -93,6 +96,10 @@ void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, 
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * GROUP_BYTES;
+    // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
+    for (int64_t l = 0; l < GROUP_BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH_BYTES + l), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(d + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES, _MM_HINT_T0);
     const int8_t* hi_g = xq + g * GROUP;
     const int8_t* lo_g = hi_g + lo_offset;
     __m512i hi[CHAINS][ROWS], lo[CHAINS][ROWS];
