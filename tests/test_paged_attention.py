@@ -170,3 +170,23 @@ def test_decode_attention_kernel_honours_the_scale_and_refuses_bad_shapes():
         torch.ops.nanoserve.decode_attention(torch.randn(2, 3, 16).bfloat16(), k_cache, v_cache, mapping, lengths, 0.3)
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.nanoserve.decode_attention(q.float(), k_cache, v_cache, mapping, lengths, 0.3)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24])
+def test_a_head_size_the_kernel_cannot_take_decodes_through_sdpa(head_dim):
+    # bf16 K/V with a head_dim that is not a multiple of 16: the engine keeps SDPA instead of
+    # handing the kernel a shape it refuses (which failed every decode step), eager and compiled.
+    from nanoserve.engine import SamplingParams, build_engine
+    from nanoserve.engine.paged_attention import fused_decode_attention
+    from nanoserve.model.synthetic import random_model, tiny_config
+
+    assert not fused_decode_attention(torch.zeros(4, 2, head_dim, dtype=torch.bfloat16))
+    config = tiny_config(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=head_dim)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[3, 9, 27, 81, 243 % 256], [5, 7]]
+    for weights, compile in (("bf16", False), ("int4", True)):
+        engine = build_engine(random_model(config), weights=weights, max_batch_size=2, max_model_len=64,
+                              compile=compile)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert [out.error for out in outs] == [None, None]
+        assert [len(out.token_ids) for out in outs] == [12, 12]

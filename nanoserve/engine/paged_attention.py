@@ -15,9 +15,11 @@ from nanoserve.model import cpu_kernels
 
 
 def fused_decode_attention(cache: torch.Tensor) -> bool:
-    """Whether decode steps over this K (or V) cache read it with nanoserve's decode_attention
-    kernel (bf16 on a CPU where the kernels build; the fp32 reference path keeps SDPA)."""
-    return cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and cpu_kernels.available()
+    """Whether decode steps over this K (or V) cache [slots, kv_heads, head_dim] read it with
+    nanoserve's decode_attention kernel: bf16 on a CPU where the kernels build, with a head_dim
+    the kernel's 16-lane loads cover (the fp32 reference path, and other head sizes, keep SDPA)."""
+    return (cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0
+            and cpu_kernels.available())
 
 
 def paged_attention_reference(
