@@ -3,6 +3,8 @@ Q4 blocks repack without loss, and packed weights compile into the same decode a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,6 +203,29 @@ def test_linears_the_int4_kernel_cannot_take_stay_dense():
     mlp = model.layers[0].mlp
     assert all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
+
+
+def test_linears_the_int8_kernel_cannot_take_stay_dense_and_serve():
+    # torch's int8 kernel reads bf16 activations 16 at a time with no tail, so a layer with
+    # K % 16 != 0 would read past its rows (NaN logits, or a segfault that took the process).
+    # hidden 40: the q/k/v/o, gate/up and the tied head take K = 40; intermediate 100: down.
+    config = tiny_config(hidden_size=40, num_heads=5, num_kv_heads=5, head_dim=8, intermediate_size=100,
+                         tie_word_embeddings=True)
+    model = random_model(config, seed=0)
+    pack_model(model, WeightPlan("int8"))
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
+    assert isinstance(model.embed_tokens, nn.Embedding)
+    engine = build_engine(random_model(config, seed=0), weights="int8", max_batch_size=2, max_model_len=64)
+    outs = engine.generate([[1, 2, 3, 4, 5], [9]], SamplingParams(temperature=0.0, max_tokens=6, logprobs=1),
+                           use_tqdm=False)
+    assert [out.error for out in outs] == [None, None] and all(len(out.token_ids) == 6 for out in outs)
+    assert all(math.isfinite(lp.logprob) for out in outs for lp in out.logprobs)
+    # intermediate 100 alone: only down (K = 100) stays dense; K = 64 layers and the head pack.
+    model = random_model(tiny_config(intermediate_size=100), seed=0)
+    pack_model(model, WeightPlan("int8"))
+    mlp = model.layers[0].mlp
+    assert type(mlp.down_proj) is nn.Linear and isinstance(mlp.gate_up_proj, Int8Linear)
+    assert isinstance(model.lm_head, Int8Linear)
 
 
 @pytest.mark.parametrize("plan", [WeightPlan("int4", dense_from_rows=8), WeightPlan("int8", dense_from_rows=8)],

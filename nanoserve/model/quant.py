@@ -7,6 +7,7 @@ torch's CPU weight-only kernels define the formats:
   ``scales_and_zeros`` [K / 32, N, 2] in the activations' dtype. It needs N % 16 == 0 and
   K % 32 == 0; with fp32 activations it runs a reference loop ~25x slower than with bf16.
 - int8: ``_weight_int8pack_mm(x, w_int8 [N, K], scales [N])``, scales in the activations' dtype.
+  With bf16 activations it needs K % 16 == 0.
 
 GGUF's Q4_0 (``w = d * (q - 8)``) and Q4_1 (``w = d * q + m = d * (q - 8) + (m + 8d)``) blocks are
 that int4 format with group size 32, so they are repacked without requantising; any other weight
@@ -113,6 +114,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int4_kernel_accepts(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % GROUP_SIZE == 0
+
+
+def int8_kernel_accepts(in_features: int) -> bool:
+    """torch's per-channel int8 kernel reads bf16 activations 16 at a time with aligned loads and
+    no tail: with any other K it reads past each row (garbage, or a segfault)."""
+    return in_features % 16 == 0
 
 
 def resolve_group_kernel(kernel: str, dtype: torch.dtype) -> str:
@@ -309,6 +316,9 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
         if plan.int8_head:
             _pack_int8_group_head(model, plan)
         return
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    if not int8_kernel_accepts(head.weight.shape[1]):
+        return  # the kernel's shape rules do not hold: the head (and a tied embedding) stay dense
     if model.lm_head is not None:
         model.lm_head = _int8_linear(model.lm_head.weight, model.lm_head.bias, plan)
     else:  # tied: one int8 matrix serves as the embedding and the head
@@ -370,9 +380,10 @@ def _fuse_gate_up(model: nn.Module, plan: WeightPlan) -> None:
 
 
 def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupwiseInt4 | None) -> nn.Module:
-    if plan.format == "int8":
-        return _int8_linear(linear.weight, linear.bias, plan)
     n, k = linear.weight.shape
+    if plan.format == "int8":
+        # A layer the kernel cannot take stays bf16.
+        return _int8_linear(linear.weight, linear.bias, plan) if int8_kernel_accepts(k) else linear
     if not int4_kernel_accepts(n, k):
         return linear  # the kernel's shape rules do not hold: this layer stays bf16
     weight = source if source is not None else quantize_int4(linear.weight)
