@@ -47,6 +47,6 @@ def test_shape_for_pads_both_axes():
 
 def test_waste_counts_padded_cells_per_real_cell():
     waste = PaddingWaste()
-    waste.add(4, 64, context_lens_sum=3 * 40)
+    waste.add(4 * 64, context_lens_sum=3 * 40)
     assert waste.real_cells == 120 and waste.padded_cells == 4 * 64 - 120
     assert waste.ratio == pytest.approx((256 - 120) / 120)

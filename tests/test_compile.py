@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.model import cpu_kernels
 from nanoserve.model.synthetic import random_model, tiny_config
 
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 5]
@@ -134,3 +135,35 @@ def test_engines_over_different_models_never_share_a_graph():
         for built, want in zip(compiled, eager):
             assert [o.token_ids for o in built.generate(PROMPTS, greedy(6), use_tqdm=False)] == want
     assert all(e.stats()["recompiles_after_warmup"] == 0 for e in compiled)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
+def test_the_cpu_decode_kernel_gets_one_width_bucket_and_one_graph_per_row_bucket():
+    # The kernel reads each row's own cells whatever the window's width, so a bf16 engine on the
+    # CPU compiles one width (max_model_len): decoding from 3 to 60 tokens of context builds one
+    # graph per row bucket, not one per width, and gives eager's tokens. The waste figure counts
+    # what the kernel reads: each real row's cells and one cell per padded row.
+    model = random_model(tiny_config(), seed=1)
+    eager = engine(model, weights="bf16")
+    compiled = engine(random_model(tiny_config(), seed=1), weights="bf16", compile=True, row_buckets=(2, 4))
+    step = compiled.runner.decode_step
+    assert step.fused_attention and step.buckets.widths == (compiled.cache.max_model_len,)
+    prompts = [[1, 2, 3], list(range(10, 40)), [7] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    for got, ref in zip(compiled.generate(prompts, params, use_tqdm=False), want):
+        # bf16 logits can tie: the two paths may break a tie apart, and only at a tie.
+        same = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
+        for i in range(same):
+            assert got.logprobs[i].logprob == pytest.approx(ref.logprobs[i].logprob, abs=0.05)
+        if same < len(ref.token_ids):
+            (_, first), (_, second) = ref.logprobs[same].top[:2]
+            assert first - second < 0.05, f"compiled left eager's tokens at {same} without a tie"
+    stats = compiled.stats()
+    assert {shape[1] for shape in stats["bucket_hits"]} == {compiled.cache.max_model_len}
+    assert stats["graphs_built"] == len(stats["bucket_hits"]) <= 2 and stats["recompiles_after_warmup"] == 0
+    padded_rows = sum(hits * (rows - 3) for (rows, _), hits in stats["bucket_hits"].items() if rows == 4)
+    assert step.stats.waste.padded_cells <= padded_rows  # 3 rows in the 4-row bucket, then fewer in 2
+    # Asked for, width buckets still apply.
+    assert engine(model, weights="bf16", compile=True, width_buckets=(32, 64, 128)).runner.decode_step.buckets.widths \
+        == (32, 64, 128)

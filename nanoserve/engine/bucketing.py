@@ -2,7 +2,8 @@
 
 A step with ``n`` running rows and a longest context of ``w`` tokens is padded up to
 ``(row_bucket(n), width_bucket(w))``. A padded row has length 0 and attends over nothing; a
-padded column is masked by ``context_lens``. The price is padding, reported as waste.
+padded column is masked by ``context_lens`` (or never read, by the CPU decode kernel). The
+price is padding, reported as waste.
 """
 
 from __future__ import annotations
@@ -68,13 +69,13 @@ class Buckets:
 
 @dataclass
 class PaddingWaste:
-    """Cells the forward computed over vs cells that held a real token."""
+    """Cells the forward's attention read vs cells that held a real token."""
 
     padded_cells: int = 0
     real_cells: int = 0
 
-    def add(self, bucket_rows: int, bucket_width: int, context_lens_sum: int) -> None:
-        self.padded_cells += bucket_rows * bucket_width - context_lens_sum
+    def add(self, cells_read: int, context_lens_sum: int) -> None:
+        self.padded_cells += cells_read - context_lens_sum
         self.real_cells += context_lens_sum
 
     @property

@@ -9,6 +9,7 @@ from nanoserve.cache.pool_plan import plan_pool
 from nanoserve.engine.bucketing import Buckets
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.engine import Engine, EngineConfig
+from nanoserve.engine.paged_attention import fused_decode_attention
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
@@ -109,7 +110,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
     buckets = None
     if bucketing:
         default = Buckets.default(max_batch_size, block_size, cache.max_model_len)
-        buckets = Buckets(tuple(row_buckets or default.rows), tuple(width_buckets or default.widths))
+        # The CPU decode kernel reads each row's own cells whatever the window's width, so one
+        # width (the longest) steps as fast as a tight one and compiles one graph per row
+        # bucket instead of one per width; SDPA's masked read costs the whole window.
+        widths = (cache.max_model_len,) if fused_decode_attention(cache.k_caches[0]) else default.widths
+        buckets = Buckets(tuple(row_buckets or default.rows), tuple(width_buckets or widths))
     step = DecodeStep(model, cache, max_batch_size, buckets, compile=compile, mode=compile_mode, device=device,
                       backend=compile_backend)
     engine_config = EngineConfig(

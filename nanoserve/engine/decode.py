@@ -157,7 +157,10 @@ class DecodeStep:
             self.positions[num_rows:rows].zero_()
             self.context_lens[num_rows:rows].zero_()
         self.stats.bucket_hits[(rows, width)] += 1
-        self.stats.waste.add(rows, width, total_context)
+        # The masked read covers the whole window; the decode kernel each row's own cells (a
+        # padded row's one).
+        read = total_context + rows - num_rows if self.fused_attention else rows * width
+        self.stats.waste.add(read, total_context)
         logits = self._call(rows, width)
         return logits[:num_rows]
 
