@@ -316,13 +316,12 @@ def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, Gr
         if plan.int8_head:
             _pack_int8_group_head(model, plan)
         return
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    tied = model.lm_head is None
+    head = model.embed_tokens if tied else model.lm_head
     if not int8_kernel_accepts(head.weight.shape[1]):
         return  # the kernel's shape rules do not hold: the head (and a tied embedding) stay dense
-    if model.lm_head is not None:
-        model.lm_head = _int8_linear(model.lm_head.weight, model.lm_head.bias, plan)
-    else:  # tied: one int8 matrix serves as the embedding and the head
-        model.lm_head = _int8_linear(model.embed_tokens.weight, None, plan)
+    model.lm_head = _int8_linear(head.weight, None if tied else head.bias, plan)
+    if tied:  # one int8 matrix serves as the embedding and the head
         model.embed_tokens = Int8Embedding(model.lm_head)
 
 
