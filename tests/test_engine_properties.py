@@ -68,7 +68,7 @@ class CompactionMachine(RuleBasedStateMachine):
         holders = Counter(block for t in cache.tables for block in t.blocks)
         assert len(holders) + 1 == pool.num_used  # + the scratch block
         assert all(pool.ref_count(block) == n for block, n in holders.items())
-        num_empty = sum(not pool.ref_count(b) and not pool.prefix_cache.is_evictable(b) for b in range(pool.num_blocks))
+        num_empty = sum(not pool.ref_count(b) and not pool.is_cached(b) for b in range(pool.num_blocks))
         assert num_empty + pool.num_cached + pool.num_used == pool.num_blocks
 
     def teardown(self):

@@ -65,7 +65,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for slot in slots.tolist():
             block = slot // BS
             assert self.cache.pool.ref_count(block) == 1, f"row {row} writes into shared block {block}"
-            assert self.cache.pool.prefix_cache.hash_of(block) is None, f"row {row} writes into cached block {block}"
+            assert self.cache.pool.hash_of(block) is None, f"row {row} writes into cached block {block}"
         values = torch.tensor([kv_value(tokens[: t + 1]) for t in range(first, len(tokens))],
                               device=self.cache.device).view(-1, 1, 1)
         self.cache.write_kv(0, slots, values, -values)
@@ -177,21 +177,20 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         cache, pool = self.cache, self.cache.pool
         holders = Counter(b for row in range(len(self.running)) for b in cache.tables[row].blocks)
         holders[cache.scratch_slot // BS] += 1
-        prefix = pool.prefix_cache
         cached = 0
         for block in range(NUM_BLOCKS):
             assert pool.ref_count(block) == holders[block], f"block {block}: count {pool.ref_count(block)}, " \
                                                             f"held by {holders[block]}"
-            if holders[block] == 0 and prefix.hash_of(block) is not None:
-                assert prefix.is_evictable(block)
+            if holders[block] == 0 and pool.hash_of(block) is not None:
+                assert pool.is_cached(block)
                 cached += 1
             else:
-                assert not prefix.is_evictable(block), f"block {block} is evictable while held"
+                assert not pool.is_cached(block), f"block {block} is evictable while held"
         assert pool.num_cached == cached
-        num_empty = sum(not pool.ref_count(b) and not pool.prefix_cache.is_evictable(b) for b in range(pool.num_blocks))
+        num_empty = sum(not pool.ref_count(b) and not pool.is_cached(b) for b in range(pool.num_blocks))
         assert num_empty + pool.num_cached + pool.num_used == NUM_BLOCKS
         assert pool.num_used == len(holders)
-        assert cache.prefix_cache_stats()["prefix_cache_blocks"] == prefix.num_registered
+        assert cache.prefix_cache_stats()["prefix_cache_blocks"] == pool.num_registered
 
     @invariant()
     def registered_blocks_carry_their_prefix_hash(self):
@@ -199,7 +198,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for row, tokens in enumerate(self.running):
             hashes = chain_hashes(tokens, BS, root)
             for i, block in enumerate(self.cache.tables[row].blocks):
-                known = self.cache.pool.prefix_cache.hash_of(block)
+                known = self.cache.pool.hash_of(block)
                 assert known is None or (i < len(hashes) and known == hashes[i]), f"row {row} block {i}"
 
     @invariant()

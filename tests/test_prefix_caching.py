@@ -27,7 +27,7 @@ def prefill(cache: BatchedPagedKVCache, row: int, tokens: list[int]) -> int:
 
 def accounting(cache: BatchedPagedKVCache) -> tuple[int, int, int]:
     pool = cache.pool
-    num_empty = sum(not pool.ref_count(b) and not pool.prefix_cache.is_evictable(b) for b in range(pool.num_blocks))  # neither held nor cached
+    num_empty = sum(not pool.ref_count(b) and not pool.is_cached(b) for b in range(pool.num_blocks))  # neither held nor cached
     assert num_empty + pool.num_cached + pool.num_used == pool.num_blocks
     assert pool.num_free == num_empty + pool.num_cached
     return num_empty, pool.num_cached, pool.num_used
@@ -65,7 +65,7 @@ def test_the_salt_separates_caches():
     a, b = make_cache(salt="model-a"), make_cache(salt="model-b")
     prefill(a, 0, STEM + [1])
     prefill(b, 0, STEM + [1])
-    assert a.pool.prefix_cache.hash_of(a.tables[0].blocks[0]) != b.pool.prefix_cache.hash_of(b.tables[0].blocks[0])
+    assert a.pool.hash_of(a.tables[0].blocks[0]) != b.pool.hash_of(b.tables[0].blocks[0])
 
 
 def test_freed_blocks_with_known_prefixes_stay_cached_and_are_adopted_again():
@@ -89,11 +89,10 @@ def test_allocation_evicts_least_recently_used_cached_blocks_and_never_a_held_on
     assert accounting(cache) == (4, 4, 1)
     cache.allocate_prompt(2, 20)  # 5 blocks: the 4 empty ones, then one evicted
     # a chain's tail is freed first, so it is evicted first; the older chain goes first
-    prefix = cache.pool.prefix_cache
-    assert prefix.hash_of(first[1]) is None and prefix.hash_of(first[0]) is not None
+    assert cache.pool.hash_of(first[1]) is None and cache.pool.hash_of(first[0]) is not None
     assert cache.match_prefix([1] * 8 + [0]) == 4 and cache.match_prefix([2] * 8 + [0]) == 8
     assert prefill(cache, 3, [2] * 8 + [0, 0]) == 8  # adopts the second chain; its tail evicts first[0]
-    assert cache.tables[3].blocks[:2] == second and prefix.hash_of(first[0]) is None
+    assert cache.tables[3].blocks[:2] == second and cache.pool.hash_of(first[0]) is None
     assert cache.prefix_cache_stats()["prefix_cache_evictions"] == 2
     assert accounting(cache) == (0, 0, 9)
     with pytest.raises(PoolExhaustedError):
@@ -106,7 +105,7 @@ def test_a_hash_already_cached_keeps_its_block_and_the_duplicate_goes_back_empty
     cache.allocate_prompt(1, 13)  # the same prompt computed again, e.g. both in one prefill step
     cache.cache_full_blocks(1, STEM + [1])
     assert cache.prefix_cache_stats()["prefix_cache_blocks"] == 3
-    assert all(cache.pool.prefix_cache.hash_of(b) is None for b in cache.tables[1].blocks)
+    assert all(cache.pool.hash_of(b) is None for b in cache.tables[1].blocks)
     cache.free(1)
     assert accounting(cache) == (12 - 1 - 4, 0, 5)
 

@@ -5,11 +5,12 @@ Token t of a `BlockTable` lives at slot `blocks[t // block_size] * block_size + 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from nanoserve.cache.prefix_cache import PrefixCache
+from nanoserve.cache.prefix_cache import BlockHash
 
 
 class PoolExhaustedError(RuntimeError):
@@ -24,9 +25,9 @@ class BlockPool:
     """`num_blocks` blocks of `block_size` slots, each with a reference count (its holders).
 
     A block is empty (on the free list), used (count positive) or cached (count zero, its K/V
-    a known prefix that `prefix_cache` keeps until an allocation finds the free list short and
-    evicts it, least recently used first). `num_free` = empty + cached. Empty blocks go out
-    lowest id first; without prefix caching no block is ever cached.
+    registered under a prefix hash, kept until an allocation finds the free list short and
+    evicts it, least recently freed first). `num_free` = empty + cached. Empty blocks go out
+    lowest id first; only prefix caching registers blocks, so without it none is ever cached.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -36,35 +37,51 @@ class BlockPool:
         self.num_slots = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest id first
         self._refs = [0] * num_blocks
-        self.prefix_cache = PrefixCache()
+        self._block_of: dict[BlockHash, int] = {}  # registered blocks, one to one with their hashes
+        self._hash_of: dict[int, BlockHash] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by none; LRU first
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + self.prefix_cache.num_evictable
+        return len(self._free) + len(self._cached)
 
     @property
     def num_cached(self) -> int:
-        return self.prefix_cache.num_evictable
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
+    @property
+    def num_registered(self) -> int:
+        return len(self._hash_of)
+
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
+    def hash_of(self, block: int) -> BlockHash | None:
+        return self._hash_of.get(block)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
     def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks, empty ones first, then evicting cached ones. Raises
-        PoolExhaustedError (taking nothing) when fewer are free."""
+        """Take `n` blocks, empty ones first, then evicting cached ones (forgetting their
+        hashes). Raises PoolExhaustedError (taking nothing) when fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
             raise PoolExhaustedError(
                 f"pool exhausted: asked for {n} blocks, {self.num_free} of {self.num_blocks} free "
                 f"(block_size {self.block_size}); the scheduler should preempt or wait (compare blocks_needed with num_free first)")
-        empty = min(n, len(self._free))
-        blocks = [self._free.pop() for _ in range(empty)]
-        blocks += [self.prefix_cache.evict() for _ in range(n - empty)]
+        blocks = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        while len(blocks) < n:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+            self.evictions += 1
+            blocks.append(block)
         for block in blocks:
             self._refs[block] = 1
         return blocks
@@ -72,17 +89,16 @@ class BlockPool:
     def share(self, blocks: Sequence[int]) -> None:
         """Add a holder to each block (a request adopting a cached prefix). Raises BlockFreeError
         (changing nothing) on an empty block: its K/V mean nothing."""
-        empty = [b for b in blocks if not self._refs[b] and not self.prefix_cache.is_evictable(b)]
+        empty = [b for b in blocks if not self._refs[b] and b not in self._cached]
         if empty:
             raise BlockFreeError(f"cannot share blocks {empty}: they are empty (on the free list)")
         for block in blocks:
-            if not self._refs[block]:
-                self.prefix_cache.unpark(block)
+            self._cached.pop(block, None)
             self._refs[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop a holder of each block; one left with none is cached if its prefix is known, else
-        empty. Raises BlockFreeError (freeing nothing) on a foreign or over-freed block."""
+        """Drop a holder of each block; one left with none is cached if registered, else empty.
+        Raises BlockFreeError (freeing nothing) on a foreign or over-freed block."""
         blocks = list(blocks)
         drops: dict[int, int] = {}
         for block in blocks:
@@ -96,12 +112,33 @@ class BlockPool:
             self._refs[block] -= 1
             if self._refs[block]:
                 continue
-            if self.prefix_cache.hash_of(block) is None:
-                emptied.append(block)
+            if block in self._hash_of:
+                self._cached[block] = None  # the most recently freed
             else:
-                self.prefix_cache.park(block)
+                emptied.append(block)
         if emptied:  # freed blocks are reused before untouched ones
             self._free = sorted(self._free + emptied, reverse=True)
+
+    def register(self, block: int, block_hash: BlockHash) -> bool:
+        """Name a held block by `block_hash` unless the hash names a block already (kept);
+        returns whether it did. Raises if the block is not held or has a hash."""
+        if not self._refs[block] or block in self._hash_of:
+            raise ValueError(f"register({block}): only a held block with no hash can be registered; "
+                             "a block's K/V never change while held")
+        if block_hash in self._block_of:
+            return False
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+        return True
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks of the longest registered prefix of `hashes` (a pure query)."""
+        blocks = []
+        for block_hash in hashes:
+            if block_hash not in self._block_of:
+                break
+            blocks.append(self._block_of[block_hash])
+        return blocks
 
 
 class BlockTable:

@@ -70,6 +70,7 @@ class BatchedPagedKVCache:
         self._claimed = [False] * max_batch_size  # a reset row stays claimed, with no tokens
         self.enable_prefix_caching = enable_prefix_caching
         self._root_hash = root_hash(prefix_salt)
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of them adopted
 
     @property
     def live_rows(self) -> list[int]:
@@ -203,7 +204,8 @@ class BatchedPagedKVCache:
         table.advance(len(blocks) * self.block_size)
         self._claim(row)
         if self.enable_prefix_caching:
-            self.pool.prefix_cache.record_query(len(token_ids), table.num_tokens)
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += table.num_tokens
         return table.num_tokens
 
     def cache_full_blocks(self, row: int, token_ids: Sequence[int]) -> None:
@@ -215,25 +217,25 @@ class BatchedPagedKVCache:
         table = self.tables[self._row(row)]
         if len(token_ids) > table.num_tokens:
             raise ValueError(f"cache_full_blocks: row {row} holds {table.num_tokens} tokens, not {len(token_ids)}")
-        registry = self.pool.prefix_cache
         hashes = chain_hashes(token_ids, self.block_size, self._root_hash)
         for i, (block, block_hash) in enumerate(zip(table.blocks, hashes)):
-            known = registry.hash_of(block)
+            known = self.pool.hash_of(block)
             if known is None:
-                registry.register(block, block_hash)
+                self.pool.register(block, block_hash)
             elif known != block_hash:
                 raise RuntimeError(f"row {row} block {i} (physical {block}) is cached under another prefix than "
                                    "the tokens given: the engine passed tokens that are not this row's")
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        return self.pool.prefix_cache.stats()
+        return {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                "prefix_cache_blocks": self.pool.num_registered, "prefix_cache_evictions": self.pool.evictions}
 
     def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         # Whole blocks, at most len(token_ids) - 1 tokens: one is always computed, for the logits.
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return []
         usable = (len(token_ids) - 1) // self.block_size * self.block_size
-        return self.pool.prefix_cache.lookup(chain_hashes(token_ids[:usable], self.block_size, self._root_hash))
+        return self.pool.lookup(chain_hashes(token_ids[:usable], self.block_size, self._root_hash))
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""
