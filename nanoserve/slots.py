@@ -73,8 +73,8 @@ class SlotTable:
         if full:
             raise ValueError(f"rows {full} already hold max_model_len={self.max_model_len} tokens; "
                              "the scheduler must finish or preempt them before another decode step")
-        index = (torch.tensor(ids, device=self.device), torch.from_numpy(cols).to(self.device))
-        self.slots.index_put_(index, torch.as_tensor(slots, dtype=torch.int64).to(self.device))
+        cells = torch.from_numpy(np.asarray(ids) * self.max_model_len + cols).to(self.device)
+        self.slots.view(-1).index_copy_(0, cells, torch.as_tensor(slots, dtype=torch.int64).to(self.device))
         self.lengths_array[ids] = cols + 1
 
     def resync(self, table: BlockTable, row: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
@@ -159,7 +160,7 @@ class BatchedPagedKVCache:
         idle = [row for row in ids if not self._claimed[row]]
         if idle:
             raise ValueError(f"plan_decode: rows {idle} are not live; prefill or adopt them first")
-        positions = self.slot_table.lengths(ids)  # the token each row writes this step
+        positions = self.slot_table.lengths_array[ids]  # the token each row writes this step (a copy)
         at_limit = [row for row, n in zip(ids, positions.tolist()) if n >= self.max_model_len]
         if at_limit:
             raise ValueError(f"plan_decode: rows {at_limit} are at max_model_len={self.max_model_len}; finish them")
@@ -169,15 +170,14 @@ class BatchedPagedKVCache:
                                      "free; the scheduler should preempt before planning (can_append tells it)")
         for row, block in zip(full, self.pool.allocate(len(full))):
             self.tables[row].add_blocks((block,))
-        write_slots = torch.tensor([self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
-                                   dtype=torch.int64, device=self.device)
+        host = np.stack([[self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
+                         positions, positions + 1])  # write slots, positions, context lengths
         is_window = ids == list(range(len(ids)))
         rows = len(ids) if is_window else ids  # a prefix passed by its size: checked once, above
-        self.slot_table.append(rows, write_slots)
-        context_lens = positions + 1
-        return DecodePlan(tuple(ids), self.slot_table.rect(rows, int(context_lens.max())),
-                          torch.from_numpy(context_lens).to(self.device), int(context_lens.sum()), write_slots,
-                          torch.from_numpy(positions).to(self.device), is_window)
+        self.slot_table.append(rows, host[0])
+        write_slots, positions_t, context_lens = torch.from_numpy(host).to(self.device).unbind()
+        return DecodePlan(tuple(ids), self.slot_table.rect(rows, int(host[2].max())), context_lens,
+                          int(host[2].sum()), write_slots, positions_t, is_window)
 
     def blocks_to_admit(self, token_ids: Sequence[int], adopt: bool = True) -> int:
         """Free blocks a new row holding `token_ids` plus one decode token takes: its blocks,
