@@ -82,7 +82,7 @@ def test_mapping_is_window_fails_for_scattered_rows_and_names_them(cache):
         check_mapping_is_window(plan, cache.slot_table)
 
 
-# -- check_window_intact (the seed's lesson) -----------------------------------------------
+# -- check_window_intact (a live window against the plan's copies) ----------------------------
 
 
 def test_window_intact_holds_under_later_appends(cache):
@@ -171,6 +171,6 @@ def test_table_fits_when_planned_around_the_pool():
 
 
 def test_table_fits_fails_and_prints_the_block_table_alternative():
-    # The seed's example: 256 rows at 131,072 tokens is 268 MB of addressing.
+    # 256 rows at 131,072 tokens is 268 MB of addressing.
     with pytest.raises(GateError, match=r"reserves 268,435,456 bytes.*would be 16,777,216 bytes \(16x smaller"):
         check_table_fits(max_batch_size=256, max_model_len=131072, block_size=16, kv_bytes=1 << 30)

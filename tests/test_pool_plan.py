@@ -1,4 +1,4 @@
-"""The pool plan and the addressing arithmetic, with the seed's numbers."""
+"""The pool plan and the addressing arithmetic, with worked numbers."""
 
 from __future__ import annotations
 
