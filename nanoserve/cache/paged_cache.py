@@ -174,8 +174,8 @@ class BatchedPagedKVCache:
                          positions, positions + 1])  # write slots, positions, context lengths
         is_window = ids == list(range(len(ids)))
         rows = len(ids) if is_window else ids  # a prefix passed by its size: checked once, above
-        self.slot_table.append(rows, host[0])
         write_slots, positions_t, context_lens = torch.from_numpy(host).to(self.device).unbind()
+        self.slot_table.append(rows, write_slots)
         return DecodePlan(tuple(ids), self.slot_table.rect(rows, int(host[2].max())), context_lens,
                           int(host[2].sum()), write_slots, positions_t, is_window)
 
