@@ -82,12 +82,13 @@ def test_planning_table_has_one_row_per_row_count_and_leaves_the_addressing_righ
     results = measure_planning(engine, run)
     assert [list(r) for r in results] == [COLUMNS] * 3
     assert [r["rows"] for r in results] == [1, 4, 2] and {r["context"] for r in results} == {5}
-    assert all(r["plan_us"] > 0 and r["step_ms"] > 0 and r["plan_share_pct"] > 0 for r in results)
-    # The last row count's rows took the warm-up, then a planning and a decode step per timed pair.
-    assert [engine.cache.num_tokens(row) for row in range(4)] == [5 + 1 + 2 * 3] * 2 + [0, 0]
+    assert all(r["plan_us"] > 0 and r["plan_hot_us"] > 0 and r["step_ms"] > 0 and r["plan_share_pct"] > 0
+               for r in results)
+    # The last row count's rows took the warm-up, then two planning steps and a decode step per timed round.
+    assert [engine.cache.num_tokens(row) for row in range(4)] == [5 + 1 + 3 * 3] * 2 + [0, 0]
     check_slots_agree(engine.cache.slot_table, engine.cache.tables, range(2))
     table = format_planning(results).splitlines()
-    assert table[0].split() == ["rows", "context", "planning", "eager", "step", "share"] and len(table) == 4
+    assert table[0].split() == ["rows", "context", "planning", "hot", "eager", "step", "share"] and len(table) == 4
 
 
 def test_planning_verdict_names_the_share_at_32_rows_against_the_bar():
