@@ -34,7 +34,7 @@ def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: in
 
 
 class SlotTable:
-    """Rows change only by `append`, `resync` and a zeroed length (cells past it go unread);
+    """Rows change only by `append`, `resync` and `reset` (a zeroed length: cells past it go unread);
     `windows`/`gathers` count the reads. Lengths are handed out as copies: a later append writes
     at column `length`, inside a rectangle somebody may still hold, and only a length that did
     not move masks that cell."""
@@ -62,6 +62,11 @@ class SlotTable:
     def lengths(self, rows: RowsLike) -> np.ndarray:
         return self.lengths_array[self.row_ids(rows)]
 
+    def is_window(self, rows: RowsLike) -> bool:
+        """Whether reading `rows` gives a window (a view): they are the prefix 0..n-1."""
+        ids = self.row_ids(rows)
+        return ids == list(range(len(ids)))
+
     def append(self, rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
         """Write `slots[i]` at row `rows[i]`'s next column and bump those lengths: one indexed
         write. Raises ValueError (changing nothing) when a row is already `max_model_len` long."""
@@ -85,13 +90,29 @@ class SlotTable:
         self.slots[self.row_ids([row])[0], :n] = rebuild_mapping([table], [0], device=self.device)[0]
         self.lengths_array[row] = n
 
+    def reset(self, row: int) -> None:
+        """Set the row's length to zero and clear nothing: cells past a length go unread. (A
+        cache resets a row through `reset_row`, which gives its blocks back too.)"""
+        self.lengths_array[self.row_ids([row])[0]] = 0
+
+    def sync(self, tables: Sequence[BlockTable], rows: RowsLike) -> list[int]:
+        """Resync every listed row whose length is not its table's; returns those rows."""
+        stale = [row for row in self.row_ids(rows) if self.lengths_array[row] != tables[row].num_tokens]
+        for row in stale:
+            self.resync(tables[row], row)
+        return stale
+
+    def read(self, rows: RowsLike, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' `[n, width]` rectangle (`rect`) and a copy of their lengths on the device."""
+        return self.rect(rows, width), torch.from_numpy(self.lengths(rows)).to(self.device)
+
     def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
         """`[n, width]`: a view of the buffer when rows are the prefix 0..n-1 (a window), else
         a copy (a gather: narrowed before the index_select)."""
         ids = self.row_ids(rows)
         if not 0 <= width <= self.max_model_len:
             raise ValueError(f"read width {width} outside 0..{self.max_model_len}")
-        if ids == list(range(len(ids))):
+        if self.is_window(ids):
             self.windows += 1
             return self.slots[: len(ids), :width]
         self.gathers += 1

@@ -320,7 +320,7 @@ class CacheUnderShadow:
 
     def read(self, rows: list[int], width: int) -> None:
         table = self.cache.slot_table
-        rect, lens = table.rect(rows, width), torch.from_numpy(table.lengths(rows)).to(table.device)
+        rect, lens = table.read(rows, width)
         assert tuple(rect.shape) == (len(rows), width)
         assert lens.tolist() == [self.shadow.length(r) for r in rows]
         for i, r in enumerate(rows):

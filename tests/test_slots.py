@@ -51,7 +51,7 @@ def test_append_and_read(device):
     table.resync(table_of([1], 3), 2)
     table.append([0, 2], torch.tensor([11, 12], device=device))
     table.append([0, 1, 2], torch.tensor([13, 14, 15], device=device))
-    rect, lens = table.rect([0, 1, 2], 5), torch.from_numpy(table.lengths([0, 1, 2])).to(table.device)
+    rect, lens = table.read([0, 1, 2], 5)
     assert rect[:, :5].tolist() == [[11, 13, 0, 0, 0], [14, 0, 0, 0, 0], [4, 5, 6, 12, 15]]
     assert lens.tolist() == [2, 1, 5] and table.lengths([0, 1, 2]).tolist() == [2, 1, 5]
     with pytest.raises(ValueError, match=r"rows \[2\] already hold"):
@@ -111,7 +111,7 @@ def test_bad_row_sets_are_refused(rows):
 def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
     table = SlotTable(4, 8, device)
     table.append([0, 1, 2], torch.tensor([5, 6, 7], device=device))
-    rect, lens = table.rect([0, 1, 2], 3), torch.from_numpy(table.lengths([0, 1, 2])).to(table.device)
+    rect, lens = table.read([0, 1, 2], 3)
     assert rect.shape == (3, 3)
     assert rect.data_ptr() == table.slots.data_ptr() and rect.stride() == table.slots.stride()
     table.append([0], torch.tensor([9], device=device))
@@ -123,7 +123,7 @@ def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
 def test_read_over_scattered_rows_is_a_copy_of_exactly_the_rectangle(device):
     table = SlotTable(4, 8, device)
     table.append([1, 3], torch.tensor([5, 6], device=device))
-    rect, lens = table.rect([3, 1], 2), torch.from_numpy(table.lengths([3, 1])).to(table.device)
+    rect, lens = table.read([3, 1], 2)
     assert rect.shape == (2, 2) and rect.is_contiguous()
     assert rect.data_ptr() != table.slots.data_ptr()
     assert rect[:, 0].tolist() == [6, 5] and lens.tolist() == [1, 1]
@@ -138,6 +138,42 @@ def test_reset_zeroes_the_length_and_clears_nothing(device):
     cache.reset_row(0)
     assert cache.slot_table.lengths_array[0] == 0
     assert cache.slot_table.slots[0, :4].tolist() == written
+
+
+def test_slot_table_reset_zeroes_one_length_and_the_next_append_writes_column_zero(device):
+    table = SlotTable(3, 8, device)
+    table.append([0, 1], torch.tensor([5, 6], device=device))
+    table.append([0, 1], torch.tensor([7, 8], device=device))
+    table.reset(1)
+    assert table.lengths([0, 1]).tolist() == [2, 0]
+    assert table.slots[1, :2].tolist() == [6, 8]  # nothing cleared: the length masks it
+    table.append([1], torch.tensor([9], device=device))
+    assert table.slots[1, :2].tolist() == [9, 8] and table.lengths([1]).tolist() == [1]
+    with pytest.raises(ValueError):
+        table.reset(3)
+
+
+def test_sync_resyncs_exactly_the_rows_whose_length_disagrees(device):
+    table = SlotTable(3, 8, device)
+    tables = [table_of([2], 3), table_of([1], 2), table_of([4, 5], 6)]
+    for row in range(3):
+        table.resync(tables[row], row)
+    tables[1].advance(1)  # row 1 grew in its block table only
+    table.reset(2)  # row 2 lost its length
+    count = CellCount(table)
+    assert table.sync(tables, range(3)) == [1, 2]
+    assert (count.resyncs, count.resynced_cells) == (2, 3 + 6)
+    check_slots_agree(table, tables, range(3))
+    assert table.sync(tables, [0, 1, 2]) == []
+
+
+@pytest.mark.parametrize("rows, window", [(3, True), (range(2), True), ([0, 1], True), ([1, 0], False),
+                                          ([0, 2], False), ([1], False)])
+def test_is_window_is_the_prefix_condition_and_read_follows_it(rows, window):
+    table = SlotTable(4, 8)
+    assert table.is_window(rows) == window
+    rect, _ = table.read(rows, 2)
+    assert (rect.data_ptr() == table.slots.data_ptr()) == window and (table.windows, table.gathers) == (window, not window)
 
 
 def test_resync_copies_the_row_and_counts(device):

@@ -175,7 +175,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         table = self.cache.slot_table
         rows = data.draw(st.lists(st.integers(0, MAX_ROWS - 1), min_size=1, max_size=MAX_ROWS, unique=True),
                          label="rows")
-        rect, lens = table.rect(rows, width), torch.from_numpy(table.lengths(rows)).to(table.device)
+        rect, lens = table.read(rows, width)
         assert rect.shape == (len(rows), width)
         assert lens.tolist() == [table.lengths_array[r] for r in rows]
         if rows == list(range(len(rows))):

@@ -172,7 +172,7 @@ class BatchedPagedKVCache:
             self.tables[row].add_blocks((block,))
         host = np.stack([[self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
                          positions, positions + 1])  # write slots, positions, context lengths
-        is_window = ids == list(range(len(ids)))
+        is_window = ids == list(range(len(ids)))  # the rows are a prefix: the read is a window
         rows = len(ids) if is_window else ids  # a prefix passed by its size: checked once, above
         write_slots, positions_t, context_lens = torch.from_numpy(host).to(self.device).unbind()
         self.slot_table.append(rows, write_slots)
