@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 RowsLike = int | range | Sequence[int] | torch.Tensor | np.ndarray
 
 
+def is_prefix(ids: Sequence[int]) -> bool:
+    """Whether row ids are 0..n-1 in order: a read of them is a window (a view), not a gather."""
+    return list(ids) == list(range(len(ids)))
+
+
 def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: int | None = None,
                     device: str | torch.device = "cpu") -> torch.Tensor:
     """`[len(rows), width]` slots cell by cell from the block tables, zero-padded (width: the
@@ -64,8 +69,7 @@ class SlotTable:
 
     def is_window(self, rows: RowsLike) -> bool:
         """Whether reading `rows` gives a window (a view): they are the prefix 0..n-1."""
-        ids = self.row_ids(rows)
-        return ids == list(range(len(ids)))
+        return is_prefix(self.row_ids(rows))
 
     def append(self, rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
         """Write `slots[i]` at row `rows[i]`'s next column and bump those lengths: one indexed
@@ -112,7 +116,7 @@ class SlotTable:
         ids = self.row_ids(rows)
         if not 0 <= width <= self.max_model_len:
             raise ValueError(f"read width {width} outside 0..{self.max_model_len}")
-        if self.is_window(ids):
+        if is_prefix(ids):
             self.windows += 1
             return self.slots[: len(ids), :width]
         self.gathers += 1

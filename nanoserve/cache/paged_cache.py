@@ -10,7 +10,7 @@ import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
 from nanoserve.cache.prefix_cache import chain_hashes, root_hash
-from nanoserve.slots import RowsLike, SlotTable
+from nanoserve.slots import RowsLike, SlotTable, is_prefix
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,8 @@ class BatchedPagedKVCache:
         if idle:
             raise ValueError(f"plan_decode: rows {idle} are not live; prefill or adopt them first")
         positions = self.slot_table.lengths_array[ids]  # the token each row writes this step (a copy)
-        at_limit = [row for row, n in zip(ids, positions.tolist()) if n >= self.max_model_len]
+        lens = positions.tolist()
+        at_limit = [row for row, n in zip(ids, lens) if n >= self.max_model_len]
         if at_limit:
             raise ValueError(f"plan_decode: rows {at_limit} are at max_model_len={self.max_model_len}; finish them")
         full = self._full_rows(ids)
@@ -170,9 +171,9 @@ class BatchedPagedKVCache:
                                      "free; the scheduler should preempt before planning (can_append tells it)")
         for row, block in zip(full, self.pool.allocate(len(full))):
             self.tables[row].add_blocks((block,))
-        host = np.stack([[self.tables[row].slot(n) for row, n in zip(ids, positions.tolist())],
+        host = np.stack([[self.tables[row].slot(n) for row, n in zip(ids, lens)],
                          positions, positions + 1])  # write slots, positions, context lengths
-        is_window = ids == list(range(len(ids)))  # the rows are a prefix: the read is a window
+        is_window = is_prefix(ids)
         rows = len(ids) if is_window else ids  # a prefix passed by its size: checked once, above
         write_slots, positions_t, context_lens = torch.from_numpy(host).to(self.device).unbind()
         self.slot_table.append(rows, write_slots)
