@@ -1,4 +1,6 @@
-"""Gates: invariants of the addressing layer, switched on in tests and debug runs.
+"""Gates: invariants of the addressing layer, checked at run time. The runner applies the
+capture gate (`check_mapping_is_window`) before every compiled decode step; the tests and
+`compile/slotbench.py` apply the rest after the operations they drive.
 
 Each `check_*` returns None when its invariant holds and raises GateError naming the rows,
 columns or slots at fault and which side owns the fix. A gate comparing live state with live
