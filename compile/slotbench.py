@@ -6,8 +6,8 @@ prompt, and every arm produces the same DecodePlan fields each step:
 
   rebuild  grow each block table by one token, then rebuild_mapping (one slot() call per
            cell) and lists -> tensors for the other fields.
-  day51    the seed's first append step: the same persistent table, appended through a
-           Python loop over rows and four small tensors built from lists per step.
+  loop_append  the first append step the table had: the same persistent table, appended
+           through a Python loop over rows and four small tensors built from lists per step.
   window   BatchedPagedKVCache.plan_decode over rows 0..n-1: appends to the SlotTable and
            reads a view of it.
   gather   the same over scattered rows: the read is a copy (what a scheduler that does not
@@ -50,7 +50,7 @@ from nanoserve.slots import RowsLike, SlotTable, rebuild_mapping
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 MAX_BATCH_SIZE = 8
-ARMS = ("rebuild", "day51", "window", "gather")
+ARMS = ("rebuild", "loop_append", "window", "gather")
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def grow_by_one(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[i
     return [tables[row].num_tokens for row in rows]
 
 
-def day50_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[int]) -> DecodePlan:
+def rebuild_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[int]) -> DecodePlan:
     """A decode step that rebuilds every address from the block tables."""
     lengths = grow_by_one(tables, pool, rows)
     return DecodePlan(
@@ -144,8 +144,8 @@ def day50_plan(tables: dict[int, BlockTable], pool: BlockPool, rows: Sequence[in
     )
 
 
-def day51_plan(tables: dict[int, BlockTable], pool: BlockPool, table: SlotTable, rows: list[int]) -> DecodePlan:
-    """The seed's first append step: a loop over rows and list-built tensors, then a read."""
+def loop_append_plan(tables: dict[int, BlockTable], pool: BlockPool, table: SlotTable, rows: list[int]) -> DecodePlan:
+    """The first append step: a loop over rows and list-built tensors, then a read."""
     lengths = grow_by_one(tables, pool, rows)
     write_slots = torch.tensor([tables[row].slot(n - 1) for row, n in zip(rows, lengths)])
     positions = torch.tensor([n - 1 for n in lengths])
@@ -166,15 +166,15 @@ def run_rebuild(work: Workload) -> ArmRun:
         tables[row].add_blocks(pool.allocate(tables[row].blocks_needed(work.prompt)))
         tables[row].advance(work.prompt)
     for _ in range(work.steps):
-        plan = day50_plan(tables, pool, rows)
+        plan = rebuild_plan(tables, pool, rows)
         cells += plan.slot_mapping.numel()
     seconds = time.perf_counter() - start
     check_plan_addressing(plan, tables)
     return ArmRun(seconds, cells, plan)
 
 
-def run_day51(work: Workload) -> ArmRun:
-    rows = work.row_ids("day51")
+def run_loop_append(work: Workload) -> ArmRun:
+    rows = work.row_ids("loop_append")
     pool = BlockPool(work.num_blocks, BLOCK_SIZE)
     tables = {row: BlockTable(BLOCK_SIZE) for row in rows}
     table = SlotTable(MAX_BATCH_SIZE, work.max_model_len)
@@ -185,7 +185,7 @@ def run_day51(work: Workload) -> ArmRun:
         tables[row].advance(work.prompt)
         table.resync(tables[row], row)
     for _ in range(work.steps):
-        plan = day51_plan(tables, pool, table, rows)
+        plan = loop_append_plan(tables, pool, table, rows)
     seconds = time.perf_counter() - start
     check_plan_addressing(plan, tables)
     return ArmRun(seconds, count.resynced_cells + work.rows * work.steps, plan)
@@ -208,7 +208,7 @@ def run_table(work: Workload, arm: str) -> ArmRun:
 
 RUNNERS: dict[str, Callable[[Workload], ArmRun]] = {
     "rebuild": run_rebuild,
-    "day51": run_day51,
+    "loop_append": run_loop_append,
     "window": lambda work: run_table(work, "window"),
     "gather": lambda work: run_table(work, "gather"),
 }
@@ -234,16 +234,16 @@ def measure(work: Workload, repeats: int) -> dict[str, float | int]:
     return {
         "steps": work.steps,
         "rebuild_ms": medians["rebuild"] * 1e3,
-        "day51_ms": medians["day51"] * 1e3,
+        "loop_append_ms": medians["loop_append"] * 1e3,
         "window_ms": medians["window"] * 1e3,
         "gather_ms": medians["gather"] * 1e3,
         "speedup": medians["rebuild"] / medians["window"],
-        "day51_speedup": medians["rebuild"] / medians["day51"],
+        "loop_append_speedup": medians["rebuild"] / medians["loop_append"],
         "speedup_min": min(ratios),
         "speedup_max": max(ratios),
         # Best runs against best runs: what each arm costs when nothing else on the machine interferes.
         "speedup_best": min(times["rebuild"]) / min(times["window"]),
-        "day51_us_per_step": medians["day51"] * 1e6 / work.steps,
+        "loop_append_us_per_step": medians["loop_append"] * 1e6 / work.steps,
         "window_us_per_step": medians["window"] * 1e6 / work.steps,
         "gather_us_per_step": medians["gather"] * 1e6 / work.steps,
         "cells_rebuilt": cells["rebuild"],
@@ -252,19 +252,19 @@ def measure(work: Workload, repeats: int) -> dict[str, float | int]:
 
 
 def format_table(results: list[dict]) -> str:
-    lines = [f"{'steps':>6} {'rebuild':>11} {'day51':>10} {'window':>10} {'gather':>10} {'speedup':>8} "
-             f"{'best/best':>10} {'day51':>7} {'window/step':>12} {'cells rebuilt -> written':>26}"]
+    lines = [f"{'steps':>6} {'rebuild':>11} {'loop':>10} {'window':>10} {'gather':>10} {'speedup':>8} "
+             f"{'best/best':>10} {'loop':>7} {'window/step':>12} {'cells rebuilt -> written':>26}"]
     for r in results:
         lines.append(
-            f"{r['steps']:>6} {r['rebuild_ms']:>9.3f}ms {r['day51_ms']:>8.3f}ms {r['window_ms']:>8.3f}ms "
-            f"{r['gather_ms']:>8.3f}ms {r['speedup']:>7.2f}x {r['speedup_best']:>9.2f}x {r['day51_speedup']:>6.2f}x "
+            f"{r['steps']:>6} {r['rebuild_ms']:>9.3f}ms {r['loop_append_ms']:>8.3f}ms {r['window_ms']:>8.3f}ms "
+            f"{r['gather_ms']:>8.3f}ms {r['speedup']:>7.2f}x {r['speedup_best']:>9.2f}x {r['loop_append_speedup']:>6.2f}x "
             f"{r['window_us_per_step']:>10.2f}us {r['cells_rebuilt']:>13,} -> {r['cells_written']:>6,}"
         )
     return "\n".join(lines)
 
 
 def verdict(results: list[dict]) -> list[str]:
-    """What the sweep says at 512 steps (the seed's figure) and how the window's per-step cost grows."""
+    """What the sweep says at 512 steps (where the cell counts were first measured) and how the window's per-step cost grows."""
     by_steps = {r["steps"]: r for r in results}
     lines = []
     if 512 in by_steps:
@@ -300,8 +300,8 @@ def write_plot(results: list[dict], path: Path) -> None:
     left.set(xscale="log", yscale="log", xlabel="decode steps", ylabel="ms per run (median)",
              title="addressing time per run")
     left.legend()
-    mid.plot(steps, [r["day51_us_per_step"] for r in results], "x--", color=colors["day51"],
-             label="day51 (the seed's append)")
+    mid.plot(steps, [r["loop_append_us_per_step"] for r in results], "x--", color=colors["loop_append"],
+             label="loop_append (a Python loop per step)")
     mid.plot(steps, [r["window_us_per_step"] for r in results], "s-", color=colors["window"], label="window")
     mid.plot(steps, [r["gather_us_per_step"] for r in results], "^-", color=colors["gather"], label="gather")
     mid.set(xscale="log", xlabel="decode steps", ylabel="us per step", title="table arms: cost per step (prompt set-up included)", ylim=(0, None))

@@ -11,7 +11,14 @@ import torch
 import compilebench
 from compile import slotbench
 from compile.slot_planning import COLUMNS, PlanningRun, format_planning, measure_planning, planning_verdict
-from compile.slotbench import Workload, incremental_cells, rebuilt_cells, run_day51, run_rebuild, run_table
+from compile.slotbench import (
+    Workload,
+    incremental_cells,
+    rebuilt_cells,
+    run_loop_append,
+    run_rebuild,
+    run_table,
+)
 from nanoserve import build_engine
 from nanoserve.cache.gates import check_slots_agree
 from nanoserve.model.synthetic import random_model, tiny_config
@@ -30,7 +37,7 @@ def test_arms_count_the_seeds_cells(steps):
     assert run_rebuild(work).cells == rebuilt_cells(4, 16, steps)
     assert run_table(work, "window").cells == incremental_cells(4, 16, steps)
     assert run_table(work, "gather").cells == incremental_cells(4, 16, steps)
-    assert run_day51(work).cells == incremental_cells(4, 16, steps)
+    assert run_loop_append(work).cells == incremental_cells(4, 16, steps)
 
 
 def test_512_steps_rebuild_558080_cells_and_the_table_writes_2112():
@@ -44,7 +51,7 @@ def test_arms_end_on_the_same_plan():
     rebuild, window, gather = run_rebuild(work), run_table(work, "window"), run_table(work, "gather")
     assert window.plan.is_window and not gather.plan.is_window
     assert gather.plan.rows == (1, 3, 5, 7)
-    for plan in (window.plan, gather.plan, run_day51(work).plan):
+    for plan in (window.plan, gather.plan, run_loop_append(work).plan):
         assert torch.equal(plan.context_lens, rebuild.plan.context_lens)
         assert torch.equal(plan.positions, rebuild.plan.positions)
         assert plan.slot_mapping.shape == rebuild.plan.slot_mapping.shape == (4, 56)
