@@ -4,14 +4,14 @@
 Cells (host only, no weights). `rows` rows decode `steps` tokens after a `prompt`-token
 prompt, and every arm produces the same DecodePlan fields each step:
 
-  rebuild  grow each block table by one token, then rebuild_mapping (one slot() call per
-           cell) and lists -> tensors for the other fields.
+  rebuild      grow each block table by one token, then rebuild_mapping (one slot() call
+               per cell) and lists -> tensors for the other fields.
   loop_append  the first append step the table had: the same persistent table, appended
-           through a Python loop over rows and four small tensors built from lists per step.
-  window   BatchedPagedKVCache.plan_decode over rows 0..n-1: appends to the SlotTable and
-           reads a view of it.
-  gather   the same over scattered rows: the read is a copy (what a scheduler that does not
-           keep its rows a prefix gets).
+               through a Python loop over rows and four small tensors built from lists.
+  window       BatchedPagedKVCache.plan_decode over rows 0..n-1: appends to the SlotTable
+               and reads a view of it.
+  gather       the same over scattered rows: the read is a copy (what a scheduler that does
+               not keep its rows a prefix gets).
 
 Each timed region includes the prompt (the rebuild arm allocates it; the table arms also
 resync it). Arms run interleaved, `repeats` times; the table quotes medians and the ratio

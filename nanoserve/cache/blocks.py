@@ -135,9 +135,10 @@ class BlockPool:
         """The blocks of the longest registered prefix of `hashes` (a pure query)."""
         blocks = []
         for block_hash in hashes:
-            if block_hash not in self._block_of:
+            block = self._block_of.get(block_hash)
+            if block is None:
                 break
-            blocks.append(self._block_of[block_hash])
+            blocks.append(block)
         return blocks
 
 
