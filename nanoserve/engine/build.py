@@ -9,7 +9,8 @@ from nanoserve.cache.pool_plan import plan_pool
 from nanoserve.engine.bucketing import Buckets
 from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.engine import Engine, EngineConfig
-from nanoserve.engine.paged_attention import fused_decode_attention
+from nanoserve.engine.paged_attention import decode_attention_kernel
+from nanoserve.model import cpu_kernels
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
@@ -54,7 +55,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
 
     ``weights`` is "auto", "fp32", "bf16", "int8", "int4" or a ``WeightPlan``: how the weights are
     held and executed (activations and the K/V cache are bf16 for all but fp32). "auto" is
-    ``AUTO_CPU`` on the CPU and bf16 on CUDA. Unset, a model named by a string loads as "auto"
+    ``auto_cpu_plan()`` on the CPU and bf16 on CUDA. Unset, a model named by a string loads as "auto"
     unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in its
     own dtype; a ``LlamaModel`` given with ``weights`` is converted in place.
 
@@ -106,6 +107,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                                 block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device,
                                 enable_prefix_caching=enable_prefix_caching,
                                 prefix_salt=f"{source}|{config!r}|{dtype}|{weights_name}")
+    tier = weight_plan.tier if weight_plan is not None else None
+    attention_kernel = decode_attention_kernel(cache.k_caches[0], tier)
     bucketing = compile if bucketing is None else bucketing
     buckets = None
     if bucketing:
@@ -113,10 +116,10 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         # The CPU decode kernel reads each row's own cells whatever the window's width, so one
         # width (the longest) steps as fast as a tight one and compiles one graph per row
         # bucket instead of one per width; SDPA's masked read costs the whole window.
-        widths = (cache.max_model_len,) if fused_decode_attention(cache.k_caches[0]) else default.widths
+        widths = (cache.max_model_len,) if attention_kernel is not None else default.widths
         buckets = Buckets(tuple(row_buckets or default.rows), tuple(width_buckets or widths))
     step = DecodeStep(model, cache, max_batch_size, buckets, compile=compile, mode=compile_mode, device=device,
-                      backend=compile_backend)
+                      backend=compile_backend, attention_kernel=attention_kernel)
     engine_config = EngineConfig(
         max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
         num_blocks=plan.num_blocks,
@@ -126,7 +129,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
         # would only slow a lone prompt, so such a step may prefill DEFAULT_CHUNKED_BUDGET tokens.
         # A budget the caller sets is a hard limit on every step.
         prefill_only_budget=None if max_num_batched_tokens or not enable_chunked_prefill else DEFAULT_CHUNKED_BUDGET,
-        dtype=dtype, device=device, compile=compile, weights=weights_name, enable_chunked_prefill=enable_chunked_prefill)
+        dtype=dtype, device=device, compile=compile, weights=weights_name, cpu_kernels=tier, enable_chunked_prefill=enable_chunked_prefill)
     engine = Engine(model, tokenizer, cache, engine_config, step)
     if compile and warmup == "eager" and buckets is not None:
         step.warmup()
@@ -145,10 +148,13 @@ def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int,
     return max(2048, max_model_len)
 
 
-# "auto" on the CPU: the fastest format that passes the fidelity gates against fp32 (README):
-# int4 codes and the file's Q8_0 LM head (group-wise int8) up to DENSE_FROM_ROWS rows, a bf16
-# copy of the linears (and the bf16 embedding table as the head) from there on.
-AUTO_CPU = WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS, int8_head=True)
+def auto_cpu_plan(tier: str | None = None) -> WeightPlan:
+    """"auto" on the CPU: the fastest format that passes the fidelity gates against fp32
+    (README): int4 codes and the file's Q8_0 LM head (group-wise int8), with a dense copy of the
+    linears (and the embedding table as the head) from the kernel tier's measured crossover
+    (DENSE_FROM_ROWS) where it has one. ``tier``: cpu_kernels.resolve_tier's choice by default."""
+    tier = tier or cpu_kernels.resolve_tier()
+    return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier], int8_head=True)
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,
@@ -161,7 +167,7 @@ def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str |
         # fp32 on the CPU (its bf16 matmuls are not the default anywhere), bf16 on a GPU.
         return None, _as_dtype(dtype) if dtype is not None else (torch.bfloat16 if cuda else torch.float32)
     if weights is None or weights == "auto":
-        plan = WeightPlan("bf16") if cuda else AUTO_CPU
+        plan = WeightPlan("bf16") if cuda else auto_cpu_plan()
     elif isinstance(weights, WeightPlan):
         plan = weights
     elif weights in WEIGHT_FORMATS:

@@ -16,40 +16,40 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.engine.bucketing import Buckets, PaddingWaste
-from nanoserve.engine.paged_attention import attend_window, fused_decode_attention, window_mask
+from nanoserve.engine.paged_attention import attend_window, window_mask
 
 
 class WindowAttention:
     """Write each row's new K/V at its slot, then attend over the row's window of the slot
     table, masked by ``context_lens``. A padded row (length 0) writes to the scratch slot and
-    its output is never read. ``fused`` (``fused_decode_attention``) reads each row's cells in
-    one pass of nanoserve's ``decode_attention`` kernel (no gathered copy, no mask); else a
-    gather and torch's SDPA, with the mask built once per step for every layer."""
+    its output is never read. With ``kernel`` (a tier handle, ``decode_attention_kernel``) each
+    row's cells are read in one pass of nanoserve's ``decode_attention`` (no gathered copy, no
+    mask); else a gather and torch's SDPA, with the mask built once per step for every layer."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
-                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, fused: bool = False) -> None:
+                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
         self.k_caches, self.v_caches = k_caches, v_caches
         self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
-        self.fused = fused  # fused_decode_attention(k_caches[0]), decided outside any graph
-        self.mask = None if fused else window_mask(context_lens, slot_mapping.shape[1], k_caches[0].dtype)
+        self.kernel = kernel  # decided outside any graph
+        self.mask = None if kernel is not None else window_mask(context_lens, slot_mapping.shape[1], k_caches[0].dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache.index_copy_(0, self.write_slots, k)
         v_cache.index_copy_(0, self.write_slots, v)
-        if self.fused:
+        if self.kernel is not None:
             return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
-                                                        q.shape[-1] ** -0.5)
+                                                        q.shape[-1] ** -0.5, self.kernel)
         return attend_window(q, k_cache, v_cache, self.slot_mapping, self.mask)
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                    context_lens: torch.Tensor, slot_buffer: torch.Tensor, k_caches: list[torch.Tensor],
-                   v_caches: list[torch.Tensor], rows: int, width: int, fused: bool = False) -> torch.Tensor:
+                   v_caches: list[torch.Tensor], rows: int, width: int, kernel: int | None = None) -> torch.Tensor:
     """Logits [rows, vocab] for the first ``rows`` rows. The rectangle is sliced from the
     table's own buffer here, inside the graph, so a capture reads the table where it lives."""
     slot_mapping = slot_buffer[:rows, :width]
-    attention = WindowAttention(k_caches, v_caches, write_slots[:rows], slot_mapping, context_lens[:rows], fused)
+    attention = WindowAttention(k_caches, v_caches, write_slots[:rows], slot_mapping, context_lens[:rows], kernel)
     hidden = model(input_ids[:rows], positions[:rows], attention)
     return model.compute_logits(hidden)
 
@@ -75,7 +75,7 @@ class DecodeStep:
     def __init__(self, model, cache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
                  device: torch.device | str = "cpu", backend: str = "inductor",
-                 options: dict | None = None) -> None:
+                 options: dict | None = None, attention_kernel: int | None = None) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.device = torch.device(device)
         size = max_batch_size
@@ -84,7 +84,7 @@ class DecodeStep:
         self.positions = torch.zeros(size, **long)
         self.write_slots = torch.full((size,), cache.scratch_slot, **long)
         self.context_lens = torch.zeros(size, **long)
-        self.fused_attention = fused_decode_attention(cache.k_caches[0])
+        self.attention_kernel = attention_kernel  # decode_attention_kernel's handle, or None: SDPA
         self.stats = DecodeStats()
         self.compiled = compile
         self._seen: set[tuple[int, int]] = set()
@@ -159,7 +159,7 @@ class DecodeStep:
         self.stats.bucket_hits[(rows, width)] += 1
         # The masked read covers the whole window; the decode kernel each row's own cells (a
         # padded row's one).
-        read = total_context + rows - num_rows if self.fused_attention else rows * width
+        read = total_context + rows - num_rows if self.attention_kernel is not None else rows * width
         self.stats.waste.add(read, total_context)
         logits = self._call(rows, width)
         return logits[:num_rows]
@@ -168,7 +168,7 @@ class DecodeStep:
     def _call(self, rows: int, width: int) -> torch.Tensor:
         args = (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
                 self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width,
-                self.fused_attention)
+                self.attention_kernel)
         if not self.compiled:
             return self._forward(*args)
         before = self._graphs_compiled

@@ -65,6 +65,7 @@ class EngineConfig:
     device: str = "cpu"
     compile: bool = False
     weights: str = "fp32"  # the weight format in use (WeightPlan.name, or the dense dtype's name)
+    cpu_kernels: str | None = None  # the kernel tier running packed weights (cpu_kernels), if any
     enable_chunked_prefill: bool = True
     prefill_only_budget: int | None = None  # a step without decode rows (None: max_num_batched_tokens)
 
@@ -395,6 +396,7 @@ class Engine:
             "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
             "decode_outside_forward_share": self.decode_timing.outside_forward_share,
             "weights": self.config.weights, "weight_bytes": self.weight_bytes,
+            "cpu_kernels": self.config.cpu_kernels, "compute_dtype": str(self.config.dtype).removeprefix("torch."),
             "chunked_prefill": self.config.enable_chunked_prefill,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "prefill_only_budget": self.scheduler.prefill_only_budget,

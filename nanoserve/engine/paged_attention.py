@@ -1,8 +1,8 @@
 """Paged attention: each row's one query over its cached K/V, read through its slot mapping.
 
 `paged_attention_reference` is the oracle; the decode step uses nanoserve's
-`decode_attention` kernel where `fused_decode_attention` says so (bf16 K/V on a CPU where the
-kernels build), else `window_mask` and `attend_window` (torch's fused SDPA). Padding in
+`decode_attention` kernel where `decode_attention_kernel` names a tier for it, else
+`window_mask` and `attend_window` (torch's fused SDPA). Padding in
 `slot_mapping` only has to be a legal slot index: the gather reads it and the mask
 (`column >= context_lens[row]`) throws it away.
 """
@@ -14,12 +14,16 @@ import torch
 from nanoserve.model import cpu_kernels
 
 
-def fused_decode_attention(cache: torch.Tensor) -> bool:
-    """Whether decode steps over this K (or V) cache [slots, kv_heads, head_dim] read it with
-    nanoserve's decode_attention kernel: bf16 on a CPU where the kernels build, with a head_dim
-    the kernel's 16-lane loads cover (the fp32 reference path, and other head sizes, keep SDPA)."""
-    return (cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0
-            and cpu_kernels.available())
+def decode_attention_kernel(cache: torch.Tensor, tier: str | None) -> int | None:
+    """The handle of the kernel tier (cpu_kernels) whose decode_attention reads this K (or V)
+    cache [slots, kv_heads, head_dim] in decode steps, or None for SDPA: on the CPU, with a tier
+    of nanoserve's running the packed weights (the dense formats keep torch's path as the
+    reference), bf16 or fp32 cells, and a head_dim the kernels' 16-lane loads cover."""
+    if tier is None or cache.device.type != "cpu" or cache.shape[-1] % 16:
+        return None
+    if cache.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return cpu_kernels.handle(tier)
 
 
 def paged_attention_reference(

@@ -57,7 +57,7 @@ class ModelRunner:
                 raise RuntimeError("a compiled decode step runs in its own graph, not inside a prefill forward")
             plan = self.cache.plan_decode(decode)
             window = WindowAttention(self.cache.k_caches, self.cache.v_caches, plan.write_slots,
-                                     plan.slot_mapping, plan.context_lens, self.decode_step.fused_attention)
+                                     plan.slot_mapping, plan.context_lens, self.decode_step.attention_kernel)
             attention = DecodeThenPrefill(decode, window, attention)
             token_ids = torch.cat([self.decode_step.input_ids[:decode], token_ids])
             positions = torch.cat([plan.positions, positions])

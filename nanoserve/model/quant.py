@@ -18,9 +18,11 @@ kernel: ``c + 128 = 16 * hi + lo`` splits each code into two nibbles, and
 ``w = (hi - 8) * 16d + (lo - 8) * d + 8d``, so ``[hi | lo]`` as one [N, 2K] int4 weight times
 ``[x | x]`` is ``x @ w.T``, summed in one fp32 accumulator and rounded once.
 
-On a CPU with AVX-512 VNNI both group formats run instead through nanoserve's own kernels
-(``cpu_kernels``: the same codes, each group's scale and minimum in fp16, each activation as two
-int8 codes), which read the weights once for up to eight rows; ``kernel="torch"`` keeps torch's.
+Both group formats run instead through nanoserve's own kernels where a tier of them runs on the
+host (``cpu_kernels``: the same codes, each group's scale and minimum in fp16, each activation as
+two int8 codes), which read each block of weights once for all rows; ``kernel="torch"`` keeps
+torch's. With them the activations are bf16 where the CPU computes bf16 natively and fp32
+elsewhere (``cpu_kernels.compute_dtype``).
 """
 
 from __future__ import annotations
@@ -36,19 +38,18 @@ from nanoserve.model import cpu_kernels
 from nanoserve.model.cpu_kernels import GROUP_SIZE
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
-# Who runs the group-wise products: "vnni" (cpu_kernels), "torch" (its int4 kernel), or "auto":
-# vnni where it builds and the activations are bf16.
-GROUP_KERNELS = ("auto", "vnni", "torch")
-# From this many rows the bf16 copy is at least as fast as the group-wise kernels on the default
-# model's linears on this repository's CPU, two threads, weights streamed from memory
-# (``python -m compile.linear_bench --threads 2``, compile/results/linear_crossover.csv): with
-# the vnni kernels bf16/int4 is 1.5-1.6x at 12 rows, 1.1-1.2x at 16, 0.94-1.08x at 24 and
-# 0.75-0.94x at 32. So decode batches up to 23 rows and short prefills (a few tokens past a
-# cached prefix) keep the int4 codes, larger batches and prompts take the bf16 copy. (torch's
-# int4 kernel, whose cost grows per 4 rows, already lost to bf16 at 10.)
-DENSE_FROM_ROWS = 24
-# The group-wise int8 LM head (49152 x 576) crosses over sooner, as it reads one byte per weight
-# against the body's half: bf16/int8 1.68x at 8 rows, 1.18x at 12, 1.07x at 16, 0.85x at 24.
+# Who runs the group-wise products: a kernel tier of cpu_kernels, "torch" (its int4 kernel), or
+# "auto" (cpu_kernels.resolve_tier: $NANOSERVE_CPU_KERNELS, else the host's best tier).
+GROUP_KERNELS = cpu_kernels.CHOICES
+# From how many rows a dense copy of the linears (in the compute dtype) is at least as fast as
+# the group-wise kernels, per tier, on the default model's linears with two threads and the
+# weights streamed from memory (``python -m compile.linear_bench``; the README quotes the CSVs).
+# None: the packed kernels win at every row count measured (or the tier was not measured: it
+# keeps the packed path, which reads each block of weights once for all rows).
+DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "avx2": None, "neon-dot": None,
+                                          "neon": None, "scalar": None, "torch": 10}
+# The group-wise int8 LM head (49152 x 576) reads a byte per weight against the body's half, so
+# its dense copy takes over sooner where the body has one.
 HEAD_DENSE_FROM_ROWS = 16
 
 
@@ -123,13 +124,15 @@ def int8_kernel_accepts(in_features: int) -> bool:
 
 
 def resolve_group_kernel(kernel: str, dtype: torch.dtype) -> str:
-    """"vnni" or "torch" for a group-wise layer with activations in ``dtype``."""
+    """The kernel tier (cpu_kernels) or "torch" that runs a group-wise layer with activations in
+    ``dtype``. torch's int4 kernel runs a reference loop ~25x slower with fp32 activations, so
+    "auto" never picks it for them; asking for it is allowed (a test of its layout does)."""
     if kernel not in GROUP_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(GROUP_KERNELS)}, got {kernel!r}")
-    usable = dtype == torch.bfloat16 and cpu_kernels.available()
-    if kernel == "vnni" and not usable:
-        raise ValueError("the vnni kernels need bf16 activations and a CPU with AVX-512 VNNI and a C++ compiler")
-    return "vnni" if kernel == "vnni" or (kernel == "auto" and usable) else "torch"
+    tier = cpu_kernels.resolve_tier(kernel)
+    if tier == "torch" and kernel == "auto" and dtype == torch.float32 and cpu_kernels.host_can_run("scalar"):
+        return "scalar"
+    return tier
 
 
 class _PackedLinear(nn.Module):
@@ -154,16 +157,17 @@ class _PackedLinear(nn.Module):
 
 
 class _GroupLinear(_PackedLinear):
-    """A group-32 weight run by ``kernel`` (resolve_group_kernel): the vnni kernels hold
-    ``codes``, ``scales`` and ``mins`` (cpu_kernels' layout), torch's int4 kernel ``packed`` and
-    ``scales_and_zeros``."""
+    """A group-32 weight run by ``kernel`` (resolve_group_kernel): nanoserve's tiers hold
+    ``codes``, ``scales`` and ``mins`` (cpu_kernels' layout) and call the tier by its handle,
+    torch's int4 kernel holds ``packed`` and ``scales_and_zeros``."""
 
     def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype, dense: torch.Tensor | None,
                  dense_from_rows: int | None, kernel: str) -> None:
         super().__init__(bias, dense, dense_from_rows)
         self.kernel = resolve_group_kernel(kernel, dtype)
+        self.handle = cpu_kernels.handle(self.kernel)
 
-    def _hold_vnni(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
+    def _hold_codes(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
         for name, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
             self.register_buffer(name, tensor)
 
@@ -184,14 +188,14 @@ class Int4Linear(_GroupLinear):
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
         super().__init__(bias, dtype, dense, dense_from_rows, kernel)
         self.out_features, self.in_features = weight.q.shape
-        if self.kernel == "vnni":
-            self._hold_vnni(*cpu_kernels.pack_int4(weight.q, weight.scales, weight.zeros))
+        if self.handle is not None:
+            self._hold_codes(*cpu_kernels.pack_int4(weight.q, weight.scales, weight.zeros))
         else:
             self._hold_torch_int4(weight, dtype)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "vnni":
-            return torch.ops.nanoserve.int4_mm(x, self.codes, self.scales, self.mins)
+        if self.handle is not None:
+            return torch.ops.nanoserve.int4_mm(x, self.codes, self.scales, self.mins, self.handle)
         return self._torch_int4_mm(x)
 
 
@@ -205,14 +209,14 @@ class Int8GroupLinear(_GroupLinear):
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
         super().__init__(bias, dtype, dense, dense_from_rows, kernel)
         self.out_features, self.in_features = codes.shape
-        if self.kernel == "vnni":
-            self._hold_vnni(*cpu_kernels.pack_int8(codes, scales))
+        if self.handle is not None:
+            self._hold_codes(*cpu_kernels.pack_int8(codes, scales))
         else:
             self._hold_torch_int4(int8_groups_as_nibbles(codes, scales), dtype)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "vnni":
-            return torch.ops.nanoserve.int8_mm(x, self.codes, self.scales, self.mins)
+        if self.handle is not None:
+            return torch.ops.nanoserve.int8_mm(x, self.codes, self.scales, self.mins, self.handle)
         return self._torch_int4_mm(torch.cat([x, x], dim=-1))
 
 
@@ -257,11 +261,12 @@ def tensor_bytes(module: nn.Module) -> int:
 @dataclass(frozen=True)
 class WeightPlan:
     """How the weights are held. ``format`` is one of WEIGHT_FORMATS; with ``dense_from_rows``
-    set, packed linears also keep a bf16 copy used for inputs of at least that many rows.
-    ``int8_head`` (int4 only) runs the LM head as group-32 int8 (``Int8GroupLinear``: the
-    default GGUF's own Q8_0 blocks) instead of bf16; a tied embedding stays a bf16 table. With a
-    bf16 copy the head takes it from ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows.
-    ``kernel`` (GROUP_KERNELS, int4 only) says who runs the group-wise layers."""
+    set, packed linears also keep a dense copy (in the compute dtype) used for inputs of at least
+    that many rows. ``int8_head`` (int4 only) runs the LM head as group-32 int8
+    (``Int8GroupLinear``: the default GGUF's own Q8_0 blocks) instead of dense; a tied embedding
+    stays a dense table. With a dense copy the head takes it from
+    ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows. ``kernel`` (GROUP_KERNELS, int4 only)
+    says who runs the group-wise layers."""
 
     format: str
     dense_from_rows: int | None = None
@@ -272,24 +277,34 @@ class WeightPlan:
         if self.format not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or 'auto', got {self.format!r}")
         if self.dense_from_rows is not None and self.format not in ("int8", "int4"):
-            raise ValueError(f"a bf16 copy for large row counts only applies to int8/int4, not {self.format}")
+            raise ValueError(f"a dense copy for large row counts only applies to int8/int4, not {self.format}")
         if self.int8_head and self.format != "int4":
             raise ValueError(f"a group-wise int8 LM head only applies to int4, not {self.format}")
         if self.kernel not in GROUP_KERNELS or (self.kernel != "auto" and self.format != "int4"):
             raise ValueError(f"kernel {self.kernel!r}: one of {', '.join(GROUP_KERNELS)}, and only with int4")
 
     @property
+    def tier(self) -> str | None:
+        """The kernel tier that runs the group-wise layers (int4 only), resolved on this host."""
+        return cpu_kernels.resolve_tier(self.kernel) if self.format == "int4" else None
+
+    @property
     def name(self) -> str:
         """"int4", or "int4+int8head+bf16>=10" with a group-wise int8 head and a bf16 copy from 10
-        rows ("+torch" or "+vnni" at the end when the kernel is chosen)."""
+        rows ("+torch" or "+avx2" at the end when the kernel is chosen)."""
         head = "+int8head" if self.int8_head else ""
-        dense = "" if self.dense_from_rows is None else f"+bf16>={self.dense_from_rows}"
+        short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+        dense = "" if self.dense_from_rows is None else f"+{short}>={self.dense_from_rows}"
         return self.format + head + dense + ("" if self.kernel == "auto" else f"+{self.kernel}")
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype (the packed kernels are fast with bf16 activations only)."""
-        return torch.float32 if self.format == "fp32" else torch.bfloat16
+        """The activations' (and the K/V cache's) dtype: fp32 and bf16 as named; the packed
+        formats compute in bf16 where the CPU does so natively and in fp32 elsewhere
+        (cpu_kernels.compute_dtype of the tier that runs them)."""
+        if self.format in ("fp32", "bf16"):
+            return torch.float32 if self.format == "fp32" else torch.bfloat16
+        return cpu_kernels.compute_dtype(self.tier or cpu_kernels.resolve_tier())
 
 
 def pack_model(model: nn.Module, plan: WeightPlan, int4_sources: Mapping[str, GroupwiseInt4] | None = None) -> None:
@@ -396,7 +411,7 @@ def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPl
 
 
 def _dense_copy(weight: torch.Tensor, plan: WeightPlan) -> torch.Tensor | None:
-    return None if plan.dense_from_rows is None else weight.detach().to(torch.bfloat16)
+    return None if plan.dense_from_rows is None else weight.detach().to(plan.dtype)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -1,0 +1,225 @@
+// The torch side of nanoserve's CPU kernels: custom ops that check their tensors, split the work
+// over torch's threads and call one tier's kernel table (kernels/common.h). Built with no
+// instruction-set flags, so it loads on any CPU; the tiers are shared libraries of their own,
+// each built with its own flags and loaded (load_tier) only where cpu_features says it can run.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <dlfcn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels/common.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
+namespace {
+
+// Loaded tiers, by handle. A library, once loaded, stays for the process (as torch's own do).
+std::mutex tiers_mutex;
+std::vector<const nanoserve_kernel_table*> tiers;
+
+const nanoserve_kernel_table& tier_of(int64_t handle) {
+  std::lock_guard<std::mutex> lock(tiers_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(tiers.size()), "no kernel tier loaded as ", handle);
+  return *tiers[handle];
+}
+
+int64_t load_tier(const std::string& path) {
+  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(library, "cannot load kernel tier ", path, ": ", dlerror());
+  auto entry = reinterpret_cast<const nanoserve_kernel_table* (*)(void)>(dlsym(library, "nanoserve_kernels"));
+  TORCH_CHECK(entry, "kernel tier ", path, " exports no nanoserve_kernels");
+  const nanoserve_kernel_table* table = entry();
+  TORCH_CHECK(table->abi == NANOSERVE_KERNEL_ABI, "kernel tier ", path, " has ABI ", table->abi, ", expected ",
+              NANOSERVE_KERNEL_ABI);
+  std::lock_guard<std::mutex> lock(tiers_mutex);
+  tiers.push_back(table);
+  return static_cast<int64_t>(tiers.size()) - 1;
+}
+
+std::string tier_name(int64_t handle) { return tier_of(handle).tier; }
+
+// The instruction-set features the kernel tiers and the compute dtype depend on, from the CPU
+// itself (cpuid on x86, the kernel's hwcaps on Linux ARM, sysctl on macOS), comma-separated.
+std::string cpu_features() {
+  std::vector<std::string> found;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const std::pair<const char*, int> x86[] = {
+      {"avx2", __builtin_cpu_supports("avx2")}, {"fma", __builtin_cpu_supports("fma")},
+      {"f16c", __builtin_cpu_supports("f16c")}, {"avx512f", __builtin_cpu_supports("avx512f")},
+      {"avx512bw", __builtin_cpu_supports("avx512bw")}, {"avx512vl", __builtin_cpu_supports("avx512vl")},
+      {"avx512vnni", __builtin_cpu_supports("avx512vnni")}, {"avxvnni", __builtin_cpu_supports("avxvnni")},
+      {"avx512bf16", __builtin_cpu_supports("avx512bf16")}, {"amx-bf16", __builtin_cpu_supports("amx-bf16")}};
+  for (const auto& [name, has] : x86) {
+    if (has) found.emplace_back(name);
+  }
+#elif defined(__aarch64__)
+  found.emplace_back("neon");  // every AArch64 CPU has Advanced SIMD
+#if defined(__linux__)
+  const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
+  if (hwcap & HWCAP_ASIMDDP) found.emplace_back("dotprod");
+#ifdef HWCAP2_BF16
+  if (hwcap2 & HWCAP2_BF16) found.emplace_back("bf16");
+#endif
+  (void)hwcap2;
+#elif defined(__APPLE__)
+  auto has = [](const char* name) {
+    int value = 0;
+    size_t size = sizeof(value);
+    return sysctlbyname(name, &value, &size, nullptr, 0) == 0 && value;
+  };
+  if (has("hw.optional.arm.FEAT_DotProd")) found.emplace_back("dotprod");
+  if (has("hw.optional.arm.FEAT_BF16")) found.emplace_back("bf16");
+#endif
+#endif
+  std::string joined;
+  for (const auto& f : found) joined += (joined.empty() ? "" : ",") + f;
+  return joined;
+}
+
+bool is_float_input(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat; }
+
+// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, G], sums [2, M, G] int32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle) {
+  TORCH_CHECK(x.dim() == 2 && is_float_input(x) && x.device().is_cpu(),
+              "x must be a [rows, K] bf16 or fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(K % 32 == 0, "K = ", K, " is not a multiple of 32");
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xq = at::empty({2, M, K}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, G}, xd.options());
+  at::Tensor sums = at::empty({2, M, G}, x.options().dtype(at::kInt));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // Rows split over threads only when there are enough of them to pay for it (a prefill).
+  at::parallel_for(0, M, M >= 16 ? 4 : M, [&](int64_t begin, int64_t end) {
+    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                       xs.data_ptr<float>(), sums.data_ptr<int32_t>());
+  });
+  return {xq, xd, xs, sums};
+}
+
+at::Tensor group_mm(bool nibbles, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                    const at::Tensor& m, int64_t handle) {
+  TORCH_CHECK(x.dim() == 2 && is_float_input(x) && x.device().is_cpu(),
+              "x must be a [rows, K] bf16 or fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(K % 32 == 0, "K = ", K, " is not a multiple of 32");
+  TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == 16 && d.scalar_type() == at::kShort && d.is_contiguous(),
+              "scales must be contiguous fp16 bits (int16) [N / 16, ", G, ", 16], got ", d.sizes(), " ", d.scalar_type());
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kShort && m.is_contiguous(), "mins must match the scales");
+  const int64_t N = 16 * d.size(0);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * K / (nibbles ? 2 : 1),
+              "codes must be contiguous uint8 holding ", N, " x ", K, nibbles ? " nibbles" : " bytes");
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  auto [xq, xd, xs, sums] = quantize_rows(x, handle);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    tier.group_mm(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                  reinterpret_cast<const uint16_t*>(m.data_ptr()), N, K, begin, end, M, xq.data_ptr<int8_t>(),
+                  xd.data_ptr<float>(), xs.data_ptr<float>(), sums.data_ptr<int32_t>(), out.data_ptr(), bf16);
+  });
+  return out;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                   int64_t handle) {
+  return group_mm(true, x, codes, d, m, handle);
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                   int64_t handle) {
+  return group_mm(false, x, codes, d, m, handle);
+}
+
+// x_codes [K] int8 in -127..127, codes the packed weight of n outputs -> int32 [n, K / 32].
+at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, bool nibbles, int64_t handle) {
+  TORCH_CHECK(x_codes.dim() == 1 && x_codes.scalar_type() == at::kChar && x_codes.is_contiguous(), "x_codes: [K] int8");
+  const int64_t K = x_codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+              codes.numel() == n * K / (nibbles ? 2 : 1), "codes must hold ", n, " x ", K, " packed codes");
+  TORCH_CHECK(x_codes.abs().max().item<int8_t>() <= 127, "x codes must lie in -127..127");
+  at::Tensor out = at::empty({n, K / 32}, x_codes.options().dtype(at::kInt));
+  tier_of(handle).group_dots(nibbles, codes.data_ptr<uint8_t>(), n, K, x_codes.data_ptr<int8_t>(),
+                             out.data_ptr<int32_t>());
+  return out;
+}
+
+// q [n, H, D]; k_cache, v_cache [slots, KV, D], all bf16 or all fp32; slots [n, W] int64 (unit
+// column stride); lens [n] int64. Row r attends to its first min(max(lens[r], 1), W) cells: a
+// padded row of length 0 reads cell 0, finite garbage nobody reads. Query heads h * group ..
+// h * group + group - 1 share K/V head h.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t handle) {
+  TORCH_CHECK(q.dim() == 3 && is_float_input(q) && q.stride(2) == 1, "q must be [n, H, D] bf16 or fp32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == q.scalar_type() && v_cache.is_contiguous(),
+              "caches must be contiguous [slots, KV, D] of one shape, in q's dtype");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && D % 16 == 0 && H % KV == 0, "head sizes disagree: q ", q.sizes(), ", cache ",
+              k_cache.sizes());
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == n && slots.scalar_type() == at::kLong && slots.stride(1) == 1,
+              "slots must be [n, W] int64 with unit column stride");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == n && lens.scalar_type() == at::kLong, "lens must be [n] int64");
+  const int64_t W = slots.size(1), group = H / KV;
+  TORCH_CHECK(W >= 1, "the window must have a column");
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  at::Tensor out = at::empty({n, H, D}, q.options());
+  const at::Tensor lens_c = lens.contiguous();
+  const int64_t* len_p = lens_c.data_ptr<int64_t>();
+  const int64_t size = q.element_size();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const char* q_p = static_cast<const char*>(q.data_ptr());
+  const char* k_p = static_cast<const char*>(k_cache.data_ptr());
+  const char* v_p = static_cast<const char*>(v_cache.data_ptr());
+  char* o_p = static_cast<char*>(out.data_ptr());
+  const int64_t* s_p = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(group * (2 * D + W + 16));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / KV, h = task % KV;
+      const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
+      tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_p + h * D * size,
+                  v_p + h * D * size, KV * D, s_p + r * slots.stride(0), len, group, D, static_cast<float>(scale),
+                  o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nanoserve, lib) {
+  lib.def("load_tier(str path) -> int");
+  lib.def("tier_name(int tier) -> str");
+  lib.def("cpu_features() -> str");
+  lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
+  lib.def("int4_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
+  lib.def("group_dots(Tensor x_codes, Tensor codes, int n, bool nibbles, int tier) -> Tensor");
+  lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
+          "int tier) -> Tensor");
+  lib.impl("load_tier", &load_tier);
+  lib.impl("tier_name", &tier_name);
+  lib.impl("cpu_features", &cpu_features);
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
+  lib.impl("quantize_rows", &quantize_rows);
+  lib.impl("int4_mm", &int4_mm);
+  lib.impl("int8_mm", &int8_mm);
+  lib.impl("group_dots", &group_dots);
+  lib.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,149 @@
+// What every kernel tier shares: the table each tier's library exports, the number formats,
+// and the activation quantiser. No torch here: the tiers are plain shared libraries (and the
+// standalone self-test links them directly), loaded by the torch glue in ../cpu_ops.cpp.
+//
+// Weight layout (nanoserve/model/cpu_kernels.py packs it): outputs in blocks of 16; per block,
+// per group of 32 along K, 4-byte lanes, lane r holding 4 consecutive codes of output r, so 64
+// bytes cover 16 outputs x 4 k:
+//   nibbles: byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i]
+//                                              | c[16 block + r, 32 g + 8 j + 4 + i] << 4
+//   bytes:   byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
+//   d, m:    fp16 [N / 16, K / 32, 16]
+// Per group g of output n: w[n, k] = d[n, g] * c[n, k] + m[n, g], c unsigned (0..15 or 0..255).
+// Activations, per row and group: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
+// -127..127, so sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs, xs = xd * sum(254 hi + lo).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include <cmath>
+
+#define NANOSERVE_KERNEL_ABI 1
+
+extern "C" {
+// One tier's entry points. Every function is single-threaded; the caller splits the work.
+struct nanoserve_kernel_table {
+  int32_t abi;
+  const char* tier;
+  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, K] (hi then lo), xd, xs [M, K / 32],
+  // xsum [2, M, K / 32] (the integer sums of hi and of lo per group); rows [row_begin, row_end) only.
+  void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
+                        int8_t* xq, float* xd, float* xs, int32_t* xsum);
+  // out[M, N] (row stride N; bf16 bits if out_bf16, else fp32), output blocks [block_begin, block_end).
+  // xq, xd, xs, xsum as quantize_rows wrote them for M rows.
+  void (*group_mm)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
+                   int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd,
+                   const float* xs, const int32_t* xsum, void* out, int32_t out_bf16);
+  // The raw integer group sums out[n, g] = sum_k c[n, 32 g + k] * x[32 g + k] (unsigned codes,
+  // x int8 in -127..127), through the same instructions as group_mm: tiers are tested on these.
+  void (*group_dots)(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
+  // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
+  // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
+  // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. scratch: attend_scratch floats.
+  void (*attend)(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
+                 const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out,
+                 int64_t out_stride, int32_t bf16, float* scratch);
+};
+}
+
+// A tier library exports its table under this name; the self-test links several tiers into
+// one program and renames each (-DNANOSERVE_ENTRY=...).
+#ifndef NANOSERVE_ENTRY
+#define NANOSERVE_ENTRY nanoserve_kernels
+#endif
+extern "C" const nanoserve_kernel_table* NANOSERVE_ENTRY(void);
+
+// Internal to each translation unit: every tier compiles these with its own flags, and the
+// self-test links several tiers into one program.
+namespace nanoserve {
+namespace {
+
+constexpr int64_t GROUP = 32;
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch rounds float to bf16.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int shift = 0;
+      while (!(mantissa & 0x400u)) mantissa <<= 1, ++shift;
+      bits = sign | ((113u - shift) << 23) | ((mantissa & 0x3FFu) << 13);
+    }
+  } else {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float load_float(const void* p, int64_t i, bool bf16) {
+  return bf16 ? bf16_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store_float(void* p, int64_t i, float v, bool bf16) {
+  if (bf16) static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+  else static_cast<float*>(p)[i] = v;
+}
+
+inline int8_t round_code(float v) {
+  const float r = std::nearbyint(v);  // ties to even in the default rounding mode
+  return static_cast<int8_t>(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+}
+
+// Two int8 codes per activation: hi = round(x / coarse) with coarse = max |x| / 127, lo = round
+// of the remainder / fine with fine = coarse / 254, so |x - fine * (254 hi + lo)| <= fine / 2 =
+// max |x| / 64516, finer than bf16's own rounding. Plain IEEE operations in a fixed order, built
+// without contraction (-ffp-contract=off), so every tier writes the same codes for the same x.
+inline void quantize_rows_portable(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin,
+                                   int64_t row_end, int8_t* xq, float* xd, float* xs, int32_t* xsum) {
+  const int64_t G = K / GROUP;
+  for (int64_t i = row_begin * G; i < row_end * G; ++i) {
+    float v[GROUP];
+    float amax = 0.f;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      v[k] = load_float(x, i * GROUP + k, x_bf16);
+      amax = std::fmax(amax, std::fabs(v[k]));
+    }
+    // A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine would overflow.
+    const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
+    const float inv_coarse = coarse > 0.f ? 1.f / coarse : 0.f, inv_fine = fine > 0.f ? 1.f / fine : 0.f;
+    int32_t sum_hi = 0, sum_lo = 0;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      const int8_t hi = round_code(v[k] * inv_coarse);
+      const float product = static_cast<float>(hi) * coarse;
+      const int8_t lo = round_code((v[k] - product) * inv_fine);
+      xq[i * GROUP + k] = hi;
+      xq[M * K + i * GROUP + k] = lo;
+      sum_hi += hi;
+      sum_lo += lo;
+    }
+    xsum[i] = sum_hi;
+    xsum[M * G + i] = sum_lo;
+    xd[i] = fine;
+    xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+  }
+}
+
+}  // namespace
+}  // namespace nanoserve

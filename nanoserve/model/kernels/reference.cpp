@@ -1,0 +1,96 @@
+// The portable scalar tier: plain C++, no intrinsics, the reference every other tier is tested
+// against (integer group sums exactly, outputs within the format's tolerance). It runs where no
+// vector tier does, and under NANOSERVE_CPU_KERNELS=scalar.
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using namespace nanoserve;
+
+// The code of output n at k within its 16-output block's group (common.h's layout).
+inline int32_t code_at(const uint8_t* group_bytes, bool nibbles, int64_t r, int64_t k) {
+  if (nibbles) {
+    const int64_t j = k / 8, i = k % 8;
+    const uint8_t byte = group_bytes[64 * j + 4 * r + (i % 4)];
+    return i < 4 ? (byte & 15) : (byte >> 4);
+  }
+  return group_bytes[64 * (k / 4) + 4 * r + k % 4];
+}
+
+void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = w + ((n / 16) * G + g) * group_bytes;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < GROUP; ++k) sum += code_at(wg, nibbles, n % 16, k) * x[g * GROUP + k];
+      out[n * G + g] = sum;
+    }
+  }
+}
+
+void group_mm(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
+              int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
+              const int32_t*, void* out, int32_t out_bf16) {
+  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
+  std::vector<float> acc(16 * M);
+  int32_t codes[16][GROUP];
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = w + (b * G + g) * group_bytes;
+      for (int64_t r = 0; r < 16; ++r) {
+        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_at(wg, nibbles, r, k);
+      }
+      for (int64_t row = 0; row < M; ++row) {
+        const int8_t* hi = xq + row * K + g * GROUP;
+        const int8_t* lo = hi + M * K;
+        for (int64_t r = 0; r < 16; ++r) {
+          int32_t dot_hi = 0, dot_lo = 0;
+          for (int64_t k = 0; k < GROUP; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
+          const float scale = fp16_to_float(d[(b * G + g) * 16 + r]) * xd[row * G + g];
+          acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * scale;
+          acc[row * 16 + r] += fp16_to_float(m[(b * G + g) * 16 + r]) * xs[row * G + g];
+        }
+      }
+    }
+    for (int64_t row = 0; row < M; ++row) {
+      for (int64_t r = 0; r < 16; ++r) store_float(out, row * N + 16 * b + r, acc[row * 16 + r], out_bf16);
+    }
+  }
+}
+
+void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
+            const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
+            int32_t bf16, float* scratch) {
+  float* scores = scratch;             // [len]
+  float* acc = scratch + len;          // [D]
+  for (int64_t g = 0; g < group; ++g) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) {
+      float s = 0.f;
+      for (int64_t c = 0; c < D; ++c) {
+        s += load_float(q, g * q_stride + c, bf16) * scale * load_float(k_base, slots[t] * cache_stride + c, bf16);
+      }
+      scores[t] = s;
+      top = std::max(top, s);
+    }
+    float total = 0.f;
+    for (int64_t t = 0; t < len; ++t) total += scores[t] = std::exp(scores[t] - top);
+    std::fill(acc, acc + D, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      for (int64_t c = 0; c < D; ++c) acc[c] += scores[t] * load_float(v_base, slots[t] * cache_stride + c, bf16);
+    }
+    for (int64_t c = 0; c < D; ++c) store_float(out, g * out_stride + c, acc[c] / total, bf16);
+  }
+}
+
+const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, "scalar", quantize_rows_portable, group_mm, group_dots,
+                                      attend};
+
+}  // namespace
+
+extern "C" const nanoserve_kernel_table* NANOSERVE_ENTRY(void) { return &TABLE; }

@@ -1,0 +1,147 @@
+// Standalone self-test of one vector tier against the scalar reference, no torch: built by
+// `make kernels-selftest` for the host's x86 tiers and by `make kernels-arm` with a cross
+// compiler for the NEON tiers (run under qemu-user). Prints "N passed, N failed".
+//   integer group sums and activation codes: equal exactly;
+//   products and attention: within 2^-7 of the largest |output| (bf16) or 1e-5 (fp32).
+#include <stdio.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+extern "C" const nanoserve_kernel_table* nanoserve_kernels_reference(void);
+extern "C" const nanoserve_kernel_table* nanoserve_kernels_tier(void);
+
+namespace {
+
+int passed = 0, failed = 0;
+std::mt19937 rng(1234);
+
+void check(bool ok, const std::string& what) {
+  if (ok) {
+    ++passed;
+  } else {
+    ++failed;
+    printf("FAILED: %s\n", what.c_str());
+  }
+}
+
+// Random fp16 bits of either sign, magnitudes 2^-5 .. 2^3 (a scale's or a minimum's range).
+std::vector<uint16_t> random_fp16(size_t n) {
+  std::uniform_int_distribution<int> mant(0, 1023), expo(10, 17), sign(0, 1);
+  std::vector<uint16_t> v(n);
+  for (auto& h : v) h = static_cast<uint16_t>((sign(rng) << 15) | (expo(rng) << 10) | mant(rng));
+  return v;
+}
+
+std::vector<float> random_floats(size_t n) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& f : v) f = normal(rng);
+  return v;
+}
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b, float* scale) {
+  float diff = 0.f, top = 0.f;
+  for (size_t i = 0; i < a.size(); ++i) diff = std::max(diff, std::fabs(a[i] - b[i])), top = std::max(top, std::fabs(a[i]));
+  *scale = top;
+  return diff;
+}
+
+std::vector<float> as_floats(const std::vector<uint8_t>& raw, bool bf16, size_t n) {
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = nanoserve::load_float(raw.data(), i, bf16);
+  return out;
+}
+
+void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, bool nibbles, int64_t N,
+                   int64_t K, int64_t M, bool bf16) {
+  const std::string name = std::string(tier->tier) + (nibbles ? " int4 " : " int8 ") + std::to_string(N) + "x" +
+                           std::to_string(K) + " rows " + std::to_string(M) + (bf16 ? " bf16" : " fp32");
+  const int64_t G = K / 32;
+  std::uniform_int_distribution<int> code(0, nibbles ? 15 : 255), xcode(-127, 127);
+  std::vector<uint8_t> w(N * K / (nibbles ? 2 : 1));
+  for (auto& b : w) b = static_cast<uint8_t>(nibbles ? (code(rng) | (code(rng) << 4)) : code(rng));
+  // integer group sums
+  std::vector<int8_t> xc(K);
+  for (auto& c : xc) c = static_cast<int8_t>(xcode(rng));
+  std::vector<int32_t> dots_ref(N * G), dots(N * G);
+  ref->group_dots(nibbles, w.data(), N, K, xc.data(), dots_ref.data());
+  tier->group_dots(nibbles, w.data(), N, K, xc.data(), dots.data());
+  check(dots == dots_ref, name + ": integer group sums");
+  // activation codes
+  std::vector<float> xf = random_floats(M * K);
+  std::vector<uint8_t> x(M * K * (bf16 ? 2 : 4));
+  for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
+  std::vector<int8_t> xq_ref(2 * M * K), xq(2 * M * K);
+  std::vector<float> xd_ref(M * G), xs_ref(M * G), xd(M * G), xs(M * G);
+  std::vector<int32_t> sum_ref(2 * M * G), sum(2 * M * G);
+  ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq_ref.data(), xd_ref.data(), xs_ref.data(), sum_ref.data());
+  tier->quantize_rows(x.data(), bf16, M, K, 0, M / 2, xq.data(), xd.data(), xs.data(), sum.data());
+  tier->quantize_rows(x.data(), bf16, M, K, M / 2, M, xq.data(), xd.data(), xs.data(), sum.data());
+  check(xq == xq_ref && xd == xd_ref && xs == xs_ref && sum == sum_ref, name + ": activation codes");
+  // products
+  std::vector<uint16_t> d = random_fp16(N * G), m = random_fp16(N * G);
+  std::vector<uint8_t> out_ref(M * N * 4), out(M * N * 4);
+  ref->group_mm(nibbles, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
+                out_ref.data(), bf16);
+  // two calls over halves of the blocks, as the glue splits them over threads
+  tier->group_mm(nibbles, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(),
+                 sum.data(), out.data(), bf16);
+  tier->group_mm(nibbles, w.data(), d.data(), m.data(), N, K, N / 32, N / 16, M, xq.data(), xd.data(), xs.data(),
+                 sum.data(), out.data(), bf16);
+  float scale;
+  const float diff = max_abs_diff(as_floats(out_ref, bf16, M * N), as_floats(out, bf16, M * N), &scale);
+  check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale, name + ": products, max diff " + std::to_string(diff) + " of " +
+                                                     std::to_string(scale));
+}
+
+void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t group, int64_t D,
+                    int64_t len, bool bf16) {
+  const std::string name = std::string(tier->tier) + " attention group " + std::to_string(group) + " D " +
+                           std::to_string(D) + " len " + std::to_string(len) + (bf16 ? " bf16" : " fp32");
+  const int64_t KV = 2, cells = len + 7, size = bf16 ? 2 : 4;
+  std::vector<float> qf = random_floats(group * D), kf = random_floats(cells * KV * D), vf = random_floats(cells * KV * D);
+  std::vector<uint8_t> q(group * D * size), k(cells * KV * D * size), v(cells * KV * D * size);
+  for (size_t i = 0; i < qf.size(); ++i) nanoserve::store_float(q.data(), i, qf[i], bf16);
+  for (size_t i = 0; i < kf.size(); ++i) nanoserve::store_float(k.data(), i, kf[i], bf16), nanoserve::store_float(v.data(), i, vf[i], bf16);
+  std::vector<int64_t> slots(len);
+  for (int64_t t = 0; t < len; ++t) slots[t] = (t * 5 + 3) % cells;
+  std::vector<float> scratch(group * (2 * D + len + 16));
+  std::vector<uint8_t> out_ref(group * D * size), out(group * D * size);
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const size_t head = D * size;  // K/V head 1 of each cell
+  ref->attend(q.data(), D, k.data() + head, v.data() + head, KV * D, slots.data(), len, group, D, scale, out_ref.data(), D,
+              bf16, scratch.data());
+  tier->attend(q.data(), D, k.data() + head, v.data() + head, KV * D, slots.data(), len, group, D, scale, out.data(), D,
+               bf16, scratch.data());
+  float top;
+  const float diff = max_abs_diff(as_floats(out_ref, bf16, group * D), as_floats(out, bf16, group * D), &top);
+  check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * std::max(top, 1.f), name + ": max diff " + std::to_string(diff));
+}
+
+}  // namespace
+
+int main() {
+  const nanoserve_kernel_table* ref = nanoserve_kernels_reference();
+  const nanoserve_kernel_table* tier = nanoserve_kernels_tier();
+  check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
+  const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {32, 1536}};
+  for (bool bf16 : {true, false}) {
+    for (bool nibbles : {true, false}) {
+      for (const auto& s : shapes) {
+        for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) test_products(ref, tier, nibbles, s[0], s[1], rows, bf16);
+      }
+    }
+    for (int64_t group : {1, 3, 4}) {
+      for (int64_t D : {16, 64, 128}) {
+        for (int64_t len : {1, 7, 16, 33, 300}) test_attention(ref, tier, group, D, len, bf16);
+      }
+    }
+  }
+  printf("%s: %d passed, %d failed\n", tier->tier, passed, failed);
+  return failed ? 1 : 0;
+}

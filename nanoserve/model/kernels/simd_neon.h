@@ -1,0 +1,74 @@
+// ARM NEON vector primitives for vector.cpp: 4 outputs a vector; with the dot-product extension
+// (sdot, vdotq_s32) or without it (smull + sadalp). NEON multiplies signed codes only, so byte
+// codes are flipped to signed (c - 128) and vector.cpp adds 128 * sum(x) back per group.
+#pragma once
+#include <arm_neon.h>
+
+#include "common.h"
+
+namespace nanoserve {
+namespace {  // internal: each tier defines its own Simd
+
+typedef int32_t __attribute__((may_alias)) aliased_int32;
+inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const aliased_int32*>(p); }
+
+struct Simd {
+  static constexpr int LANES = 4, MAX_ROWS = 4;
+  static constexpr bool UNSIGNED_BYTES = false;
+  using I = int32x4_t;
+  using F = float32x4_t;
+  using C = int8x16_t;  // 4 outputs x 4 codes
+  static C load_codes(const uint8_t* p) { return vreinterpretq_s8_u8(vld1q_u8(p)); }
+  static C low_nibbles(C b) { return vandq_s8(b, vdupq_n_s8(0x0F)); }
+  static C high_nibbles(C b) { return vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_s8(b), 4)); }
+  static C flip(C b) { return veorq_s8(b, vdupq_n_s8(static_cast<int8_t>(0x80))); }
+  static int8x16_t broadcast(const int8_t* x) { return vreinterpretq_s8_s32(vdupq_n_s32(four_codes(x))); }
+#if defined(NANOSERVE_TIER_NEON_DOT)
+  using A = int32x4_t;
+  static A azero() { return vdupq_n_s32(0); }
+  static A dot_nibbles(A acc, C codes, const int8_t* x) { return vdotq_s32(acc, codes, broadcast(x)); }
+  static I finish_nibbles(A a) { return a; }
+#else
+  // Products into int16 (|c x| <= 128 * 127), pairs added into int32: each lane's 4 products
+  // end in two neighbouring int32s, added pairwise in finish.
+  struct A { int32x4_t low, high; };
+  static A azero() { return {vdupq_n_s32(0), vdupq_n_s32(0)}; }
+  static A dot_nibbles(A acc, C codes, const int8_t* x) {
+    const int8x16_t xb = broadcast(x);
+    acc.low = vpadalq_s16(acc.low, vmull_s8(vget_low_s8(codes), vget_low_s8(xb)));
+    acc.high = vpadalq_s16(acc.high, vmull_high_s8(codes, xb));
+    return acc;
+  }
+  static I finish_nibbles(A a) { return vpaddq_s32(a.low, a.high); }
+#endif
+  static A dot_bytes(A acc, C codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
+  static I finish_bytes(A a) { return finish_nibbles(a); }
+  static I iadd(I a, I b) { return vaddq_s32(a, b); }
+  static I iset1(int32_t v) { return vdupq_n_s32(v); }
+  static I times254(I h) { return vmulq_n_s32(h, 254); }
+  static void istore(int32_t* p, I v) { vst1q_s32(p, v); }
+  static F to_float(I v) { return vcvtq_f32_s32(v); }
+  static F fzero() { return vdupq_n_f32(0.f); }
+  static F set1(float v) { return vdupq_n_f32(v); }
+  static F add(F a, F b) { return vaddq_f32(a, b); }
+  static F sub(F a, F b) { return vsubq_f32(a, b); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+  static F load(const float* p) { return vld1q_f32(p); }
+  static F load(const uint16_t* bf16) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(bf16), 16)); }
+  static F load_fp16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static void store(float* p, F v) { vst1q_f32(p, v); }
+  static float hsum(F v) { return vaddvq_f32(v); }
+  static F exp_nonpositive(F x) {  // as the x86 tiers'
+    x = vmaxq_f32(x, vdupq_n_f32(-87.f));
+    const F n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
+    const F f = vfmsq_f32(x, n, vdupq_n_f32(0.693147181f));
+    F p = vdupq_n_f32(1.f / 720.f);
+    for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfmaq_f32(vdupq_n_f32(c), p, f);
+    const int32x4_t bits = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(bits));
+  }
+};
+
+}  // namespace
+}  // namespace nanoserve

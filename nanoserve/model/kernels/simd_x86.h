@@ -1,0 +1,132 @@
+// x86 vector primitives for vector.cpp: AVX-512 VNNI (16 outputs a vector, vpdpbusd), AVX-VNNI
+// (8 outputs, the 256-bit vpdpbusd) and AVX2 (8 outputs, vpmaddubsw + vpmaddwd).
+#pragma once
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace nanoserve {
+namespace {  // internal: each tier defines its own Simd
+
+typedef int32_t __attribute__((may_alias)) aliased_int32;
+inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const aliased_int32*>(p); }
+
+#if defined(NANOSERVE_TIER_AVX512_VNNI)
+struct Simd {
+  static constexpr int LANES = 16, MAX_ROWS = 8;
+  static constexpr bool UNSIGNED_BYTES = true;  // vpdpbusd takes unsigned codes up to 255
+  using I = __m512i;
+  using A = __m512i;
+  using C = __m512i;
+  using F = __m512;
+  static I load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
+  static I flip(I b) { return b; }
+  static A azero() { return _mm512_setzero_si512(); }
+  static A dot_nibbles(A acc, I codes, const int8_t* x) { return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(four_codes(x))); }
+  static A dot_bytes(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
+  static I finish_nibbles(A a) { return a; }
+  static I finish_bytes(A a) { return a; }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I times254(I h) { return _mm512_sub_epi32(_mm512_slli_epi32(h, 8), _mm512_slli_epi32(h, 1)); }
+  static void istore(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* bf16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16))), 16));
+  }
+  static F load_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  // e^x for x <= 0: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 Taylor polynomial
+  // (relative error < 3e-7), 2^n through the exponent bits.
+  static F exp_nonpositive(F x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // below fp32's normal range: ~0
+    const F n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    const F f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+    F p = _mm512_set1_ps(1.f / 720.f);
+    for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  }
+};
+#elif defined(NANOSERVE_TIER_AVX_VNNI) || defined(NANOSERVE_TIER_AVX2)
+struct Simd {
+  static constexpr int LANES = 8, MAX_ROWS = 4;
+  using I = __m256i;
+  using A = __m256i;
+  using C = __m256i;
+  using F = __m256;
+  static I load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
+  static A azero() { return _mm256_setzero_si256(); }
+#if defined(NANOSERVE_TIER_AVX_VNNI)
+  static constexpr bool UNSIGNED_BYTES = true;
+  static I flip(I b) { return b; }
+  static A dot_nibbles(A acc, I codes, const int8_t* x) {
+    return _mm256_dpbusd_avx_epi32(acc, codes, _mm256_set1_epi32(four_codes(x)));
+  }
+  static A dot_bytes(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
+  static I finish_nibbles(A a) { return a; }
+#else
+  // vpmaddubsw multiplies unsigned codes by signed int8 and adds pairs into int16, saturating:
+  // nibble pairs reach 2 * 15 * 127 = 3810, so a whole group's 8 products per lane pair stay
+  // below 32767 and are widened once (finish_nibbles); byte codes are flipped to signed
+  // (c - 128) and multiplied as |c| * sign(x, c), at most 2 * 128 * 127 = 32512, widened at once.
+  static constexpr bool UNSIGNED_BYTES = false;
+  static I flip(I b) { return _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static A dot_nibbles(A acc, I codes, const int8_t* x) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four_codes(x))));
+  }
+  static A dot_bytes(A acc, I codes, const int8_t* x) {
+    const I xs = _mm256_sign_epi8(_mm256_set1_epi32(four_codes(x)), codes);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(codes), xs), _mm256_set1_epi16(1)));
+  }
+  static I finish_nibbles(A a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+#endif
+  static I finish_bytes(A a) { return a; }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I times254(I h) { return _mm256_sub_epi32(_mm256_slli_epi32(h, 8), _mm256_slli_epi32(h, 1)); }
+  static void istore(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const uint16_t* bf16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16))), 16));
+  }
+  static F load_fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static F exp_nonpositive(F x) {  // as the AVX-512 tier's
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const F n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const F f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
+    F p = _mm256_set1_ps(1.f / 720.f);
+    for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+};
+#endif
+
+}  // namespace
+}  // namespace nanoserve
