@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.setup-stamp
 PIP     := scripts/retry.sh $(BIN)/python -m pip
 TORCH   := torch==2.13.0
 
-.PHONY: setup peers test bench lint clean
+.PHONY: setup peers test bench lint clean kernels-selftest kernels-arm
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ test: setup
 # make bench PEERS=1 adds llama.cpp first.
 bench: setup $(if $(PEERS),peers)
 	$(BIN)/python compilebench.py $(ARGS)
+
+# The CPU kernels' standalone self-test (no torch): every x86 tier on this host, and the NEON
+# tiers cross-compiled and run under qemu-user (skipped, saying why, without those tools).
+kernels-selftest:
+	scripts/kernel_selftest.sh native
+
+kernels-arm:
+	scripts/kernel_selftest.sh arm
 
 lint: setup
 	$(BIN)/ruff check .

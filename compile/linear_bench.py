@@ -1,7 +1,9 @@
-"""Where a bf16 GEMM overtakes the weight-only int4/int8 kernels, per linear shape of the
-default model: ``python -m compile.linear_bench`` writes ``compile/results/linear_crossover.csv``.
-``int4`` and ``int8g`` (group-wise int8, the LM head's format) run the packed linears' default
-kernel (nanoserve's vnni kernels where they build), ``int4_torch`` torch's int4 kernel.
+"""Where a dense GEMM overtakes the weight-only int4/int8 kernels, per linear shape of the
+default model and per kernel tier: ``python -m compile.linear_bench [--tier T]`` writes
+``compile/results/linear_crossover-<tier>.csv``. ``int4`` and ``int8g`` (group-wise int8, the LM
+head's format) run the tier's kernels with activations in its compute dtype (bf16 where the CPU
+computes it natively, else fp32), ``dense`` is the dense copy ``auto`` would keep (that dtype),
+``int4_torch`` torch's int4 kernel (bf16).
 
 Each shape holds as many distinct random weights as the model has layers, called in turn, so
 the weights stream from memory as in a real step rather than sitting in cache. The arms run
@@ -20,46 +22,44 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import (
-    GROUP_SIZE,
     Int4Linear,
     Int8GroupLinear,
-    Int8Linear,
     quantize_int4,
-    quantize_int8,
     quantize_int8_groups,
 )
 
-RESULTS = Path(__file__).parent / "results" / "linear_crossover.csv"
+RESULTS = Path(__file__).parent / "results"
 # [N, K] of the default model's linears (fused q/k/v, o, gate and up, down) and its LM head.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
-COLUMNS = ["shape", "n", "k", "rows", "threads", "fp32_us", "bf16_us", "int8_us", "int4_us", "int4_torch_us", "int8g_us",
-           "bf16_vs_int4", "bf16_vs_int8g"]
+COLUMNS = ["tier", "dtype", "shape", "n", "k", "rows", "threads", "fp32_us", "bf16_us", "int4_us", "int4_torch_us",
+           "int8g_us", "dense_vs_int4", "dense_vs_int8g"]
 
 
-def arms(n: int, k: int, copies: int) -> dict[str, list]:
-    """Per arm, ``copies`` callables taking x (fp32 for fp32, bf16 for the rest)."""
-    out: dict[str, list] = {"fp32": [], "bf16": [], "int8": [], "int4": [], "int4_torch": [], "int8g": []}
+def arms(n: int, k: int, copies: int, tier: str, dtype: torch.dtype) -> dict[str, list]:
+    """Per arm, ``copies`` callables taking x in ``dtype``."""
+    out: dict[str, list] = {"fp32": [], "bf16": [], "int4": [], "int4_torch": [], "int8g": []}
     for _ in range(copies):
         w = torch.randn(n, k) * k ** -0.5
         dense32, dense16 = w, w.bfloat16()
         out["fp32"].append(lambda x, w=dense32: F.linear(x.float(), w))
-        out["bf16"].append(lambda x, w=dense16: F.linear(x, w))
-        out["int8"].append(Int8Linear(*quantize_int8(w), None, torch.bfloat16))
-        grouped = k % GROUP_SIZE == 0
-        out["int4"].append(Int4Linear(quantize_int4(w), None, torch.bfloat16) if grouped else None)
-        out["int4_torch"].append(Int4Linear(quantize_int4(w), None, torch.bfloat16, kernel="torch") if grouped else None)
-        out["int8g"].append(Int8GroupLinear(*quantize_int8_groups(w), None, torch.bfloat16) if grouped else None)
+        out["bf16"].append(lambda x, w=dense16: F.linear(x.bfloat16(), w))
+        out["int4"].append(Int4Linear(quantize_int4(w), None, dtype, kernel=tier))
+        out["int4_torch"].append(lambda x, m=Int4Linear(quantize_int4(w), None, torch.bfloat16, kernel="torch"):  # noqa: B008
+                                 m(x.bfloat16()))
+        out["int8g"].append(Int8GroupLinear(*quantize_int8_groups(w), None, dtype, kernel=tier))
     return out
 
 
 @torch.inference_mode()
-def measure(shape: str, rows: int, repeats: int, layers: int) -> dict:
+def measure(shape: str, rows: int, repeats: int, layers: int, tier: str) -> dict:
     n, k = SHAPES[shape]
+    dtype = cpu_kernels.compute_dtype(tier)
     copies = 1 if shape == "head" else layers
-    calls = arms(n, k, copies)
-    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    calls = arms(n, k, copies, tier, dtype)
+    x = torch.randn(rows, k, dtype=dtype)
     times: dict[str, list[float]] = {arm: [] for arm in calls}
     for _ in range(repeats + 1):  # the first pass warms up and is dropped
         for arm, fns in calls.items():
@@ -68,9 +68,10 @@ def measure(shape: str, rows: int, repeats: int, layers: int) -> dict:
                 fn(x)
             times[arm].append((time.perf_counter() - start) / copies * 1e6)
     us = {arm: statistics.median(t[1:]) for arm, t in times.items()}
-    return dict(shape=shape, n=n, k=k, rows=rows, threads=torch.get_num_threads(),
-                **{f"{arm}_us": round(v, 1) for arm, v in us.items()},
-                bf16_vs_int4=round(us["bf16"] / us["int4"], 3), bf16_vs_int8g=round(us["bf16"] / us["int8g"], 3))
+    dense = us["bf16" if dtype == torch.bfloat16 else "fp32"]
+    return dict(tier=tier, dtype=str(dtype).removeprefix("torch."), shape=shape, n=n, k=k, rows=rows,
+                threads=torch.get_num_threads(), **{f"{arm}_us": round(v, 1) for arm, v in us.items()},
+                dense_vs_int4=round(dense / us["int4"], 3), dense_vs_int8g=round(dense / us["int8g"], 3))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,17 +81,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tier", default="auto", choices=[c for c in cpu_kernels.CHOICES if c != "torch"])
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    tier = cpu_kernels.resolve_tier(args.tier)
+    out = args.out or RESULTS / f"linear_crossover-{tier}.csv"
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
     for shape in args.shapes:
         for rows in args.rows:
-            results.append(measure(shape, rows, args.repeats, args.layers))
+            results.append(measure(shape, rows, args.repeats, args.layers, tier))
             print(", ".join(f"{c}={results[-1][c]}" for c in COLUMNS), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(results)

@@ -12,7 +12,6 @@ from nanoserve.engine.paged_attention import (
     paged_attention_reference,
     window_mask,
 )
-from nanoserve.model import cpu_kernels
 
 
 def dense_attention(q, keys, values, scale=None):
@@ -133,54 +132,15 @@ def test_one_mask_serves_every_layer_of_a_step():
                                    paged_attention_reference(q, k_cache, v_cache, slot_mapping, context_lens))
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 32), (4, 4, 128), (6, 2, 16)])
-@pytest.mark.parametrize("width", [1, 13, 40, 300])
-def test_decode_attention_kernel_equals_the_reference_read(num_heads, num_kv_heads, head_dim, width):
-    # The read of a window view (row stride wider than the window) and of a gathered copy.
-    torch.manual_seed(width)
-    n, slots = 4, 700
-    k_cache = torch.randn(slots, num_kv_heads, head_dim, dtype=torch.bfloat16)
-    v_cache = torch.randn(slots, num_kv_heads, head_dim, dtype=torch.bfloat16)
-    q = torch.randn(n, num_heads, head_dim, dtype=torch.bfloat16)
-    table = torch.randint(1, slots, (n + 1, width + 7))  # slot 0 is nobody's
-    lengths = torch.tensor([width, 1, max(1, width // 2), max(1, width - 3)])
-    want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), table[:n, :width], lengths)
-    for mapping in (table[:n, :width], table[:n, :width].clone()):
-        got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, mapping, lengths, head_dim ** -0.5)
-        assert got.dtype == torch.bfloat16 and got.shape == q.shape
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    # Past each row's length the cells are never read: pointing them at a NaN slot changes nothing.
-    for row, length in enumerate(lengths.tolist()):
-        table[row, length:] = 0
-    k_cache[0], v_cache[0] = float("nan"), float("nan")
-    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table[:n, :width], lengths, head_dim ** -0.5)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 VNNI CPU or no C++ compiler")
-def test_decode_attention_kernel_honours_the_scale_and_refuses_bad_shapes():
-    torch.manual_seed(0)
-    k_cache, v_cache = torch.randn(50, 2, 16).bfloat16(), torch.randn(50, 2, 16).bfloat16()
-    q, mapping, lengths = torch.randn(2, 4, 16).bfloat16(), torch.randint(0, 50, (2, 9)), torch.tensor([9, 4])
-    want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), mapping, lengths, scale=0.3)
-    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, mapping, lengths, 0.3)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    with pytest.raises(RuntimeError, match="head sizes"):
-        torch.ops.nanoserve.decode_attention(torch.randn(2, 3, 16).bfloat16(), k_cache, v_cache, mapping, lengths, 0.3)
-    with pytest.raises(RuntimeError, match="bf16"):
-        torch.ops.nanoserve.decode_attention(q.float(), k_cache, v_cache, mapping, lengths, 0.3)
-
-
 @pytest.mark.parametrize("head_dim", [8, 24])
 def test_a_head_size_the_kernel_cannot_take_decodes_through_sdpa(head_dim):
-    # bf16 K/V with a head_dim that is not a multiple of 16: the engine keeps SDPA instead of
+    # K/V with a head_dim that is not a multiple of 16: the engine keeps SDPA instead of
     # handing the kernel a shape it refuses (which failed every decode step), eager and compiled.
     from nanoserve.engine import SamplingParams, build_engine
-    from nanoserve.engine.paged_attention import fused_decode_attention
+    from nanoserve.engine.paged_attention import decode_attention_kernel
     from nanoserve.model.synthetic import random_model, tiny_config
 
-    assert not fused_decode_attention(torch.zeros(4, 2, head_dim, dtype=torch.bfloat16))
+    assert decode_attention_kernel(torch.zeros(4, 2, head_dim, dtype=torch.bfloat16), "scalar") is None
     config = tiny_config(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=head_dim)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[3, 9, 27, 81, 243 % 256], [5, 7]]

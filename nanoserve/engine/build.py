@@ -107,7 +107,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_mod
                                 block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device,
                                 enable_prefix_caching=enable_prefix_caching,
                                 prefix_salt=f"{source}|{config!r}|{dtype}|{weights_name}")
+    # The tier running the packed weights; with dense bf16 weights the decode attention still
+    # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
     tier = weight_plan.tier if weight_plan is not None else None
+    if tier is None and dtype == torch.bfloat16 and str(device) == "cpu":
+        tier = cpu_kernels.resolve_tier()
     attention_kernel = decode_attention_kernel(cache.k_caches[0], tier)
     bucketing = compile if bucketing is None else bucketing
     buckets = None

@@ -106,43 +106,54 @@ inline void store_float(void* p, int64_t i, float v, bool bf16) {
   else static_cast<float*>(p)[i] = v;
 }
 
-inline int8_t round_code(float v) {
-  const float r = std::nearbyint(v);  // ties to even in the default rounding mode
-  return static_cast<int8_t>(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
-}
-
 // Two int8 codes per activation: hi = round(x / coarse) with coarse = max |x| / 127, lo = round
 // of the remainder / fine with fine = coarse / 254, so |x - fine * (254 hi + lo)| <= fine / 2 =
 // max |x| / 64516, finer than bf16's own rounding. Plain IEEE operations in a fixed order, built
-// without contraction (-ffp-contract=off), so every tier writes the same codes for the same x.
-inline void quantize_rows_portable(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin,
-                                   int64_t row_end, int8_t* xq, float* xd, float* xs, int32_t* xsum) {
+// without contraction (-ffp-contract=off), so every tier writes the same codes for the same x;
+// simple loops over a group, which the compiler vectorises with each tier's instructions.
+template <bool BF16>
+inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
+                                float* xd, float* xs, int32_t* xsum) {
   const int64_t G = K / GROUP;
   for (int64_t i = row_begin * G; i < row_end * G; ++i) {
-    float v[GROUP];
+    float v[GROUP], hi[GROUP], lo[GROUP];
+    for (int64_t k = 0; k < GROUP; ++k) {
+      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * GROUP + k]) : static_cast<const float*>(x)[i * GROUP + k];
+    }
     float amax = 0.f;
     for (int64_t k = 0; k < GROUP; ++k) {
-      v[k] = load_float(x, i * GROUP + k, x_bf16);
-      amax = std::fmax(amax, std::fabs(v[k]));
+      const float a = v[k] < 0.f ? -v[k] : v[k];
+      amax = a > amax ? a : amax;
     }
     // A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine would overflow.
     const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
     const float inv_coarse = coarse > 0.f ? 1.f / coarse : 0.f, inv_fine = fine > 0.f ? 1.f / fine : 0.f;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      const float h = __builtin_rintf(v[k] * inv_coarse);  // ties to even
+      hi[k] = h > 127.f ? 127.f : (h < -127.f ? -127.f : h);
+      const float product = hi[k] * coarse;
+      const float l = __builtin_rintf((v[k] - product) * inv_fine);
+      lo[k] = l > 127.f ? 127.f : (l < -127.f ? -127.f : l);
+    }
     int32_t sum_hi = 0, sum_lo = 0;
     for (int64_t k = 0; k < GROUP; ++k) {
-      const int8_t hi = round_code(v[k] * inv_coarse);
-      const float product = static_cast<float>(hi) * coarse;
-      const int8_t lo = round_code((v[k] - product) * inv_fine);
-      xq[i * GROUP + k] = hi;
-      xq[M * K + i * GROUP + k] = lo;
-      sum_hi += hi;
-      sum_lo += lo;
+      const int32_t h = static_cast<int32_t>(hi[k]), l = static_cast<int32_t>(lo[k]);
+      xq[i * GROUP + k] = static_cast<int8_t>(h);
+      xq[M * K + i * GROUP + k] = static_cast<int8_t>(l);
+      sum_hi += h;
+      sum_lo += l;
     }
     xsum[i] = sum_hi;
     xsum[M * G + i] = sum_lo;
     xd[i] = fine;
     xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
   }
+}
+
+inline void quantize_rows_portable(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin,
+                                   int64_t row_end, int8_t* xq, float* xd, float* xs, int32_t* xsum) {
+  if (x_bf16) quantize_rows_typed<true>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+  else quantize_rows_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
 }
 
 }  // namespace

@@ -125,7 +125,27 @@ void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_ta
 
 }  // namespace
 
+// Whether this CPU runs the tier under test (checked before any of its code runs).
+bool host_runs_tier() {
+#if defined(NANOSERVE_TIER_AVX512_VNNI)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#elif defined(NANOSERVE_TIER_AVX_VNNI)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#elif defined(NANOSERVE_TIER_AVX2)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return true;  // NEON: run where the build targets (under qemu-user, -cpu max has every extension)
+#endif
+}
+
 int main() {
+  if (!host_runs_tier()) {
+    printf("skipped: this CPU lacks the tier's instructions\n");
+    return 0;
+  }
   const nanoserve_kernel_table* ref = nanoserve_kernels_reference();
   const nanoserve_kernel_table* tier = nanoserve_kernels_tier();
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");

@@ -1,0 +1,153 @@
+"""nanoserve's CPU kernel tiers: every tier this host can run, forced one at a time, against the
+scalar reference (integer group sums and activation codes exactly, products and attention within
+the format's tolerance), and the switch that chooses among them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.engine.paged_attention import paged_attention_reference
+from nanoserve.model import cpu_kernels
+from nanoserve.model.quant import GROUP_SIZE
+
+# Every tier of ours this host runs, the reference included: each is tested here, none skipped.
+TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
+VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
+SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
+
+
+def random_codes(n: int, k: int, nibbles: bool, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16 if nibbles else 256, (n, k), generator=generator, dtype=torch.int32)
+    return (cpu_kernels.pack_nibbles if nibbles else cpu_kernels.pack_bytes)(codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("tier", VECTOR_TIERS)
+@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, nibbles, shape):
+    n, k = shape
+    codes = random_codes(n, k, nibbles, seed=n + k)
+    x = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(k), dtype=torch.int8)
+    x[:GROUP_SIZE] = 127  # the extremes, where a saturating int16 sum would show
+    x[GROUP_SIZE:2 * GROUP_SIZE] = -127
+    want = torch.ops.nanoserve.group_dots(x, codes, n, nibbles, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.group_dots(x, codes, n, nibbles, cpu_kernels.handle(tier))
+    assert torch.equal(got, want)
+    # and the reference is the plain sum over each group
+    unpacked = (cpu_kernels.unpack_nibbles if nibbles else cpu_kernels.unpack_bytes)(codes, n, k).int()
+    plain = (unpacked.view(n, -1, GROUP_SIZE) * x.int().view(1, -1, GROUP_SIZE)).sum(-1)
+    assert torch.equal(want, plain)
+
+
+@pytest.mark.parametrize("tier", VECTOR_TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
+    x = torch.randn(37, 576).to(dtype)
+    x[3, :GROUP_SIZE] = 0  # an all-zero group
+    want = torch.ops.nanoserve.quantize_rows(x, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.quantize_rows(x, cpu_kernels.handle(tier))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    codes, fine, _, sums = want
+    rebuilt = fine.repeat_interleave(GROUP_SIZE, 1) * (254 * codes[0].float() + codes[1].float())
+    assert (rebuilt - x.float()).abs().max() <= x.float().abs().max() / 64516 * 1.01
+    assert torch.equal(sums[0], codes[0].int().view(37, -1, GROUP_SIZE).sum(-1))
+
+
+@pytest.mark.parametrize("tier", VECTOR_TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, nibbles, rows):
+    n, k = 96, 576
+    codes = random_codes(n, k, nibbles, seed=rows)
+    generator = torch.Generator().manual_seed(rows)
+    scales = torch.rand(n // 16, k // GROUP_SIZE, 16, generator=generator).half().view(torch.int16)
+    mins = (-torch.rand(n // 16, k // GROUP_SIZE, 16, generator=generator)).half().view(torch.int16)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    op = torch.ops.nanoserve.int4_mm if nibbles else torch.ops.nanoserve.int8_mm
+    want = op(x, codes, scales, mins, cpu_kernels.handle("scalar"))
+    got = op(x, codes, scales, mins, cpu_kernels.handle(tier))
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # the same integers and fp32 sums in another order: bf16's last bit, or fp32 rounding
+    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 16)])
+@pytest.mark.parametrize("width", [1, 13, 300])
+def test_decode_attention_equals_the_reference_read(tier, dtype, num_heads, num_kv_heads, head_dim, width):
+    torch.manual_seed(width)
+    n, slots = 4, 700
+    k_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(n, num_heads, head_dim).to(dtype)
+    table = torch.randint(1, slots, (n + 1, width + 7))  # slot 0 is nobody's
+    lengths = torch.tensor([width, 1, max(1, width // 2), max(1, width - 3)])
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table[:n, :width], lengths)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for mapping in (table[:n, :width], table[:n, :width].clone()):  # a window view and a copy
+        got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, mapping, lengths, head_dim ** -0.5,
+                                                   cpu_kernels.handle(tier))
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    # Past each row's length the cells are never read: pointing them at a NaN slot changes nothing.
+    for row, length in enumerate(lengths.tolist()):
+        table[row, length:] = 0
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table[:n, :width], lengths, head_dim ** -0.5,
+                                               cpu_kernels.handle(tier))
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_decode_attention_honours_the_scale_and_refuses_bad_shapes():
+    handle = cpu_kernels.handle(TIERS[0])
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(50, 2, 16).bfloat16(), torch.randn(50, 2, 16).bfloat16()
+    q, mapping, lengths = torch.randn(2, 4, 16).bfloat16(), torch.randint(0, 50, (2, 9)), torch.tensor([9, 4])
+    want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), mapping, lengths, scale=0.3)
+    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, mapping, lengths, 0.3, handle)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="head sizes"):
+        torch.ops.nanoserve.decode_attention(torch.randn(2, 3, 16).bfloat16(), k_cache, v_cache, mapping, lengths, 0.3,
+                                             handle)
+    with pytest.raises(RuntimeError, match="q's dtype"):
+        torch.ops.nanoserve.decode_attention(q.float(), k_cache, v_cache, mapping, lengths, 0.3, handle)
+    with pytest.raises(RuntimeError, match="no kernel tier"):
+        torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, mapping, lengths, 0.3, 10_000)
+
+
+def test_the_switch_forces_a_tier_the_host_has_and_refuses_the_rest(monkeypatch):
+    monkeypatch.delenv(cpu_kernels.ENV, raising=False)
+    best = cpu_kernels.resolve_tier()
+    assert best == next((t for t in cpu_kernels.PREFERENCE if t in TIERS), "torch")
+    for tier in cpu_kernels.host_tiers():
+        monkeypatch.setenv(cpu_kernels.ENV, tier)
+        assert cpu_kernels.resolve_tier() == tier == cpu_kernels.resolve_tier("auto")
+    # The other architecture's tiers (and on x86 every tier above the host's) are refused by name.
+    lacking = [t for t in cpu_kernels.TIERS if t not in cpu_kernels.host_tiers()]
+    assert lacking  # no host runs both the x86 and the ARM tiers
+    for tier in lacking:
+        monkeypatch.setenv(cpu_kernels.ENV, tier)
+        with pytest.raises(ValueError, match=f"kernel tier '{tier}' needs"):
+            cpu_kernels.resolve_tier()
+    monkeypatch.setenv(cpu_kernels.ENV, "avx9000")
+    with pytest.raises(ValueError, match="choose one of"):
+        cpu_kernels.resolve_tier()
+
+
+def test_compute_dtype_follows_the_cpu():
+    features = cpu_kernels.host_features()
+    for tier in VECTOR_TIERS:
+        native = {"avx512-vnni": {"avx512bf16", "amx-bf16"}, "neon-dot": {"bf16"}}.get(tier, set())
+        assert cpu_kernels.compute_dtype(tier) == (torch.bfloat16 if native & features else torch.float32)
+    assert cpu_kernels.compute_dtype("scalar") == torch.float32
+
+
+def test_the_reference_tier_always_builds_where_there_is_a_compiler():
+    assert "scalar" in TIERS
+    assert torch.ops.nanoserve.tier_name(cpu_kernels.handle("scalar")) == "scalar"
