@@ -10,6 +10,8 @@ decode bucket first, ~1 minute each). The full grids are ``e2e`` and ``decode``.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,18 +19,32 @@ import torch
 
 from compile.e2e import LLAMA_CPP, TRANSFORMERS, Workload, add_workload_options, run, workload_from
 from compile.report import format_table, write_csv
+from nanoserve.model import cpu_kernels
 
 DEFAULTS = Workload(weights=("auto",), batches=(1, 8, 32))
 SYSTEMS = {"nanoserve eager": "eager_tok_s", "nanoserve compiled": "compile_tok_s",
            TRANSFORMERS + " fp32": "hf_tok_s", LLAMA_CPP: "llama_tok_s"}
 
 
-def headline_rows(results: list[dict]) -> list[dict]:
+def cpu_name() -> str:
+    """The host CPU's model name, for the record (the kernels detect features through cpuid)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
     """One row per (weights, batch): every system's tokens/s and the engine's ratios to the peers
-    (each the median over neighbouring pairs of steps)."""
+    (each the median over neighbouring pairs of steps); ``host`` (cpu, kernel tier, compute
+    dtype) leads every row."""
     table: dict[tuple, dict] = {}
     for r in results:
-        row = table.setdefault((r["weights"], r["batch"]), dict(weights=r["weights"], batch=r["batch"]))
+        row = table.setdefault((r["weights"], r["batch"]), dict(**(host or {}), weights=r["weights"],
+                                                                 batch=r["batch"]))
         row[f"{r['mode']}_tok_s"] = r["tok_s"]
         row[f"{r['mode']}_x_bw_floor"] = r["x_bw_floor"]
         for key in ("hf_tok_s", "llama_tok_s"):
@@ -42,7 +58,7 @@ def headline_rows(results: list[dict]) -> list[dict]:
 
 def columns(rows: list[dict]) -> list[str]:
     present = dict.fromkeys(key for row in rows for key in row)
-    order = ["weights", "batch", "eager_tok_s", "compile_tok_s", "hf_tok_s", "llama_tok_s",
+    order = ["cpu", "kernels", "dtype", "weights", "batch", "eager_tok_s", "compile_tok_s", "hf_tok_s", "llama_tok_s",
              "compile_vs_llama", "eager_vs_llama", "compile_vs_hf", "eager_vs_hf",
              "compile_x_bw_floor", "eager_x_bw_floor"]
     return [key for key in order if key in present]
@@ -74,10 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_workload_options(parser, DEFAULTS)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    rows = headline_rows(run(workload_from(args)))
+    tier = cpu_kernels.resolve_tier()
+    host = dict(cpu=cpu_name(), kernels=tier, dtype=str(cpu_kernels.compute_dtype(tier)).removeprefix("torch."))
+    print(f"CPU: {host['cpu']}; nanoserve kernels: {tier} (forced with {cpu_kernels.ENV}=<tier>), "
+          f"compute dtype {host['dtype']}")
+    rows = headline_rows(run(workload_from(args)), host)
     print("\n" + format_table(rows, columns(rows)))
-    write_csv(rows, args.out / "headline.csv")
+    # The host's best tier is the headline; a forced lower one is recorded beside it.
+    name = "headline" if os.environ.get(cpu_kernels.ENV, "auto") == "auto" else f"headline-{tier}"
+    write_csv(rows, args.out / f"{name}.csv")
     if not args.no_plot:
-        write_plot(rows, args.out / "headline.png")
-    print(f"wrote {args.out / 'headline.csv'}" + ("" if args.no_plot else " and headline.png"))
+        write_plot(rows, args.out / f"{name}.png")
+    print(f"wrote {args.out / name}.csv" + ("" if args.no_plot else " and .png"))
     return 0
