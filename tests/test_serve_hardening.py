@@ -212,3 +212,27 @@ def test_an_engine_fault_fails_work_in_flight_and_the_server_refuses_more(tmp_pa
         assert "planted" in error["message"]
         assert_error(client.get("/health"), 503)
         assert "planted" in assert_error(client.post("/v1/completions", json=GREEDY), 503)["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_an_unknown_chat_role_is_a_400_naming_the_message(client, path):
+    messages = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}]
+    error = assert_error(client.post(path, json={"model": "tiny", "messages": messages, "max_tokens": 2}),
+                         400, "messages[1].role")
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
+    assert "'wizard'" in error["message"] and "'user'" in error["message"]
+    # This template names no "tool" role, so a tool message is refused too; developer is system.
+    tool = [{"role": "tool", "content": "42"}]
+    assert_error(client.post(path, json={"model": "tiny", "messages": tool, "max_tokens": 2}), 400,
+                 "messages[0].role")
+    for role in ("system", "developer", "user", "assistant"):
+        body = {"model": "tiny", "messages": [{"role": role, "content": "hi"}], "max_tokens": 2}
+        assert client.post(path, json=body).status_code == 200, role
+
+
+def test_tool_is_a_role_only_where_the_template_names_it():
+    from nanoserve.serve.chat import CHAT_ROLES, chat_roles
+
+    assert chat_roles("{{ '<|' + m.role + '|>' }}") == CHAT_ROLES
+    assert chat_roles("{% if message.role == \"tool\" %}<tool>{% endif %}") == (*CHAT_ROLES, "tool")
+    assert chat_roles("{% if message['role'] == 'tool' %}{% endif %}")[-1] == "tool"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -11,9 +12,14 @@ from starlette.requests import Request
 
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
-from nanoserve.serve.errors import ApiError
+from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
+# "tool" only where the template names that role itself (a generic template would render it
+# as if it were a turn of its own, which the model was never trained on).
+_TOOL_ROLE = re.compile(r"""["']tool["']""")
 
 
 async def create_chat_completion(state: ServeState, body: ChatCompletionRequest, request: Request):
@@ -46,17 +52,33 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
 
 async def render_chat(state: ServeState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
     """The prompt text: the model's chat template (with the generation prompt appended), rendered
-    in a worker thread so that long conversations do not stall the event loop."""
-    messages = [m.as_template_dict() for m in messages]
-    if getattr(state.tokenizer, "chat_template", None) is None:
+    in a worker thread so that long conversations do not stall the event loop. A role the
+    template does not take is a 400 naming `messages[i].role`, as OpenAI's API answers."""
+    template = getattr(state.tokenizer, "chat_template", None)
+    if template is None:
         raise ApiError(400, "messages: this server's model has no chat template; use /v1/completions",
                        param="messages", code="invalid_value")
+    check_roles(messages, chat_roles(getattr(template, "source", "")))
+    messages = [m.as_template_dict() for m in messages]
     try:
         return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
                                        add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception on bad roles
         raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
                        code="invalid_value") from exc
+
+
+def chat_roles(template_source: str) -> tuple[str, ...]:
+    """The roles a chat template takes: CHAT_ROLES, and "tool" where the template names it."""
+    return CHAT_ROLES + (("tool",) if _TOOL_ROLE.search(template_source) else ())
+
+
+def check_roles(messages: list[ChatMessage], roles: tuple[str, ...]) -> None:
+    for index, message in enumerate(messages):
+        if message.role not in roles:
+            param = f"messages[{index}].role"
+            raise ApiError(400, f"{param}: invalid value {quoted(message.role)}; supported values are "
+                                f"{', '.join(map(repr, roles))}", param=param, code="invalid_value")
 
 
 async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_len: int,
