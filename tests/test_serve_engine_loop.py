@@ -111,10 +111,11 @@ def test_metrics_render_as_prometheus_text():
     metrics.record_tokens(1, ttft=0.2, gap=None)
     metrics.record_tokens(2, ttft=None, gap=0.02)
     metrics.record_finished("stop")
+    metrics.record_disconnect()
     stats = {"running": 2, "waiting": 1, "blocks_free": 10, "blocks_total": 16, "recompiles": 0,
              "prefix_cache_queries": 96, "prefix_cache_hits": 64, "prefix_cache_blocks": 5,
              "prefix_cache_evictions": 2}
-    text = metrics.render(stats)
+    text = metrics.render(stats, http_in_flight=3)
     sample = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$')
     declared = set()
     for line in text.strip().splitlines():
@@ -128,5 +129,6 @@ def test_metrics_render_as_prometheus_text():
     assert 'nanoserve_requests_finished_total{reason="stop"} 1' in text
     assert "nanoserve_inter_token_latency_seconds_count 2" in text
     for line in ("nanoserve_prefix_cache_queries_total 96", "nanoserve_prefix_cache_hits_total 64",
-                 "nanoserve_prefix_cache_blocks 5", "nanoserve_prefix_cache_evictions_total 2"):
+                 "nanoserve_prefix_cache_blocks 5", "nanoserve_prefix_cache_evictions_total 2",
+                 "nanoserve_http_requests_in_flight 3", "nanoserve_client_disconnects_total 1"):
         assert line in text.splitlines(), line

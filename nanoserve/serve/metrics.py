@@ -54,6 +54,7 @@ class ServeMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()
+        self.disconnects = 0
 
     def record_admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -77,8 +78,14 @@ class ServeMetrics:
         with self._lock:
             self.finished[reason] += 1
 
-    def render(self, stats: dict) -> str:
-        """Prometheus text exposition (version 0.0.4) of these metrics and an engine stats snapshot."""
+    def record_disconnect(self) -> None:
+        """A client hung up before its answer was complete (normal traffic, not an error)."""
+        with self._lock:
+            self.disconnects += 1
+
+    def render(self, stats: dict, http_in_flight: int | None = None) -> str:
+        """Prometheus text exposition (version 0.0.4) of these metrics and an engine stats snapshot
+        (and, from the HTTP side, the requests it is handling)."""
         used = stats.get("blocks_total", 0) - stats.get("blocks_free", 0)
         gauges = [
             ("nanoserve_requests_running", "Requests holding a row in the engine.", stats.get("running", 0)),
@@ -94,6 +101,10 @@ class ServeMetrics:
             ("nanoserve_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or evictable).",
              stats.get("prefix_cache_blocks", 0)),
         ]
+        if http_in_flight is not None:
+            gauges.append(("nanoserve_http_requests_in_flight",
+                           "HTTP requests being handled (body arriving, queued or generating), probes aside.",
+                           http_in_flight))
         counters = [
             ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.get("steps", 0)),
             ("nanoserve_decode_steps_total", "Decode steps.", stats.get("decode_steps", 0)),
@@ -113,6 +124,9 @@ class ServeMetrics:
             counters += [
                 ("nanoserve_prompt_tokens_total", "Prompt tokens admitted.", self.prompt_tokens),
                 ("nanoserve_generation_tokens_total", "Tokens generated.", self.generation_tokens),
+                ("nanoserve_client_disconnects_total",
+                 "Requests whose client hung up before the answer was complete (their work is aborted).",
+                 self.disconnects),
             ]
             lines = _plain("gauge", gauges) + _plain("counter", counters)
             lines += ["# HELP nanoserve_requests_finished_total Requests finished, by reason.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
 from nanoserve.serve.errors import ApiError, quoted
 
+logger = logging.getLogger("nanoserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this
 
 
@@ -110,8 +112,10 @@ def check_output(output: RequestOutput | BaseException) -> RequestOutput:
 async def collect(state: ServeState, request: Request,
                   submitted: list[tuple[asyncio.Queue, str]]) -> list[RequestOutput]:
     """Wait for each submitted request's (queue, id) finished output; abort them all if the
-    client hangs up first."""
-    results = asyncio.ensure_future(asyncio.gather(*(_last_output(queue) for queue, _ in submitted)))
+    client hangs up first (a 499 nobody reads, counted as a disconnect)."""
+    # One task over every queue, not gather(): a cancelled gather holds a CancelledError that
+    # nobody retrieves, and asyncio logs it as an error.
+    results = asyncio.ensure_future(_last_outputs([queue for queue, _ in submitted]))
     hangup = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({results, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,7 +124,11 @@ async def collect(state: ServeState, request: Request,
         if not results.done():
             results.cancel()
             abort_all(state, submitted)
-    if not results.done() or results.cancelled():
+    if not results.done():  # the hang-up came first
+        if (error := hangup.exception()) is not None:  # a broken receive channel is no hang-up: loud
+            raise error
+        state.engine_loop.metrics.record_disconnect()
+        logger.debug("client hung up: aborted %s", ", ".join(request_id for _, request_id in submitted))
         raise ApiError(499, "client closed the request")
     return [check_output(output) for output in results.result()]
 
@@ -128,6 +136,10 @@ async def collect(state: ServeState, request: Request,
 def abort_all(state: ServeState, submitted: list[tuple[asyncio.Queue, str]]) -> None:
     for _, request_id in submitted:
         state.engine_loop.abort(request_id)
+
+
+async def _last_outputs(queues: list[asyncio.Queue]) -> list[RequestOutput | BaseException]:
+    return [await _last_output(queue) for queue in queues]
 
 
 async def _last_output(queue: asyncio.Queue) -> RequestOutput | BaseException:
@@ -178,20 +190,36 @@ async def deltas(state: ServeState, queue: asyncio.Queue, request_id: str) -> As
 
 
 def sse_response(state: ServeState, events: AsyncIterator[dict], request_id: str) -> StreamingResponse:
-    """Server-sent events, one `data:` line per dict, ending `data: [DONE]`. The background
-    abort covers a client that leaves before the first event (a no-op once finished)."""
-    return StreamingResponse(
-        _sse(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-        background=BackgroundTask(state.engine_loop.abort, request_id))
+    """Server-sent events, one `data:` line per dict, ending `data: [DONE]`. A client that
+    leaves before [DONE] is counted as a disconnect. The background abort covers a client that
+    leaves before the first event (deltas aborts the others; a no-op once finished)."""
+    stream = _SseStream(events)
+
+    async def after() -> None:
+        if not stream.complete:
+            state.engine_loop.metrics.record_disconnect()
+            logger.debug("client hung up: aborted %s", request_id)
+        state.engine_loop.abort(request_id)
+
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(after))
 
 
-async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-    except ApiError as exc:  # headers are gone already: report in-band, as OpenAI does
-        yield f"data: {json.dumps(exc.body())}\n\n"
-    yield "data: [DONE]\n\n"
+class _SseStream:
+    """The events as SSE text; `complete` once [DONE] is produced."""
+
+    def __init__(self, events: AsyncIterator[dict]) -> None:
+        self.events = events
+        self.complete = False
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        try:
+            async for event in self.events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except ApiError as exc:  # headers are gone already: report in-band, as OpenAI does
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        self.complete = True
+        yield "data: [DONE]\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
