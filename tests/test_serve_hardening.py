@@ -236,3 +236,25 @@ def test_tool_is_a_role_only_where_the_template_names_it():
     assert chat_roles("{{ '<|' + m.role + '|>' }}") == CHAT_ROLES
     assert chat_roles("{% if message.role == \"tool\" %}<tool>{% endif %}") == (*CHAT_ROLES, "tool")
     assert chat_roles("{% if message['role'] == 'tool' %}{% endif %}")[-1] == "tool"
+
+
+def test_a_stalled_body_gets_a_408_on_its_own_and_its_connection_closes(tmp_path):
+    import socket
+
+    engine = tiny_text_engine(tmp_path, **ENGINE)
+    with served(engine, "tiny", None, body_timeout=0.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as stalled:
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 1000\r\n\r\n" + b"{" + b" " * 499)  # half the body, then nothing
+            started, answer = time.monotonic(), b""
+            while chunk := stalled.recv(65536):  # to the server's close (the socket times out at 10 s)
+                answer += chunk
+            elapsed = time.monotonic() - started
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), answer
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert 0.4 < elapsed < 5.0, elapsed
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert "nanoserve_http_requests_in_flight 0" in client.get("/metrics").text.splitlines()
+            assert client.post("/v1/completions", json=GREEDY).status_code == 200  # whole bodies still served

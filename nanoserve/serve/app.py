@@ -16,7 +16,7 @@ from nanoserve.serve.completions import create_completion
 from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.errors import ApiError, install_error_handlers
 from nanoserve.serve.gate import PROBES, Admission, RequestGate
-from nanoserve.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+from nanoserve.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, ENDING_GRACE
 from nanoserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,15 +27,16 @@ from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("nanoserve.serve")
-ENDING_GRACE_SECONDS = 5.0  # after a drain timeout: for the ended requests to send their last event
 
 
 def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """An app serving `engine_loop`'s engine as `model_name`. The app starts the loop when it
     starts and stops it when it stops. With `api_key`, every route needs
     `Authorization: Bearer <api_key>` (the API, /tokenize, /docs, /openapi.json) except
-    /health and /metrics (probes, scrapers). `await app.state.drain(timeout)` drains it."""
+    /health and /metrics (probes, scrapers). A body larger than `max_request_bytes` is a 413,
+    one that stalls for `body_timeout` seconds a 408. `await app.state.drain(timeout)` drains it."""
     state = ServeState(engine_loop, model_name)
     created = int(time.time())
 
@@ -50,19 +51,22 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
     install_error_handlers(app)
     admission = app.state.admission = Admission()
     # The last added runs first: the key check, then the gate (an unauthorised body is never read).
-    app.add_middleware(RequestGate, admission=admission, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGate, admission=admission, max_request_bytes=max_request_bytes,
+                       body_timeout=body_timeout, on_disconnect=engine_loop.metrics.record_disconnect)
     if api_key:  # an empty key (e.g. an empty $NANOSERVE_API_KEY) means no key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     async def drain(timeout: float) -> None:
         """Stop admitting (503), let requests in flight finish for up to `timeout` seconds,
-        then end the rest: streams get a final error event, the others a 503."""
+        then end the rest: streams get a final error event, the others a 503, and a request
+        whose body is still arriving a 503 too (every request is bounded by the timeout)."""
         admission.draining = True
-        logger.info("draining: %d requests in flight, up to %.0f s", admission.in_flight, timeout)
+        logger.info("draining: %d requests in flight, up to %g s", admission.in_flight, timeout)
         if not await admission.wait_idle(timeout):
             logger.info("drain timeout: ending %d requests still in flight", admission.in_flight)
+            admission.cut.set()
             await asyncio.to_thread(engine_loop.stop)  # outputs still reach this event loop
-            await admission.wait_idle(ENDING_GRACE_SECONDS)
+            await admission.wait_idle(ENDING_GRACE)
 
     app.state.drain = drain
 
@@ -76,7 +80,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine_loop.metrics.render(engine_loop.stats),
+        return PlainTextResponse(engine_loop.metrics.render(engine_loop.stats, http_in_flight=admission.in_flight),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

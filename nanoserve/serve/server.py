@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from nanoserve.serve.limits import DEFAULT_DRAIN_TIMEOUT
+from nanoserve.serve.limits import DEFAULT_DRAIN_TIMEOUT, SHUTDOWN_GRACE
 
 logger = logging.getLogger("nanoserve.serve")
 
@@ -35,7 +35,7 @@ class DrainingServer(uvicorn.Server):
         if self._drain is not None or self._loop is None or not self.started:
             super().handle_exit(sig, frame)  # a second signal, or not serving yet: stop now
             return
-        logger.info("signal %d: draining for up to %.0f s (send it again to stop at once)",
+        logger.info("signal %d: draining for up to %g s (send it again to stop at once)",
                     sig, self.drain_timeout)
         self.begin_drain()
 
@@ -61,7 +61,7 @@ class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                  drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE)
         self.server = DrainingServer(config, app, drain_timeout)
         self._thread = threading.Thread(target=self.server.run, name="nanoserve-http", daemon=True)
 
