@@ -1,17 +1,30 @@
-"""The `nanoserve` command line: `generate` (one prompt, streamed) and `serve` (HTTP)."""
+"""The `nanoserve` command line: `generate` (one prompt, streamed) and `serve` (HTTP).
+
+Arguments are parsed before torch is imported (the packages load lazily), so `--help`,
+`--version` and a bad option answer at once; a command imports what it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from nanoserve.engine import RequestError, SamplingParams, build_engine
-from nanoserve.engine.options import add_engine_args, engine_kwargs
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.loader import DEFAULT_MODEL
+from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs
+from nanoserve.engine.sampling_params import DEFAULT_MAX_TOKENS
 from nanoserve.serve.cli import add_serve_subcommand
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -20,25 +33,38 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128, help="most new tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                       help="most new tokens to generate (default %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off, default)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens below min_p x the top one's probability (0 = off, default)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="tokens already in the prompt or reply get their positive logits divided "
+                            "and negative ones multiplied by this (>1 repeats less; 1.0 = off, default)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtract this from the logit of every token the reply already holds "
+                            "(-2 to 2; 0 = off, default)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtract this times its count in the reply from each token's logit "
+                            "(-2 to 2; 0 = off, default)")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--seed", type=int, default=None, help="seed for sampling (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="A readable LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout")
+    generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout",
+                                   description="Generate text for one prompt and stream it to stdout; "
+                                               "what was loaded and the token counts go to stderr.")
     add_model_args(generate)
     add_sampling_args(generate)
-    add_engine_args(generate)
+    add_engine_args(generate, max_batch_size=1, kv_cache_bytes=None,
+                    kv_cache_default="what --max-batch-size rows of --max-model-len need, at most 1G")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--system", default=None, help="system message (with --chat)")
     generate.add_argument("prompt", help="the prompt text ('-' reads stdin)")
@@ -63,33 +89,84 @@ def prompt_text(args: argparse.Namespace, tokenizer) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from nanoserve.engine import RequestError, SamplingParams, build_engine
+    from nanoserve.summary import describe_engine
+
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
     started = time.perf_counter()
     engine = build_engine(args.model, **engine_kwargs(args))
-    loaded = time.perf_counter()
-    for delta in engine.stream(prompt_text(args, engine.tokenizer), params):
-        sys.stdout.write(delta)
+    for line in describe_engine(engine, args.model, time.perf_counter() - started):
+        print(f"nanoserve: {line}", file=sys.stderr)
+    prompt = prompt_text(args, engine.tokenizer)
+    generating = time.perf_counter()
+    last = None
+    for last in outputs(engine, prompt, params):
+        sys.stdout.write(last.new_text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    elapsed = time.perf_counter() - loaded
-    stats = engine.stats()
-    count = stats["decode_tokens"] + 1
-    print(f"[{stats['prefill_tokens']} prompt + {count} new tokens in {elapsed:.2f} s, "
-          f"{count / elapsed:.1f} tok/s; load {loaded - started:.1f} s]", file=sys.stderr)
+    elapsed = time.perf_counter() - generating
+    if last.finish_reason == "error":
+        raise RequestError(last.error)
+    count = len(last.token_ids)
+    print(f"[{len(last.prompt_token_ids)} prompt + {count} new tokens in {elapsed:.2f} s, "
+          f"{count / elapsed:.1f} tok/s; finish: {finish_note(engine, last, params)}]", file=sys.stderr)
     return 0
 
 
+def outputs(engine, prompt: str, params) -> Iterator:
+    """One request's RequestOutputs as the engine steps, to the finished one (the request is
+    aborted if the caller stops early)."""
+    request_id = engine.add_request(prompt, params)
+    try:
+        while True:
+            for output in engine.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        return
+    finally:
+        engine.abort(request_id)
+
+
+def finish_note(engine, output, params) -> str:
+    """Why the reply ended, in words: which limit it reached, or what stopped it."""
+    if output.finish_reason == "length":
+        limit = engine.config.max_model_len
+        if len(output.prompt_token_ids) + len(output.token_ids) >= limit:
+            return f"length (max_model_len {limit} reached; raise --max-model-len)"
+        return f"length (max_tokens {params.max_tokens} reached)"
+    if output.finish_reason == "stop":
+        stops = engine.eos_token_ids | set(params.stop_token_ids)
+        what = "an end-of-text token" if output.token_ids and output.token_ids[-1] in stops else "a stop string"
+        return f"stop ({what})"
+    return str(output.finish_reason)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; `argv` None reads the process's own command line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.handler(args)
-    except (FileNotFoundError, ModelLoadError, RequestError, ValueError) as e:
+        code = args.handler(args)
+    except (FileNotFoundError, ValueError) as e:  # a missing model, a bad value, a refused prompt
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2
+    if argv is None and args.command == "serve":
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End the process once the server has drained and stopped, its log flushed, without the
+    interpreter's teardown of torch and its modules: that takes a good part of a second, which
+    would count against an orchestrator's grace period, and nothing is left to finalize."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""`nanoserve generate` end to end on a planted tiny GGUF (the real model is too slow for CI here)."""
+"""`nanoserve generate` end to end on a planted tiny GGUF (the real model is too slow for CI here):
+the text, what was loaded, the token counts and why the reply ended."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from nanoserve.engine import SamplingParams
 from nanoserve.engine.options import engine_kwargs
 from nanoserve.launch import build_parser, main
 from nanoserve.model.llama import unfuse_hf_weights
@@ -51,7 +55,43 @@ def test_parser_has_generate_subcommand_with_documented_options():
     args = build_parser().parse_args(["generate", "--chat", "--max-tokens", "3", "--top-k", "5", "p"])
     assert (args.command, args.chat, args.max_tokens, args.top_k, args.prompt) == ("generate", True, 3, 5, "p")
     assert args.model == "smollm2" and args.dtype is None  # float32 on cpu, bfloat16 on cuda
-    assert (args.max_batch_size, args.compile) == (32, False)
+    # One prompt takes one row, and an unset budget is what that row needs at full length.
+    assert (args.max_batch_size, args.kv_cache_bytes, args.compile) == (1, None, False)
+
+
+def test_the_library_and_the_command_line_default_to_the_same_reply_length():
+    assert SamplingParams().max_tokens == build_parser().parse_args(["generate", "p"]).max_tokens == 128
+
+
+def counts(err: str) -> tuple[int, int, str]:
+    """(prompt tokens, new tokens, finish note) from generate's closing line on stderr."""
+    match = re.search(r"^\[(\d+) prompt \+ (\d+) new tokens in .*; finish: (.*)\]$", err, re.M)
+    assert match, err
+    return int(match.group(1)), int(match.group(2)), match.group(3)
+
+
+def test_the_closing_line_counts_the_new_tokens_and_says_why_the_reply_ended(tiny_gguf, capsys):
+    # fp32: the exact network, so the greedy tokens (and where an end-of-text falls) are fixed.
+    run = ["generate", "--model", str(tiny_gguf), "--weights", "fp32"]
+    assert main([*run, "--max-tokens", "0", "hello"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "\n" and counts(out.err) == (5, 0, "length (max_tokens 0 reached)")
+    assert main([*run, "--max-tokens", "6", "hello"]) == 0
+    assert counts(capsys.readouterr().err) == (5, 6, "length (max_tokens 6 reached)")
+    assert main([*run, "--max-model-len", "4", "hi"]) == 0
+    prompt, new, finish = counts(capsys.readouterr().err)
+    assert (prompt, new) == (2, 2) and finish.startswith("length (max_model_len 4 reached"), finish
+
+
+def test_generate_says_what_it_loaded(tiny_gguf, capsys):
+    assert main(["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "1", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"^nanoserve: model {re.escape(str(tiny_gguf))}: loaded in [0-9.]+ s on cpu$", err, re.M), err
+    assert "nanoserve: weights fp32, " in err and "compute dtype float32" in err and "CPU kernels: " in err, err
+    # One row at the model's full length (1,024 tokens = 64 blocks of 16) plus the scratch block,
+    # float32 K/V at 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 bytes a token.
+    assert "nanoserve: K/V pool 520.0 KiB of float32: 65 blocks of 16 tokens (1,024 tokens for requests" in err, err
+    assert "nanoserve: max_model_len 1,024; up to 1 row and " in err, err
 
 
 def test_parser_has_serve_subcommand_with_engine_options():

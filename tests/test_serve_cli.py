@@ -1,9 +1,11 @@
-"""`nanoserve serve` from the command line: options parse, and a real process serves a planted
-tiny GGUF on a loopback port, then shuts down cleanly on Ctrl-C."""
+"""`nanoserve serve` from the command line: options parse (the model as MODEL or --model), and a
+real process serves a planted tiny GGUF on a loopback port, says what it loaded, then shuts
+down cleanly on Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import subprocess
 import sys
@@ -13,8 +15,8 @@ import pytest
 from nanoserve.engine.options import parse_bytes
 from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.synthetic import random_model, tiny_config
-from nanoserve.serve.cli import add_serve_subcommand, served_name
-from nanoserve.serve.limits import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from nanoserve.serve.cli import DEFAULT_KV_CACHE_BYTES, add_serve_subcommand, chosen_model, served_name
+from nanoserve.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -31,7 +33,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_bind_loopback_and_sizes_parse():
     args = parse()
-    assert (args.model, args.host, args.port, args.compile) == ("smollm2", "127.0.0.1", 8000, False)
+    assert (chosen_model(args), args.host, args.port, args.compile) == ("smollm2", "127.0.0.1", 8000, False)
+    assert (args.max_batch_size, args.kv_cache_bytes) == (32, DEFAULT_KV_CACHE_BYTES) == (32, 256 << 20)
     assert callable(args.func)
     assert parse("--kv-cache-bytes", "512M").kv_cache_bytes == 512 << 20
     assert [parse_bytes(s) for s in ("1024", "2k", "1.5GiB", "3 MB")] == [1024, 2048, 3 << 29, 3 << 20]
@@ -39,11 +42,20 @@ def test_defaults_bind_loopback_and_sizes_parse():
         parse_bytes("lots")
 
 
-def test_request_limit_and_drain_timeout_parse_with_defaults():
+def test_request_limit_and_timeouts_parse_with_defaults():
     args = parse()
-    assert (args.max_request_bytes, args.drain_timeout) == (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_DRAIN_TIMEOUT)
-    args = parse("--max-request-bytes", "2M", "--drain-timeout", "7.5")
-    assert (args.max_request_bytes, args.drain_timeout) == (2 << 20, 7.5)
+    assert (args.max_request_bytes, args.drain_timeout, args.body_timeout) == (
+        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_DRAIN_TIMEOUT, DEFAULT_BODY_TIMEOUT)
+    args = parse("--max-request-bytes", "2M", "--drain-timeout", "7.5", "--body-timeout", "3")
+    assert (args.max_request_bytes, args.drain_timeout, args.body_timeout) == (2 << 20, 7.5, 3.0)
+
+
+def test_the_model_is_a_positional_argument_or_model():
+    assert chosen_model(parse("/models/a.gguf", "--port", "9000")) == "/models/a.gguf"  # as `vllm serve MODEL`
+    assert chosen_model(parse("--model", "/models/a.gguf")) == "/models/a.gguf"
+    assert chosen_model(parse("/models/a.gguf", "--model", "/models/a.gguf")) == "/models/a.gguf"
+    with pytest.raises(SystemExit, match="two models"):
+        chosen_model(parse("/models/a.gguf", "--model", "/models/b.gguf"))
 
 
 def test_served_name_comes_from_the_model_argument():
@@ -54,21 +66,18 @@ def test_served_name_comes_from_the_model_argument():
 
 def test_a_missing_model_file_is_a_clean_exit(tmp_path):
     with pytest.raises(SystemExit, match="model not found"):
-        args = parse("--model", str(tmp_path / "nothing.gguf"))
+        args = parse(str(tmp_path / "nothing.gguf"), "--port", str(free_port()))
         args.func(args)
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch: ~5-10 s on 2 cores
-def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path, gguf_writer):
+def test_serve_process_answers_says_what_it_loaded_and_stops_on_ctrl_c(tmp_path, gguf_writer):
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
     port = free_port()
-    script = ("import argparse, sys; from nanoserve.serve.cli import add_serve_subcommand; "
-              "p = argparse.ArgumentParser(); add_serve_subcommand(p.add_subparsers()); "
-              "a = p.parse_args(sys.argv[1:]); a.func(a)")
-    argv = [sys.executable, "-c", script, "serve", "--model", str(path), "--port", str(port),
+    argv = [sys.executable, "-m", "nanoserve.launch", "serve", str(path), "--port", str(port),
             "--api-key", "k", "--max-model-len", "64", "--kv-cache-bytes", "1M", "--max-batch-size", "4",
-            "--log-level", "warning"]
+            "--log-level", "info"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -87,3 +96,10 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path, gguf_writer):
             process.kill()
             raise
     assert process.returncode == 0, output
+    # The startup summary: what was loaded, how, and what the K/V pool holds (1M of bf16 K/V at
+    # 256 bytes a token is 256 blocks of 16 tokens).
+    assert f"model {path}: loaded in " in output, output
+    assert re.search(r"weights \S+, [0-9.]+ [KMG]iB resident; compute dtype \w+; CPU kernels: \S", output), output
+    assert "K/V pool 1.0 MiB of bfloat16: 256 blocks of 16 tokens (4,080 tokens for requests" in output, output
+    assert "max_model_len 64 (the model takes up to 1,024); up to 4 rows" in output, output
+    assert f"serving 'tiny' at http://127.0.0.1:{port} (API key required)" in output, output

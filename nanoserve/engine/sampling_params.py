@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 INT64_MAX = 2**63 - 1  # every integer field must fit the int64 tensors the sampler builds
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a uint64
+# A reply's length when none is asked for: the command line's default too, so that a library
+# call and `nanoserve generate` stop at the same place.
+DEFAULT_MAX_TOKENS = 128
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,7 +27,7 @@ class SamplingParams:
     Raises ``ValueError`` naming the field and its allowed range.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

@@ -1,20 +1,32 @@
 """`nanoserve serve`: build an engine from command-line options and serve it over HTTP.
 
-Nothing here imports FastAPI or uvicorn until the command runs, so the rest of the CLI works
-without the `serve` extra installed.
+Nothing here imports FastAPI, uvicorn or torch until the command runs, so `--help` answers at
+once and the rest of the CLI works without the `serve` extra installed. The port is bound
+before the model loads: a busy port fails in a second, not after the load.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 
-from nanoserve.engine.options import add_engine_args, engine_kwargs, parse_bytes
-from nanoserve.serve.limits import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs, parse_bytes
+from nanoserve.serve.limits import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    SHUTDOWN_GRACE,
+)
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+# The server's K/V pool unless --kv-cache-bytes says otherwise: room for more than one request
+# at a small model's full context, shared by the rows, without a gigabyte of zeros.
+DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
 def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -24,22 +36,29 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics); "
                     "SIGTERM or SIGINT drains it (see --drain-timeout).")
-    parser.add_argument("--model", default="smollm2",
-                        help="'smollm2' (default), a .gguf file, or a Hugging Face model directory")
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as `vllm serve MODEL` takes it (same as --model)")
+    parser.add_argument("--model", default=None,
+                        help=f"{DEFAULT_MODEL!r} (the default), a .gguf file, or a Hugging Face model directory")
     parser.add_argument("--served-model-name", default=None,
-                        help="the name clients pass as `model` (default: from --model)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="the name clients pass as `model` (default: from the model argument)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 routes "
-                             "(default: $NANOSERVE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                             "(the API, /tokenize, /detokenize, /docs, /openapi.json; "
+                             "default: $NANOSERVE_API_KEY)")
     parser.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted, e.g. 1M (413 beyond it; default 16M)")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                        help="seconds a request body may go without a byte arriving before the request "
+                             "gets a 408 (default %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="on SIGTERM/SIGINT: seconds requests in flight may take to finish before "
-                             "they are ended (default %(default)s)")
-    add_engine_args(parser)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                             "they are ended (default %(default)s); the process exits about 2 s after")
+    add_engine_args(parser, max_batch_size=32, kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_cache_default="256M")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="default %(default)s")
     parser.set_defaults(func=run_serve)
     return parser
 
@@ -49,8 +68,40 @@ def served_name(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name or model
 
 
+def chosen_model(args: argparse.Namespace) -> str:
+    """The model named by MODEL or --model (the default when neither); both, differing, is an error."""
+    if args.model_path and args.model and args.model_path != args.model:
+        raise SystemExit(f"nanoserve serve: two models given ({args.model_path!r} and --model "
+                         f"{args.model!r}); name one")
+    return args.model_path or args.model or DEFAULT_MODEL
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening (uvicorn listens once the app is up);
+    SystemExit with the reason when it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: past TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = "; another process listens there: stop it or choose another --port" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise SystemExit(f"nanoserve serve: cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
+
+
 def run_serve(args: argparse.Namespace) -> None:
-    """Build the engine, then serve until interrupted."""
+    """Bind the port, build the engine, then serve until interrupted."""
+    model = chosen_model(args)
+    sock = bind(args.host, args.port)
+    try:
+        _serve(args, model, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
     try:
         import uvicorn
 
@@ -61,22 +112,26 @@ def run_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"nanoserve serve needs FastAPI and uvicorn: pip install 'nanoserve[serve]' "
                          f"({exc})") from exc
     from nanoserve.engine import build_engine
+    from nanoserve.summary import describe_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("nanoserve.serve")
     if args.host not in _LOOPBACK and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
+    started = time.perf_counter()
     try:
-        engine = build_engine(args.model, **engine_kwargs(args))
+        engine = build_engine(model, **engine_kwargs(args))
     except (FileNotFoundError, ValueError) as exc:  # a missing or bad model file, a pool too small
         raise SystemExit(f"nanoserve serve: {exc}") from exc
-    name = args.served_model_name or served_name(args.model)
-    stats = engine.stats()
-    log.info("serving %s as %r: max_model_len=%d, %d KV blocks of %d tokens, up to %d requests per step",
-             args.model, name, engine.config.max_model_len, stats["blocks_total"], args.block_size,
-             args.max_batch_size)
-    app = create_app(EngineLoop(engine), name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    for line in describe_engine(engine, model, time.perf_counter() - started):
+        log.info("%s", line)
+    name = args.served_model_name or served_name(model)
+    app = create_app(EngineLoop(engine), name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     body_timeout=args.body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    DrainingServer(config, app, args.drain_timeout).run()
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log.info("serving %r at http://%s:%d%s", name, host, sock.getsockname()[1],
+             " (API key required)" if args.api_key else "")
+    DrainingServer(config, app, args.drain_timeout).run(sockets=[sock])

@@ -1,0 +1,50 @@
+"""What a built engine runs, in a few lines: `nanoserve generate` and `nanoserve serve` print it
+at start (as llama-server and vLLM do), so that the weight format, the kernels, the K/V pool
+and its memory are never a surprise."""
+
+from __future__ import annotations
+
+
+def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
+    """Lines naming the model and load time; the weight format, resident weight bytes, compute
+    dtype and CPU kernel tier; the K/V pool's bytes, blocks and tokens; the length and batch limits."""
+    stats, config, cache = engine.stats(), engine.config, engine.cache
+    kv_bytes = sum(t.numel() * t.element_size() for t in (*cache.k_caches, *cache.v_caches))
+    kv_dtype = _dtype_name(cache.k_caches[0].dtype)
+    compute = stats.get("compute_dtype") or _dtype_name(config.dtype)
+    blocks, block_size = cache.pool.num_blocks, config.block_size
+    model_limit = engine.model.config.max_position_embeddings
+    limit_note = f" (the model takes up to {model_limit:,})" if config.max_model_len < model_limit else ""
+    decode = "compiled decode" if config.compile else "eager decode"
+    rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
+    return [
+        f"model {model}: loaded in {load_seconds:.1f} s on {config.device}",
+        f"weights {stats['weights']}, {format_bytes(stats['weight_bytes'])} resident; "
+        f"compute dtype {compute}; CPU kernels: {kernel_tier(stats)}",
+        f"K/V pool {format_bytes(kv_bytes)} of {kv_dtype}: {blocks:,} blocks of {block_size} tokens "
+        f"({(blocks - 1) * block_size:,} tokens for requests, one block is scratch)",
+        f"max_model_len {config.max_model_len:,}{limit_note}; up to {rows} and "
+        f"{stats['max_num_batched_tokens']} tokens per step; {decode}",
+    ]
+
+
+def kernel_tier(stats: dict) -> str:
+    """The engine's `cpu_kernels` in words: a tier ("avx512-vnni", "avx2", "torch", ...), or
+    None where no packed kernel runs (dense weights, or a GPU)."""
+    if "cpu_kernels" not in stats:
+        return "not reported by this engine"
+    tier = stats["cpu_kernels"]
+    return "none (dense weights run torch's matmuls)" if tier is None else str(tier)
+
+
+def format_bytes(count: int) -> str:
+    """Powers of 1024, as --kv-cache-bytes reads them: '188.5 MiB', '1.00 GiB'."""
+    if count >= 1 << 30:
+        return f"{count / (1 << 30):.2f} GiB"
+    if count >= 1 << 20:
+        return f"{count / (1 << 20):.1f} MiB"
+    return f"{count / 1024:.1f} KiB"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
