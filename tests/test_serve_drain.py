@@ -130,3 +130,67 @@ def test_sigterm_with_streams_in_flight_exits_0_within_the_drain_timeout_with_a_
     assert len(results) == 4 and all(stream_outcome(events) in ("complete", "ended") for events in results)
     assert "Traceback" not in output and "CancelledError" not in output and " 500" not in output, output
     assert "draining" in output
+
+
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(f"{name} ")))
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: ~5-10 s on 2 cores
+def test_sigterm_with_a_stalled_half_sent_body_exits_within_the_drain_timeout(tmp_path):
+    """A client that sends its headers and half its body, then stalls, cannot hold the process
+    past --drain-timeout (the body timeout is left long, so the drain is what ends it), and a
+    stream in flight beside it still ends with [DONE]."""
+    import socket
+
+    from conftest import write_gguf
+
+    from nanoserve.model.llama import unfuse_hf_weights
+    from nanoserve.model.synthetic import random_model, tiny_config
+
+    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
+    path = write_gguf(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
+    port, drain_timeout = free_port(), 2.0
+    argv = [sys.executable, "-m", "nanoserve.launch", "serve", str(path), "--port", str(port), "--api-key", "k",
+            "--max-model-len", "1024", "--kv-cache-bytes", "4M", "--drain-timeout", str(drain_timeout),
+            "--body-timeout", "60", "--log-level", "info"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, headers = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    stream: list[list[str]] = []
+    try:
+        wait_until_serving(process, url)
+        stalled = socket.create_connection(("127.0.0.1", port), timeout=30)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b"{" + b" " * 499)
+        body = {"model": "tiny", "prompt": "hello", "temperature": 0, "ignore_eos": True, "max_tokens": 1000}
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+            reader = threading.Thread(target=lambda: stream.append(read_stream(client, body)))
+            reader.start()
+            # Both in flight: the stalled body in the door, the stream in the engine.
+            wait_for(lambda: metric(url, "nanoserve_http_requests_in_flight") == 2
+                     and metric(url, "nanoserve_requests_running") == 1)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=drain_timeout + 30)
+            elapsed = time.monotonic() - signalled
+            reader.join(30)
+        answer = stalled.recv(65536)
+        stalled.close()
+        output = process.communicate(timeout=30)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert elapsed < drain_timeout + 1.0, (elapsed, output)
+    assert len(stream) == 1 and stream_outcome(stream[0]) in ("complete", "ended"), stream
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"server_shutting_down" in answer, answer
+    assert "Traceback" not in output and "ERROR" not in output, output
+    assert "draining: 2 requests in flight" in output, output
