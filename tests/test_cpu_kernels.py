@@ -78,6 +78,23 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, nibbl
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, nibbles):
+    n, k = 48, 96
+    codes = random_codes(n, k, nibbles, seed=7)
+    generator = torch.Generator().manual_seed(7)
+    scales = torch.randn(n // 16, k // GROUP_SIZE, 16, generator=generator).half()
+    mins = torch.randn(n // 16, k // GROUP_SIZE, 16, generator=generator).half()
+    got = torch.ops.nanoserve.dequantize(codes, scales.view(torch.int16), mins.view(torch.int16), n, k, nibbles, dtype,
+                                         cpu_kernels.handle(tier))
+    per_output = lambda t: t.float().transpose(1, 2).reshape(n, -1).repeat_interleave(GROUP_SIZE, 1)  # noqa: E731
+    unpacked = (cpu_kernels.unpack_nibbles if nibbles else cpu_kernels.unpack_bytes)(codes, n, k).float()
+    want = per_output(scales) * unpacked + per_output(mins)  # fp32, as the kernels compute it
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 16)])
 @pytest.mark.parametrize("width", [1, 13, 300])
 def test_decode_attention_equals_the_reference_read(tier, dtype, num_heads, num_kv_heads, head_dim, width):

@@ -98,9 +98,10 @@ def assert_kernel_product(out: torch.Tensor, x: torch.Tensor, codes: torch.Tenso
     assert_close_to_product(out, x, weight)
 
 
+# 80 rows: past DEQUANT_FROM_ROWS, a prompt's path (the weight dequantised into a dense GEMM).
 @pytest.mark.parametrize("kernel", GROUP_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 11, 32])
+@pytest.mark.parametrize("rows", [1, 5, 11, 32, 80])
 def test_int4_linear_equals_dequantised_product(shape, rows, kernel):
     torch.manual_seed(0)
     weight = quantize_int4(torch.randn(shape) * shape[1] ** -0.5)
@@ -130,7 +131,7 @@ def test_int8_linear_equals_dequantised_product(shape, rows):
 
 @pytest.mark.parametrize("kernel", GROUP_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES + [(4096, 576)])
-@pytest.mark.parametrize("rows", [1, 5, 11, 32])
+@pytest.mark.parametrize("rows", [1, 5, 11, 32, 80])
 def test_int8_group_linear_equals_dequantised_product(shape, rows, kernel):
     torch.manual_seed(0)
     codes, scales = quantize_int8_groups(torch.randn(shape) * shape[1] ** -0.5)

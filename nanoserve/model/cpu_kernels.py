@@ -95,6 +95,7 @@ def _ops_loaded() -> bool:
     for op in ("int4_mm", "int8_mm"):
         torch.library.register_fake(f"nanoserve::{op}")(_output_like)
     torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
+    torch.library.register_fake("nanoserve::dequantize")(_dequantized_like)
     return True
 
 
@@ -193,6 +194,11 @@ def _build(tier: Tier) -> Path:
 def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  tier: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
+
+
+def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int, nibbles: bool,
+                      dtype: torch.dtype, tier: int) -> torch.Tensor:
+    return codes.new_empty((n, k), dtype=dtype)
 
 
 def _attention_output_like(q: torch.Tensor, *args) -> torch.Tensor:

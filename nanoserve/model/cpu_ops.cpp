@@ -144,6 +144,24 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return group_mm(false, x, codes, d, m, handle);
 }
 
+// The packed weight of n x k back as a dense [n, k] tensor in `dtype` (fp32 or bf16).
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k,
+                      bool nibbles, at::ScalarType dtype, int64_t handle) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize writes fp32 or bf16");
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && d.dim() == 3 && d.size(0) == n / 16 && d.size(1) == k / 32 &&
+              d.size(2) == 16 && d.scalar_type() == at::kShort && d.is_contiguous() && m.sizes() == d.sizes() &&
+              m.scalar_type() == at::kShort && m.is_contiguous(), "scales and mins must be fp16 bits [n / 16, k / 32, 16]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n * k / (nibbles ? 2 : 1),
+              "codes must hold ", n, " x ", k, " packed codes");
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    tier.dequantize(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                    reinterpret_cast<const uint16_t*>(m.data_ptr()), k, begin, end, out.data_ptr(), dtype == at::kBFloat16);
+  });
+  return out;
+}
+
 // x_codes [K] int8 in -127..127, codes the packed weight of n outputs -> int32 [n, K / 32].
 at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, bool nibbles, int64_t handle) {
   TORCH_CHECK(x_codes.dim() == 1 && x_codes.scalar_type() == at::kChar && x_codes.is_contiguous(), "x_codes: [K] int8");
@@ -208,6 +226,8 @@ TORCH_LIBRARY(nanoserve, lib) {
   lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
   lib.def("int4_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
   lib.def("int8_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
+  lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int n, int k, bool nibbles, ScalarType dtype, "
+          "int tier) -> Tensor");
   lib.def("group_dots(Tensor x_codes, Tensor codes, int n, bool nibbles, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
           "int tier) -> Tensor");
@@ -221,5 +241,6 @@ TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
   lib.impl("int4_mm", &int4_mm);
   lib.impl("int8_mm", &int8_mm);
   lib.impl("group_dots", &group_dots);
+  lib.impl("dequantize", &dequantize);
   lib.impl("decode_attention", &decode_attention);
 }

@@ -48,6 +48,12 @@ GROUP_KERNELS = cpu_kernels.CHOICES
 # keeps the packed path, which reads each block of weights once for all rows).
 DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "avx2": None, "neon-dot": None,
                                           "neon": None, "scalar": None, "torch": 10}
+# From how many rows a group-wise layer without a dense copy dequantises its weight into the
+# compute dtype and multiplies it in a dense GEMM: at a prompt's hundreds of rows the GEMM's
+# arithmetic rate wins over the integer kernels, and the dequantisation (one pass over the
+# weight) is shared by every row. Same bench as above; None: never.
+DEQUANT_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 64, "neon-dot": 64,
+                                            "neon": 64, "scalar": 16, "torch": None}
 # The group-wise int8 LM head (49152 x 576) reads a byte per weight against the body's half, so
 # its dense copy takes over sooner where the body has one.
 HEAD_DENSE_FROM_ROWS = 16
@@ -167,6 +173,16 @@ class _GroupLinear(_PackedLinear):
         self.kernel = resolve_group_kernel(kernel, dtype)
         self.handle = cpu_kernels.handle(self.kernel)
 
+    NIBBLES = True  # the codes' width in cpu_kernels' layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = DEQUANT_FROM_ROWS[self.kernel]
+        if self.dense is None and self.handle is not None and rows is not None and x.shape[0] >= rows:
+            weight = torch.ops.nanoserve.dequantize(self.codes, self.scales, self.mins, self.out_features,
+                                                    self.in_features, self.NIBBLES, x.dtype, self.handle)
+            return F.linear(x, weight, self.bias)
+        return super().forward(x)
+
     def _hold_codes(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
         for name, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
             self.register_buffer(name, tensor)
@@ -204,6 +220,8 @@ class Int8GroupLinear(_GroupLinear):
     its two nibble halves along K, ``[hi | lo]`` [N, 2K], over the input twice, ``[x | x]``;
     either way one byte per weight plus two numbers per group, at one row 2.5-3.3x faster than
     a bf16 GEMV of the same matrix on this repository's CPU (the LM head, 49152 x 576)."""
+
+    NIBBLES = False
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:

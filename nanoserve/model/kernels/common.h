@@ -18,7 +18,7 @@
 
 #include <cmath>
 
-#define NANOSERVE_KERNEL_ABI 1
+#define NANOSERVE_KERNEL_ABI 2
 
 extern "C" {
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
@@ -43,6 +43,10 @@ struct nanoserve_kernel_table {
   void (*attend)(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
                  const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out,
                  int64_t out_stride, int32_t bf16, float* scratch);
+  // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
+  // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
+  void (*dequantize)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+                     int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16);
 };
 }
 
@@ -147,6 +151,45 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
     xsum[M * G + i] = sum_lo;
     xd[i] = fine;
     xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+  }
+}
+
+// Dequantisation, shared by every tier (simple loops the compiler vectorises): a block's group
+// unpacks its 16 x 32 codes, then each output row is d * c + m.
+inline void dequantize_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+                                int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16) {
+  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = w + (b * G + g) * group_bytes;
+      float codes[16][GROUP];
+      if (nibbles) {
+        for (int64_t j = 0; j < 4; ++j) {
+          for (int64_t r = 0; r < 16; ++r) {
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t byte = wg[64 * j + 4 * r + i];
+              codes[r][8 * j + i] = static_cast<float>(byte & 15);
+              codes[r][8 * j + 4 + i] = static_cast<float>(byte >> 4);
+            }
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < 8; ++j) {
+          for (int64_t r = 0; r < 16; ++r) {
+            for (int64_t i = 0; i < 4; ++i) codes[r][4 * j + i] = static_cast<float>(wg[64 * j + 4 * r + i]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < 16; ++r) {
+        const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
+        const int64_t at = (16 * b + r) * K + g * GROUP;
+        if (out_bf16) {
+          for (int64_t k = 0; k < GROUP; ++k) static_cast<uint16_t*>(out)[at + k] = float_to_bf16(scale * codes[r][k] + low);
+        } else {
+          for (int64_t k = 0; k < GROUP; ++k) static_cast<float*>(out)[at + k] = scale * codes[r][k] + low;
+        }
+      }
+    }
   }
 }
 

@@ -265,7 +265,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
 }
 
 const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, TIER_NAME, quantize_rows_portable, group_mm, group_dots,
-                                      attend};
+                                      attend, dequantize_portable};
 
 }  // namespace
 
