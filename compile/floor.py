@@ -1,8 +1,10 @@
 """The floors a decode step is quoted against, measured in the same run as the step.
 
 Matrix products: every decode step multiplies each row's activations by every weight matrix
-(q/k/v, o, gate, up, down per layer, then the LM head); nothing an engine does makes a step
-faster than those products in the same weight format. Bandwidth: the same step must read
+(q/k/v, o, gate, up, down per layer, then the LM head). The floor is the fastest way this host
+has to compute them: the model's own modules (its format and kernel tier), or the same shapes as
+dense fp32 or dense bf16 GEMMs, whichever is quickest, so a slow format cannot hide behind a
+floor timed with its own slow products. Bandwidth: the same step must read
 every byte of those weights once, so bytes / the machine's read bandwidth bounds it too
 (the bound that matters at few rows, where the products are memory-bound).
 """
@@ -59,8 +61,9 @@ def activation_dtype(model) -> torch.dtype:
 
 @torch.inference_mode()
 def matmul_floor_seconds(model, rows: int, repeats: int = 10) -> float:
-    """Median time of one step's matrix products for ``rows`` rows, each through the model's own
-    linear modules and LM head, so each weight format is timed with its own kernels."""
+    """Median time of one step's matrix products for ``rows`` rows: the fastest of the model's own
+    linear modules and LM head (each weight format timed with its own kernels) and dense fp32 and
+    bf16 GEMMs of the same shapes."""
     modules = matmul_modules(model)
     device = model.norm.weight.device
     dtype = activation_dtype(model)
@@ -68,13 +71,27 @@ def matmul_floor_seconds(model, rows: int, repeats: int = 10) -> float:
     inputs = {m: torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in modules}
     hidden = torch.randn(rows, model.config.hidden_size, dtype=dtype, device=device)
 
-    def step() -> None:
+    def own() -> None:
         for module, x in inputs.items():
             module(x)
         model.compute_logits(hidden)
 
-    step()
-    return median_seconds(step, repeats, device)
+    own()
+    times = [median_seconds(own, repeats, device)]
+    shapes = [(m.out_features, m.in_features) for m in modules]
+    shapes.append((model.config.vocab_size, model.config.hidden_size))
+    for dense_dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(n, k, dtype=dense_dtype, device=device) for n, k in shapes]
+        xs = [torch.randn(rows, k, dtype=dense_dtype, device=device) for _, k in shapes]
+
+        def dense(weights=weights, xs=xs) -> None:
+            for w, x in zip(weights, xs):
+                torch.nn.functional.linear(x, w)
+
+        dense()
+        times.append(median_seconds(dense, repeats, device))
+        del weights, xs
+    return min(times)
 
 
 def read_bandwidth(num_bytes: int = READ_BYTES, repeats: int = 7) -> float:

@@ -10,7 +10,6 @@ decode bucket first, ~1 minute each). The full grids are ``e2e`` and ``decode``.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +87,7 @@ def write_plot(rows: list[dict], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py [headline]", description=__doc__.split("\n\n")[0])
     add_workload_options(parser, DEFAULTS)
+    parser.add_argument("--tag", default="", help="suffix for the output files (e.g. the forced kernel tier)")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     tier = cpu_kernels.resolve_tier()
@@ -96,8 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"compute dtype {host['dtype']}")
     rows = headline_rows(run(workload_from(args)), host)
     print("\n" + format_table(rows, columns(rows)))
-    # The host's best tier is the headline; a forced lower one is recorded beside it.
-    name = "headline" if os.environ.get(cpu_kernels.ENV, "auto") == "auto" else f"headline-{tier}"
+    name = "headline" + (f"-{args.tag}" if args.tag else "")
     write_csv(rows, args.out / f"{name}.csv")
     if not args.no_plot:
         write_plot(rows, args.out / f"{name}.png")

@@ -13,6 +13,7 @@ from compile.e2e import Workload, engine_run, make_prompts, run
 from compile.floor import step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, Rotation, interleaved_run
 from nanoserve.engine import build_engine
+from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import WeightPlan
 
 transformers = pytest.importorskip("transformers")
@@ -87,7 +88,9 @@ def test_e2e_rows_per_format_mode_and_batch_with_floors_and_ratios(tiny_dir, mon
         assert "llama_tok_s" not in r
     fp32, int4 = rows[0], rows[2]
     assert fp32["same_as_hf"] == "1/1"  # fp32 is the reference's own arithmetic
-    assert int4["weight_mb"] < fp32["weight_mb"] / 4
+    # int4 linears (an eighth of fp32) beside a dense head in the compute dtype (the tiny model's
+    # largest tensor): under a third of fp32 on any CPU
+    assert int4["weight_mb"] < fp32["weight_mb"] / 3
 
 
 def test_step_weight_bytes_reads_the_packed_codes_or_the_bf16_copy_by_rows(tiny_dir):
@@ -110,6 +113,7 @@ def test_headline_writes_its_table_and_plot(tiny_dir, tmp_path, capsys):
     with (tmp_path / "headline.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["batch"] for r in rows] == ["1", "2"] and all(r["weights"] == "auto" for r in rows)
+    assert rows[0]["kernels"] == cpu_kernels.resolve_tier() and rows[0]["cpu"]  # what ran, and where
     assert {"eager_tok_s", "hf_tok_s", "eager_vs_hf"} <= set(rows[0])
     assert (tmp_path / "headline.png").stat().st_size > 0
     assert "llama-cpp-python" not in capsys.readouterr().out  # asked not to run it: no absence note

@@ -243,7 +243,7 @@ def test_linears_the_int8_kernel_cannot_take_stay_dense_and_serve():
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_fused_gate_up_equals_the_separate_packed_linears_exactly(plan, rows):
     # Packing stacks gate and up into one linear; each half of its output is bit for bit what
-    # the part packed on its own gives, on the packed codes (few rows) and on the bf16 copy.
+    # the part packed on its own gives, on the packed codes (few rows) and on the dense copy.
     model = random_model(tiny_config(), seed=0)
     mlp = model.layers[0].mlp
     gate, up = mlp.gate_proj.weight.detach().clone(), mlp.up_proj.weight.detach().clone()
@@ -251,9 +251,9 @@ def test_fused_gate_up_equals_the_separate_packed_linears_exactly(plan, rows):
     assert mlp.gate_proj is None and mlp.up_proj is None
     fused = mlp.gate_up_proj.to(plan.dtype)
     if plan.format == "int4":
-        alone = [Int4Linear(quantize_int4(w), None, plan.dtype, w.bfloat16(), 8) for w in (gate, up)]
+        alone = [Int4Linear(quantize_int4(w), None, plan.dtype, w.to(plan.dtype), 8) for w in (gate, up)]
     else:
-        alone = [Int8Linear(*quantize_int8(w), None, plan.dtype, w.bfloat16(), 8) for w in (gate, up)]
+        alone = [Int8Linear(*quantize_int8(w), None, plan.dtype, w.to(plan.dtype), 8) for w in (gate, up)]
     x = torch.randn(rows, gate.shape[1], dtype=plan.dtype)
     assert torch.equal(fused(x), torch.cat([layer(x) for layer in alone], dim=-1))
 
@@ -333,7 +333,8 @@ def test_weights_argument_resolves_to_a_plan_and_refuses_contradictions():
     assert resolve_weights(None, None, "cpu", named_model=False) == (None, torch.float32)
     assert resolve_weights("fp32", None, "cpu", named_model=True) == (WeightPlan("fp32"), torch.float32)
     assert resolve_weights("auto", None, "cuda", named_model=True)[0] == WeightPlan("bf16")
-    for weights, dtype, device in [("int3", None, "cpu"), ("int4", "float32", "cpu"), ("int4", None, "cuda")]:
+    other = "float32" if WeightPlan("int4").dtype == torch.bfloat16 else "bfloat16"  # not int4's compute dtype
+    for weights, dtype, device in [("int3", None, "cpu"), ("int4", other, "cpu"), ("int4", None, "cuda")]:
         with pytest.raises(ValueError, match="weights"):
             resolve_weights(weights, dtype, device, named_model=True)
 
@@ -381,9 +382,37 @@ def test_int8_head_holds_the_default_ggufs_q8_0_embedding_exactly(smollm2):
 
 
 @pytest.mark.model
-def test_int4_resident_weights_within_1_3x_of_the_gguf_file(smollm2_path, smollm2_int4):
-    from nanoserve.model.quant import tensor_bytes
+@pytest.mark.slow
+def test_packed_resident_weights_within_1_3x_of_the_gguf_file(smollm2_path, smollm2_int4):
+    # int4 linears with the file's Q8_0 head (which is also the embedding table, read from the
+    # codes) on every tier; int4 with a dense head only where that head is bf16.
+    from nanoserve.model.loader import load_model
     size = smollm2_path.stat().st_size
-    resident = tensor_bytes(smollm2_int4)
-    print(f"int4 resident weights {resident / 1e6:.1f} MB = {resident / size:.2f}x the GGUF ({size / 1e6:.1f} MB)")
-    assert resident <= 1.3 * size
+    plans = [WeightPlan("int4", int8_head=True)]
+    if smollm2_int4.norm.weight.dtype == torch.bfloat16:
+        plans.append(WeightPlan("int4"))
+    for plan in plans:
+        model = smollm2_int4 if plan == WeightPlan("int4") else load_model(str(smollm2_path), weights=plan)[0]
+        resident = tensor_bytes(model)
+        print(f"{plan.name} resident {resident / 1e6:.1f} MB = {resident / size:.2f}x the GGUF ({size / 1e6:.1f} MB)")
+        assert resident <= 1.3 * size, plan.name
+
+
+@pytest.mark.parametrize("tier", OUR_TIERS)
+def test_a_tied_int8_head_without_a_dense_copy_serves_the_embedding_from_its_codes(tier):
+    from nanoserve.model.quant import GroupEmbedding
+    model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
+    table = model.embed_tokens.weight.detach().clone()
+    plan = WeightPlan("int4", int8_head=True, kernel=tier)
+    pack_model(model, plan)
+    model.to(plan.dtype)
+    assert isinstance(model.embed_tokens, GroupEmbedding) and model.embed_tokens.table is model.lm_head
+    assert not any(t.is_floating_point() and t.numel() >= table.numel() for t in model.state_dict().values())
+    codes, scales = quantize_int8_groups(table)
+    tokens = torch.tensor([[0, 5, 255], [17, 17, 3]])
+    # fp16 d times the code, exact in fp32 (11 + 8 significant bits)
+    want = (codes.float().view(256, -1, GROUP_SIZE) * scales.half().float()[..., None]).view(256, -1)[tokens]
+    got = model.embed_tokens(tokens)
+    assert got.shape == (2, 3, 64) and got.dtype == plan.dtype and torch.equal(got, want.to(plan.dtype))
+    with pytest.raises(RuntimeError, match="rows must lie"):
+        model.embed_tokens(torch.tensor([256]))

@@ -96,10 +96,17 @@ def test_serve_process_answers_says_what_it_loaded_and_stops_on_ctrl_c(tmp_path,
             process.kill()
             raise
     assert process.returncode == 0, output
-    # The startup summary: what was loaded, how, and what the K/V pool holds (1M of bf16 K/V at
-    # 256 bytes a token is 256 blocks of 16 tokens).
+    # The startup summary: what was loaded, how, and what the K/V pool holds (1M of K/V at 2
+    # layers x 2 heads x 16 dims x K and V = 128 values a token: 256 blocks of 16 tokens in bf16,
+    # 128 in fp32, the compute dtype of this CPU's kernel tier).
+    from nanoserve.model import cpu_kernels
+    tier = cpu_kernels.resolve_tier()
+    dtype = str(cpu_kernels.compute_dtype(tier)).removeprefix("torch.")
+    blocks = 256 if dtype == "bfloat16" else 128
     assert f"model {path}: loaded in " in output, output
-    assert re.search(r"weights \S+, [0-9.]+ [KMG]iB resident; compute dtype \w+; CPU kernels: \S", output), output
-    assert "K/V pool 1.0 MiB of bfloat16: 256 blocks of 16 tokens (4,080 tokens for requests" in output, output
+    assert f"compute dtype {dtype}; CPU kernels: {tier}" in output, output
+    assert re.search(r"weights \S+, [0-9.]+ [KMG]iB resident;", output), output
+    assert (f"K/V pool 1.0 MiB of {dtype}: {blocks} blocks of 16 tokens ({(blocks - 1) * 16:,} tokens for requests"
+            in output), output
     assert "max_model_len 64 (the model takes up to 1,024); up to 4 rows" in output, output
     assert f"serving 'tiny' at http://127.0.0.1:{port} (API key required)" in output, output

@@ -96,6 +96,7 @@ def _ops_loaded() -> bool:
         torch.library.register_fake(f"nanoserve::{op}")(_output_like)
     torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
     torch.library.register_fake("nanoserve::dequantize")(_dequantized_like)
+    torch.library.register_fake("nanoserve::dequantize_rows")(_rows_like)
     return True
 
 
@@ -199,6 +200,11 @@ def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
 def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int, nibbles: bool,
                       dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((n, k), dtype=dtype)
+
+
+def _rows_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, rows: torch.Tensor, n: int, k: int,
+               nibbles: bool, dtype: torch.dtype, tier: int) -> torch.Tensor:
+    return codes.new_empty((*rows.shape, k), dtype=dtype)
 
 
 def _attention_output_like(q: torch.Tensor, *args) -> torch.Tensor:

@@ -4,6 +4,7 @@
 // each built with its own flags and loaded (load_tier) only where cpu_features says it can run.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/aminmax.h>
 #include <ATen/ops/empty.h>
 #include <dlfcn.h>
 #include <torch/library.h>
@@ -162,6 +163,35 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Te
   return out;
 }
 
+// Rows `rows` (int64, any shape) of the packed weight of n x k as a dense [*rows.shape, k] tensor.
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, const at::Tensor& rows,
+                           int64_t n, int64_t k, bool nibbles, at::ScalarType dtype, int64_t handle) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_rows writes fp32 or bf16");
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && d.dim() == 3 && d.size(0) == n / 16 && d.size(1) == k / 32 &&
+              d.scalar_type() == at::kShort && d.is_contiguous() && m.sizes() == d.sizes() && m.is_contiguous(),
+              "scales and mins must be fp16 bits [n / 16, k / 32, 16]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n * k / (nibbles ? 2 : 1),
+              "codes must hold ", n, " x ", k, " packed codes");
+  TORCH_CHECK(rows.scalar_type() == at::kLong, "rows must be int64");
+  const at::Tensor flat = rows.contiguous().view(-1);
+  if (flat.numel()) {
+    const auto [low, high] = at::aminmax(flat);
+    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < n, "rows must lie in [0, ", n, ")");
+  }
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
+  const int64_t* r = flat.data_ptr<int64_t>();
+  const int64_t size = out.element_size();
+  at::parallel_for(0, flat.numel(), 16, [&](int64_t begin, int64_t end) {
+    tier.dequantize_rows(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(m.data_ptr()), k, r + begin, end - begin,
+                         static_cast<char*>(out.data_ptr()) + begin * k * size, dtype == at::kBFloat16);
+  });
+  return out;
+}
+
 // x_codes [K] int8 in -127..127, codes the packed weight of n outputs -> int32 [n, K / 32].
 at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, bool nibbles, int64_t handle) {
   TORCH_CHECK(x_codes.dim() == 1 && x_codes.scalar_type() == at::kChar && x_codes.is_contiguous(), "x_codes: [K] int8");
@@ -228,6 +258,8 @@ TORCH_LIBRARY(nanoserve, lib) {
   lib.def("int8_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
   lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int n, int k, bool nibbles, ScalarType dtype, "
           "int tier) -> Tensor");
+  lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor rows, int n, int k, bool nibbles, "
+          "ScalarType dtype, int tier) -> Tensor");
   lib.def("group_dots(Tensor x_codes, Tensor codes, int n, bool nibbles, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
           "int tier) -> Tensor");
@@ -242,5 +274,6 @@ TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
   lib.impl("int8_mm", &int8_mm);
   lib.impl("group_dots", &group_dots);
   lib.impl("dequantize", &dequantize);
+  lib.impl("dequantize_rows", &dequantize_rows);
   lib.impl("decode_attention", &decode_attention);
 }

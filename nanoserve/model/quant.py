@@ -227,6 +227,7 @@ class Int8GroupLinear(_GroupLinear):
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
         super().__init__(bias, dtype, dense, dense_from_rows, kernel)
         self.out_features, self.in_features = codes.shape
+        self.compute_dtype = dtype
         if self.handle is not None:
             self._hold_codes(*cpu_kernels.pack_int8(codes, scales))
         else:
@@ -236,6 +237,23 @@ class Int8GroupLinear(_GroupLinear):
         if self.handle is not None:
             return torch.ops.nanoserve.int8_mm(x, self.codes, self.scales, self.mins, self.handle)
         return self._torch_int4_mm(torch.cat([x, x], dim=-1))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight as an embedding table (our kernels' codes only)."""
+        return torch.ops.nanoserve.dequantize_rows(self.codes, self.scales, self.mins, token_ids, self.out_features,
+                                                   self.in_features, False, self.compute_dtype, self.handle)
+
+
+class GroupEmbedding(nn.Module):
+    """The token embedding read from a tied group-wise int8 LM head's codes: no float copy of
+    the table (a Q8_0 embedding is the file's own blocks either way)."""
+
+    def __init__(self, table: Int8GroupLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.embed(token_ids)
 
 
 class Int8Linear(_PackedLinear):
@@ -375,6 +393,8 @@ def _pack_int8_group_head(model: nn.Module, plan: WeightPlan) -> None:
     dense_from_rows = None if dense is None else min(plan.dense_from_rows, HEAD_DENSE_FROM_ROWS)
     model.lm_head = Int8GroupLinear(codes, scales, None if tied else head.bias, plan.dtype, dense, dense_from_rows,
                                     plan.kernel)
+    if tied and dense is None and model.lm_head.handle is not None:
+        model.embed_tokens = GroupEmbedding(model.lm_head)  # the head's codes serve as the table
 
 
 # A fused linear of this model and the HF tensors it stacks along the output dimension, in order.

@@ -18,7 +18,7 @@
 
 #include <cmath>
 
-#define NANOSERVE_KERNEL_ABI 2
+#define NANOSERVE_KERNEL_ABI 3
 
 extern "C" {
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
@@ -47,6 +47,10 @@ struct nanoserve_kernel_table {
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
   void (*dequantize)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
                      int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16);
+  // Chosen rows of the weight, out[i, k] = d * c + m for row rows[i], i < count: an embedding
+  // read from a tied LM head's codes.
+  void (*dequantize_rows)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+                          const int64_t* rows, int64_t count, void* out, int32_t out_bf16);
 };
 }
 
@@ -151,6 +155,31 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
     xsum[M * G + i] = sum_lo;
     xd[i] = fine;
     xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+  }
+}
+
+// The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
+inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t k) {
+  if (nibbles) {
+    const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
+    return (k % 8) < 4 ? (byte & 15) : (byte >> 4);
+  }
+  return wg[64 * (k / 4) + 4 * r + k % 4];
+}
+
+inline void dequantize_rows_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+                                     int64_t K, const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
+  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t b = rows[i] / 16, r = rows[i] % 16;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = w + (b * G + g) * group_bytes;
+      const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
+      for (int64_t k = 0; k < GROUP; ++k) {
+        store_float(out, i * K + g * GROUP + k, scale * static_cast<float>(code_in_group(wg, nibbles, r, k)) + low,
+                    out_bf16);
+      }
+    }
   }
 }
 

@@ -89,7 +89,8 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
 }
 
 const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, "scalar", quantize_rows_portable, group_mm, group_dots,
-                                      attend, dequantize_portable};
+                                      attend, dequantize_portable,
+                                      dequantize_rows_portable};
 
 }  // namespace
 
