@@ -89,8 +89,8 @@ def test_e2e_rows_per_format_mode_and_batch_with_floors_and_ratios(tiny_dir, mon
     fp32, int4 = rows[0], rows[2]
     assert fp32["same_as_hf"] == "1/1"  # fp32 is the reference's own arithmetic
     # int4 linears (an eighth of fp32) beside a dense head in the compute dtype (the tiny model's
-    # largest tensor): under a third of fp32 on any CPU
-    assert int4["weight_mb"] < fp32["weight_mb"] / 3
+    # largest tensor, a third of its fp32 bytes): well under half of fp32 on any CPU
+    assert int4["weight_mb"] < fp32["weight_mb"] / 2.5
 
 
 def test_step_weight_bytes_reads_the_packed_codes_or_the_bf16_copy_by_rows(tiny_dir):

@@ -13,7 +13,7 @@ typedef int32_t __attribute__((may_alias)) aliased_int32;
 inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const aliased_int32*>(p); }
 
 struct Simd {
-  static constexpr int LANES = 4, MAX_ROWS = 4;
+  static constexpr int LANES = 4;
   static constexpr bool UNSIGNED_BYTES = false;
   using I = int32x4_t;
   using F = float32x4_t;

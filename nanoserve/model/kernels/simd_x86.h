@@ -13,7 +13,7 @@ inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const alia
 
 #if defined(NANOSERVE_TIER_AVX512_VNNI)
 struct Simd {
-  static constexpr int LANES = 16, MAX_ROWS = 8;
+  static constexpr int LANES = 16;
   static constexpr bool UNSIGNED_BYTES = true;  // vpdpbusd takes unsigned codes up to 255
   using I = __m512i;
   using A = __m512i;
@@ -60,7 +60,7 @@ struct Simd {
 };
 #elif defined(NANOSERVE_TIER_AVX_VNNI) || defined(NANOSERVE_TIER_AVX2)
 struct Simd {
-  static constexpr int LANES = 8, MAX_ROWS = 4;
+  static constexpr int LANES = 8;
   using I = __m256i;
   using A = __m256i;
   using C = __m256i;

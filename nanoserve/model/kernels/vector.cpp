@@ -3,6 +3,7 @@
 // algorithm is the scalar reference's (reference.cpp); a tier supplies its vector primitives
 // (simd_x86.h, simd_neon.h) and its name.
 #include <algorithm>
+#include <vector>
 
 #include "common.h"
 #if defined(__x86_64__) || defined(__i386__)
@@ -34,75 +35,52 @@ constexpr int SUB = 16 / V::LANES;  // vectors per 16-output block
 // one-row product short of the memory bandwidth.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
-// The integer sums of one group for ROWS rows and the outputs of vector `s` of a block:
-// hi[r] = sum_k c x_hi, lo[r] = sum_k c x_lo over the group's 32 k. Rows r read x at x + r * K.
-// With few rows each sum is split over two accumulators (even and odd chunks), so dependent
-// multiply-adds do not wait on each other.
-template <bool NIBBLES, int ROWS, bool LO>
-inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t K,
-                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I* hi, V::I* lo) {
-  constexpr int CHAINS = ROWS <= 2 ? 2 : 1;
-  V::A ah[CHAINS][ROWS], al[CHAINS][ROWS];
-  for (int c = 0; c < CHAINS; ++c) {
-    for (int r = 0; r < ROWS; ++r) ah[c][r] = al[c][r] = V::azero();
-  }
-  if constexpr (NIBBLES) {
-    for (int j = 0; j < 4; ++j) {
-      const V::C b = V::load_codes(wg + 64 * j + 4 * V::LANES * s);
-      const V::C low = V::low_nibbles(b), high = V::high_nibbles(b);
-      const int c = j % CHAINS;
-      for (int r = 0; r < ROWS; ++r) {
-        ah[c][r] = V::dot_nibbles(ah[c][r], low, hi_x + r * K + 8 * j);
-        ah[c][r] = V::dot_nibbles(ah[c][r], high, hi_x + r * K + 8 * j + 4);
-        if constexpr (LO) {
-          al[c][r] = V::dot_nibbles(al[c][r], low, lo_x + r * K + 8 * j);
-          al[c][r] = V::dot_nibbles(al[c][r], high, lo_x + r * K + 8 * j + 4);
-        }
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      hi[r] = V::finish_nibbles(ah[0][r]);
-      lo[r] = V::finish_nibbles(al[0][r]);
-      if constexpr (CHAINS == 2) {
-        hi[r] = V::iadd(hi[r], V::finish_nibbles(ah[1][r]));
-        lo[r] = V::iadd(lo[r], V::finish_nibbles(al[1][r]));
-      }
-    }
-  } else {
-    for (int j = 0; j < 8; ++j) {
-      const V::C b = V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
-      const int c = j % CHAINS;
-      for (int r = 0; r < ROWS; ++r) {
-        ah[c][r] = V::dot_bytes(ah[c][r], b, hi_x + r * K + 4 * j);
-        if constexpr (LO) al[c][r] = V::dot_bytes(al[c][r], b, lo_x + r * K + 4 * j);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      hi[r] = V::finish_bytes(ah[0][r]);
-      lo[r] = V::finish_bytes(al[0][r]);
-      if constexpr (CHAINS == 2) {
-        hi[r] = V::iadd(hi[r], V::finish_bytes(ah[1][r]));
-        lo[r] = V::iadd(lo[r], V::finish_bytes(al[1][r]));
-      }
-      if constexpr (!V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
-        hi[r] = V::iadd(hi[r], V::iset1(128 * sum_hi[r * sum_stride]));
-        if constexpr (LO) lo[r] = V::iadd(lo[r], V::iset1(128 * sum_lo[r * sum_stride]));
-      }
+// A block's codes for one group and one vector of outputs (LANES of the 16), unpacked once:
+// codes[j] multiplies the 4 activations at k offset at(j) of the group.
+struct GroupCodes {
+  V::C codes[8];
+  static constexpr int at(bool nibbles, int j) { return nibbles ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
+};
+
+template <bool NIBBLES>
+inline GroupCodes load_group(const uint8_t* wg, int s) {
+  GroupCodes c;
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (NIBBLES) {
+      const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
+      c.codes[j] = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
+    } else {
+      c.codes[j] = V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
     }
   }
+  return c;
 }
 
-// One block of 16 outputs for ROWS rows (row stride of out: ldo).
-template <bool NIBBLES, int ROWS>
-void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int8_t* xq, int64_t lo_offset,
-             const float* xd, const float* xs, const int32_t* xsum, int64_t xsum_lo_offset, void* out, bool out_bf16,
-             int64_t ldo) {
+// sum_k c[n, k] x[k] over the group's 32 k for the vector's LANES outputs (x int8 in -127..127;
+// x_sum, the sum of x, undoes the byte tiers' flip to signed codes).
+// Two accumulators (even and odd j), so that dependent multiply-adds do not wait on each other.
+template <bool NIBBLES>
+inline V::I group_sum(const GroupCodes& c, const int8_t* x, int32_t x_sum) {
+  V::A acc[2] = {V::azero(), V::azero()};
+  for (int j = 0; j < 8; ++j) {
+    acc[j % 2] = NIBBLES ? V::dot_nibbles(acc[j % 2], c.codes[j], x + GroupCodes::at(NIBBLES, j))
+                         : V::dot_bytes(acc[j % 2], c.codes[j], x + GroupCodes::at(NIBBLES, j));
+  }
+  if constexpr (NIBBLES) return V::iadd(V::finish_nibbles(acc[0]), V::finish_nibbles(acc[1]));
+  V::I sum = V::iadd(V::finish_bytes(acc[0]), V::finish_bytes(acc[1]));
+  if constexpr (!V::UNSIGNED_BYTES) sum = V::iadd(sum, V::iset1(128 * x_sum));  // multiplied as c - 128
+  return sum;
+}
+
+// One block of 16 outputs for all M rows, codes-stationary: each (group, vector) of codes is
+// unpacked once into registers and multiplied against every row in turn, so the live set is the
+// codes and two accumulators whatever the rows (no spills with 16 registers), and the block is
+// read from memory once per call. acc [M, 16] collects the rows' fp32 sums.
+template <bool NIBBLES>
+void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, const int8_t* xq,
+             const float* xd, const float* xs, const int32_t* xsum, float* acc) {
   constexpr int64_t GROUP_BYTES = NIBBLES ? 256 : 512;
   const int64_t G = K / GROUP;
-  V::F acc[SUB][ROWS];
-  for (int s = 0; s < SUB; ++s) {
-    for (int r = 0; r < ROWS; ++r) acc[s][r] = V::fzero();
-  }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
@@ -110,52 +88,32 @@ void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, 
     __builtin_prefetch(reinterpret_cast<const char*>(d + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
     __builtin_prefetch(reinterpret_cast<const char*>(m + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
     for (int s = 0; s < SUB; ++s) {
-      V::I hi[ROWS], lo[ROWS];
-      group_sums<NIBBLES, ROWS, true>(wg, s, xq + g * GROUP, xq + lo_offset + g * GROUP, K, xsum + g,
-                                      xsum + xsum_lo_offset + g, G, hi, lo);
+      const GroupCodes codes = load_group<NIBBLES>(wg, s);
       const V::F dv = V::load_fp16(d + 16 * g + V::LANES * s), mv = V::load_fp16(m + 16 * g + V::LANES * s);
-      for (int r = 0; r < ROWS; ++r) {
-        const V::F dot = V::to_float(V::iadd(V::times254(hi[r]), lo[r]));
-        acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[r * G + g])), acc[s][r]);
-        acc[s][r] = V::fma(mv, V::set1(xs[r * G + g]), acc[s][r]);
+      for (int64_t r = 0; r < M; ++r) {
+        const int8_t* hi_x = xq + r * K + g * GROUP;
+        const V::I hi = group_sum<NIBBLES>(codes, hi_x, xsum[r * G + g]);
+        const V::I lo = group_sum<NIBBLES>(codes, hi_x + M * K, xsum[M * G + r * G + g]);
+        const V::F dot = V::to_float(V::iadd(V::times254(hi), lo));
+        float* a = acc + r * 16 + V::LANES * s;
+        const V::F sum = V::fma(dot, V::mul(dv, V::set1(xd[r * G + g])), V::load(a));
+        V::store(a, V::fma(mv, V::set1(xs[r * G + g]), sum));
       }
     }
   }
-  for (int s = 0; s < SUB; ++s) {
-    for (int r = 0; r < ROWS; ++r) {
-      float lanes[V::LANES];
-      V::store(lanes, acc[s][r]);
-      for (int i = 0; i < V::LANES; ++i) store_float(out, r * ldo + V::LANES * s + i, lanes[i], out_bf16);
-    }
-  }
 }
 
-template <bool NIBBLES, int ROWS = V::MAX_ROWS>
-void rows_block(int rows, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int8_t* xq,
-                int64_t lo_offset, const float* xd, const float* xs, const int32_t* xsum, int64_t xsum_lo_offset,
-                void* out, bool out_bf16, int64_t ldo) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) {
-      return rows_block<NIBBLES, ROWS - 1>(rows, w, d, m, K, xq, lo_offset, xd, xs, xsum, xsum_lo_offset, out,
-                                           out_bf16, ldo);
-    }
-  }
-  block16<NIBBLES, ROWS>(w, d, m, K, xq, lo_offset, xd, xs, xsum, xsum_lo_offset, out, out_bf16, ldo);
-}
-
-// Blocks outermost: a block's codes (16 x K) are read from memory once and stay in cache while
-// every chunk of MAX_ROWS rows multiplies them.
 template <bool NIBBLES>
 void group_mm_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, int64_t b0,
                     int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
                     void* out, bool out_bf16) {
-  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1), size = out_bf16 ? 2 : 4;
+  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1);
+  std::vector<float> acc(M * 16);
   for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t r = 0; r < M; r += V::MAX_ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(V::MAX_ROWS, M - r));
-      rows_block<NIBBLES>(rows, w + b * block_bytes, d + b * G * 16, m + b * G * 16, K, xq + r * K, M * K,
-                          xd + r * G, xs + r * G, xsum + r * G, M * G,
-                          static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    block16<NIBBLES>(w + b * block_bytes, d + b * G * 16, m + b * G * 16, K, M, xq, xd, xs, xsum, acc.data());
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t i = 0; i < 16; ++i) store_float(out, r * N + 16 * b + i, acc[r * 16 + i], out_bf16);
     }
   }
 }
@@ -172,14 +130,12 @@ void group_dots_typed(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, i
   const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1);
   for (int64_t b = 0; b < N / 16; ++b) {
     for (int64_t g = 0; g < G; ++g) {
-      int32_t sum = 0;  // the x codes' sum for the byte tiers' flip
-      for (int64_t k = 0; k < GROUP; ++k) sum += x[g * GROUP + k];
+      int32_t x_sum = 0;
+      for (int64_t k = 0; k < GROUP; ++k) x_sum += x[g * GROUP + k];
       for (int s = 0; s < SUB; ++s) {
-        V::I hi[1], lo[1];
-        group_sums<NIBBLES, 1, false>(w + b * block_bytes + g * (NIBBLES ? 256 : 512), s, x + g * GROUP, nullptr,
-                                      K, &sum, nullptr, 0, hi, lo);
+        const GroupCodes codes = load_group<NIBBLES>(w + b * block_bytes + g * (NIBBLES ? 256 : 512), s);
         int32_t lanes[V::LANES];
-        V::istore(lanes, hi[0]);
+        V::istore(lanes, group_sum<NIBBLES>(codes, x + g * GROUP, x_sum));
         for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * G + g] = lanes[i];
       }
     }
