@@ -87,8 +87,11 @@ def _ops_loaded() -> bool:
     from torch.utils.cpp_extension import load
     header = hashlib.sha256((KERNELS / "common.h").read_bytes()).hexdigest()[:12]
     try:
+        # -fopenmp: at::parallel_for is inline and splits the work over torch's OpenMP threads
+        # only where the caller is built with OpenMP (without it, it runs on one thread).
         load("nanoserve_cpu_ops", [str(HERE / "cpu_ops.cpp")], extra_include_paths=[str(HERE)],
-             extra_cflags=["-O2", f"-DNANOSERVE_COMMON_H={header}"], extra_ldflags=["-ldl"], is_python_module=False)
+             extra_cflags=["-O2", "-fopenmp", f"-DNANOSERVE_COMMON_H={header}"], extra_ldflags=["-ldl", "-fopenmp"],
+             is_python_module=False)
     except Exception as error:  # no compiler
         log.warning("nanoserve's CPU kernels did not build (%s); using torch's kernels", error)
         return False

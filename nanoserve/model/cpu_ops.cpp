@@ -124,13 +124,22 @@ at::Tensor group_mm(bool nibbles, const at::Tensor& x, const at::Tensor& codes, 
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * K / (nibbles ? 2 : 1),
               "codes must be contiguous uint8 holding ", N, " x ", K, nibbles ? " nibbles" : " bytes");
   const nanoserve_kernel_table& tier = tier_of(handle);
-  auto [xq, xd, xs, sums] = quantize_rows(x, handle);
-  at::Tensor out = at::empty({M, N}, x.options());
+  // One scratch allocation for the activations' codes [2, M, K], xd and xs [M, G], sums [2, M, G].
+  at::Tensor scratch = at::empty({2 * M * K + 16 * M * G}, x.options().dtype(at::kChar));
+  int8_t* xq = scratch.data_ptr<int8_t>();
+  float* xd = reinterpret_cast<float*>(xq + 2 * M * K);  // 2 M K is a multiple of 64: aligned
+  float* xs = xd + M * G;
+  int32_t* sums = reinterpret_cast<int32_t*>(xs + M * G);
+  const at::Tensor xc = x.contiguous();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, M, M >= 16 ? 4 : M, [&](int64_t begin, int64_t end) {
+    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, xq, xd, xs, sums);
+  });
+  at::Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     tier.group_mm(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                  reinterpret_cast<const uint16_t*>(m.data_ptr()), N, K, begin, end, M, xq.data_ptr<int8_t>(),
-                  xd.data_ptr<float>(), xs.data_ptr<float>(), sums.data_ptr<int32_t>(), out.data_ptr(), bf16);
+                  reinterpret_cast<const uint16_t*>(m.data_ptr()), N, K, begin, end, M, xq, xd, xs, sums,
+                  out.data_ptr(), bf16);
   });
   return out;
 }

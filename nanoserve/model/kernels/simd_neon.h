@@ -13,7 +13,7 @@ typedef int32_t __attribute__((may_alias)) aliased_int32;
 inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const aliased_int32*>(p); }
 
 struct Simd {
-  static constexpr int LANES = 4;
+  static constexpr int LANES = 4, ROWS = 2;  // rows sharing each code vector (a row's 16 sums: 4 vectors)
   static constexpr bool UNSIGNED_BYTES = false;
   using I = int32x4_t;
   using F = float32x4_t;
@@ -59,6 +59,16 @@ struct Simd {
   static F load_fp16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
   static void store(float* p, F v) { vst1q_f32(p, v); }
   static float hsum(F v) { return vaddvq_f32(v); }
+  static F abs(F v) { return vabsq_f32(v); }
+  static F max(F a, F b) { return vmaxq_f32(a, b); }
+  static F min(F a, F b) { return vminq_f32(a, b); }
+  static float hmax(F v) { return vmaxvq_f32(v); }
+  static F rint(F v) { return vrndnq_f32(v); }  // ties to even
+  static I to_int(F v) { return vcvtq_s32_f32(v); }  // exact: v is integral
+  static void store_int8(int8_t* p, I v) {  // 4 int32 in -127..127 -> 4 bytes
+    const int8x8_t bytes = vqmovn_s16(vcombine_s16(vqmovn_s32(v), vdup_n_s16(0)));
+    vst1_lane_s32(reinterpret_cast<int32_t*>(p), vreinterpret_s32_s8(bytes), 0);
+  }
   static F exp_nonpositive(F x) {  // as the x86 tiers'
     x = vmaxq_f32(x, vdupq_n_f32(-87.f));
     const F n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));

@@ -13,7 +13,7 @@ inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const alia
 
 #if defined(NANOSERVE_TIER_AVX512_VNNI)
 struct Simd {
-  static constexpr int LANES = 16;
+  static constexpr int LANES = 16, ROWS = 8;  // rows sharing each code vector (32 registers)
   static constexpr bool UNSIGNED_BYTES = true;  // vpdpbusd takes unsigned codes up to 255
   using I = __m512i;
   using A = __m512i;
@@ -46,6 +46,13 @@ struct Simd {
   static F load_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  static F abs(F v) { return _mm512_abs_ps(v); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static F rint(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static I to_int(F v) { return _mm512_cvtps_epi32(v); }
+  static void store_int8(int8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(v)); }
   // e^x for x <= 0: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 Taylor polynomial
   // (relative error < 3e-7), 2^n through the exponent bits.
   static F exp_nonpositive(F x) {
@@ -60,7 +67,12 @@ struct Simd {
 };
 #elif defined(NANOSERVE_TIER_AVX_VNNI) || defined(NANOSERVE_TIER_AVX2)
 struct Simd {
-  static constexpr int LANES = 8;
+  // Rows sharing each code vector (16 registers: their sums, fp32 and integer, and the code).
+#if defined(NANOSERVE_TIER_AVX_VNNI)
+  static constexpr int LANES = 8, ROWS = 4;
+#else
+  static constexpr int LANES = 8, ROWS = 2;
+#endif
   using I = __m256i;
   using A = __m256i;
   using C = __m256i;
@@ -111,6 +123,20 @@ struct Simd {
   }
   static F load_fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static float hmax(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static F rint(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static I to_int(F v) { return _mm256_cvtps_epi32(v); }
+  static void store_int8(int8_t* p, I v) {  // 8 int32 in -127..127 -> 8 bytes
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+  }
   static float hsum(F v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

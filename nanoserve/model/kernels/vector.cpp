@@ -35,85 +35,183 @@ constexpr int SUB = 16 / V::LANES;  // vectors per 16-output block
 // one-row product short of the memory bandwidth.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
-// A block's codes for one group and one vector of outputs (LANES of the 16), unpacked once:
-// codes[j] multiplies the 4 activations at k offset at(j) of the group.
-struct GroupCodes {
-  V::C codes[8];
-  static constexpr int at(bool nibbles, int j) { return nibbles ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
-};
+// common.h's quantiser in vector operations, the same IEEE operations in the same order (so the
+// codes equal the reference's bit for bit): per group, coarse = max |x| / 127, hi = rint(x /
+// coarse), lo = rint((x - hi * coarse) / fine), both clamped to -127..127.
+template <typename E>
+void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq, float* xd,
+                         float* xs, int32_t* xsum) {
+  constexpr int C = GROUP / V::LANES;
+  const int64_t G = K / GROUP;
+  const V::F top = V::set1(127.f), bottom = V::set1(-127.f);
+  for (int64_t i = row_begin * G; i < row_end * G; ++i) {
+    V::F v[C];
+    V::F amax = V::fzero();
+    for (int c = 0; c < C; ++c) {
+      v[c] = V::load(x + i * GROUP + V::LANES * c);
+      amax = V::max(amax, V::abs(v[c]));
+    }
+    const float largest = V::hmax(amax);
+    const float coarse = largest > 1e-30f ? largest / 127.f : 0.f, fine = coarse / 254.f;
+    const V::F inv_coarse = V::set1(coarse > 0.f ? 1.f / coarse : 0.f), inv_fine = V::set1(fine > 0.f ? 1.f / fine : 0.f);
+    V::F sum_h = V::fzero(), sum_l = V::fzero();  // integers below 2^12: exact in fp32
+    for (int c = 0; c < C; ++c) {
+      const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_coarse)), bottom), top);
+      const V::F rest = V::sub(v[c], V::mul(h, V::set1(coarse)));
+      const V::F l = V::min(V::max(V::rint(V::mul(rest, inv_fine)), bottom), top);
+      V::store_int8(xq + i * GROUP + V::LANES * c, V::to_int(h));
+      V::store_int8(xq + M * K + i * GROUP + V::LANES * c, V::to_int(l));
+      sum_h = V::add(sum_h, h);
+      sum_l = V::add(sum_l, l);
+    }
+    const int32_t sum_hi = static_cast<int32_t>(V::hsum(sum_h)), sum_lo = static_cast<int32_t>(V::hsum(sum_l));
+    xsum[i] = sum_hi;
+    xsum[M * G + i] = sum_lo;
+    xd[i] = fine;
+    xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+  }
+}
+
+void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
+                   float* xd, float* xs, int32_t* xsum) {
+  if (x_bf16) quantize_rows_typed(static_cast<const uint16_t*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+  else quantize_rows_typed(static_cast<const float*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+}
+
+// LANES fp32 sums to out[at ..] as fp32 or (rounded to nearest even) bf16.
+inline void store_out(void* out, int64_t at, V::F v, bool bf16) {
+  if (!bf16) return V::store(static_cast<float*>(out) + at, v);
+  float lanes[V::LANES];
+  V::store(lanes, v);
+  for (int i = 0; i < V::LANES; ++i) static_cast<uint16_t*>(out)[at + i] = float_to_bf16(lanes[i]);
+}
+
+// The code vector j (of 8) of one group for the vector s of outputs: it multiplies the 4
+// activations at k offset code_offset(j) of the group.
+template <bool NIBBLES>
+inline V::C code_vector(const uint8_t* wg, int s, int j) {
+  if constexpr (NIBBLES) {
+    const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
+    return j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
+  } else {
+    return V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
+  }
+}
 
 template <bool NIBBLES>
-inline GroupCodes load_group(const uint8_t* wg, int s) {
-  GroupCodes c;
+constexpr int code_offset(int j) { return NIBBLES ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
+
+// The integer sums of one group for the LANES outputs of vector s, for R rows at once: hi[r] =
+// sum_k c x_hi, lo[r] = sum_k c x_lo over the group's 32 k (row r's codes at + r * stride, int8 in
+// -127..127; sums[r * sum_stride], the sums of those codes, undo the byte tiers' flip to signed
+// codes). Each code vector is loaded once for all rows; with few rows each sum is split over two
+// accumulators (even and odd j), so dependent multiply-adds do not wait on each other.
+template <bool NIBBLES, int R, bool LO = true>
+inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t stride,
+                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I* hi, V::I* lo) {
+  constexpr int CHAINS = R <= 2 ? 2 : 1;
+  V::A ah[CHAINS][R], al[CHAINS][R];
+  #pragma GCC unroll 16
+  for (int c = 0; c < CHAINS; ++c) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) ah[c][r] = al[c][r] = V::azero();
+  }
+  #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
-    if constexpr (NIBBLES) {
-      const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
-      c.codes[j] = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
-    } else {
-      c.codes[j] = V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
+    const V::C code = code_vector<NIBBLES>(wg, s, j);
+    const int c = j % CHAINS, at = code_offset<NIBBLES>(j);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if constexpr (NIBBLES) {
+        ah[c][r] = V::dot_nibbles(ah[c][r], code, hi_x + r * stride + at);
+        if constexpr (LO) al[c][r] = V::dot_nibbles(al[c][r], code, lo_x + r * stride + at);
+      } else {
+        ah[c][r] = V::dot_bytes(ah[c][r], code, hi_x + r * stride + at);
+        if constexpr (LO) al[c][r] = V::dot_bytes(al[c][r], code, lo_x + r * stride + at);
+      }
     }
   }
-  return c;
-}
-
-// sum_k c[n, k] x[k] over the group's 32 k for the vector's LANES outputs (x int8 in -127..127;
-// x_sum, the sum of x, undoes the byte tiers' flip to signed codes).
-// Two accumulators (even and odd j), so that dependent multiply-adds do not wait on each other.
-template <bool NIBBLES>
-inline V::I group_sum(const GroupCodes& c, const int8_t* x, int32_t x_sum) {
-  V::A acc[2] = {V::azero(), V::azero()};
-  for (int j = 0; j < 8; ++j) {
-    acc[j % 2] = NIBBLES ? V::dot_nibbles(acc[j % 2], c.codes[j], x + GroupCodes::at(NIBBLES, j))
-                         : V::dot_bytes(acc[j % 2], c.codes[j], x + GroupCodes::at(NIBBLES, j));
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const auto finish = [](V::A a) { return NIBBLES ? V::finish_nibbles(a) : V::finish_bytes(a); };
+    hi[r] = finish(ah[0][r]);
+    lo[r] = finish(al[0][r]);
+    if constexpr (CHAINS == 2) {
+      hi[r] = V::iadd(hi[r], finish(ah[1][r]));
+      lo[r] = V::iadd(lo[r], finish(al[1][r]));
+    }
+    if constexpr (!NIBBLES && !V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
+      hi[r] = V::iadd(hi[r], V::iset1(128 * sum_hi[r * sum_stride]));
+      if constexpr (LO) lo[r] = V::iadd(lo[r], V::iset1(128 * sum_lo[r * sum_stride]));
+    }
   }
-  if constexpr (NIBBLES) return V::iadd(V::finish_nibbles(acc[0]), V::finish_nibbles(acc[1]));
-  V::I sum = V::iadd(V::finish_bytes(acc[0]), V::finish_bytes(acc[1]));
-  if constexpr (!V::UNSIGNED_BYTES) sum = V::iadd(sum, V::iset1(128 * x_sum));  // multiplied as c - 128
-  return sum;
 }
 
-// One block of 16 outputs for all M rows, codes-stationary: each (group, vector) of codes is
-// unpacked once into registers and multiplied against every row in turn, so the live set is the
-// codes and two accumulators whatever the rows (no spills with 16 registers), and the block is
-// read from memory once per call. acc [M, 16] collects the rows' fp32 sums.
-template <bool NIBBLES>
-void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, const int8_t* xq,
-             const float* xd, const float* xs, const int32_t* xsum, float* acc) {
+// One block of 16 outputs for R rows (from row r0): for each group, each code vector is loaded
+// (from cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32
+// sums stay in registers across the groups. out: row r0's first output of the block.
+template <bool NIBBLES, int R>
+void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, int64_t r0,
+             const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
+             int64_t ldo) {
   constexpr int64_t GROUP_BYTES = NIBBLES ? 256 : 512;
   const int64_t G = K / GROUP;
+  V::F acc[SUB][R];
+  #pragma GCC unroll 16
+  for (int s = 0; s < SUB; ++s) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[s][r] = V::fzero();
+  }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
     for (int64_t l = 0; l < GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
     __builtin_prefetch(reinterpret_cast<const char*>(d + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
     __builtin_prefetch(reinterpret_cast<const char*>(m + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
+    #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
-      const GroupCodes codes = load_group<NIBBLES>(wg, s);
+      V::I hi[R], lo[R];
+      group_sums<NIBBLES, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
+                             xsum + r0 * G + g, xsum + M * G + r0 * G + g, G, hi, lo);
       const V::F dv = V::load_fp16(d + 16 * g + V::LANES * s), mv = V::load_fp16(m + 16 * g + V::LANES * s);
-      for (int64_t r = 0; r < M; ++r) {
-        const int8_t* hi_x = xq + r * K + g * GROUP;
-        const V::I hi = group_sum<NIBBLES>(codes, hi_x, xsum[r * G + g]);
-        const V::I lo = group_sum<NIBBLES>(codes, hi_x + M * K, xsum[M * G + r * G + g]);
-        const V::F dot = V::to_float(V::iadd(V::times254(hi), lo));
-        float* a = acc + r * 16 + V::LANES * s;
-        const V::F sum = V::fma(dot, V::mul(dv, V::set1(xd[r * G + g])), V::load(a));
-        V::store(a, V::fma(mv, V::set1(xs[r * G + g]), sum));
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const V::F dot = V::to_float(V::iadd(V::times254(hi[r]), lo[r]));
+        acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
+        acc[s][r] = V::fma(mv, V::set1(xs[(r0 + r) * G + g]), acc[s][r]);
       }
     }
   }
+  #pragma GCC unroll 16
+  for (int s = 0; s < SUB; ++s) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) store_out(out, r * ldo + V::LANES * s, acc[s][r], out_bf16);
+  }
 }
 
+// R rows or fewer (down to 1) from row r0: the template for the count.
+template <bool NIBBLES, int R = V::ROWS>
+void rows_block(int rows, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, int64_t r0,
+                const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
+                int64_t ldo) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_block<NIBBLES, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+  }
+  block16<NIBBLES, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+}
+
+// Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
+// every chunk of V::ROWS rows multiplies them.
 template <bool NIBBLES>
 void group_mm_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, int64_t b0,
                     int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
                     void* out, bool out_bf16) {
-  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1);
-  std::vector<float> acc(M * 16);
+  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1), size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    block16<NIBBLES>(w + b * block_bytes, d + b * G * 16, m + b * G * 16, K, M, xq, xd, xs, xsum, acc.data());
-    for (int64_t r = 0; r < M; ++r) {
-      for (int64_t i = 0; i < 16; ++i) store_float(out, r * N + 16 * b + i, acc[r * 16 + i], out_bf16);
+    for (int64_t r = 0; r < M; r += V::ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(V::ROWS, M - r));
+      rows_block<NIBBLES>(rows, w + b * block_bytes, d + b * G * 16, m + b * G * 16, K, M, r, xq, xd, xs, xsum,
+                          static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N);
     }
   }
 }
@@ -133,9 +231,11 @@ void group_dots_typed(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, i
       int32_t x_sum = 0;
       for (int64_t k = 0; k < GROUP; ++k) x_sum += x[g * GROUP + k];
       for (int s = 0; s < SUB; ++s) {
-        const GroupCodes codes = load_group<NIBBLES>(w + b * block_bytes + g * (NIBBLES ? 256 : 512), s);
         int32_t lanes[V::LANES];
-        V::istore(lanes, group_sum<NIBBLES>(codes, x + g * GROUP, x_sum));
+        V::I sum, unused;
+        group_sums<NIBBLES, 1, false>(w + b * block_bytes + g * (NIBBLES ? 256 : 512), s, x + g * GROUP, nullptr, 0,
+                                      &x_sum, nullptr, 0, &sum, &unused);
+        V::istore(lanes, sum);
         for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * G + g] = lanes[i];
       }
     }
@@ -220,7 +320,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
   }
 }
 
-const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, TIER_NAME, quantize_rows_portable, group_mm, group_dots,
+const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, TIER_NAME, quantize_rows, group_mm, group_dots,
                                       attend, dequantize_portable,
                                       dequantize_rows_portable};
 
