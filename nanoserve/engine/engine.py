@@ -90,7 +90,7 @@ class Engine:
         self._ids = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self.decode_timing = StepTiming()
-        self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any bf16 copy
+        self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any dense copy
 
     @classmethod
     def build(cls, **kwargs) -> Engine:

@@ -44,8 +44,9 @@ GROUP_KERNELS = cpu_kernels.CHOICES
 # From how many rows a dense copy of the linears (in the compute dtype) is at least as fast as
 # the group-wise kernels, per tier, on the default model's linears with two threads and the
 # weights streamed from memory (``python -m compile.linear_bench``; the README quotes the CSVs).
-# None: the packed kernels win at every row count measured (or the tier was not measured: it
-# keeps the packed path, which reads each block of weights once for all rows).
+# None: no dense copy, where one would not pay for its memory at a decode batch (on avx2 an fp32
+# copy, 4x the int4 bytes, first wins at about 48 rows) or the tier was not measured; such
+# tiers multiply prompts through the dequantised weight (DEQUANT_FROM_ROWS).
 DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "avx2": None, "neon-dot": None,
                                           "neon": None, "scalar": None, "torch": 10}
 # From how many rows a group-wise layer without a dense copy dequantises its weight into the
@@ -144,7 +145,7 @@ def resolve_group_kernel(kernel: str, dtype: torch.dtype) -> str:
 class _PackedLinear(nn.Module):
     """A weight-only packed linear: ``x @ w.T (+ bias)`` through ``_packed_mm``; from
     ``dense_from_rows`` rows on (a static shape under compile, so the choice is made at trace
-    time) through a bf16 copy instead."""
+    time) through a dense copy (in the compute dtype) instead."""
 
     def __init__(self, bias: torch.Tensor | None, dense: torch.Tensor | None, dense_from_rows: int | None) -> None:
         super().__init__()
@@ -383,7 +384,7 @@ def _pack_int8_group_head(model: nn.Module, plan: WeightPlan) -> None:
         return  # the kernel's shape rules do not hold: the head stays dense
     dense = None
     if tied and plan.dense_from_rows is not None:
-        # The embedding table, cast now, is the head's bf16 copy too: the later cast of the
+        # The embedding table, cast now, is the head's dense copy too: the later cast of the
         # model leaves a tensor already in its dtype as it is, so the two stay one tensor.
         model.embed_tokens.to(plan.dtype)
         dense = model.embed_tokens.weight.detach()
