@@ -30,11 +30,9 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
 
 def kernel_tier(stats: dict) -> str:
     """The engine's `cpu_kernels` in words: a tier ("avx512-vnni", "avx2", "torch", ...), or
-    None where no packed kernel runs (dense weights, or a GPU)."""
-    if "cpu_kernels" not in stats:
-        return "not reported by this engine"
+    None where none of nanoserve's kernels runs (fp32 weights, or a GPU)."""
     tier = stats["cpu_kernels"]
-    return "none (dense weights run torch's matmuls)" if tier is None else str(tier)
+    return "none (torch's matmuls and attention)" if tier is None else str(tier)
 
 
 def format_bytes(count: int) -> str:
