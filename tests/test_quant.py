@@ -416,3 +416,27 @@ def test_a_tied_int8_head_without_a_dense_copy_serves_the_embedding_from_its_cod
     assert got.shape == (2, 3, 64) and got.dtype == plan.dtype and torch.equal(got, want.to(plan.dtype))
     with pytest.raises(RuntimeError, match="rows must lie"):
         model.embed_tokens(torch.tensor([256]))
+
+
+def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():
+    # A row bucket of DEQUANT_FROM_ROWS rows or more traces the dequantise-and-GEMM path (the
+    # op's fake shape) into the graph: it decodes as eager does, with no recompile.
+    from nanoserve.model.quant import DEQUANT_FROM_ROWS
+    plan = WeightPlan("int4", int8_head=True)
+    rows = DEQUANT_FROM_ROWS[plan.tier]
+    if rows is None:  # torch's kernel: no dequantised path to trace
+        rows = 8
+    torch._dynamo.reset()
+    options = dict(max_batch_size=rows, kv_cache_bytes=4 << 20, block_size=4, max_model_len=32, weights=plan)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    prompts = [[1 + i % 200, 2 + i % 100, 3] for i in range(rows)]
+    eager = build_engine(random_model(tiny_config(), seed=0), **options).generate(prompts, params, use_tqdm=False)
+    compiled_engine = build_engine(random_model(tiny_config(), seed=0), compile=True, row_buckets=(rows,),
+                                   width_buckets=(32,), **options)
+    compiled = compiled_engine.generate(prompts, params, use_tqdm=False)
+    tolerance = 0.05 if plan.dtype == torch.bfloat16 else 1e-3
+    for got, ref in zip(compiled, eager):
+        assert_greedy_agrees_up_to_near_ties(got, ref, tolerance)
+    assert compiled_engine.stats()["recompiles_after_warmup"] == 0
+    assert compiled_engine.stats()["max_decode_rows"] == rows
+    torch._dynamo.reset()
