@@ -442,3 +442,14 @@ def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():
     assert compiled_engine.stats()["recompiles_after_warmup"] == 0
     assert compiled_engine.stats()["max_decode_rows"] == rows
     torch._dynamo.reset()
+
+
+def test_auto_keeps_a_dense_copy_only_as_bf16():
+    # The measured crossovers are against a bf16 copy; where the tier computes in fp32 an fp32
+    # copy (4x the codes) is never kept, and the plan's name says which copy there is.
+    for tier in OUR_TIERS:
+        plan = auto_cpu_plan(tier)
+        if cpu_kernels.compute_dtype(tier) == torch.float32:
+            assert plan.dense_from_rows is None
+        elif plan.dense_from_rows is not None:
+            assert f"+bf16>={plan.dense_from_rows}" in plan.name or plan.dtype != torch.bfloat16

@@ -158,7 +158,10 @@ def auto_cpu_plan(tier: str | None = None) -> WeightPlan:
     linears (and the embedding table as the head) from the kernel tier's measured crossover
     (DENSE_FROM_ROWS) where it has one. ``tier``: cpu_kernels.resolve_tier's choice by default."""
     tier = tier or cpu_kernels.resolve_tier()
-    return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier], int8_head=True)
+    # The crossovers were measured against a bf16 copy; an fp32 one (a CPU without native bf16,
+    # such as AVX-512 VNNI before AVX-512 BF16) is 4x the codes and pays only at larger batches.
+    bf16 = cpu_kernels.compute_dtype(tier) == torch.bfloat16
+    return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier] if bf16 else None, int8_head=True)
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,

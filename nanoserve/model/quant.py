@@ -41,8 +41,8 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 # Who runs the group-wise products: a kernel tier of cpu_kernels, "torch" (its int4 kernel), or
 # "auto" (cpu_kernels.resolve_tier: $NANOSERVE_CPU_KERNELS, else the host's best tier).
 GROUP_KERNELS = cpu_kernels.CHOICES
-# From how many rows a dense copy of the linears (in the compute dtype) is at least as fast as
-# the group-wise kernels, per tier, on the default model's linears with two threads and the
+# From how many rows a bf16 copy of the linears is at least as fast as the group-wise kernels,
+# per tier (where the CPU computes bf16 natively; build.auto_cpu_plan keeps none in fp32), on the default model's linears with two threads and the
 # weights streamed from memory (``python -m compile.linear_bench``; the README quotes the CSVs).
 # None: no dense copy, where one would not pay for its memory at a decode batch (on avx2 an fp32
 # copy, 4x the int4 bytes, first wins at about 48 rows) or the tier was not measured; such
