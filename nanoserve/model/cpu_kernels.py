@@ -86,15 +86,20 @@ def _ops_loaded() -> bool:
     """Build and register the torch ops (cpu_ops.cpp, no instruction flags) once per process."""
     from torch.utils.cpp_extension import load
     header = hashlib.sha256((KERNELS / "common.h").read_bytes()).hexdigest()[:12]
-    try:
-        # -fopenmp: at::parallel_for is inline and splits the work over torch's OpenMP threads
-        # only where the caller is built with OpenMP (without it, it runs on one thread).
-        load("nanoserve_cpu_ops", [str(HERE / "cpu_ops.cpp")], extra_include_paths=[str(HERE)],
-             extra_cflags=["-O2", "-fopenmp", f"-DNANOSERVE_COMMON_H={header}"], extra_ldflags=["-ldl", "-fopenmp"],
-             is_python_module=False)
-    except Exception as error:  # no compiler
-        log.warning("nanoserve's CPU kernels did not build (%s); using torch's kernels", error)
-        return False
+    # -fopenmp: at::parallel_for is inline and splits the work over torch's OpenMP threads only
+    # where the caller is built with OpenMP (without it, one thread). A compiler without OpenMP
+    # (Apple's clang) still gets the kernels, on one thread, and says so.
+    for openmp in (["-fopenmp"], []):
+        try:
+            load("nanoserve_cpu_ops", [str(HERE / "cpu_ops.cpp")], extra_include_paths=[str(HERE)],
+                 extra_cflags=["-O2", *openmp, f"-DNANOSERVE_COMMON_H={header}"], extra_ldflags=["-ldl", *openmp],
+                 is_python_module=False)
+            break
+        except Exception as error:  # no compiler, or one without OpenMP
+            if not openmp:
+                log.warning("nanoserve's CPU kernels did not build (%s); using torch's kernels", error)
+                return False
+            log.warning("nanoserve's CPU kernels did not build with OpenMP (%s); trying one thread", error)
     for op in ("int4_mm", "int8_mm"):
         torch.library.register_fake(f"nanoserve::{op}")(_output_like)
     torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
