@@ -316,6 +316,19 @@ def wait_until_serving(process, url: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def stop_and_collect(process, sig: int, timeout: float = 30.0) -> str:
+    """Send `sig` to a server process and return its output once it exits; a process still
+    running after `timeout` seconds is killed and the wait fails."""
+    import subprocess
+
+    process.send_signal(sig)
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama as a Hugging Face directory with a byte-level tokenizer, so it loads

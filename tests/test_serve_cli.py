@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from conftest import free_port, wait_until_serving  # noqa: E402
+from conftest import free_port, stop_and_collect, wait_until_serving  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -89,12 +89,7 @@ def test_serve_process_answers_says_what_it_loaded_and_stops_on_ctrl_c(tmp_path,
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            output = process.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        output = stop_and_collect(process, signal.SIGINT)
     assert process.returncode == 0, output
     # The startup summary: what was loaded, how, and what the K/V pool holds (1M of K/V at 2
     # layers x 2 heads x 16 dims x K and V = 128 values a token: 256 blocks of 16 tokens in bf16,

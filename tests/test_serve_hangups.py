@@ -17,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from conftest import free_port, wait_until_serving, write_gguf  # noqa: E402
+from conftest import free_port, stop_and_collect, wait_until_serving, write_gguf  # noqa: E402
 
 from nanoserve.model.llama import unfuse_hf_weights  # noqa: E402
 from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
@@ -86,12 +86,7 @@ def test_a_burst_of_hangups_is_counted_frees_everything_and_logs_no_error(tmp_pa
         assert httpx.post(f"{url}/v1/completions", json={**LONG, "prompt": "hi", "max_tokens": 3},
                           timeout=30).status_code == 200
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            output = process.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        output = stop_and_collect(process, signal.SIGTERM)
     assert process.returncode == 0, output
     assert "Traceback" not in output and "ERROR" not in output, output
     assert "never retrieved" not in output and "CancelledError" not in output, output
