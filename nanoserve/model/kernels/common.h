@@ -114,50 +114,6 @@ inline void store_float(void* p, int64_t i, float v, bool bf16) {
   else static_cast<float*>(p)[i] = v;
 }
 
-// Two int8 codes per activation: hi = round(x / coarse) with coarse = max |x| / 127, lo = round
-// of the remainder / fine with fine = coarse / 254, so |x - fine * (254 hi + lo)| <= fine / 2 =
-// max |x| / 64516, finer than bf16's own rounding. Plain IEEE operations in a fixed order, built
-// without contraction (-ffp-contract=off), so every tier writes the same codes for the same x;
-// simple loops over a group, which the compiler vectorises with each tier's instructions.
-template <bool BF16>
-inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
-                                float* xd, float* xs, int32_t* xsum) {
-  const int64_t G = K / GROUP;
-  for (int64_t i = row_begin * G; i < row_end * G; ++i) {
-    float v[GROUP], hi[GROUP], lo[GROUP];
-    for (int64_t k = 0; k < GROUP; ++k) {
-      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * GROUP + k]) : static_cast<const float*>(x)[i * GROUP + k];
-    }
-    float amax = 0.f;
-    for (int64_t k = 0; k < GROUP; ++k) {
-      const float a = v[k] < 0.f ? -v[k] : v[k];
-      amax = a > amax ? a : amax;
-    }
-    // A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine would overflow.
-    const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
-    const float inv_coarse = coarse > 0.f ? 1.f / coarse : 0.f, inv_fine = fine > 0.f ? 1.f / fine : 0.f;
-    for (int64_t k = 0; k < GROUP; ++k) {
-      const float h = __builtin_rintf(v[k] * inv_coarse);  // ties to even
-      hi[k] = h > 127.f ? 127.f : (h < -127.f ? -127.f : h);
-      const float product = hi[k] * coarse;
-      const float l = __builtin_rintf((v[k] - product) * inv_fine);
-      lo[k] = l > 127.f ? 127.f : (l < -127.f ? -127.f : l);
-    }
-    int32_t sum_hi = 0, sum_lo = 0;
-    for (int64_t k = 0; k < GROUP; ++k) {
-      const int32_t h = static_cast<int32_t>(hi[k]), l = static_cast<int32_t>(lo[k]);
-      xq[i * GROUP + k] = static_cast<int8_t>(h);
-      xq[M * K + i * GROUP + k] = static_cast<int8_t>(l);
-      sum_hi += h;
-      sum_lo += l;
-    }
-    xsum[i] = sum_hi;
-    xsum[M * G + i] = sum_lo;
-    xd[i] = fine;
-    xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
-  }
-}
-
 // The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
 inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t k) {
   if (nibbles) {
@@ -167,65 +123,59 @@ inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t
   return wg[64 * (k / 4) + 4 * r + k % 4];
 }
 
-inline void dequantize_rows_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                                     int64_t K, const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
-  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t b = rows[i] / 16, r = rows[i] % 16;
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = w + (b * G + g) * group_bytes;
-      const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
-      for (int64_t k = 0; k < GROUP; ++k) {
-        store_float(out, i * K + g * GROUP + k, scale * static_cast<float>(code_in_group(wg, nibbles, r, k)) + low,
-                    out_bf16);
+// Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
+// group's 32 codes are unpacked first, so the loops stay simple enough to vectorise.
+template <bool NIBBLES, bool BF16>
+inline void dequantize_row_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t n,
+                                 void* out) {
+  const int64_t G = K / GROUP, group_bytes = NIBBLES ? 256 : 512, b = n / 16, r = n % 16;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + (b * G + g) * group_bytes + 4 * r;
+    float codes[GROUP];
+    for (int64_t j = 0; j < (NIBBLES ? 4 : 8); ++j) {
+      for (int64_t i = 0; i < 4; ++i) {
+        const uint8_t byte = wg[64 * j + i];
+        if constexpr (NIBBLES) {
+          codes[8 * j + i] = static_cast<float>(byte & 15);
+          codes[8 * j + 4 + i] = static_cast<float>(byte >> 4);
+        } else {
+          codes[4 * j + i] = static_cast<float>(byte);
+        }
       }
+    }
+    const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
+    for (int64_t k = 0; k < GROUP; ++k) {
+      if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
+      else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;
     }
   }
 }
 
-// Dequantisation, shared by every tier (simple loops the compiler vectorises): a block's group
-// unpacks its 16 x 32 codes, then each output row is d * c + m.
+inline void dequantize_row(bool nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t n,
+                           void* out, bool out_bf16) {
+  if (nibbles) {
+    out_bf16 ? dequantize_row_typed<true, true>(w, d, m, K, n, out) : dequantize_row_typed<true, false>(w, d, m, K, n, out);
+  } else {
+    out_bf16 ? dequantize_row_typed<false, true>(w, d, m, K, n, out) : dequantize_row_typed<false, false>(w, d, m, K, n, out);
+  }
+}
+
+// Every output row of blocks [block_begin, block_end) into out [N, K] (a prompt's dense GEMM).
 inline void dequantize_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
                                 int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16) {
-  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
-  for (int64_t b = block_begin; b < block_end; ++b) {
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = w + (b * G + g) * group_bytes;
-      float codes[16][GROUP];
-      if (nibbles) {
-        for (int64_t j = 0; j < 4; ++j) {
-          for (int64_t r = 0; r < 16; ++r) {
-            for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t byte = wg[64 * j + 4 * r + i];
-              codes[r][8 * j + i] = static_cast<float>(byte & 15);
-              codes[r][8 * j + 4 + i] = static_cast<float>(byte >> 4);
-            }
-          }
-        }
-      } else {
-        for (int64_t j = 0; j < 8; ++j) {
-          for (int64_t r = 0; r < 16; ++r) {
-            for (int64_t i = 0; i < 4; ++i) codes[r][4 * j + i] = static_cast<float>(wg[64 * j + 4 * r + i]);
-          }
-        }
-      }
-      for (int64_t r = 0; r < 16; ++r) {
-        const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
-        const int64_t at = (16 * b + r) * K + g * GROUP;
-        if (out_bf16) {
-          for (int64_t k = 0; k < GROUP; ++k) static_cast<uint16_t*>(out)[at + k] = float_to_bf16(scale * codes[r][k] + low);
-        } else {
-          for (int64_t k = 0; k < GROUP; ++k) static_cast<float*>(out)[at + k] = scale * codes[r][k] + low;
-        }
-      }
-    }
+  const int64_t size = out_bf16 ? 2 : 4;
+  for (int64_t n = 16 * block_begin; n < 16 * block_end; ++n) {
+    dequantize_row(nibbles, w, d, m, K, n, static_cast<char*>(out) + n * K * size, out_bf16);
   }
 }
 
-inline void quantize_rows_portable(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin,
-                                   int64_t row_end, int8_t* xq, float* xd, float* xs, int32_t* xsum) {
-  if (x_bf16) quantize_rows_typed<true>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
-  else quantize_rows_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+// Rows rows[0 .. count) into out [count, K] (an embedding read from a tied head's codes).
+inline void dequantize_rows_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+                                     int64_t K, const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
+  const int64_t size = out_bf16 ? 2 : 4;
+  for (int64_t i = 0; i < count; ++i) {
+    dequantize_row(nibbles, w, d, m, K, rows[i], static_cast<char*>(out) + i * K * size, out_bf16);
+  }
 }
 
 }  // namespace

@@ -10,14 +10,54 @@ namespace {
 
 using namespace nanoserve;
 
-// The code of output n at k within its 16-output block's group (common.h's layout).
-inline int32_t code_at(const uint8_t* group_bytes, bool nibbles, int64_t r, int64_t k) {
-  if (nibbles) {
-    const int64_t j = k / 8, i = k % 8;
-    const uint8_t byte = group_bytes[64 * j + 4 * r + (i % 4)];
-    return i < 4 ? (byte & 15) : (byte >> 4);
+// Two int8 codes per activation: hi = round(x / coarse) with coarse = max |x| / 127, lo = round
+// of the remainder / fine with fine = coarse / 254, so |x - fine * (254 hi + lo)| <= fine / 2 =
+// max |x| / 64516, finer than bf16's own rounding. Plain IEEE operations in a fixed order, built
+// without contraction (-ffp-contract=off): vector.cpp does the same operations in the same
+// order, so every tier writes the same codes for the same x.
+template <bool BF16>
+inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
+                                float* xd, float* xs, int32_t* xsum) {
+  const int64_t G = K / GROUP;
+  for (int64_t i = row_begin * G; i < row_end * G; ++i) {
+    float v[GROUP], hi[GROUP], lo[GROUP];
+    for (int64_t k = 0; k < GROUP; ++k) {
+      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * GROUP + k]) : static_cast<const float*>(x)[i * GROUP + k];
+    }
+    float amax = 0.f;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      const float a = v[k] < 0.f ? -v[k] : v[k];
+      amax = a > amax ? a : amax;
+    }
+    // A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine would overflow.
+    const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
+    const float inv_coarse = coarse > 0.f ? 1.f / coarse : 0.f, inv_fine = fine > 0.f ? 1.f / fine : 0.f;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      const float h = __builtin_rintf(v[k] * inv_coarse);  // ties to even
+      hi[k] = h > 127.f ? 127.f : (h < -127.f ? -127.f : h);
+      const float product = hi[k] * coarse;
+      const float l = __builtin_rintf((v[k] - product) * inv_fine);
+      lo[k] = l > 127.f ? 127.f : (l < -127.f ? -127.f : l);
+    }
+    int32_t sum_hi = 0, sum_lo = 0;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      const int32_t h = static_cast<int32_t>(hi[k]), l = static_cast<int32_t>(lo[k]);
+      xq[i * GROUP + k] = static_cast<int8_t>(h);
+      xq[M * K + i * GROUP + k] = static_cast<int8_t>(l);
+      sum_hi += h;
+      sum_lo += l;
+    }
+    xsum[i] = sum_hi;
+    xsum[M * G + i] = sum_lo;
+    xd[i] = fine;
+    xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
   }
-  return group_bytes[64 * (k / 4) + 4 * r + k % 4];
+}
+
+void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
+                   float* xd, float* xs, int32_t* xsum) {
+  if (x_bf16) quantize_rows_typed<true>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+  else quantize_rows_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
 }
 
 void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
@@ -26,7 +66,7 @@ void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const i
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = w + ((n / 16) * G + g) * group_bytes;
       int32_t sum = 0;
-      for (int64_t k = 0; k < GROUP; ++k) sum += code_at(wg, nibbles, n % 16, k) * x[g * GROUP + k];
+      for (int64_t k = 0; k < GROUP; ++k) sum += code_in_group(wg, nibbles, n % 16, k) * x[g * GROUP + k];
       out[n * G + g] = sum;
     }
   }
@@ -43,7 +83,7 @@ void group_mm(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = w + (b * G + g) * group_bytes;
       for (int64_t r = 0; r < 16; ++r) {
-        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_at(wg, nibbles, r, k);
+        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_in_group(wg, nibbles, r, k);
       }
       for (int64_t row = 0; row < M; ++row) {
         const int8_t* hi = xq + row * K + g * GROUP;
@@ -88,7 +128,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
   }
 }
 
-const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, "scalar", quantize_rows_portable, group_mm, group_dots,
+const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, "scalar", quantize_rows, group_mm, group_dots,
                                       attend, dequantize_portable,
                                       dequantize_rows_portable};
 

@@ -69,15 +69,7 @@ struct Simd {
     const int8x8_t bytes = vqmovn_s16(vcombine_s16(vqmovn_s32(v), vdup_n_s16(0)));
     vst1_lane_s32(reinterpret_cast<int32_t*>(p), vreinterpret_s32_s8(bytes), 0);
   }
-  static F exp_nonpositive(F x) {  // as the x86 tiers'
-    x = vmaxq_f32(x, vdupq_n_f32(-87.f));
-    const F n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
-    const F f = vfmsq_f32(x, n, vdupq_n_f32(0.693147181f));
-    F p = vdupq_n_f32(1.f / 720.f);
-    for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = vfmaq_f32(vdupq_n_f32(c), p, f);
-    const int32x4_t bits = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
-    return vmulq_f32(p, vreinterpretq_f32_s32(bits));
-  }
+  static F pow2(I n) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n, vdupq_n_s32(127)), 23)); }
 };
 
 }  // namespace

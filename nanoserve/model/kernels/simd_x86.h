@@ -53,17 +53,7 @@ struct Simd {
   static F rint(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static I to_int(F v) { return _mm512_cvtps_epi32(v); }
   static void store_int8(int8_t* p, I v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(v)); }
-  // e^x for x <= 0: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 Taylor polynomial
-  // (relative error < 3e-7), 2^n through the exponent bits.
-  static F exp_nonpositive(F x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // below fp32's normal range: ~0
-    const F n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    const F f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-    F p = _mm512_set1_ps(1.f / 720.f);
-    for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  }
+  static F pow2(I n) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23)); }
 };
 #elif defined(NANOSERVE_TIER_AVX_VNNI) || defined(NANOSERVE_TIER_AVX2)
 struct Simd {
@@ -142,15 +132,7 @@ struct Simd {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
-  static F exp_nonpositive(F x) {  // as the AVX-512 tier's
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const F n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const F f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
-    F p = _mm256_set1_ps(1.f / 720.f);
-    for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  }
+  static F pow2(I n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
 };
 #endif
 

@@ -38,7 +38,7 @@ constexpr int64_t PREFETCH_BYTES = 8192;
 // that the accumulator arrays they index stay in registers; left as loops, GCC keeps them on the
 // stack and the product runs 1.4-1.5x slower from 8 rows.
 
-// common.h's quantiser in vector operations, the same IEEE operations in the same order (so the
+// reference.cpp's quantiser in vector operations, the same IEEE operations in the same order (so the
 // codes equal the reference's bit for bit): per group, coarse = max |x| / 127, hi = rint(x /
 // coarse), lo = rint((x - hi * coarse) / fine), both clamped to -127..127.
 template <typename E>
@@ -250,6 +250,17 @@ void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const i
   else group_dots_typed<false>(w, N, K, x, out);
 }
 
+// e^x for x <= 0 (softmax after its maximum is taken out): x = n ln2 + f with |f| <= ln2 / 2,
+// e^f by its degree-6 Taylor polynomial (relative error < 3e-7), 2^n through the exponent bits.
+inline V::F exp_nonpositive(V::F x) {
+  x = V::max(x, V::set1(-87.f));  // e^-87 is below fp32's normal range: ~0
+  const V::F n = V::rint(V::mul(x, V::set1(1.44269504f)));
+  const V::F f = V::fma(n, V::set1(-0.693147181f), x);
+  V::F p = V::set1(1.f / 720.f);
+  for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = V::fma(p, f, V::set1(c));
+  return V::mul(p, V::pow2(V::to_int(n)));
+}
+
 template <typename E>
 void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base, int64_t cache_stride,
                   const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, E* out,
@@ -281,7 +292,7 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
     const int64_t whole = len / V::LANES * V::LANES;
     V::F sum = V::fzero();
     for (int64_t t = 0; t < whole; t += V::LANES) {
-      const V::F e = V::exp_nonpositive(V::sub(V::load(row + t), V::set1(top)));
+      const V::F e = exp_nonpositive(V::sub(V::load(row + t), V::set1(top)));
       V::store(row + t, e);
       sum = V::add(sum, e);
     }
