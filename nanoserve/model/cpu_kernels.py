@@ -85,6 +85,8 @@ def _machine() -> str:
 def _ops_loaded() -> bool:
     """Build and register the torch ops (cpu_ops.cpp, no instruction flags) once per process."""
     from torch.utils.cpp_extension import load
+    # torch's build cache keys on the source and flags: the shared header's hash, passed as a
+    # define, rebuilds the ops when the table they read changes.
     header = hashlib.sha256((KERNELS / "common.h").read_bytes()).hexdigest()[:12]
     # -fopenmp: at::parallel_for is inline and splits the work over torch's OpenMP threads only
     # where the caller is built with OpenMP (without it, one thread). A compiler without OpenMP

@@ -4,7 +4,6 @@
 // each built with its own flags and loaded (load_tier) only where cpu_features says it can run.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/aminmax.h>
 #include <ATen/ops/empty.h>
 #include <dlfcn.h>
 #include <torch/library.h>
@@ -91,38 +90,51 @@ std::string cpu_features() {
 
 bool is_float_input(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat; }
 
-// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, G], sums [2, M, G] int32).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle) {
+// A packed weight of n x k as the tiers read it: contiguous codes (nibbles or bytes) and the
+// fp16 bits of its scales and minimums, [n / 16, k / 32, 16] each.
+void check_packed(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k, bool nibbles) {
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
+  TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) == k / 32 && d.size(2) == 16 &&
+              d.scalar_type() == at::kShort && d.is_contiguous(),
+              "scales must be contiguous fp16 bits (int16) [", n / 16, ", ", k / 32, ", 16], got ", d.sizes(), " ",
+              d.scalar_type());
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kShort && m.is_contiguous(), "mins must match the scales");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n * k / (nibbles ? 2 : 1),
+              "codes must be contiguous uint8 holding ", n, " x ", k, nibbles ? " nibbles" : " bytes");
+}
+
+// x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd and xs [M, G] and
+// the codes' sums [2, M, G] (common.h); rows split over threads only when there are enough of
+// them to pay for it (a prefill).
+void quantize_into(const nanoserve_kernel_table& tier, const at::Tensor& x, int8_t* xq, float* xd, float* xs,
+                   int32_t* sums) {
   TORCH_CHECK(x.dim() == 2 && is_float_input(x) && x.device().is_cpu(),
               "x must be a [rows, K] bf16 or fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "K = ", K, " is not a multiple of 32");
-  const nanoserve_kernel_table& tier = tier_of(handle);
   const at::Tensor xc = x.contiguous();
-  at::Tensor xq = at::empty({2, M, K}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, G}, xd.options());
-  at::Tensor sums = at::empty({2, M, G}, x.options().dtype(at::kInt));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  // Rows split over threads only when there are enough of them to pay for it (a prefill).
   at::parallel_for(0, M, M >= 16 ? 4 : M, [&](int64_t begin, int64_t end) {
-    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                       xs.data_ptr<float>(), sums.data_ptr<int32_t>());
+    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, xq, xd, xs, sums);
   });
+}
+
+// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, G], sums [2, M, G] int32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle) {
+  const int64_t M = x.dim() == 2 ? x.size(0) : 0, G = x.dim() == 2 ? x.size(1) / 32 : 0;
+  const at::Tensor xq = at::empty({2, M, 32 * G}, x.options().dtype(at::kChar));
+  const at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, G}, xd.options());
+  const at::Tensor sums = at::empty({2, M, G}, x.options().dtype(at::kInt));
+  quantize_into(tier_of(handle), x, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
+                sums.data_ptr<int32_t>());
   return {xq, xd, xs, sums};
 }
 
 at::Tensor group_mm(bool nibbles, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                     const at::Tensor& m, int64_t handle) {
-  TORCH_CHECK(x.dim() == 2 && is_float_input(x) && x.device().is_cpu(),
-              "x must be a [rows, K] bf16 or fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
-  TORCH_CHECK(K % 32 == 0, "K = ", K, " is not a multiple of 32");
-  TORCH_CHECK(d.dim() == 3 && d.size(1) == G && d.size(2) == 16 && d.scalar_type() == at::kShort && d.is_contiguous(),
-              "scales must be contiguous fp16 bits (int16) [N / 16, ", G, ", 16], got ", d.sizes(), " ", d.scalar_type());
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kShort && m.is_contiguous(), "mins must match the scales");
-  const int64_t N = 16 * d.size(0);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * K / (nibbles ? 2 : 1),
-              "codes must be contiguous uint8 holding ", N, " x ", K, nibbles ? " nibbles" : " bytes");
+  TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / 32, 16]");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32, N = 16 * d.size(0);
+  check_packed(codes, d, m, N, K, nibbles);
   const nanoserve_kernel_table& tier = tier_of(handle);
   // One scratch allocation for the activations' codes [2, M, K], xd and xs [M, G], sums [2, M, G].
   at::Tensor scratch = at::empty({2 * M * K + 16 * M * G}, x.options().dtype(at::kChar));
@@ -130,16 +142,12 @@ at::Tensor group_mm(bool nibbles, const at::Tensor& x, const at::Tensor& codes, 
   float* xd = reinterpret_cast<float*>(xq + 2 * M * K);  // 2 M K is a multiple of 64: aligned
   float* xs = xd + M * G;
   int32_t* sums = reinterpret_cast<int32_t*>(xs + M * G);
-  const at::Tensor xc = x.contiguous();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, M, M >= 16 ? 4 : M, [&](int64_t begin, int64_t end) {
-    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, xq, xd, xs, sums);
-  });
+  quantize_into(tier, x, xq, xd, xs, sums);
   at::Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     tier.group_mm(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   reinterpret_cast<const uint16_t*>(m.data_ptr()), N, K, begin, end, M, xq, xd, xs, sums,
-                  out.data_ptr(), bf16);
+                  out.data_ptr(), x.scalar_type() == at::kBFloat16);
   });
   return out;
 }
@@ -158,11 +166,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k,
                       bool nibbles, at::ScalarType dtype, int64_t handle) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize writes fp32 or bf16");
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && d.dim() == 3 && d.size(0) == n / 16 && d.size(1) == k / 32 &&
-              d.size(2) == 16 && d.scalar_type() == at::kShort && d.is_contiguous() && m.sizes() == d.sizes() &&
-              m.scalar_type() == at::kShort && m.is_contiguous(), "scales and mins must be fp16 bits [n / 16, k / 32, 16]");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n * k / (nibbles ? 2 : 1),
-              "codes must hold ", n, " x ", k, " packed codes");
+  check_packed(codes, d, m, n, k, nibbles);
   const nanoserve_kernel_table& tier = tier_of(handle);
   at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
   at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
@@ -176,22 +180,17 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Te
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, const at::Tensor& rows,
                            int64_t n, int64_t k, bool nibbles, at::ScalarType dtype, int64_t handle) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_rows writes fp32 or bf16");
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && d.dim() == 3 && d.size(0) == n / 16 && d.size(1) == k / 32 &&
-              d.scalar_type() == at::kShort && d.is_contiguous() && m.sizes() == d.sizes() && m.is_contiguous(),
-              "scales and mins must be fp16 bits [n / 16, k / 32, 16]");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n * k / (nibbles ? 2 : 1),
-              "codes must hold ", n, " x ", k, " packed codes");
+  check_packed(codes, d, m, n, k, nibbles);
   TORCH_CHECK(rows.scalar_type() == at::kLong, "rows must be int64");
   const at::Tensor flat = rows.contiguous().view(-1);
-  if (flat.numel()) {
-    const auto [low, high] = at::aminmax(flat);
-    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < n, "rows must lie in [0, ", n, ")");
+  const int64_t* r = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i) {  // a row past the weight would read past its codes
+    TORCH_CHECK(r[i] >= 0 && r[i] < n, "rows must lie in [0, ", n, "), got ", r[i]);
   }
   const nanoserve_kernel_table& tier = tier_of(handle);
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.push_back(k);
   at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
-  const int64_t* r = flat.data_ptr<int64_t>();
   const int64_t size = out.element_size();
   at::parallel_for(0, flat.numel(), 16, [&](int64_t begin, int64_t end) {
     tier.dequantize_rows(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
