@@ -425,7 +425,7 @@ def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():
     # op's fake shape) into the graph: it decodes as eager does, with no recompile.
     from nanoserve.model.quant import DEQUANT_FROM_ROWS
     plan = WeightPlan("int4", int8_head=True)
-    rows = DEQUANT_FROM_ROWS[plan.tier]
+    rows = DEQUANT_FROM_ROWS.get(plan.tier)
     if rows is None:  # torch's kernel: no dequantised path to trace
         rows = 8
     torch._dynamo.reset()

@@ -52,9 +52,9 @@ DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "
 # From how many rows a group-wise layer without a dense copy dequantises its weight into the
 # compute dtype and multiplies it in a dense GEMM: at a prompt's hundreds of rows the GEMM's
 # arithmetic rate wins over the integer kernels, and the dequantisation (one pass over the
-# weight) is shared by every row. Same bench as above; None: never.
-DEQUANT_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 64, "neon-dot": 64,
-                                            "neon": 64, "scalar": 16, "torch": None}
+# weight) is shared by every row. Same bench as above.
+DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 64, "neon-dot": 64, "neon": 64,
+                                     "scalar": 16}
 # The group-wise int8 LM head (49152 x 576) reads a byte per weight against the body's half, so
 # its dense copy takes over sooner where the body has one.
 HEAD_DENSE_FROM_ROWS = 16
@@ -145,7 +145,7 @@ def resolve_group_kernel(kernel: str, dtype: torch.dtype) -> str:
 class _PackedLinear(nn.Module):
     """A weight-only packed linear: ``x @ w.T (+ bias)`` through ``_packed_mm``; from
     ``dense_from_rows`` rows on (a static shape under compile, so the choice is made at trace
-    time) through a dense copy (in the compute dtype) instead."""
+    time) through a dense GEMM over ``_dense_weight``: the held dense copy (in the compute dtype)."""
 
     def __init__(self, bias: torch.Tensor | None, dense: torch.Tensor | None, dense_from_rows: int | None) -> None:
         super().__init__()
@@ -156,9 +156,12 @@ class _PackedLinear(nn.Module):
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dense
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_from_rows:
-            return F.linear(x, self.dense, self.bias)
+        if self.dense_from_rows is not None and x.shape[0] >= self.dense_from_rows:
+            return F.linear(x, self._dense_weight(x.dtype), self.bias)
         out = self._packed_mm(x)
         return out if self.bias is None else out + self.bias
 
@@ -173,16 +176,17 @@ class _GroupLinear(_PackedLinear):
         super().__init__(bias, dense, dense_from_rows)
         self.kernel = resolve_group_kernel(kernel, dtype)
         self.handle = cpu_kernels.handle(self.kernel)
+        if dense is None and self.handle is not None:
+            # No copy held: from DEQUANT_FROM_ROWS rows the weight is dequantised for the call.
+            self.dense_from_rows = DEQUANT_FROM_ROWS[self.kernel]
 
     NIBBLES = True  # the codes' width in cpu_kernels' layout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = DEQUANT_FROM_ROWS[self.kernel]
-        if self.dense is None and self.handle is not None and rows is not None and x.shape[0] >= rows:
-            weight = torch.ops.nanoserve.dequantize(self.codes, self.scales, self.mins, self.out_features,
-                                                    self.in_features, self.NIBBLES, x.dtype, self.handle)
-            return F.linear(x, weight, self.bias)
-        return super().forward(x)
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense
+        return torch.ops.nanoserve.dequantize(self.codes, self.scales, self.mins, self.out_features, self.in_features,
+                                              self.NIBBLES, dtype, self.handle)
 
     def _hold_codes(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
         for name, tensor in (("codes", codes), ("scales", scales), ("mins", mins)):
@@ -301,7 +305,8 @@ class WeightPlan:
     set, packed linears also keep a dense copy (in the compute dtype) used for inputs of at least
     that many rows. ``int8_head`` (int4 only) runs the LM head as group-32 int8
     (``Int8GroupLinear``: the default GGUF's own Q8_0 blocks) instead of dense; a tied embedding
-    stays a dense table. With a dense copy the head takes it from
+    stays a dense table, except where nanoserve's kernels run the head without a dense copy
+    (then ``GroupEmbedding`` reads it from the head's codes). With a dense copy the head takes it from
     ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows. ``kernel`` (GROUP_KERNELS, int4 only)
     says who runs the group-wise layers."""
 
