@@ -10,30 +10,18 @@ decode bucket first, ~1 minute each). The full grids are ``e2e`` and ``decode``.
 from __future__ import annotations
 
 import argparse
-import platform
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from compile.e2e import LLAMA_CPP, TRANSFORMERS, Workload, add_workload_options, run, workload_from
-from compile.report import format_table, write_csv
+from compile.report import format_table, host_description, write_csv
 from nanoserve.model import cpu_kernels
 
 DEFAULTS = Workload(weights=("auto",), batches=(1, 8, 32))
 SYSTEMS = {"nanoserve eager": "eager_tok_s", "nanoserve compiled": "compile_tok_s",
            TRANSFORMERS + " fp32": "hf_tok_s", LLAMA_CPP: "llama_tok_s"}
-
-
-def cpu_name() -> str:
-    """The host CPU's model name, for the record (the kernels detect features through cpuid)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
@@ -90,9 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix for the output files (e.g. the forced kernel tier)")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    tier = cpu_kernels.resolve_tier()
-    host = dict(cpu=cpu_name(), kernels=tier, dtype=str(cpu_kernels.compute_dtype(tier)).removeprefix("torch."))
-    print(f"CPU: {host['cpu']}; nanoserve kernels: {tier} (forced with {cpu_kernels.ENV}=<tier>), "
+    host = host_description()
+    print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']} (forced with {cpu_kernels.ENV}=<tier>), "
           f"compute dtype {host['dtype']}")
     rows = headline_rows(run(workload_from(args)), host)
     print("\n" + format_table(rows, columns(rows)))

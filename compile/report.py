@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -11,6 +12,22 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def host_description() -> dict:
+    """What a recorded figure ran on: the CPU's model name, nanoserve's kernel tier and the
+    compute dtype that tier uses (the kernels detect features through cpuid, not this name)."""
+    from nanoserve.model import cpu_kernels
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith(("model name", "Model"))]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    tier = cpu_kernels.resolve_tier()
+    return dict(cpu=cpu, kernels=tier, dtype=str(cpu_kernels.compute_dtype(tier)).removeprefix("torch."))
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:

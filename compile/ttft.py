@@ -17,10 +17,8 @@ import numpy as np
 import torch
 
 from compile import llama_peer
-from compile.headline import cpu_name
-from compile.report import RESULTS, format_table, write_csv
+from compile.report import RESULTS, format_table, host_description, write_csv
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model import cpu_kernels
 from nanoserve.model.loader import resolve_model_path
 
 TEXT = Path(__file__).parent / "texts" / "fidelity.txt"
@@ -67,9 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     lengths = [int(n) for n in args.lengths.split(",")]
-    tier = cpu_kernels.resolve_tier()
-    host = dict(cpu=cpu_name(), kernels=tier, dtype=str(cpu_kernels.compute_dtype(tier)).removeprefix("torch."))
-    print(f"CPU: {host['cpu']}; nanoserve kernels: {tier}, compute dtype {host['dtype']}")
+    host = host_description()
+    print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}")
     engine = build_engine(args.model, max_batch_size=1, max_model_len=max(lengths) + 16, enable_prefix_caching=False)
     peer = None
     if not args.no_llama_cpp:
