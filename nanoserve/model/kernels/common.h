@@ -114,6 +114,29 @@ inline void store_float(void* p, int64_t i, float v, bool bf16) {
   else static_cast<float*>(p)[i] = v;
 }
 
+// One activation group's scales, from its largest |x|: coarse = max |x| / 127 for the hi codes,
+// fine = coarse / 254 for the lo codes (reference.cpp's quantiser, which every tier repeats in
+// its own instructions). A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine
+// would overflow.
+struct GroupScales {
+  float coarse, fine, inv_coarse, inv_fine;
+};
+
+inline GroupScales group_scales(float amax) {
+  const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
+  return {coarse, fine, coarse > 0.f ? 1.f / coarse : 0.f, fine > 0.f ? 1.f / fine : 0.f};
+}
+
+// What the products read of group i (of M rows x G groups) besides its codes: the sums of its
+// hi and lo codes, its fine scale, and fine * sum(254 hi + lo).
+inline void store_group(int64_t i, int64_t M, int64_t G, int32_t sum_hi, int32_t sum_lo, float fine, float* xd,
+                        float* xs, int32_t* xsum) {
+  xsum[i] = sum_hi;
+  xsum[M * G + i] = sum_lo;
+  xd[i] = fine;
+  xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+}
+
 // The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
 inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t k) {
   if (nibbles) {

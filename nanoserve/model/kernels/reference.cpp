@@ -29,14 +29,12 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
       const float a = v[k] < 0.f ? -v[k] : v[k];
       amax = a > amax ? a : amax;
     }
-    // A group this small (bf16 reaches 1e-38) counts as zeros: 1 / fine would overflow.
-    const float coarse = amax > 1e-30f ? amax / 127.f : 0.f, fine = coarse / 254.f;
-    const float inv_coarse = coarse > 0.f ? 1.f / coarse : 0.f, inv_fine = fine > 0.f ? 1.f / fine : 0.f;
+    const GroupScales sc = group_scales(amax);
     for (int64_t k = 0; k < GROUP; ++k) {
-      const float h = __builtin_rintf(v[k] * inv_coarse);  // ties to even
+      const float h = __builtin_rintf(v[k] * sc.inv_coarse);  // ties to even
       hi[k] = h > 127.f ? 127.f : (h < -127.f ? -127.f : h);
-      const float product = hi[k] * coarse;
-      const float l = __builtin_rintf((v[k] - product) * inv_fine);
+      const float product = hi[k] * sc.coarse;
+      const float l = __builtin_rintf((v[k] - product) * sc.inv_fine);
       lo[k] = l > 127.f ? 127.f : (l < -127.f ? -127.f : l);
     }
     int32_t sum_hi = 0, sum_lo = 0;
@@ -47,10 +45,7 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
       sum_hi += h;
       sum_lo += l;
     }
-    xsum[i] = sum_hi;
-    xsum[M * G + i] = sum_lo;
-    xd[i] = fine;
-    xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+    store_group(i, M, G, sum_hi, sum_lo, sc.fine, xd, xs, xsum);
   }
 }
 

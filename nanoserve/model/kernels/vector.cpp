@@ -54,13 +54,12 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
       v[c] = V::load(x + i * GROUP + V::LANES * c);
       amax = V::max(amax, V::abs(v[c]));
     }
-    const float largest = V::hmax(amax);
-    const float coarse = largest > 1e-30f ? largest / 127.f : 0.f, fine = coarse / 254.f;
-    const V::F inv_coarse = V::set1(coarse > 0.f ? 1.f / coarse : 0.f), inv_fine = V::set1(fine > 0.f ? 1.f / fine : 0.f);
+    const GroupScales sc = group_scales(V::hmax(amax));
+    const V::F inv_coarse = V::set1(sc.inv_coarse), inv_fine = V::set1(sc.inv_fine), coarse = V::set1(sc.coarse);
     V::F sum_h = V::fzero(), sum_l = V::fzero();  // integers below 2^12: exact in fp32
     for (int c = 0; c < C; ++c) {
       const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_coarse)), bottom), top);
-      const V::F rest = V::sub(v[c], V::mul(h, V::set1(coarse)));
+      const V::F rest = V::sub(v[c], V::mul(h, coarse));
       const V::F l = V::min(V::max(V::rint(V::mul(rest, inv_fine)), bottom), top);
       V::store_int8(xq + i * GROUP + V::LANES * c, V::to_int(h));
       V::store_int8(xq + M * K + i * GROUP + V::LANES * c, V::to_int(l));
@@ -68,10 +67,7 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
       sum_l = V::add(sum_l, l);
     }
     const int32_t sum_hi = static_cast<int32_t>(V::hsum(sum_h)), sum_lo = static_cast<int32_t>(V::hsum(sum_l));
-    xsum[i] = sum_hi;
-    xsum[M * G + i] = sum_lo;
-    xd[i] = fine;
-    xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+    store_group(i, M, G, sum_hi, sum_lo, sc.fine, xd, xs, xsum);
   }
 }
 
