@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from compile import decode_bench, e2e, fidelity_suite, headline, serve_bench, slotbench, ttft
+from compile import decode_bench, e2e, fidelity_suite, headline, linear_bench, serve_bench, slotbench, ttft
 
 # name -> main(argv) -> exit status
 SUITES: dict[str, Callable[[Sequence[str]], int]] = {
@@ -20,6 +20,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "slots": slotbench.main,
     "serve": serve_bench.main,
     "ttft": ttft.main,
+    "linear": linear_bench.main,
 }
 DEFAULT_SUITE = "headline"
 

@@ -1,5 +1,5 @@
 """decode: eager vs compiled decode steps over bucketed [rows, width] shapes
-(`python compilebench.py decode`; `--quick` for a ~3-minute version).
+(`python compilebench.py decode`; `--quick` for a short version).
 
 For each bucket, every row holds ``width - 1`` tokens and the step writes its ``width``-th,
 so the forward reads full windows. Each arm owns a ``DecodeStep`` over the same cache and
@@ -18,8 +18,17 @@ from pathlib import Path
 
 import torch
 
+from compile.common import (
+    add_output_options,
+    format_table,
+    int_list,
+    median_seconds,
+    pyplot,
+    result_stem,
+    save_figure,
+    write_results,
+)
 from compile.floor import matmul_floor_seconds
-from compile.report import RESULTS, format_table, median_seconds, write_csv
 from nanoserve.cache.paged_cache import BatchedPagedKVCache
 from nanoserve.engine.bucketing import Buckets
 from nanoserve.engine.decode import DecodeStep
@@ -110,10 +119,7 @@ def _fx_cache_hits() -> int:
 
 
 def write_plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     widths = sorted({r["width"] for r in results})
     fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 4), squeeze=False)
     for ax, width in zip(axes[0], widths):
@@ -125,13 +131,7 @@ def write_plot(results: list[dict], path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="rows", ylabel="decode step (ms, median)",
                title=f"width {width} ({results[0]['device']}, {results[0]['dtype']})")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -140,17 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--rows", type=_ints, default=[1, 8, 32, 64])
-    parser.add_argument("--widths", type=_ints, default=[128, 512])
+    parser.add_argument("--rows", type=int_list, default=(1, 8, 32, 64))
+    parser.add_argument("--widths", type=int_list, default=(128, 512))
     parser.add_argument("--steps", type=int, default=20, help="timed calls per arm and bucket")
     parser.add_argument("--arms", type=lambda t: t.split(","), default=["eager", "compile", "reduce-overhead"])
-    parser.add_argument("--quick", action="store_true", help="rows 1,8,32 at width 128, 8 steps (~3 min on CPU)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--tag", default="", help="suffix for the output files (e.g. cuda)")
-    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="rows 1,8,32 at width 128, 8 steps")
+    add_output_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rows, args.widths, args.steps = [1, 8, 32], [128], 8
+        args.rows, args.widths, args.steps = (1, 8, 32), (128,), 8
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
@@ -165,11 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table([], COLUMNS))
     results = run(args)
     print("\n" + format_table(results, COLUMNS))
-    stem = f"decode{('-' + args.tag) if args.tag else ''}"
-    write_csv(results, args.out / f"{stem}.csv")
-    if not args.no_plot:
-        write_plot(results, args.out / f"{stem}.png")
-    print(f"wrote {args.out / (stem + '.csv')}" + ("" if args.no_plot else f" and {stem}.png"))
+    write_results(results, args.out, result_stem("decode", tag=args.tag), None if args.no_plot else write_plot)
     return 0
 
 

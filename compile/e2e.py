@@ -8,7 +8,8 @@ weights. Each system's decode step time is the median over its steps, prefill le
 run interleaved, one step each in a rotating order (compile/interleave.py), and each ratio is
 the median over neighbouring pairs of steps. Each step is also quoted against two floors
 measured in the same run (compile/floor.py): the step's matrix products in its own format,
-and its weight bytes over the machine's read bandwidth.
+and its weight bytes over the machine's read bandwidth. ``--model`` runs another GGUF file (or a
+Hugging Face directory) in place of the default; its result files carry the file's name.
 """
 
 from __future__ import annotations
@@ -16,50 +17,35 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from compile import llama_peer
+from compile.common import (
+    MODES,
+    WEIGHT_FORMATS,
+    DecodeWorkload,
+    add_output_options,
+    format_table,
+    int_list,
+    make_prompts,
+    name_list,
+    pyplot,
+    result_stem,
+    save_figure,
+    write_results,
+)
 from compile.floor import matmul_floor_seconds, read_bandwidth, step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, interleaved_run, load_reference
-from compile.report import RESULTS, format_table, write_csv
 from nanoserve.engine import build_engine
 from nanoserve.model.loader import resolve_model_path
 
 LLAMA_CPP = llama_peer.NAME
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "auto")
-MODES = ("eager", "compile")
 COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_tok_s", "vs_llama", "vs_llama_p10", "vs_llama_p90",
            "hf_tok_s", "vs_hf", "step_ms", "floor_ms", "bw_floor_ms", "x_floor", "x_bw_floor", "llama_x_bw_floor",
            "outside_forward", "same_as_hf", "same_as_llama"]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one e2e run measures: every weight format x mode x batch, beside the peers asked for."""
-
-    model: str = "smollm2"
-    weights: tuple[str, ...] = WEIGHT_FORMATS
-    modes: tuple[str, ...] = MODES
-    batches: tuple[int, ...] = (1, 8, 32, 64)
-    prompt_len: int = 32
-    new_tokens: int = 128
-    transformers: bool = True
-    llama_cpp: bool = True
-    threads: int = field(default_factory=torch.get_num_threads)
-    llama_repack: bool = False  # llama.cpp's weight repacking (compile/llama_peer.py says why off)
-    kv_cache_bytes: int | None = None
-
-    @property
-    def max_len(self) -> int:
-        return self.prompt_len + self.new_tokens + 1
-
-
-def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed + batch)
-    return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
 
 
 def engine_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float, list[list[int]]]:
@@ -79,7 +65,7 @@ class Peers:
     llama_weight_bytes: int = 0
 
     @classmethod
-    def load(cls, work: Workload) -> Peers:
+    def load(cls, work: DecodeWorkload) -> Peers:
         peers = cls(reference=load_reference(work.model) if work.transformers else None)
         if work.llama_cpp:
             path = resolve_model_path(work.model)
@@ -99,7 +85,7 @@ def gguf_tensor_bytes(path: Path) -> int:
     return sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors)
 
 
-def build_engines(work: Workload, weights: str) -> dict[str, object]:
+def build_engines(work: DecodeWorkload, weights: str) -> dict[str, object]:
     # The budget holds the largest batch's prompts, so its prefill is one step (EngineSteps
     # counts every later step as decode).
     return {mode: build_engine(work.model, max_batch_size=max(work.batches), max_model_len=work.max_len,
@@ -122,7 +108,7 @@ def paired_ratios(theirs: list[float], ours: list[float]) -> list[float]:
     return sorted(t / o for t, o in zip(theirs, ours))
 
 
-def measure_format(work: Workload, weights: str, peers: Peers) -> list[dict]:
+def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dict]:
     engines = build_engines(work, weights)
     any_engine = next(iter(engines.values()))
     warm = make_prompts(max(work.batches), 8, any_engine.vocab_size, seed=99)
@@ -166,7 +152,7 @@ def _speed(result, mode: str, batch: int) -> dict:
     return row
 
 
-def run(work: Workload) -> list[dict]:
+def run(work: DecodeWorkload) -> list[dict]:
     if work.llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)
         work = replace(work, llama_cpp=False)
@@ -183,10 +169,7 @@ def run(work: Workload) -> list[dict]:
 
 def write_plot(results: list[dict], path: Path) -> None:
     """One panel per weight format: tokens/s per batch for every system, and both floors."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     formats = list(dict.fromkeys(r["weights"] for r in results))
     fig, axes = plt.subplots(1, len(formats), figsize=(5 * len(formats), 4), squeeze=False)
     for ax, weights in zip(axes[0], formats):
@@ -209,32 +192,18 @@ def write_plot(results: list[dict], path: Path) -> None:
         ax.set_xticks([r["batch"] for r in base], [str(r["batch"]) for r in base])
         ax.minorticks_off()
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def _names(choices: Sequence[str]):
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(x for x in text.split(",") if x)
-        unknown = [x for x in names if x not in choices]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(choices)}")
-        return names
-    return parse
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def add_workload_options(parser: argparse.ArgumentParser, defaults: Workload) -> None:
+def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorkload) -> None:
     """The options e2e and the headline share (the headline with its own defaults)."""
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--weights", type=_names(WEIGHT_FORMATS), default=defaults.weights,
+    parser.add_argument("--model", default=defaults.model,
+                        help="a .gguf file, a Hugging Face directory, or smollm2 (the default); the result "
+                             "files of another model carry its file name")
+    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=defaults.weights,
                         help=f"comma-separated, from {','.join(WEIGHT_FORMATS)}")
-    parser.add_argument("--modes", type=_names(MODES), default=defaults.modes, help="eager,compile or one of them")
-    parser.add_argument("--batches", type=_ints, default=defaults.batches)
+    parser.add_argument("--modes", type=name_list(MODES), default=defaults.modes, help="eager,compile or one of them")
+    parser.add_argument("--batches", type=int_list, default=defaults.batches)
     parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers arm")
@@ -243,28 +212,22 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: Workload) ->
     parser.add_argument("--threads", type=int, default=defaults.threads, help="llama.cpp's threads (default: torch's)")
     parser.add_argument("--llama-repack", action="store_true",
                         help="let llama.cpp repack its weights (AMX); crashes in llama_decode on some VMs")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--no-plot", action="store_true")
+    add_output_options(parser)
 
 
-def workload_from(args: argparse.Namespace) -> Workload:
-    return Workload(model=args.model, weights=args.weights, modes=args.modes, batches=args.batches,
-                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, transformers=not args.no_transformers,
-                    llama_cpp=not args.no_llama_cpp, threads=args.threads,
-                    kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack)
+def workload_from(args: argparse.Namespace) -> DecodeWorkload:
+    return DecodeWorkload(model=args.model, weights=args.weights, modes=args.modes, batches=args.batches,
+                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                          transformers=not args.no_transformers, llama_cpp=not args.no_llama_cpp,
+                          threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py e2e", description=__doc__.split("\n\n")[0])
-    add_workload_options(parser, Workload())
-    parser.add_argument("--tag", default="", help="suffix for the output files")
+    add_workload_options(parser, DecodeWorkload())
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     results = run(workload_from(args))
     print("\n" + format_table(results, COLUMNS))
-    name = f"e2e{('-' + args.tag) if args.tag else ''}"
-    write_csv(results, args.out / f"{name}.csv")
-    if not args.no_plot:
-        write_plot(results, args.out / f"{name}.png")
-    print(f"wrote {args.out / name}.csv" + ("" if args.no_plot else f" and {name}.png"))
+    write_results(results, args.out, result_stem("e2e", args.model, args.tag), None if args.no_plot else write_plot)
     return 0

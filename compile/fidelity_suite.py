@@ -1,12 +1,15 @@
 """fidelity: how close each weight format's logits stay to the fp32 reference, beside llama.cpp
 on the same token ids (`python compilebench.py fidelity`).
 
-Teacher-forced over a fixed English text (compile/fidelity.py holds the text, the forward and
-the metrics): every position's logits of the format against fp32's, as top-1 agreement, mean
-and p99 KL divergence per token, and the perplexity ratio. With llama-cpp-python installed,
-llama.cpp's own logits for every position of the same ids (its GGUF as shipped) get the same
-metrics, and each format is marked at least as faithful when it is no worse on all three:
-top-1 agreement, mean KL, and the perplexity ratio's distance from 1.
+Teacher-forced over a fixed English text (compile/texts/fidelity.txt; the forward and the
+metrics are nanoserve.model.fidelity): every position's logits of the format against those of
+the fp32 dequantisation of the same file, as top-1 agreement, mean and p99 KL divergence per
+token, and the perplexity ratio. With llama-cpp-python installed, llama.cpp's own logits for
+every position of the same ids (the GGUF as the file stores it) get the same metrics, and each
+format is marked at least as faithful when it is no worse on all three: top-1 agreement, mean KL,
+and the perplexity ratio's distance from 1. ``--model`` reads another GGUF file (a
+multi-type K-quant file, say) in place of the default; ``--weights auto --chunk-rows 8`` measures
+the path a decode step of a few rows takes, the weights run as the file stores them.
 """
 
 from __future__ import annotations
@@ -18,10 +21,19 @@ from pathlib import Path
 
 import torch
 
-from compile import fidelity, llama_peer
-from compile.report import RESULTS, format_table, write_csv
+from compile import llama_peer
+from compile.common import (
+    FIDELITY_TEXT,
+    WEIGHT_FORMATS,
+    add_output_options,
+    format_table,
+    name_list,
+    result_stem,
+    write_results,
+)
 from nanoserve.engine import build_engine
-from nanoserve.model.loader import resolve_model_path
+from nanoserve.model.fidelity import fidelity_metrics, teacher_forced_logits
+from nanoserve.model.loader import DEFAULT_MODEL, resolve_model_path
 
 FORMATS = ("bf16", "int8", "int4", "auto")
 COLUMNS = ["system", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", "at_least_llama", "seconds"]
@@ -34,7 +46,7 @@ def engine_in(model: str, weights: str):
 
 def metrics_row(system: str, reference: torch.Tensor, logits: torch.Tensor, token_ids: list[int],
                 seconds: float) -> dict:
-    m = fidelity.fidelity_metrics(reference[:-1], logits[:-1], torch.tensor(token_ids[1:]))
+    m = fidelity_metrics(reference[:-1], logits[:-1], torch.tensor(token_ids[1:]))
     return dict(system=system, tokens=len(token_ids) - 1, top1=m.top1_agreement, mean_kl=m.mean_kl,
                 p99_kl=m.p99_kl, ppl=m.test_perplexity, ref_ppl=m.ref_perplexity, ppl_ratio=m.perplexity_ratio,
                 seconds=seconds)
@@ -59,19 +71,25 @@ def timed(fn, *args):
     return out, time.perf_counter() - started
 
 
+def text_ids(tokenizer, text: Path, max_tokens: int | None, limit: int) -> list[int]:
+    """The text's token ids, cut to ``max_tokens``; refused when the model cannot read them all."""
+    token_ids = tokenizer.encode(text.read_text())[:max_tokens]
+    if len(token_ids) > limit:
+        raise ValueError(f"{text} is {len(token_ids)} tokens; the model reads at most {limit} positions "
+                         "(--max-tokens cuts the text)")
+    return token_ids
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     fp32 = engine_in(args.model, "fp32")
-    token_ids = fp32.tokenizer.encode(args.text.read_text())
-    limit = fp32.model.config.max_position_embeddings
-    if len(token_ids) > limit:
-        raise ValueError(f"{args.text} is {len(token_ids)} tokens; the model reads at most {limit} positions")
-    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against fp32"
+    token_ids = text_ids(fp32.tokenizer, args.text, args.max_tokens, fp32.model.config.max_position_embeddings)
+    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against {args.model} in fp32"
           + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
-    reference = fidelity.teacher_forced_logits(fp32.model, token_ids)
+    reference = teacher_forced_logits(fp32.model, token_ids)
     del fp32
     rows = []
     for weights in args.weights:
-        logits, seconds = timed(fidelity.teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
+        logits, seconds = timed(teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
                                 args.chunk_rows)
         rows.append(metrics_row(weights, reference, logits, token_ids, seconds))
         print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
@@ -87,22 +105,29 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py fidelity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--weights", type=lambda t: tuple(x for x in t.split(",") if x), default=FORMATS)
-    parser.add_argument("--text", type=Path, default=fidelity.FIDELITY_TEXT)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="a .gguf file, a Hugging Face directory, or smollm2 (the default); the CSV of "
+                             "another model carries its file name")
+    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=FORMATS,
+                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)}")
+    parser.add_argument("--text", type=Path, default=FIDELITY_TEXT)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="read only the text's first N tokens (a large vocabulary's logits take memory)")
     parser.add_argument("--chunk-rows", type=int, default=None,
                         help="feed the text this many tokens per forward (the row count packed layers see); "
                              "default: one forward")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip the llama.cpp row")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
     if args.llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)
         args.llama_cpp = False
+    if args.llama_cpp and resolve_model_path(args.model).suffix != ".gguf":
+        print(f"llama.cpp: {args.model} is not a GGUF file, so its row is skipped")
+        args.llama_cpp = False
     torch.set_grad_enabled(False)
     rows = run(args)
     print("\n" + format_table(rows, COLUMNS))
-    write_csv(rows, args.out / "fidelity.csv")
-    print(f"wrote {args.out / 'fidelity.csv'}")
+    write_results(rows, args.out, result_stem("fidelity", args.model, args.tag))
     return 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compile.report import median_seconds
+from compile.common import median_seconds
 
 READ_BYTES = 256 << 20  # far larger than any CPU cache, so the read comes from memory
 

@@ -3,8 +3,8 @@ transformers and llama.cpp (`python compilebench.py`, the default suite, `make b
 
 The e2e suite's workload (compile/e2e.py) cut to what a newcomer came for: the ``auto``
 weights at batches 1, 8 and 32, every system interleaved step by step in one pass per batch.
-Sized for about five minutes on a 2-core CPU once the inductor cache is warm (a cold one compiles each
-decode bucket first, ~1 minute each). The full grids are ``e2e`` and ``decode``.
+A compiled engine first builds one decode graph per batch (inductor caches them on disk for the
+next run). The full grids are ``e2e`` and ``decode``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,19 @@ from pathlib import Path
 
 import torch
 
-from compile.e2e import LLAMA_CPP, TRANSFORMERS, Workload, add_workload_options, run, workload_from
-from compile.report import format_table, host_description, write_csv
+from compile.common import (
+    DecodeWorkload,
+    format_table,
+    host_description,
+    pyplot,
+    result_stem,
+    save_figure,
+    write_results,
+)
+from compile.e2e import LLAMA_CPP, TRANSFORMERS, add_workload_options, run, workload_from
 from nanoserve.model import cpu_kernels
 
-DEFAULTS = Workload(weights=("auto",), batches=(1, 8, 32))
+DEFAULTS = DecodeWorkload(weights=("auto",), batches=(1, 8, 32))
 SYSTEMS = {"nanoserve eager": "eager_tok_s", "nanoserve compiled": "compile_tok_s",
            TRANSFORMERS + " fp32": "hf_tok_s", LLAMA_CPP: "llama_tok_s"}
 
@@ -53,10 +61,7 @@ def columns(rows: list[dict]) -> list[str]:
 
 def write_plot(rows: list[dict], path: Path) -> None:
     """Grouped bars: tokens/s per batch, one bar per system."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     systems = {label: key for label, key in SYSTEMS.items() if key in rows[0]}
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(systems)
@@ -67,15 +72,12 @@ def write_plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(range(len(rows)), [f"batch {r['batch']}\nweights {r['weights']}" for r in rows])
     ax.set(ylabel="decode tokens/s (median step)", title="decode tokens/s, same prompts, systems interleaved")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py [headline]", description=__doc__.split("\n\n")[0])
     add_workload_options(parser, DEFAULTS)
-    parser.add_argument("--tag", default="", help="suffix for the output files (e.g. the forced kernel tier)")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     host = host_description()
@@ -83,9 +85,5 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"compute dtype {host['dtype']}")
     rows = headline_rows(run(workload_from(args)), host)
     print("\n" + format_table(rows, columns(rows)))
-    name = "headline" + (f"-{args.tag}" if args.tag else "")
-    write_csv(rows, args.out / f"{name}.csv")
-    if not args.no_plot:
-        write_plot(rows, args.out / f"{name}.png")
-    print(f"wrote {args.out / name}.csv" + ("" if args.no_plot else " and .png"))
+    write_results(rows, args.out, result_stem("headline", args.model, args.tag), None if args.no_plot else write_plot)
     return 0

@@ -1,6 +1,6 @@
-"""Where a dense GEMM overtakes the weight-only int4/int8 kernels, per linear shape of the
-default model and per kernel tier: ``python -m compile.linear_bench [--tier T]`` writes
-``compile/results/linear_crossover-<tier>.csv``. ``int4`` and ``int8g`` (group-wise int8, the LM
+"""linear: where a dense GEMM overtakes the weight-only int4/int8 kernels, per linear shape of the
+default model and per kernel tier (`python compilebench.py linear [--tier T]`, also
+`python -m compile.linear_bench`), written to ``compile/results/linear_crossover-<tier>.csv``. ``int4`` and ``int8g`` (group-wise int8, the LM
 head's format) run the tier's kernels with activations in its compute dtype (bf16 where the CPU
 computes it natively, else fp32), ``dense`` is the dense copy ``auto`` would keep (that dtype),
 ``int4_torch`` torch's int4 kernel (bf16).
@@ -14,14 +14,14 @@ on a shared machine the ratios between arms are the figure to read, not the time
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from compile.common import add_output_options, format_table, result_stem, write_results
 from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import (
     Int4Linear,
@@ -30,7 +30,6 @@ from nanoserve.model.quant import (
     quantize_int8_groups,
 )
 
-RESULTS = Path(__file__).parent / "results"
 # [N, K] of the default model's linears (fused q/k/v, o, gate and up, down) and its LM head.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
@@ -74,31 +73,28 @@ def measure(shape: str, rows: int, repeats: int, layers: int, tier: str) -> dict
                 dense_vs_int4=round(dense / us["int4"], 3), dense_vs_int8g=round(dense / us["int8g"], 3))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py linear", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--tier", default="auto", choices=[c for c in cpu_kernels.CHOICES if c != "torch"])
-    parser.add_argument("--out", type=Path, default=None)
+    add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
     tier = cpu_kernels.resolve_tier(args.tier)
-    out = args.out or RESULTS / f"linear_crossover-{tier}.csv"
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(format_table([], COLUMNS))
     results = []
     for shape in args.shapes:
         for rows in args.rows:
             results.append(measure(shape, rows, args.repeats, args.layers, tier))
-            print(", ".join(f"{c}={results[-1][c]}" for c in COLUMNS), flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
-        writer.writeheader()
-        writer.writerows(results)
+            print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
+    write_results(results, args.out, result_stem("linear_crossover", tag=f"{tier}-{args.tag}" if args.tag else tier))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

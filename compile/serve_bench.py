@@ -35,11 +35,19 @@ from pathlib import Path
 
 import torch
 
-from compile.report import RESULTS, format_table, write_csv
+from compile.common import (
+    FIDELITY_TEXT,
+    add_output_options,
+    format_table,
+    pyplot,
+    result_stem,
+    save_figure,
+    write_results,
+)
 from nanoserve.engine import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.model.loader import DEFAULT_MODEL
 
-TEXT = Path(__file__).resolve().parent / "texts" / "fidelity.txt"
 TOPICS = ("rivers", "trains", "caches", "bridges", "glaciers", "compilers", "tides", "forests", "volcanoes",
           "libraries", "harbours", "orchards", "deserts", "comets", "lighthouses", "canals", "bees", "clocks",
           "coral reefs", "windmills", "maps", "salt", "owls", "kites", "mushrooms", "bicycles", "thunder",
@@ -54,7 +62,7 @@ EngineFactory = Callable[..., object]  # build flags -> Engine, all on the same 
 
 @dataclass(frozen=True)
 class ServeWorkload:
-    model: str = "smollm2"
+    model: str = DEFAULT_MODEL
     weights: str | None = None
     device: str = "cpu"
     compile: bool = False
@@ -104,7 +112,7 @@ def _chat_turn(engine, messages: list[dict], max_tokens: int) -> tuple[object, i
 def _warm(engine) -> None:
     """One request that shares no block with the workloads (no chat template), so first-call
     costs are not charged to the first measured request."""
-    engine.generate([TEXT.read_text()[:200]], greedy(2), use_tqdm=False)
+    engine.generate([FIDELITY_TEXT.read_text()[:200]], greedy(2), use_tqdm=False)
 
 
 def shared_prefix(make: EngineFactory, work: ServeWorkload) -> list[dict]:
@@ -213,7 +221,7 @@ def long_prompt(make: EngineFactory, work: ServeWorkload) -> list[dict]:
         for arm, flags in arms if repeat % 2 == 0 else arms[::-1]:
             engine = make(enable_prefix_caching=False, **flags)
             _warm(engine)
-            long_ids = engine.tokenizer.encode(TEXT.read_text())[:work.long_tokens]
+            long_ids = engine.tokenizer.encode(FIDELITY_TEXT.read_text())[:work.long_tokens]
             gaps = long_prefill_gaps(engine, work.streams, long_ids, work.warm_steps)
             undisturbed = statistics.median(gaps.before)
             p99 = _quantile(gaps.during, 0.99)
@@ -295,12 +303,9 @@ def engine_factory(work: ServeWorkload) -> EngineFactory:
     return make
 
 
-def write_plot(rows: list[dict], path: Path) -> None:
-    """One panel per workload: TTFT on vs off, TTFT per turn, inter-token latency off vs on."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def write_plot(rows: Sequence[dict], path: Path) -> None:
+    """One panel per workload (target rows left out): TTFT on vs off, TTFT per turn, inter-token latency off vs on."""
+    plt = pyplot()
     names = [name for name in WORKLOADS if any(r["workload"] == name for r in rows)]
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8), squeeze=False)
     for ax, name in zip(axes[0], names):
@@ -327,13 +332,11 @@ def write_plot(rows: list[dict], path: Path) -> None:
                    title=f"{mine[0]['streams']} streams, {mine[0]['long_tokens']}-token prompt arrives")
             ax.legend(fontsize="small")
         ax.title.set_fontsize("small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def report(rows: list[dict], out: Path, plot: bool) -> str:
-    """Print-ready tables (one per workload, then the targets); writes serve.csv (and serve.png)."""
+def report(rows: list[dict]) -> str:
+    """Print-ready tables: one per workload, then the targets."""
     sections = []
     for name, columns in COLUMNS.items():
         mine = [r for r in rows if r["workload"] == name]
@@ -344,10 +347,12 @@ def report(rows: list[dict], out: Path, plot: bool) -> str:
     checks = targets(rows)
     if checks:
         sections.append("targets:\n" + format_table(checks, ["target", "measured", "passed"]))
-    write_csv(rows + [dict(workload="target", **c) for c in checks], out / "serve.csv")
-    if plot:
-        write_plot(rows, out / "serve.png")
     return "\n\n".join(sections)
+
+
+def with_targets(rows: list[dict]) -> list[dict]:
+    """The CSV's rows: every workload's, then one per target."""
+    return rows + [dict(workload="target", **c) for c in targets(rows)]
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -377,12 +382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long-repeats", type=int, default=defaults.long_repeats,
                         help="long: repeats per arm (the target reads their median)")
     parser.add_argument("--kv-cache-bytes", type=int, default=defaults.kv_cache_bytes)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--no-plot", action="store_true")
+    add_output_options(parser)
     args = parser.parse_args(argv)
-    work = ServeWorkload(**{k: v for k, v in vars(args).items() if k not in ("out", "no_plot")})
+    work = ServeWorkload(**{k: v for k, v in vars(args).items() if k not in ("out", "tag", "no_plot")})
     torch.set_grad_enabled(False)
     rows = run(engine_factory(work), work)
-    print("\n" + report(rows, args.out, not args.no_plot))
-    print(f"wrote {args.out / 'serve.csv'}" + ("" if args.no_plot else " and serve.png"))
+    print("\n" + report(rows))
+    write_results(with_targets(rows), args.out, result_stem("serve", args.model, args.tag),
+                  None if args.no_plot else write_plot)
     return 0

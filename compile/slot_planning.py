@@ -12,12 +12,12 @@ forward costs the host code that follows it: its weights push that code's data o
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from compile.common import time_once
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
@@ -35,16 +35,6 @@ class PlanningRun:
     @property
     def max_model_len(self) -> int:
         return self.context + self.warmup + 3 * self.steps
-
-
-def time_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds `fn()` takes, a GPU synchronised before and after."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 def plan_step(engine: Engine, rows: int) -> tuple[int, int]:

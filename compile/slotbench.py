@@ -30,7 +30,6 @@ step of the default model, measured in the same run (slots_planning.csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import statistics
 import time
@@ -41,20 +40,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compile.common import add_output_options, int_list, pyplot, result_stem, save_figure, write_results
 from compile.slot_planning import PlanningRun, format_planning, measure_planning, planning_verdict
 from nanoserve.cache.blocks import BlockPool, BlockTable
 from nanoserve.cache.gates import GateError, check_plan_addressing
 from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
 from nanoserve.slots import RowsLike, SlotTable, rebuild_mapping
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 MAX_BATCH_SIZE = 8
 ARMS = ("rebuild", "loop_append", "window", "gather")
 
 
 @dataclass(frozen=True)
-class Workload:
+class SlotWorkload:
+    """`rows` rows decode `steps` tokens after a `prompt`-token prompt (host only, no weights)."""
+
     rows: int = 4
     prompt: int = 16
     steps: int = 512
@@ -156,7 +157,7 @@ def loop_append_plan(tables: dict[int, BlockTable], pool: BlockPool, table: Slot
                       sum(lengths), write_slots, positions, True)
 
 
-def run_rebuild(work: Workload) -> ArmRun:
+def run_rebuild(work: SlotWorkload) -> ArmRun:
     rows = work.row_ids("rebuild")
     pool = BlockPool(work.num_blocks, BLOCK_SIZE)
     tables = {row: BlockTable(BLOCK_SIZE) for row in rows}
@@ -173,7 +174,7 @@ def run_rebuild(work: Workload) -> ArmRun:
     return ArmRun(seconds, cells, plan)
 
 
-def run_loop_append(work: Workload) -> ArmRun:
+def run_loop_append(work: SlotWorkload) -> ArmRun:
     rows = work.row_ids("loop_append")
     pool = BlockPool(work.num_blocks, BLOCK_SIZE)
     tables = {row: BlockTable(BLOCK_SIZE) for row in rows}
@@ -191,7 +192,7 @@ def run_loop_append(work: Workload) -> ArmRun:
     return ArmRun(seconds, count.resynced_cells + work.rows * work.steps, plan)
 
 
-def run_table(work: Workload, arm: str) -> ArmRun:
+def run_table(work: SlotWorkload, arm: str) -> ArmRun:
     cache = BatchedPagedKVCache(1, 1, 1, work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, work.max_model_len)
     rows = work.row_ids(arm)
     count = CellCount(cache.slot_table)
@@ -206,7 +207,7 @@ def run_table(work: Workload, arm: str) -> ArmRun:
     return ArmRun(seconds, count.resynced_cells + count.appended_cells, plan)
 
 
-RUNNERS: dict[str, Callable[[Workload], ArmRun]] = {
+RUNNERS: dict[str, Callable[[SlotWorkload], ArmRun]] = {
     "rebuild": run_rebuild,
     "loop_append": run_loop_append,
     "window": lambda work: run_table(work, "window"),
@@ -214,7 +215,7 @@ RUNNERS: dict[str, Callable[[Workload], ArmRun]] = {
 }
 
 
-def measure(work: Workload, repeats: int) -> dict[str, float | int]:
+def measure(work: SlotWorkload, repeats: int) -> dict[str, float | int]:
     """Median seconds per arm over interleaved repeats, plus the exact cell counts."""
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     cells: dict[str, int] = {}
@@ -277,19 +278,8 @@ def verdict(results: list[dict]) -> list[str]:
     return lines
 
 
-def write_csv(results: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(results[0]))
-        writer.writeheader()
-        for r in results:
-            writer.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
-
-
 def write_plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     steps = [r["steps"] for r in results]
@@ -315,13 +305,7 @@ def write_plot(results: list[dict], path: Path) -> None:
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle("slotbench: persistent SlotTable vs per-step rebuild_mapping (host, 4 rows, 16-token prompt)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+    save_figure(fig, path, dpi=110)
 
 
 def run_planning(args: argparse.Namespace) -> list[dict]:
@@ -346,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--plan-rows", type=_ints, default=PlanningRun.row_counts,
+    parser.add_argument("--plan-rows", type=int_list, default=PlanningRun.row_counts,
                         help="row counts of the planning table, e.g. 1,8,32,64")
     parser.add_argument("--plan-steps", type=int, default=PlanningRun.steps,
                         help="timed planning steps and decode steps per row count")
@@ -354,27 +338,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2", help="the planning run's model: build_engine's model argument")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-planning", action="store_true", help="the cell arms only (no weights loaded)")
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help="folder for slotbench.csv, slotbench.png and slots_planning.csv")
-    parser.add_argument("--no-plot", action="store_true")
+    add_output_options(parser)
     args = parser.parse_args(argv)
     if not 1 <= args.rows <= MAX_BATCH_SIZE // 2:
         parser.error(f"--rows must be 1..{MAX_BATCH_SIZE // 2} (the gather arm uses every other row of {MAX_BATCH_SIZE})")
     with torch.inference_mode():
-        results = [measure(Workload(args.rows, args.prompt, steps), args.repeats) for steps in args.steps]
+        results = [measure(SlotWorkload(args.rows, args.prompt, steps), args.repeats) for steps in args.steps]
     print(f"slotbench: {args.rows} rows, {args.prompt}-token prompt, block_size {BLOCK_SIZE}, "
           f"host, torch {torch.__version__}, median of {args.repeats}")
     print(format_table(results))
     for line in verdict(results):
         print(line)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(results, args.out / "slotbench.csv")
-    written = [args.out / "slotbench.csv"]
-    if not args.no_plot:
-        write_plot(results, args.out / "slotbench.png")
-        written.append(args.out / "slotbench.png")
+    write_results(results, args.out, result_stem("slotbench", tag=args.tag), None if args.no_plot else write_plot)
     if not args.no_planning:
-        write_csv(run_planning(args), args.out / "slots_planning.csv")
-        written.append(args.out / "slots_planning.csv")
-    print("wrote " + ", ".join(str(path) for path in written))
+        write_results(run_planning(args), args.out, result_stem("slots_planning", args.model, args.tag))
     return 0

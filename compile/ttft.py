@@ -11,23 +11,22 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from compile import llama_peer
-from compile.report import RESULTS, format_table, host_description, write_csv
+from compile.common import (
+    add_output_options,
+    format_table,
+    host_description,
+    int_list,
+    result_stem,
+    text_prompt,
+    write_results,
+)
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.loader import resolve_model_path
-
-TEXT = Path(__file__).parent / "texts" / "fidelity.txt"
-
-
-def prompt_of(tokenizer, length: int) -> list[int]:
-    """The first ``length`` tokens of the fidelity text (repeated if it is shorter)."""
-    ids = tokenizer.encode(TEXT.read_text())
-    return (ids * (length // len(ids) + 1))[:length]
+from nanoserve.model.loader import DEFAULT_MODEL, resolve_model_path
 
 
 def nanoserve_ttft(engine, prompt: list[int]) -> float:
@@ -56,15 +55,14 @@ def llama_ttft(peer: llama_peer.LlamaCpp, prompt: list[int]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py ttft", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--lengths", default="512,2000", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--lengths", type=int_list, default=(512, 2000), help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-llama-cpp", action="store_true")
-    parser.add_argument("--tag", default="", help="suffix for the output file (e.g. the forced kernel tier)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = args.lengths
     host = host_description()
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}")
     engine = build_engine(args.model, max_batch_size=1, max_model_len=max(lengths) + 16, enable_prefix_caching=False)
@@ -76,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(llama_peer.ABSENT)
     rows = []
     for length in lengths:
-        prompt = prompt_of(engine.tokenizer, length)
+        prompt = text_prompt(engine.tokenizer, length)
         ours, theirs = [], []
         for repeat in range(args.repeats + 1):  # the first of each is a warm-up
             t = nanoserve_ttft(engine, prompt)
@@ -96,7 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer.close()
     columns = list(dict.fromkeys(k for r in rows for k in r))
     print("\n" + format_table(rows, columns))
-    path = args.out / f"ttft{'-' + args.tag if args.tag else ''}.csv"
-    write_csv(rows, path)
-    print(f"wrote {path} (vs_llama > 1: nanoserve's first token comes sooner)")
+    write_results(rows, args.out, result_stem("ttft", args.model, args.tag))
+    print("vs_llama > 1: nanoserve's first token comes sooner")
     return 0

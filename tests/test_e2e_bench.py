@@ -8,8 +8,9 @@ import csv
 import pytest
 import torch
 
-from compile import headline, llama_peer
-from compile.e2e import Workload, engine_run, make_prompts, run
+from compile import e2e, headline, llama_peer
+from compile.common import DecodeWorkload, make_prompts
+from compile.e2e import engine_run, run
 from compile.floor import step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, Rotation, interleaved_run
 from nanoserve.engine import build_engine
@@ -76,8 +77,8 @@ def test_engine_alone_times_its_decode_steps(engine_and_reference):
 
 def test_e2e_rows_per_format_mode_and_batch_with_floors_and_ratios(tiny_dir, monkeypatch, capsys):
     monkeypatch.setattr(llama_peer, "available", lambda: False)
-    work = Workload(model=str(tiny_dir), weights=("fp32", "int4"), modes=("eager",), batches=(1, 2),
-                    prompt_len=6, new_tokens=4)
+    work = DecodeWorkload(model=str(tiny_dir), weights=("fp32", "int4"), modes=("eager",), batches=(1, 2),
+                          prompt_len=6, new_tokens=4)
     rows = run(work)
     assert llama_peer.ABSENT in capsys.readouterr().out  # said once, and every other arm still ran
     assert [(r["weights"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 2), ("int4", 1), ("int4", 2)]
@@ -110,10 +111,23 @@ def test_headline_writes_its_table_and_plot(tiny_dir, tmp_path, capsys):
     status = headline.main(["--model", str(tiny_dir), "--modes", "eager", "--batches", "1,2", "--prompt-len", "6",
                             "--new-tokens", "3", "--no-llama-cpp", "--out", str(tmp_path)])
     assert status == 0
-    with (tmp_path / "headline.csv").open() as f:
+    with (tmp_path / f"headline-{tiny_dir.name}.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["batch"] for r in rows] == ["1", "2"] and all(r["weights"] == "auto" for r in rows)
     assert rows[0]["kernels"] == cpu_kernels.resolve_tier() and rows[0]["cpu"]  # what ran, and where
     assert {"eager_tok_s", "hf_tok_s", "eager_vs_hf"} <= set(rows[0])
-    assert (tmp_path / "headline.png").stat().st_size > 0
+    assert (tmp_path / f"headline-{tiny_dir.name}.png").stat().st_size > 0
     assert "llama-cpp-python" not in capsys.readouterr().out  # asked not to run it: no absence note
+
+
+def test_e2e_of_another_model_names_its_files_after_it(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    status = e2e.main(["--model", str(tiny_dir), "--weights", "fp32", "--modes", "eager", "--batches", "1",
+                       "--prompt-len", "6", "--new-tokens", "4", "--no-transformers", "--tag", "t",
+                       "--out", str(tmp_path)])
+    assert status == 0
+    stem = f"e2e-{tiny_dir.name}-t"
+    with (tmp_path / f"{stem}.csv").open() as f:
+        (row,) = csv.DictReader(f)
+    assert row["weights"] == "fp32" and row["batch"] == "1" and "hf_tok_s" not in row
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0

@@ -3,23 +3,43 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
-from compile import fidelity, fidelity_suite, llama_peer
+from compile import fidelity_suite, llama_peer
+from compile.common import result_stem
+
+SHORT_TEXT = Path(__file__).parent / "data" / "fidelity_short.txt"
 
 
 def test_fidelity_suite_writes_one_row_per_format_against_fp32(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(llama_peer, "available", lambda: False)
-    status = fidelity_suite.main(["--model", str(tiny_llama_dir), "--text", str(fidelity.SHORT_TEXT),
+    status = fidelity_suite.main(["--model", str(tiny_llama_dir), "--text", str(SHORT_TEXT),
                                   "--weights", "fp32,int4", "--out", str(tmp_path)])
     assert status == 0
     assert llama_peer.ABSENT in capsys.readouterr().out
-    with (tmp_path / "fidelity.csv").open() as f:
+    # Another model's CSV carries its name, so it never overwrites the default model's figures.
+    with (tmp_path / f"fidelity-{Path(tiny_llama_dir).name}.csv").open() as f:
         rows = {r["system"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"fp32", "int4"}
     fp32 = rows["fp32"]  # the reference against itself: the metrics' own zero
     assert float(fp32["top1"]) == 1.0 and float(fp32["mean_kl"]) == 0.0 and float(fp32["ppl_ratio"]) == 1.0
     assert int(rows["int4"]["tokens"]) == int(fp32["tokens"]) > 100
     assert 0.0 < float(rows["int4"]["mean_kl"]) and 0.0 <= float(rows["int4"]["top1"]) <= 1.0
+
+
+def test_fidelity_suite_reads_only_the_first_max_tokens_in_chunks(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    status = fidelity_suite.main(["--model", str(tiny_llama_dir), "--text", str(SHORT_TEXT), "--weights", "int4",
+                                  "--max-tokens", "40", "--chunk-rows", "8", "--tag", "rows8", "--out", str(tmp_path)])
+    assert status == 0
+    with (tmp_path / f"fidelity-{Path(tiny_llama_dir).name}-rows8.csv").open() as f:
+        (row,) = csv.DictReader(f)
+    assert row["system"] == "int4" and int(row["tokens"]) == 39
+
+
+def test_result_files_of_the_default_model_keep_the_suite_name():
+    assert result_stem("fidelity") == "fidelity" and result_stem("e2e", tag="avx2") == "e2e-avx2"
+    assert result_stem("e2e", "/models/Qwen3-0.6B-Q4_K_M.gguf", "x") == "e2e-Qwen3-0.6B-Q4_K_M-x"
 
 
 def test_at_least_as_faithful_needs_no_worse_on_all_three_figures():

@@ -8,6 +8,7 @@ import csv
 from conftest import tiny_text_engine
 
 from compile import serve_bench
+from compile.common import write_results
 from compile.serve_bench import ServeWorkload
 from nanoserve.engine import build_engine
 
@@ -22,7 +23,7 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
     work = ServeWorkload(requests=3, bursts=2, turns=2, answer_tokens=4, streams=3, long_tokens=120, chunk_tokens=24,
                          warm_steps=2, long_repeats=2)
     rows = serve_bench.run(make, work)
-    text = serve_bench.report(rows, tmp_path, plot=False)
+    text = serve_bench.report(rows)
 
     shared = {r["caching"]: r for r in rows if r["workload"] == "shared"}
     assert shared["off"]["prefill_tokens"] == shared["off"]["prompt_tokens"]
@@ -47,6 +48,8 @@ def test_serve_suite_reports_caching_and_chunking_on_a_tiny_model(tmp_path):
     assert serve_bench.targets(rows)[-1]["measured"] == medians["on"]["p99_x_undisturbed"]
     assert [t["target"].split()[0] for t in serve_bench.targets(rows)] == ["shared-prefix", "shared-prefix", "chunked"]
     assert "targets:" in text and "shared:" in text and "burst:" in text and "turns:" in text and "long:" in text
+    write_results(serve_bench.with_targets(rows), tmp_path, "serve", serve_bench.write_plot)
+    assert (tmp_path / "serve.png").stat().st_size > 0
     with (tmp_path / "serve.csv").open() as f:
         written = list(csv.DictReader(f))
     assert len(written) == len(rows) + 3

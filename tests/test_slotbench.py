@@ -12,7 +12,7 @@ import compilebench
 from compile import slotbench
 from compile.slot_planning import COLUMNS, PlanningRun, format_planning, measure_planning, planning_verdict
 from compile.slotbench import (
-    Workload,
+    SlotWorkload,
     incremental_cells,
     rebuilt_cells,
     run_loop_append,
@@ -33,7 +33,7 @@ def test_cell_counts_match_the_seed(steps, rebuilt, written):
 
 @pytest.mark.parametrize("steps", [8, 64])
 def test_arms_count_the_seeds_cells(steps):
-    work = Workload(steps=steps)
+    work = SlotWorkload(steps=steps)
     assert run_rebuild(work).cells == rebuilt_cells(4, 16, steps)
     assert run_table(work, "window").cells == incremental_cells(4, 16, steps)
     assert run_table(work, "gather").cells == incremental_cells(4, 16, steps)
@@ -41,13 +41,13 @@ def test_arms_count_the_seeds_cells(steps):
 
 
 def test_512_steps_rebuild_558080_cells_and_the_table_writes_2112():
-    work = Workload(steps=512)
+    work = SlotWorkload(steps=512)
     assert run_rebuild(work).cells == 558_080
     assert run_table(work, "window").cells == 2_112
 
 
 def test_arms_end_on_the_same_plan():
-    work = Workload(steps=40)
+    work = SlotWorkload(steps=40)
     rebuild, window, gather = run_rebuild(work), run_table(work, "window"), run_table(work, "gather")
     assert window.plan.is_window and not gather.plan.is_window
     assert gather.plan.rows == (1, 3, 5, 7)
@@ -58,7 +58,7 @@ def test_arms_end_on_the_same_plan():
 
 
 def test_measure_reports_every_column():
-    row = slotbench.measure(Workload(steps=4), repeats=1)
+    row = slotbench.measure(SlotWorkload(steps=4), repeats=1)
     assert row["cells_rebuilt"] == rebuilt_cells(4, 16, 4) and row["cells_written"] == incremental_cells(4, 16, 4)
     assert row["speedup"] == pytest.approx(row["rebuild_ms"] / row["window_ms"])
 
@@ -117,7 +117,7 @@ def test_compilebench_slots_writes_the_planning_csv(tmp_path, tiny_llama_dir, ca
     argv = ["slots", "--steps", "4", "--repeats", "1", "--no-plot", "--out", str(tmp_path), "--model",
             str(tiny_llama_dir), "--plan-rows", "1,3", "--plan-steps", "2", "--context", "4", "--device", "cpu"]
     assert compilebench.main(argv) == 0
-    rows = list(csv.DictReader((tmp_path / "slots_planning.csv").open()))
+    rows = list(csv.DictReader((tmp_path / f"slots_planning-{tiny_llama_dir.name}.csv").open()))
     assert [list(r) for r in rows] == [COLUMNS] * 2 and [int(r["rows"]) for r in rows] == [1, 3]
     assert "planning per decode step vs the eager step" in capsys.readouterr().out
 

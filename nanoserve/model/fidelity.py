@@ -3,23 +3,18 @@
 Both models read the same token ids; at every position each gives a distribution over the
 next token. ``fidelity_metrics`` compares the two: how often their top choice agrees, the KL
 divergence of the test distribution from the reference one, and each one's perplexity on the
-text. The texts in ``compile/texts/`` are original prose written for this purpose
-(``fidelity.txt``, over 3,000 tokens, for the bench; ``fidelity_short.txt`` for the tests).
+text. A quantised format is judged by these figures against fp32, never by a looser tolerance
+on the fp32 tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.model.llama import dense_forward
-
-TEXTS = Path(__file__).parent / "texts"
-FIDELITY_TEXT = TEXTS / "fidelity.txt"
-SHORT_TEXT = TEXTS / "fidelity_short.txt"
 
 
 @dataclass(frozen=True)
