@@ -1,6 +1,6 @@
 """Several systems decoding the same prompts, one step each in turn, so that the i-th steps of
 all of them are neighbours in time and see one machine state (on a shared VM whose speed
-drifts 10-15% over a minute, back-to-back runs do not).
+drifts within a minute, back-to-back runs do not).
 
 An arm is anything with ``step()`` (one timed step; the first is the prefill), ``done``,
 ``decode_steps`` (seconds, prefill left out) and ``tokens``. With transformers in the run,
