@@ -50,6 +50,15 @@ class DecodeWorkload:
         return self.prompt_len + self.new_tokens + 1
 
 
+def formats_for(model: str, chosen: tuple[str, ...] | None, every: tuple[str, ...]) -> tuple[str, ...]:
+    """The weight formats a run measures: those chosen, else ``every`` for the default model and
+    ``auto`` (the file's blocks as it stores them) for another, where the question is how
+    nanoserve runs that file."""
+    if chosen:
+        return chosen
+    return every if model == DEFAULT_MODEL else ("auto",)
+
+
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """``batch`` distinct prompts of random token ids (ids 0-2 left out: special tokens)."""
     generator = torch.Generator().manual_seed(seed + batch)

@@ -29,6 +29,7 @@ from compile.common import (
     DecodeWorkload,
     add_output_options,
     format_table,
+    formats_for,
     int_list,
     make_prompts,
     name_list,
@@ -46,14 +47,6 @@ LLAMA_CPP = llama_peer.NAME
 COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_tok_s", "vs_llama", "vs_llama_p10", "vs_llama_p90",
            "hf_tok_s", "vs_hf", "step_ms", "floor_ms", "bw_floor_ms", "x_floor", "x_bw_floor", "llama_x_bw_floor",
            "outside_forward", "same_as_hf", "same_as_llama"]
-
-
-def engine_run(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float, list[list[int]]]:
-    """The engine alone: its decode step times, share outside the forward, and the tokens."""
-    steps = EngineSteps(engine, prompts, new_tokens)
-    while not steps.done:
-        steps.step()
-    return steps.decode_steps, steps.outside_forward, steps.tokens
 
 
 @dataclass
@@ -200,8 +193,9 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorklo
     parser.add_argument("--model", default=defaults.model,
                         help="a .gguf file, a Hugging Face directory, or smollm2 (the default); the result "
                              "files of another model carry its file name")
-    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=defaults.weights,
-                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)}")
+    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=None,
+                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)} (default: "
+                             f"{','.join(defaults.weights)} for the default model, auto for another)")
     parser.add_argument("--modes", type=name_list(MODES), default=defaults.modes, help="eager,compile or one of them")
     parser.add_argument("--batches", type=int_list, default=defaults.batches)
     parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
@@ -215,8 +209,9 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorklo
     add_output_options(parser)
 
 
-def workload_from(args: argparse.Namespace) -> DecodeWorkload:
-    return DecodeWorkload(model=args.model, weights=args.weights, modes=args.modes, batches=args.batches,
+def workload_from(args: argparse.Namespace, defaults: DecodeWorkload) -> DecodeWorkload:
+    return DecodeWorkload(model=args.model, weights=formats_for(args.model, args.weights, defaults.weights),
+                          modes=args.modes, batches=args.batches,
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           transformers=not args.no_transformers, llama_cpp=not args.no_llama_cpp,
                           threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack)
@@ -227,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_workload_options(parser, DecodeWorkload())
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    results = run(workload_from(args))
+    results = run(workload_from(args, DecodeWorkload()))
     print("\n" + format_table(results, COLUMNS))
     write_results(results, args.out, result_stem("e2e", args.model, args.tag), None if args.no_plot else write_plot)
     return 0

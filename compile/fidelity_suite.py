@@ -8,8 +8,9 @@ token, and the perplexity ratio. With llama-cpp-python installed, llama.cpp's ow
 every position of the same ids (the GGUF as the file stores it) get the same metrics, and each
 format is marked at least as faithful when it is no worse on all three: top-1 agreement, mean KL,
 and the perplexity ratio's distance from 1. ``--model`` reads another GGUF file (a
-multi-type K-quant file, say) in place of the default; ``--weights auto --chunk-rows 8`` measures
-the path a decode step of a few rows takes, the weights run as the file stores them.
+multi-type K-quant file, say) in place of the default, in ``auto`` weights unless ``--weights``
+says otherwise; ``--chunk-rows 8`` measures the path a decode step of a few rows takes (one
+forward of the whole text is a prompt's path, which may run a dense copy).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from compile.common import (
     WEIGHT_FORMATS,
     add_output_options,
     format_table,
+    formats_for,
     name_list,
     result_stem,
     write_results,
@@ -108,8 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="a .gguf file, a Hugging Face directory, or smollm2 (the default); the CSV of "
                              "another model carries its file name")
-    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=FORMATS,
-                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)}")
+    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=None,
+                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)} (default: {','.join(FORMATS)} "
+                             "for the default model, auto for another)")
     parser.add_argument("--text", type=Path, default=FIDELITY_TEXT)
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="read only the text's first N tokens (a large vocabulary's logits take memory)")
@@ -120,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
+    args.weights = formats_for(args.model, args.weights, FORMATS)
     if args.llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)
         args.llama_cpp = False

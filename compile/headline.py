@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = host_description()
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']} (forced with {cpu_kernels.ENV}=<tier>), "
           f"compute dtype {host['dtype']}")
-    rows = headline_rows(run(workload_from(args)), host)
+    rows = headline_rows(run(workload_from(args, DEFAULTS)), host)
     print("\n" + format_table(rows, columns(rows)))
     write_results(rows, args.out, result_stem("headline", args.model, args.tag), None if args.no_plot else write_plot)
     return 0

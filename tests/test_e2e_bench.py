@@ -10,7 +10,7 @@ import torch
 
 from compile import e2e, headline, llama_peer
 from compile.common import DecodeWorkload, make_prompts
-from compile.e2e import engine_run, run
+from compile.e2e import run
 from compile.floor import step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, Rotation, interleaved_run
 from nanoserve.engine import build_engine
@@ -70,9 +70,11 @@ def test_rotation_steps_every_arm_once_per_call_in_a_rotating_order():
 
 def test_engine_alone_times_its_decode_steps(engine_and_reference):
     engine, _ = engine_and_reference
-    steps, outside, tokens = engine_run(engine, make_prompts(2, 5, 256), 4)
-    assert len(steps) == 3 and [len(t) for t in tokens] == [4, 4]
-    assert 0.0 <= outside < 1.0
+    steps = EngineSteps(engine, make_prompts(2, 5, 256), 4)
+    while not steps.done:
+        steps.step()
+    assert len(steps.decode_steps) == 3 and [len(t) for t in steps.tokens] == [4, 4]
+    assert 0.0 <= steps.outside_forward < 1.0
 
 
 def test_e2e_rows_per_format_mode_and_batch_with_floors_and_ratios(tiny_dir, monkeypatch, capsys):

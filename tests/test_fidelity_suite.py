@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 from compile import fidelity_suite, llama_peer
-from compile.common import result_stem
+from compile.common import formats_for, result_stem
 
 SHORT_TEXT = Path(__file__).parent / "data" / "fidelity_short.txt"
 
@@ -40,6 +40,12 @@ def test_fidelity_suite_reads_only_the_first_max_tokens_in_chunks(tiny_llama_dir
 def test_result_files_of_the_default_model_keep_the_suite_name():
     assert result_stem("fidelity") == "fidelity" and result_stem("e2e", tag="avx2") == "e2e-avx2"
     assert result_stem("e2e", "/models/Qwen3-0.6B-Q4_K_M.gguf", "x") == "e2e-Qwen3-0.6B-Q4_K_M-x"
+
+
+def test_another_model_runs_in_auto_unless_formats_are_chosen():
+    assert formats_for("smollm2", None, ("bf16", "int4")) == ("bf16", "int4")
+    assert formats_for("/models/x.gguf", None, ("bf16", "int4")) == ("auto",)
+    assert formats_for("/models/x.gguf", ("int4",), ("bf16",)) == ("int4",)
 
 
 def test_at_least_as_faithful_needs_no_worse_on_all_three_figures():
