@@ -41,7 +41,6 @@ from compile.common import (
 from compile.floor import matmul_floor_seconds, read_bandwidth, step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, interleaved_run, load_reference
 from nanoserve.engine import build_engine
-from nanoserve.model.loader import resolve_model_path
 
 LLAMA_CPP = llama_peer.NAME
 COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_tok_s", "vs_llama", "vs_llama_p10", "vs_llama_p90",
@@ -60,14 +59,11 @@ class Peers:
     @classmethod
     def load(cls, work: DecodeWorkload) -> Peers:
         peers = cls(reference=load_reference(work.model) if work.transformers else None)
-        if work.llama_cpp:
-            path = resolve_model_path(work.model)
-            if path.suffix != ".gguf":
-                print(f"llama.cpp: {path} is not a GGUF file, so its arm is skipped")
-            else:
-                peers.llama = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads,
-                                                  repack=work.llama_repack)
-                peers.llama_weight_bytes = gguf_tensor_bytes(path)
+        path = llama_peer.gguf_of(work.model) if work.llama_cpp else None
+        if path is not None:
+            peers.llama = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads,
+                                              repack=work.llama_repack)
+            peers.llama_weight_bytes = gguf_tensor_bytes(path)
         return peers
 
 

@@ -127,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)
         args.llama_cpp = False
-    if args.llama_cpp and resolve_model_path(args.model).suffix != ".gguf":
-        print(f"llama.cpp: {args.model} is not a GGUF file, so its row is skipped")
+    if args.llama_cpp and llama_peer.gguf_of(args.model) is None:
         args.llama_cpp = False
     torch.set_grad_enabled(False)
     rows = run(args)

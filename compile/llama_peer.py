@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nanoserve.model.loader import resolve_model_path
+
 NAME = "llama.cpp"
 ABSENT = ("llama.cpp: llama-cpp-python is not installed, so its arm is skipped "
           "(pip install -e '.[peers]' adds it; it compiles from source for several minutes)")
@@ -146,15 +148,31 @@ class LlamaCppSteps:
         return self.outputs
 
 
-def teacher_forced_logits(peer: LlamaCpp, token_ids: list[int]) -> np.ndarray:
-    """llama.cpp's logits at every position of ``token_ids`` as one sequence, ``[T, vocab]``
-    float32, in chunks of the context's batch size."""
-    peer.clear()
+def prefill_logits(peer: LlamaCpp, token_ids: list[int], every_position: bool) -> np.ndarray:
+    """One sequence (id 0, cleared first by the caller) prefilled in chunks of the context's batch:
+    the logits of every position ``[T, vocab]``, or of the last one ``[1, vocab]``, float32."""
     chunks = []
     for start in range(0, len(token_ids), peer.max_batch_tokens):
         chunk = np.array(token_ids[start:start + peer.max_batch_tokens])
         n = len(chunk)
-        logits = peer.decode(chunk, np.arange(start, start + n), np.zeros(n, dtype=np.int32),
-                             np.ones(n, dtype=np.int8))
-        chunks.append(logits.copy())
+        wants_logits = np.full(n, every_position, dtype=np.int8)
+        wants_logits[-1] |= start + n == len(token_ids)
+        logits = peer.decode(chunk, np.arange(start, start + n), np.zeros(n, dtype=np.int32), wants_logits)
+        if wants_logits.any():
+            chunks.append(logits.copy())
     return np.concatenate(chunks)
+
+
+def teacher_forced_logits(peer: LlamaCpp, token_ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of ``token_ids`` as one sequence, ``[T, vocab]``."""
+    peer.clear()
+    return prefill_logits(peer, token_ids, every_position=True)
+
+
+def gguf_of(model: str) -> Path | None:
+    """The GGUF file llama.cpp would run for ``model``; None, saying why, when it is not one."""
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        return path
+    print(f"llama.cpp: {path} is not a GGUF file, so its arm is skipped")
+    return None

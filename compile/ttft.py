@@ -12,7 +12,6 @@ import statistics
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from compile import llama_peer
@@ -26,7 +25,7 @@ from compile.common import (
     write_results,
 )
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.loader import DEFAULT_MODEL, resolve_model_path
+from nanoserve.model.loader import DEFAULT_MODEL
 
 
 def nanoserve_ttft(engine, prompt: list[int]) -> float:
@@ -42,14 +41,7 @@ def llama_ttft(peer: llama_peer.LlamaCpp, prompt: list[int]) -> float:
     """Prefill in chunks of the context's batch, then the first token's argmax."""
     peer.clear()
     started = time.perf_counter()
-    for start in range(0, len(prompt), peer.max_batch_tokens):
-        chunk = np.array(prompt[start:start + peer.max_batch_tokens])
-        wants = np.zeros(len(chunk), dtype=np.int8)
-        last = start + len(chunk) == len(prompt)
-        wants[-1] = last
-        logits = peer.decode(chunk, np.arange(start, start + len(chunk)), np.zeros(len(chunk), dtype=np.int32), wants)
-        if last:
-            int(logits[0].argmax())
+    int(llama_peer.prefill_logits(peer, prompt, every_position=False)[-1].argmax())
     return time.perf_counter() - started
 
 
@@ -67,11 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}")
     engine = build_engine(args.model, max_batch_size=1, max_model_len=max(lengths) + 16, enable_prefix_caching=False)
     peer = None
-    if not args.no_llama_cpp:
-        if llama_peer.available():
-            peer = llama_peer.LlamaCpp(resolve_model_path(args.model), 1, max(lengths) + 16, torch.get_num_threads())
-        else:
-            print(llama_peer.ABSENT)
+    if not args.no_llama_cpp and not llama_peer.available():
+        print(llama_peer.ABSENT)
+    elif not args.no_llama_cpp and (path := llama_peer.gguf_of(args.model)) is not None:
+        peer = llama_peer.LlamaCpp(path, 1, max(lengths) + 16, torch.get_num_threads())
     rows = []
     for length in lengths:
         prompt = text_prompt(engine.tokenizer, length)
