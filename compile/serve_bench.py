@@ -252,7 +252,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """The issue's two targets, measured against this run's rows."""
+    """The suite's targets (the module's docstring), measured against this run's rows."""
     out = []
     for workload, arrival in (("shared", "one after another"), ("burst", "together")):
         shared = {r["caching"]: r for r in rows if r["workload"] == workload}
