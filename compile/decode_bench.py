@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table([], COLUMNS))
     results = run(args)
     print("\n" + format_table(results, COLUMNS))
-    write_results(results, args.out, result_stem("decode", tag=args.tag), None if args.no_plot else write_plot)
+    write_results(results, args.out, result_stem("decode", args.model, args.tag), None if args.no_plot else write_plot)
     return 0
 
 

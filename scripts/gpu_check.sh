@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh OUT_DIR
 #
 # Writes OUT_DIR/{summary.txt, pytest-gpu.log, pytest-properties.log, compilebench.log,
-# decode-cuda.csv, decode-cuda.png}. Without CUDA it says so and runs the CPU fallbacks.
+# decode-random-cuda.csv, decode-random-cuda.png}. Without CUDA it says so and runs the CPU fallbacks.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
