@@ -39,6 +39,7 @@ from compile.common import (
     FIDELITY_TEXT,
     add_output_options,
     format_table,
+    name_list,
     pyplot,
     result_stem,
     save_figure,
@@ -355,13 +356,6 @@ def with_targets(rows: list[dict]) -> list[dict]:
     return rows + [dict(workload="target", **c) for c in targets(rows)]
 
 
-def _names(text: str) -> tuple[str, ...]:
-    names = tuple(n for n in text.split(",") if n)
-    if not names or set(names) - set(WORKLOADS):
-        raise argparse.ArgumentTypeError(f"choose workloads from {list(WORKLOADS)}, got {text!r}")
-    return names
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = ServeWorkload()
     parser = argparse.ArgumentParser(prog="compilebench.py serve", description=__doc__.split("\n\n")[0])
@@ -369,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--weights", default=defaults.weights, help="weight format (default: auto)")
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    parser.add_argument("--workloads", type=_names, default=defaults.workloads, help="shared,burst,turns,long or some")
+    parser.add_argument("--workloads", type=name_list(WORKLOADS), default=defaults.workloads, help="shared,burst,turns,long or some")
     parser.add_argument("--requests", type=int, default=defaults.requests, help="shared, burst: chat requests")
     parser.add_argument("--bursts", type=int, default=defaults.bursts, help="burst: bursts per arm")
     parser.add_argument("--turns", type=int, default=defaults.turns, help="turns: conversation turns")
