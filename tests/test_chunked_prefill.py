@@ -155,7 +155,7 @@ def test_abort_mid_prefill_gives_back_blocks_and_row(tiny):
 
 
 def test_a_request_failing_mid_prefill_fails_alone(tiny, monkeypatch):
-    import nanoserve.engine.engine as engine_module
+    import nanoserve.engine.prompt_logprobs as engine_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted")

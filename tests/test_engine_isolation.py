@@ -87,10 +87,10 @@ def test_an_engine_fault_propagates_out_of_step(tiny):
     engine.add_request([1, 2, 3], GREEDY)
     engine.step()  # prefill
 
-    def broken_plan(num_rows):
+    def broken_advance(rows):
         raise AssertionError("planted: slot table out of step with the pool")
 
-    engine.cache.plan_decode = broken_plan
+    engine.cache.advance = broken_advance
     with pytest.raises(AssertionError, match="planted"):
         engine.step()
 

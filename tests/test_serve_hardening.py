@@ -204,10 +204,10 @@ def test_an_engine_fault_fails_work_in_flight_and_the_server_refuses_more(tmp_pa
     with served(engine, "tiny", None) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         assert client.post("/v1/completions", json=GREEDY).status_code == 200
 
-        def broken_plan(num_rows):
+        def broken_advance(rows):
             raise AssertionError("planted: the slot table disagrees with the pool")
 
-        engine.cache.plan_decode = broken_plan
+        engine.cache.advance = broken_advance
         error = assert_error(client.post("/v1/completions", json=GREEDY), 503)
         assert "planted" in error["message"]
         assert_error(client.get("/health"), 503)
