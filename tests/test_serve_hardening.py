@@ -145,9 +145,9 @@ def test_a_batch_of_prompts_gets_one_choice_each_equal_to_each_alone(client, ser
     # One prompt the engine refuses fails the batch, and none of it is left running.
     assert_error(client.post("/v1/completions", json={**GREEDY, "prompt": [[1, 2], [999]]}), 400, "prompt")
     deadline = time.monotonic() + 5  # the abort reaches the engine thread between steps
-    while server.engine_loop.stats["running"] + server.engine_loop.stats["waiting"] and time.monotonic() < deadline:
+    while server.engine_loop.stats.running + server.engine_loop.stats.waiting and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.engine_loop.stats["running"] == server.engine_loop.stats["waiting"] == 0
+    assert server.engine_loop.stats.running == server.engine_loop.stats.waiting == 0
 
 
 def test_docs_and_openapi_need_the_key_and_probes_do_not(server):

@@ -73,7 +73,7 @@ def test_every_plan_is_data_only_and_replays_into_a_second_runner_with_the_same_
     assert any(p.moves for p in plans) and any(p.registered for p in plans)
     assert any(p.decode is not None and p.prefill for p in plans)  # decode rows beside chunks
     assert any(c.start and c.keep_hidden for p in plans for c in p.prefill)  # a scored, chunked prompt
-    assert engine.stats()["preemptions"] > 0 and engine.stats()["prefix_cache_hits"] > 0
+    assert engine.stats().preemptions > 0 and engine.stats().prefix_cache_hits > 0
 
 
 def test_schedule_allocates_the_decode_slots_the_plan_names():
@@ -103,8 +103,8 @@ def test_a_compiled_engine_runs_exactly_the_windows_its_plans_name():
         engine.add_request(list(range(1, prompt_len + 1)), greedy(tokens))
     run(engine)
     windows = Counter((p.decode.rows, p.decode.width) for p in plans if p.decode is not None)
-    assert windows == engine.stats()["bucket_hits"] and len(windows) > 1
-    assert engine.stats()["recompiles_after_warmup"] == 0
+    assert windows == engine.stats().bucket_hits and len(windows) > 1
+    assert engine.stats().recompiles_after_warmup == 0
 
 
 def test_plan_records_are_plain_values():

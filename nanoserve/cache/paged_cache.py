@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
+from nanoserve.cache.pool_plan import clamp_max_model_len
 from nanoserve.cache.prefix_cache import BlockHash, BlockHashes, chain_hashes, root_hash
 from nanoserve.slots import RowsLike, SlotTable, is_prefix
 
@@ -66,7 +67,7 @@ class BatchedPagedKVCache:
         self.pool = BlockPool(num_blocks, block_size)
         self._scratch_block = self.pool.allocate(1)[0]
         self.scratch_slot = self._scratch_block * block_size
-        self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+        self.max_model_len = clamp_max_model_len(max_model_len, num_blocks, block_size)
         # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
         # place, inductor copies the whole stack every step.
         shape = (num_blocks * block_size, num_kv_heads, head_dim)

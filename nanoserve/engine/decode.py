@@ -124,7 +124,7 @@ class DecodeStep:
             return compiler(graph, example_inputs)
 
         # The model's modules never change under a built step, so their guards (hundreds of
-        # attribute and tensor checks, ~2-3 ms of a 1-row CPU step) are dropped. Still guarded:
+        # attribute and tensor checks, a large share of a small CPU step) are dropped. Still guarded:
         # the bucket's ints, the step's buffers, and the backend, which is this step's own
         # ``counted``, so another engine's graphs are never this one's.
         self._forward = torch.compile(decode_forward, backend=counted, fullgraph=True, dynamic=False,

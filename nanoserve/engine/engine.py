@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.decode import DecodeStep
-from nanoserve.engine.inputs import InputProcessor, Prompt, RequestError, as_prompt_list, unicode_problem
+from nanoserve.engine.inputs import InputProcessor, Prompt, RequestError, as_prompt_list
 from nanoserve.engine.outputs import OutputProcessor
 from nanoserve.engine.plan import StepPlan
 from nanoserve.engine.prompt_logprobs import score_chunk
@@ -25,29 +25,15 @@ from nanoserve.engine.runner import ModelRunner
 from nanoserve.engine.sampler import Sampler, sample_isolated
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.stats import EngineStats
 from nanoserve.model.quant import tensor_bytes
-
-__all__ = ["Engine", "EngineConfig", "Prompt", "RequestError", "unicode_problem"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int
-    max_batch_size: int
-    block_size: int
-    num_blocks: int
-    max_num_batched_tokens: int
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    compile: bool = False
-    weights: str = "fp32"  # the weight format in use (WeightPlan.name, or the dense dtype's name)
-    cpu_kernels: str | None = None  # the kernel tier running packed weights (cpu_kernels), if any
-    enable_chunked_prefill: bool = True
-    prefill_only_budget: int | None = None  # a step without decode rows (None: max_num_batched_tokens)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, cache, config: EngineConfig, decode_step: DecodeStep) -> None:
+    """Built by ``build_engine``; ``config`` is its options, resolved."""
+
+    def __init__(self, model, tokenizer, cache, config: EngineConfig, decode_step: DecodeStep,
+                 cpu_kernels: str | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
@@ -65,6 +51,7 @@ class Engine:
         self._ids = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
         self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any dense copy
+        self.cpu_kernels = cpu_kernels  # the kernel tier running packed weights (cpu_kernels), if any
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -189,30 +176,23 @@ class Engine:
         return self.generate([prompt], params, use_tqdm=use_tqdm)[0]
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def stats(self) -> dict:
-        s = self.scheduler.stats
-        d = self.runner.decode_step.stats
-        table = self.cache.slot_table
-        return {
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "steps": s.steps, "prefill_steps": s.prefill_steps,
-            "decode_steps": s.decode_steps, "prefill_tokens": s.prefill_tokens,
-            "decode_tokens": s.decode_tokens, "preemptions": s.preemptions,
-            "compactions": s.compactions, "finished": s.finished, "aborted": s.aborted,
-            "failed": s.failed, "max_decode_rows": s.max_decode_rows,
-            "mean_decode_rows": s.decode_rows_total / max(s.decode_steps, 1),
-            "windows": table.windows, "gathers": table.gathers,
-            "blocks_free": self.cache.pool.num_free, "blocks_total": self.cache.pool.num_blocks,
-            "compiled": self.config.compile, "graphs_built": d.graphs_built,
-            "recompiles_after_warmup": d.recompiles_after_warmup, "warmup_seconds": d.warmup_seconds,
-            "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
-            "weights": self.config.weights, "weight_bytes": self.weight_bytes,
-            "cpu_kernels": self.config.cpu_kernels, "compute_dtype": str(self.config.dtype).removeprefix("torch."),
-            "chunked_prefill": self.config.enable_chunked_prefill,
-            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
-            "prefill_only_budget": self.scheduler.prefill_only_budget,
-            "prefix_caching": self.cache.enable_prefix_caching, **self.cache.prefix_cache_stats(),
-        }
+    def stats(self) -> EngineStats:
+        s, d, cache, config = self.scheduler.stats, self.runner.decode_step.stats, self.cache, self.config
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), steps=s.steps,
+            prefill_steps=s.prefill_steps, decode_steps=s.decode_steps, prefill_tokens=s.prefill_tokens,
+            decode_tokens=s.decode_tokens, preemptions=s.preemptions, compactions=s.compactions,
+            finished=s.finished, aborted=s.aborted, failed=s.failed, max_decode_rows=s.max_decode_rows,
+            mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=cache.slot_table.windows,
+            gathers=cache.slot_table.gathers, blocks_free=cache.pool.num_free, blocks_total=cache.pool.num_blocks,
+            compiled=config.compile, graphs_built=d.graphs_built, recompiles_after_warmup=d.recompiles_after_warmup,
+            warmup_seconds=d.warmup_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
+            weights=config.weights, weight_bytes=self.weight_bytes, cpu_kernels=self.cpu_kernels,
+            compute_dtype=str(config.dtype).removeprefix("torch."), chunked_prefill=config.enable_chunked_prefill,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            prefill_only_budget=self.scheduler.prefill_only_budget, prefix_caching=cache.enable_prefix_caching,
+            prefix_cache_queries=cache.prefix_queries, prefix_cache_hits=cache.prefix_hits,
+            prefix_cache_blocks=cache.pool.num_registered, prefix_cache_evictions=cache.pool.evictions)
 
     def check_drained(self) -> None:
         """vLLM's 'scheduler is empty' check: nothing queued or running, every block and row
