@@ -14,25 +14,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def option(default: Any, help: str, cli: bool = True, flag: str | None = None, choices: tuple | None = None) -> Any:
+def option(default: Any, help: str, cli: bool = True, flag: str | None = None, choices: tuple | None = None,
+           kind: str = "str") -> Any:
     """A field with its help text; ``cli`` says whether the command line offers it (``flag``:
-    another spelling than --name-with-dashes; a True default is offered as its --no- flag)."""
-    return field(default=default, metadata=dict(help=help, cli=cli, flag=flag, choices=choices))
+    another spelling than --name-with-dashes; a True default is offered as its --no- flag), and
+    ``kind`` how it reads its value there ("str", "int", or "bytes": 512M, 2G)."""
+    return field(default=default, metadata=dict(help=help, cli=cli, flag=flag, choices=choices, kind=kind))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int | None = option(
         None, "longest prompt + reply, in tokens (default: the model's context length, lowered to what the "
-              "K/V pool holds)")
-    max_batch_size: int = option(32, "rows: requests decoded together in one step")
+              "K/V pool holds)", kind="int")
+    max_batch_size: int = option(32, "rows: requests decoded together in one step", kind="int")
     kv_cache_bytes: int | None = option(
-        None, "K/V pool budget, e.g. 512M, 2G (default: what max_batch_size rows of max_model_len need, at most 1G)")
-    block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation")
+        None, "K/V pool budget, e.g. 512M, 2G (default: what max_batch_size rows of max_model_len need, at most 1G)",
+        kind="bytes")
+    block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
     max_num_batched_tokens: int | None = option(
         None, "a step's token budget (decode rows + prefill chunks), binding every step; default on the CPU: "
               "max batch size + max(48, half of it), 512 with no row decoding; on a GPU: 512; without "
-              "chunked prefill: max(2048, max_model_len)")
+              "chunked prefill: max(2048, max_model_len)", kind="int")
     prefill_only_budget: int | None = option(
         None, "tokens a step with no row decoding may prefill (default: 512 where max_num_batched_tokens "
               "is left to its default, else max_num_batched_tokens)", cli=False)

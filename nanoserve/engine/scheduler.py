@@ -93,7 +93,7 @@ class Scheduler:
         self._registered = []
         if self.chunked:
             decode = self._schedule_decode()
-            budget = self.max_num_batched_tokens - decode.num_rows if decode else self.prefill_only_budget
+            budget = self.prefill_only_budget if decode is None else self.max_num_batched_tokens - decode.num_rows
             prefill = self._schedule_prefill(budget)
             while decode is None and not prefill and self.running:
                 self._preempt_stuck_prefill()
