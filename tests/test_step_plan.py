@@ -74,6 +74,9 @@ def test_every_plan_is_data_only_and_replays_into_a_second_runner_with_the_same_
     assert any(p.decode is not None and p.prefill for p in plans)  # decode rows beside chunks
     assert any(c.start and c.keep_hidden for p in plans for c in p.prefill)  # a scored, chunked prompt
     assert engine.stats().preemptions > 0 and engine.stats().prefix_cache_hits > 0
+    # The replica's runner was told everything by the plans: its own scheduler never ran and its
+    # pool lent nothing (the scratch block is the cache's own).
+    assert replica.scheduler.stats.steps == 0 and replica.cache.pool.num_used == 1 and not replica.cache.live_rows
 
 
 def test_schedule_allocates_the_decode_slots_the_plan_names():
