@@ -32,13 +32,20 @@ from compile.floor import matmul_floor_seconds
 from nanoserve.cache.paged_cache import BatchedPagedKVCache
 from nanoserve.engine.bucketing import Buckets
 from nanoserve.engine.decode import DecodeStep
+from nanoserve.engine.plan import DecodeBatch
 
-# arm -> (compiled, mode, inductor options)
-ARMS: dict[str, tuple[bool, str | None, dict | None]] = {
-    "eager": (False, None, None),
-    "compile": (True, None, None),
-    "reduce-overhead": (True, "reduce-overhead", None),
-    "cpp-wrapper": (True, None, {"cpp_wrapper": True}),
+
+def cpp_wrapper_backend():
+    """Inductor with its C++ wrapper (torch.compile takes a mode or explicit options, not both)."""
+    return torch._TorchCompileInductorWrapper(None, {"cpp_wrapper": True}, False)
+
+
+# arm -> (compiled, mode, backend)
+ARMS: dict[str, tuple[bool, str | None, object]] = {
+    "eager": (False, None, "inductor"),
+    "compile": (True, None, "inductor"),
+    "reduce-overhead": (True, "reduce-overhead", "inductor"),
+    "cpp-wrapper": (True, None, cpp_wrapper_backend),
 }
 COLUMNS = ["arm", "rows", "width", "step_ms", "tokens_per_s", "vs_eager", "floor_ms", "x_floor",
            "warmup_s", "cache_hits", "graphs", "recompiles", "cudagraph_skips"]
@@ -52,9 +59,9 @@ def load(model: str, dtype: torch.dtype, device: str):
     return load_model(model, dtype=dtype, device=device)[0]
 
 
-def fill_rows(cache: BatchedPagedKVCache, rows: int, width: int) -> tuple:
-    """Rows 0..rows-1 each holding width - 1 tokens of random K/V; returns the step's plan
-    fields (write_slots, positions, context_lens)."""
+def fill_rows(cache: BatchedPagedKVCache, rows: int, width: int) -> DecodeBatch:
+    """Rows 0..rows-1 each holding width - 1 tokens of random K/V; returns the step's decode
+    rows, each writing its width-th token, in the [rows, width] window."""
     for row in cache.live_rows:
         cache.free(row)
     for row in range(rows):
@@ -62,8 +69,9 @@ def fill_rows(cache: BatchedPagedKVCache, rows: int, width: int) -> tuple:
     for k, v in zip(cache.k_caches, cache.v_caches):
         k.normal_()
         v.normal_()
-    plan = cache.plan_decode(range(rows))
-    return plan.write_slots, plan.positions, plan.context_lens
+    _, positions, write_slots = cache.advance(range(rows))
+    return DecodeBatch(tuple(map(str, range(rows))), (0,) * rows, tuple(positions.tolist()),
+                       tuple(write_slots.tolist()), rows, width)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -77,19 +85,19 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 max_batch_size=max(args.rows), max_model_len=max(args.widths),
                                 dtype=dtype, device=device)
     steps = {arm: DecodeStep(model, cache, max(args.rows), buckets, compile=ARMS[arm][0], mode=ARMS[arm][1],
-                             options=ARMS[arm][2], device=device) for arm in args.arms}
+                             backend=_backend(ARMS[arm][2]), device=device) for arm in args.arms}
     results = []
     for rows in args.rows:
         floor = matmul_floor_seconds(model, rows)
         for width in args.widths:
-            plan = fill_rows(cache, rows, width)
+            batch = fill_rows(cache, rows, width)
             eager_ms = None
             for arm, step in steps.items():
                 skips, hits = _cudagraph_skips(), _fx_cache_hits()
                 started = time.perf_counter()
                 # The first call loads this bucket's addressing and compiles; on a GPU the next
                 # two are cudagraph trees' warm-up run and recording. All of it is warm-up.
-                step.run(rows, width, rows * width, *plan)
+                step.run(step.load(batch), rows)
                 for _ in range(2):
                     step._call(rows, width)
                 warmup = time.perf_counter() - started
@@ -106,6 +114,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                     dtype=args.dtype, model=args.model))
                 print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
     return results
+
+
+def _backend(backend):
+    return backend() if callable(backend) else backend
 
 
 def _cudagraph_skips() -> int:

@@ -18,7 +18,6 @@ from typing import Protocol
 import torch
 
 from nanoserve.engine import SamplingParams
-from nanoserve.engine.engine import StepTiming
 from nanoserve.model.loader import resolve_model_path
 
 TRANSFORMERS = "transformers"
@@ -32,6 +31,21 @@ class Arm(Protocol):
     def step(self) -> None: ...
 
 
+@dataclass
+class StepTiming:
+    """Wall time of whole pure-decode steps and of the runner's execution inside them (host
+    clock; on a GPU the execution figure includes waiting for the device, since sampling reads
+    the tokens back)."""
+
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    steps: int = 0
+
+    @property
+    def outside_forward_share(self) -> float:
+        return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
+
+
 class EngineSteps:
     """Drives the engine one step at a time and times each; collects the finished tokens."""
 
@@ -39,7 +53,18 @@ class EngineSteps:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         self.engine = engine
         self.ids = [engine.add_request(p, params) for p in prompts]
-        engine.decode_timing = StepTiming()  # this run's figure alone
+        self.timing = StepTiming()
+        self._forward: float | None = None  # the runner's seconds in the step being timed, if pure decode
+        execute = engine.runner.execute
+
+        def timed(plan):
+            started = time.perf_counter()
+            out = execute(plan)
+            if plan.decode is not None and not plan.prefill:
+                self._forward = time.perf_counter() - started
+            return out
+
+        engine.runner.execute = timed  # this run's engine, timed from outside
         self.durations: list[float] = []
         self.outputs: dict[str, list[int]] = {}
 
@@ -50,11 +75,15 @@ class EngineSteps:
     def step(self) -> None:
         if self.done:
             return
-        started = time.perf_counter()
+        started, self._forward = time.perf_counter(), None
         for out in self.engine.step():
             if out.finished:
                 self.outputs[out.request_id] = out.token_ids
         self.durations.append(time.perf_counter() - started)
+        if self._forward is not None:
+            self.timing.steps += 1
+            self.timing.forward_seconds += self._forward
+            self.timing.step_seconds += self.durations[-1]
 
     @property
     def decode_steps(self) -> list[float]:
@@ -66,7 +95,7 @@ class EngineSteps:
 
     @property
     def outside_forward(self) -> float:
-        return self.engine.decode_timing.outside_forward_share
+        return self.timing.outside_forward_share
 
 
 class Rotation:

@@ -19,6 +19,7 @@ import torch
 
 from compile.common import time_once
 from nanoserve.engine.engine import Engine
+from nanoserve.engine.plan import DecodeBatch, StepPlan
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
 
@@ -44,6 +45,14 @@ def plan_step(engine: Engine, rows: int) -> tuple[int, int]:
     return plan.width, plan.total_context
 
 
+def decode_once(engine: Engine, requests: list[Request]) -> torch.Tensor:
+    """One eager decode step over rows 0..len(requests)-1, planned and run as the engine does."""
+    _, positions, write_slots = engine.cache.advance(len(requests))
+    batch = DecodeBatch(tuple(r.request_id for r in requests), tuple(r.last_token_id for r in requests),
+                        tuple(positions.tolist()), tuple(write_slots.tolist()), len(requests), int(positions.max()) + 1)
+    return engine.runner.execute(StepPlan((), batch, ())).logits
+
+
 def measure_rows(engine: Engine, run: PlanningRun, rows: int) -> dict:
     """Median planning and eager-step time over `rows` rows, alternating one of each."""
     cache, device = engine.cache, engine.cache.device
@@ -53,12 +62,12 @@ def measure_rows(engine: Engine, run: PlanningRun, rows: int) -> dict:
     for row in range(rows):
         cache.allocate_prompt(row, run.context)
     for _ in range(run.warmup):
-        engine.runner.decode(requests)
+        decode_once(engine, requests)
     planning, hot, stepping = [], [], []
     for _ in range(run.steps):
         planning.append(time_once(lambda: plan_step(engine, rows), device))
         hot.append(time_once(lambda: plan_step(engine, rows), device))
-        stepping.append(time_once(lambda: engine.runner.decode(requests), device))
+        stepping.append(time_once(lambda: decode_once(engine, requests), device))
     plan_s, step_s = statistics.median(planning), statistics.median(stepping)
     return dict(rows=rows, context=run.context, plan_us=plan_s * 1e6, plan_hot_us=statistics.median(hot) * 1e6,
                 step_ms=step_s * 1e3, plan_share_pct=100 * plan_s / step_s)

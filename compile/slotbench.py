@@ -90,10 +90,14 @@ class CellCount:
 
     def __init__(self, table: SlotTable) -> None:
         self.appended_cells = self.resynced_cells = self.resyncs = 0
-        append, resync = table.append, table.resync
+        append, write_cells, resync = table.append, table.write_cells, table.resync
 
         def counted_append(rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
             append(rows, slots)
+            self.appended_cells += len(slots)
+
+        def counted_write_cells(rows: RowsLike, columns: torch.Tensor, slots: torch.Tensor) -> None:
+            write_cells(rows, columns, slots)
             self.appended_cells += len(slots)
 
         def counted_resync(block_table: BlockTable, row: int) -> None:
@@ -101,7 +105,7 @@ class CellCount:
             self.resynced_cells += block_table.num_tokens
             self.resyncs += 1
 
-        table.append, table.resync = counted_append, counted_resync  # type: ignore[method-assign]
+        table.append, table.write_cells, table.resync = counted_append, counted_write_cells, counted_resync  # type: ignore[method-assign]
 
 
 def check_appends_incremental(count: CellCount, rows: int, steps: int) -> None:

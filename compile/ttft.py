@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t = llama_ttft(peer, prompt)
                 if repeat:
                     theirs.append(t)
-        row = dict(**host, weights=engine.stats()["weights"], prompt_tokens=length,
+        row = dict(**host, weights=engine.stats().weights, prompt_tokens=length,
                    nanoserve_s=statistics.median(ours))
         if theirs:
             row.update(llama_s=statistics.median(theirs), vs_llama=statistics.median(theirs) / row["nanoserve_s"])

@@ -42,7 +42,10 @@ class SlotTable:
     """Rows change only by `append`, `resync` and `reset` (a zeroed length: cells past it go unread);
     `windows`/`gathers` count the reads. Lengths are handed out as copies: a later append writes
     at column `length`, inside a rectangle somebody may still hold, and only a length that did
-    not move masks that cell."""
+    not move masks that cell.
+
+    A runner applying a step plan writes cells alone (`write_row`, `write_cells`, `copy_row`):
+    the plan was made against the host lengths, which the cache's host operations have moved."""
 
     def __init__(self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu") -> None:
         if max_batch_size < 1 or max_model_len < 1:
@@ -51,6 +54,7 @@ class SlotTable:
         self.device = torch.device(device)
         self.slots = torch.zeros((max_batch_size, max_model_len), dtype=torch.int64, device=self.device)
         self.lengths_array = np.zeros(max_batch_size, dtype=np.int64)
+        self._row_starts = torch.arange(max_batch_size, device=self.device) * max_model_len  # flat index of column 0
         self.windows = self.gathers = 0
 
     def row_ids(self, rows: RowsLike) -> list[int]:
@@ -93,6 +97,22 @@ class SlotTable:
             raise ValueError(f"row {row}: table holds {n} tokens, the slot table is {self.max_model_len} wide")
         self.slots[self.row_ids([row])[0], :n] = rebuild_mapping([table], [0], device=self.device)[0]
         self.lengths_array[row] = n
+
+    def write_row(self, row: int, slots: torch.Tensor) -> None:
+        """Cells [0, len(slots)) of `row` (a prefill chunk's context and write slots)."""
+        self.slots[row, : slots.shape[0]] = slots
+
+    def write_cells(self, rows: RowsLike, columns: torch.Tensor, slots: torch.Tensor) -> None:
+        """`slots[i]` at row `rows[i]`, column `columns[i]` (a decode step's write slots): one indexed write."""
+        if isinstance(rows, int):  # the prefix 0..rows-1
+            starts = self._row_starts[:rows]
+        else:
+            starts = self._row_starts[torch.tensor(self.row_ids(rows), device=self.device)]
+        self.slots.view(-1).index_copy_(0, starts + columns, slots)
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Cells [0, length) of `src` into `dst` (a compaction)."""
+        self.slots[dst, :length] = self.slots[src, :length]
 
     def reset(self, row: int) -> None:
         """Set the row's length to zero and clear nothing: cells past a length go unread. (A

@@ -11,7 +11,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     stats, config, cache = engine.stats(), engine.config, engine.cache
     kv_bytes = sum(t.numel() * t.element_size() for t in (*cache.k_caches, *cache.v_caches))
     kv_dtype = _dtype_name(cache.k_caches[0].dtype)
-    compute = stats.get("compute_dtype") or _dtype_name(config.dtype)
+    compute = stats.compute_dtype or _dtype_name(config.dtype)
     blocks, block_size = cache.pool.num_blocks, config.block_size
     model_limit = engine.model.config.max_position_embeddings
     limit_note = f" (the model takes up to {model_limit:,})" if config.max_model_len < model_limit else ""
@@ -19,19 +19,18 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
     return [
         f"model {model}: loaded in {load_seconds:.1f} s on {config.device}",
-        f"weights {stats['weights']}, {format_bytes(stats['weight_bytes'])} resident; "
-        f"compute dtype {compute}; CPU kernels: {kernel_tier(stats)}",
+        f"weights {stats.weights}, {format_bytes(stats.weight_bytes)} resident; "
+        f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}",
         f"K/V pool {format_bytes(kv_bytes)} of {kv_dtype}: {blocks:,} blocks of {block_size} tokens "
         f"({(blocks - 1) * block_size:,} tokens for requests, one block is scratch)",
         f"max_model_len {config.max_model_len:,}{limit_note}; up to {rows} and "
-        f"{stats['max_num_batched_tokens']} tokens per step; {decode}",
+        f"{stats.max_num_batched_tokens} tokens per step; {decode}",
     ]
 
 
-def kernel_tier(stats: dict) -> str:
+def kernel_tier(tier: str | None) -> str:
     """The engine's `cpu_kernels` in words: a tier ("avx512-vnni", "avx2", "torch", ...), or
     None where none of nanoserve's kernels runs (fp32 weights, or a GPU)."""
-    tier = stats["cpu_kernels"]
     return "none (torch's matmuls and attention)" if tier is None else str(tier)
 
 

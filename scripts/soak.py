@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(model, **options)
     loop = EngineLoop(engine)
     server = BackgroundServer(create_app(loop, "tiny"), log_level="error").start()
-    baseline = loop.stats["blocks_free"]
+    baseline = loop.stats.blocks_free
     soak = Soak(server.url, prompts, expected, args.seed)
     rss_start = rss_mib()
     started = time.monotonic()
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(run_clients(soak, args.requests - warmup, args.clients))
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + 30
-    while (loop.stats["running"] or loop.stats["waiting"] or loop.stats["blocks_free"] != baseline) \
+    while (loop.stats.running or loop.stats.waiting or loop.stats.blocks_free != baseline) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     stats = loop.stats
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "requests": args.requests, "clients": args.clients, "seconds": round(elapsed, 1),
         "outcomes": dict(sorted(soak.outcomes.items())), "failures": len(soak.failures),
-        "preemptions": stats["preemptions"], "aborted_in_engine": stats["aborted"],
-        "blocks_free_end": stats["blocks_free"], "blocks_free_baseline": baseline, "leak": leak,
+        "preemptions": stats.preemptions, "aborted_in_engine": stats.aborted,
+        "blocks_free_end": stats.blocks_free, "blocks_free_baseline": baseline, "leak": leak,
         "rss_mib": {"start": round(rss_start, 1), "after_warmup": round(rss_warm, 1), "end": round(rss_end, 1)},
         # Python objects alive after warm-up and at the end: a per-request leak would show here.
         "python_objects": {"after_warmup": objects_warm, "end": objects_end},
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=2))
     for failure in soak.failures[:10]:
         print("FAILURE:", failure, file=sys.stderr)
-    return 1 if soak.failures or leak or stats["preemptions"] == 0 else 0
+    return 1 if soak.failures or leak or stats.preemptions == 0 else 0
 
 
 if __name__ == "__main__":

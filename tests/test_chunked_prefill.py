@@ -40,7 +40,7 @@ def test_chunked_greedy_tokens_and_logprobs_equal_the_dense_oracle(tiny):
     chunked = engine_for(tiny)
     whole = engine_for(tiny, enable_chunked_prefill=False)
     got, unchunked = generate(chunked, batch, params), generate(whole, batch, params)
-    assert chunked.stats()["prefill_steps"] > len(batch)  # prompts really were split
+    assert chunked.stats().prefill_steps > len(batch)  # prompts really were split
     for prompt, out, ref in zip(batch, got, unchunked):
         tokens, logprobs = dense_greedy_with_logprobs(tiny, prompt, 9)
         assert out.token_ids == ref.token_ids == tokens
@@ -109,7 +109,7 @@ def test_an_eager_step_decodes_and_prefills_in_one_forward_with_the_oracles_logp
         tokens, logprobs = dense_greedy_with_logprobs(tiny, prompt, len(done[request_id].token_ids))
         assert done[request_id].token_ids == tokens
         assert [lp.logprob for lp in done[request_id].logprobs] == pytest.approx(logprobs, abs=1e-4)
-    assert engine.stats()["gathers"] == 0
+    assert engine.stats().gathers == 0
     engine.check_drained()
 
 
@@ -150,12 +150,12 @@ def test_abort_mid_prefill_gives_back_blocks_and_row(tiny):
     engine.abort(waiting)
     done = run(engine)
     assert done[keep].token_ids == dense_greedy_with_logprobs(tiny, [1, 2, 3], 12)[0]
-    assert engine.stats()["aborted"] == 2
+    assert engine.stats().aborted == 2
     engine.check_drained()
 
 
 def test_a_request_failing_mid_prefill_fails_alone(tiny, monkeypatch):
-    import nanoserve.engine.engine as engine_module
+    import nanoserve.engine.prompt_logprobs as engine_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted")
@@ -192,9 +192,9 @@ def test_chunked_prefill_interleaved_with_compiled_decode_never_recompiles(tiny,
     else:
         raise AssertionError(f"engine still busy after 2000 steps: {engine.stats()}")
     stats = engine.stats()
-    assert stats["prefill_steps"] > 10 and stats["decode_steps"] > 0
-    assert stats["recompiles_after_warmup"] == 0 and stats["gathers"] == 0
-    assert stats["graphs_built"] <= len(engine.runner.decode_step.buckets.grid)
+    assert stats.prefill_steps > 10 and stats.decode_steps > 0
+    assert stats.recompiles_after_warmup == 0 and stats.gathers == 0
+    assert stats.graphs_built <= len(engine.runner.decode_step.buckets.grid)
     engine.check_drained()
 
 

@@ -102,6 +102,6 @@ def test_every_option_has_help_and_the_numeric_defaults_are_shown():
 
 
 def test_the_kernel_tier_and_sizes_in_words():
-    assert kernel_tier({"cpu_kernels": "avx2"}) == "avx2"
-    assert kernel_tier({"cpu_kernels": None}).startswith("none")  # fp32 weights, or a GPU
+    assert kernel_tier("avx2") == "avx2"
+    assert kernel_tier(None).startswith("none")  # fp32 weights, or a GPU
     assert [format_bytes(n) for n in (1 << 30, 256 << 20, 532480)] == ["1.00 GiB", "256.0 MiB", "520.0 KiB"]

@@ -45,9 +45,9 @@ def test_compiled_decode_equals_eager_across_row_and_width_buckets(tiny):
     got = compiled.generate(PROMPTS, params, use_tqdm=False)
     want = eager.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    hits = compiled.stats()["bucket_hits"]
+    hits = compiled.stats().bucket_hits
     assert {(4, 48), (2, 96)} <= set(hits), hits
-    assert compiled.stats()["recompiles_after_warmup"] == 0
+    assert compiled.stats().recompiles_after_warmup == 0
 
 
 @torch.inference_mode()
@@ -61,7 +61,7 @@ def test_compiled_logits_match_eager_within_1e4(tiny):
         for p in PROMPTS:
             e.add_request(p, greedy(8))
         e.step()  # prefill
-        logits.append(e.runner.decode(e.scheduler.running).clone())
+        logits.append(e.runner.execute(e.scheduler.schedule()).logits.clone())  # the first decode step
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
@@ -75,22 +75,22 @@ def drive_through_every_bucket(e) -> None:
 def test_zero_recompiles_after_warmup_over_every_bucket(tiny):
     e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1, 2, 4),
                width_buckets=(32, 64, 128), warmup="eager")
-    assert e.stats()["warmup_seconds"] > 0
+    assert e.stats().warmup_seconds > 0
     grid = e.runner.decode_step.buckets.grid
-    assert e.stats()["graphs_built"] <= len(grid)
+    assert e.stats().graphs_built <= len(grid)
     drive_through_every_bucket(e)
     stats = e.stats()
-    assert set(stats["bucket_hits"]) == set(grid)
-    assert stats["recompiles_after_warmup"] == 0
-    assert stats["graphs_built"] <= len(grid)
-    assert stats["gathers"] == 0
+    assert set(stats.bucket_hits) == set(grid)
+    assert stats.recompiles_after_warmup == 0
+    assert stats.graphs_built <= len(grid)
+    assert stats.gathers == 0
 
 
 def test_without_bucketing_shapes_grow_and_graphs_outnumber_the_grid(tiny):
     e = engine(tiny, compile=True, compile_backend="eager", bucketing=False)
     e.generate([[5] * 20], [greedy(14)], use_tqdm=False)
     # One request, 13 decode steps, 13 widths: a graph per step where buckets would give 1.
-    assert e.stats()["graphs_built"] == 13
+    assert e.stats().graphs_built == 13
 
 
 def test_a_stray_shape_after_warmup_is_an_error_not_a_rebuild(tiny):
@@ -114,13 +114,13 @@ def test_padded_rows_write_only_the_scratch_slot(tiny):
 def test_two_engines_in_one_process_count_only_their_own_graphs(tiny):
     first = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1,), width_buckets=(32,),
                    warmup="eager")
-    assert first.stats()["graphs_built"] == 1
+    assert first.stats().graphs_built == 1
     second = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1, 2), width_buckets=(32,),
                     warmup="eager")
-    assert second.stats()["graphs_built"] == 2  # its own grid, compiled for its own buffers
-    assert first.stats()["graphs_built"] == 1  # untouched by the second engine's compiles
+    assert second.stats().graphs_built == 2  # its own grid, compiled for its own buffers
+    assert first.stats().graphs_built == 1  # untouched by the second engine's compiles
     first.generate([[5] * 10], [greedy(4)], use_tqdm=False)
-    assert first.stats()["recompiles_after_warmup"] == 0 and second.stats()["graphs_built"] == 2
+    assert first.stats().recompiles_after_warmup == 0 and second.stats().graphs_built == 2
 
 
 def test_engines_over_different_models_never_share_a_graph():
@@ -134,7 +134,7 @@ def test_engines_over_different_models_never_share_a_graph():
     for _ in range(2):  # the first round compiles, the second runs what each compiled
         for built, want in zip(compiled, eager):
             assert [o.token_ids for o in built.generate(PROMPTS, greedy(6), use_tqdm=False)] == want
-    assert all(e.stats()["recompiles_after_warmup"] == 0 for e in compiled)
+    assert all(e.stats().recompiles_after_warmup == 0 for e in compiled)
 
 
 def test_the_cpu_decode_kernel_gets_one_width_bucket_and_one_graph_per_row_bucket(monkeypatch):
@@ -160,9 +160,9 @@ def test_the_cpu_decode_kernel_gets_one_width_bucket_and_one_graph_per_row_bucke
             (_, first), (_, second) = ref.logprobs[same].top[:2]
             assert first - second < 0.05, f"compiled left eager's tokens at {same} without a tie"
     stats = compiled.stats()
-    assert {shape[1] for shape in stats["bucket_hits"]} == {compiled.cache.max_model_len}
-    assert stats["graphs_built"] == len(stats["bucket_hits"]) <= 2 and stats["recompiles_after_warmup"] == 0
-    padded_rows = sum(hits * (rows - 3) for (rows, _), hits in stats["bucket_hits"].items() if rows == 4)
+    assert {shape[1] for shape in stats.bucket_hits} == {compiled.cache.max_model_len}
+    assert stats.graphs_built == len(stats.bucket_hits) <= 2 and stats.recompiles_after_warmup == 0
+    padded_rows = sum(hits * (rows - 3) for (rows, _), hits in stats.bucket_hits.items() if rows == 4)
     assert step.stats.waste.padded_cells <= padded_rows  # 3 rows in the 4-row bucket, then fewer in 2
     # Asked for, width buckets still apply.
     assert engine(model, weights="bf16", compile=True, width_buckets=(32, 64, 128)).runner.decode_step.buckets.widths \

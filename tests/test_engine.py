@@ -71,7 +71,7 @@ def test_preemption_by_recompute_is_invisible_in_greedy_tokens(tiny):
     batch = prompts(16, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = engine.generate(batch, params, use_tqdm=False)
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     for prompt, out in zip(batch, outputs):
         assert out.token_ids == dense_greedy(tiny, prompt, 12)
     engine.check_drained()
@@ -82,7 +82,7 @@ def test_decode_reads_are_windows_when_rows_finish_out_of_order(tiny):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1, 6, 2, 8)]
     engine.generate(prompts(6, seed=3), params, use_tqdm=False)
     stats = engine.stats()
-    assert stats["compactions"] > 0 and stats["gathers"] == 0 and stats["windows"] > 0
+    assert stats.compactions > 0 and stats.gathers == 0 and stats.windows > 0
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny):
@@ -157,7 +157,7 @@ def test_drained_after_many_random_requests_with_random_aborts(tiny):
                 live.remove(out.request_id)
     engine.check_drained()
     stats = engine.stats()
-    assert stats["aborted"] > 0 and stats["finished"] + stats["aborted"] == 500
+    assert stats.aborted > 0 and stats.finished + stats.aborted == 500
 
 
 def test_stream_yields_the_same_text_as_generate():

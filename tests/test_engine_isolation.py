@@ -87,10 +87,10 @@ def test_an_engine_fault_propagates_out_of_step(tiny):
     engine.add_request([1, 2, 3], GREEDY)
     engine.step()  # prefill
 
-    def broken_plan(num_rows):
+    def broken_advance(rows):
         raise AssertionError("planted: slot table out of step with the pool")
 
-    engine.cache.plan_decode = broken_plan
+    engine.cache.advance = broken_advance
     with pytest.raises(AssertionError, match="planted"):
         engine.step()
 
@@ -136,7 +136,7 @@ def test_prompt_logprobs_are_scored_once_across_preemption(tiny):
     params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
     batch = [[(7 * i + j) % 256 for j in range(4 + i)] for i in range(12)]
     outputs = engine.generate(batch, params, use_tqdm=False)
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     for prompt, out in zip(batch, outputs):
         reference = dense_prompt_logprobs(tiny, prompt)
         scored = [entry.logprob for entry in out.prompt_logprobs[1:]]

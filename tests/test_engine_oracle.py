@@ -66,7 +66,7 @@ def test_tokens_and_logprobs_equal_the_dense_oracle_through_preemption_and_compa
                           kv_cache_bytes=bytes_for_blocks(tiny, num_blocks, block_size))
     outputs = engine.generate(prompts, params, use_tqdm=False)
     stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["compactions"] > 0, stats
+    assert stats.preemptions > 0 and stats.compactions > 0, stats
     for prompt, p, out in zip(prompts, params, outputs):
         assert out.finish_reason == "length" and len(out.token_ids) == p.max_tokens
         assert_matches_the_dense_oracle(tiny, prompt, out, greedy=p.temperature == 0.0)
@@ -79,7 +79,7 @@ def test_a_steady_batch_decodes_hundreds_of_tokens_as_the_dense_oracle_does(tiny
     engine = build_engine(tiny, max_batch_size=4, block_size=4, max_model_len=280,
                           kv_cache_bytes=bytes_for_blocks(tiny, 4 * 70 + 1, 4))
     outputs = engine.generate(prompts, params, use_tqdm=False)
-    assert engine.stats()["preemptions"] == 0 and engine.stats()["decode_steps"] >= 239
+    assert engine.stats().preemptions == 0 and engine.stats().decode_steps >= 239
     for prompt, out in zip(prompts, outputs):
         assert len(out.token_ids) == 240
         assert_matches_the_dense_oracle(tiny, prompt, out, greedy=True)

@@ -47,9 +47,9 @@ def test_shared_prefixes_give_the_dense_oracles_tokens_and_logprobs(tiny, chunke
             assert out.token_ids == other.token_ids == tokens
             assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=1e-4)
     stats, plain_stats = cached.stats(), plain.stats()
-    assert stats["prefix_cache_hits"] >= 4 * 20  # the second wave adopted at least 5 blocks each
-    assert stats["prefill_tokens"] <= plain_stats["prefill_tokens"] - stats["prefix_cache_hits"]
-    assert plain_stats["prefix_cache_hits"] == 0 and stats["gathers"] == 0
+    assert stats.prefix_cache_hits >= 4 * 20  # the second wave adopted at least 5 blocks each
+    assert stats.prefill_tokens <= plain_stats.prefill_tokens - stats.prefix_cache_hits
+    assert plain_stats.prefix_cache_hits == 0 and stats.gathers == 0
     cached.check_drained()
 
 
@@ -67,9 +67,9 @@ def test_a_burst_sharing_an_uncached_prefix_computes_it_once(tiny, chunked):
         assert out.token_ids == tokens
         assert [lp.logprob for lp in out.logprobs] == pytest.approx(logprobs, abs=1e-4)
     stats = engine.stats()
-    assert stats["prefix_cache_hits"] == 3 * 20
-    assert stats["prefill_tokens"] == sum(len(p) for p in burst) - 3 * 20
-    assert stats["prefill_steps"] == 1
+    assert stats.prefix_cache_hits == 3 * 20
+    assert stats.prefill_tokens == sum(len(p) for p in burst) - 3 * 20
+    assert stats.prefill_steps == 1
     engine.check_drained()
 
 
@@ -77,7 +77,7 @@ def test_a_burst_with_nothing_in_common_is_admitted_in_one_step(tiny):
     burst = [[(11 * i + 17 * j + 1) % 256 for i in range(15)] for j in range(4)]
     engine = engine_for(tiny, max_num_batched_tokens=256)
     generate(engine, burst, greedy(1))
-    assert engine.stats()["prefill_steps"] == 1 and engine.stats()["prefix_cache_hits"] == 0
+    assert engine.stats().prefill_steps == 1 and engine.stats().prefix_cache_hits == 0
     engine.check_drained()
 
 
@@ -86,10 +86,10 @@ def test_a_second_turn_adopts_the_whole_first_turn(tiny):
     turn1 = [(5 * i + 3) % 256 for i in range(30)]
     out1 = generate(engine, [turn1], greedy(9))[0]
     turn2 = turn1 + out1.token_ids + [7, 8, 9]
-    hits_before = engine.stats()["prefix_cache_hits"]
+    hits_before = engine.stats().prefix_cache_hits
     out2 = generate(engine, [turn2], greedy(5))[0]
     # Prompt and reply of turn 1 (39 tokens, the last sampled one without K/V) = 9 full blocks.
-    assert engine.stats()["prefix_cache_hits"] - hits_before == 9 * 4
+    assert engine.stats().prefix_cache_hits - hits_before == 9 * 4
     assert out2.token_ids == dense_greedy_with_logprobs(tiny, turn2, 5)[0]
     engine.check_drained()
 
@@ -100,13 +100,13 @@ def test_a_request_whose_prefix_was_evicted_gets_the_same_tokens(tiny):
     prompt = [(7 * i + 1) % 256 for i in range(24)]
     want = dense_greedy_with_logprobs(tiny, prompt, 6)[0]
     assert generate(engine, [prompt], greedy(6))[0].token_ids == want
-    assert engine.stats()["prefix_cache_blocks"] >= 6
+    assert engine.stats().prefix_cache_blocks >= 6
     fillers = [[(13 * i + j) % 256 for i in range(40)] for j in range(2)]
     generate(engine, fillers, greedy(3))
-    assert engine.stats()["prefix_cache_evictions"] > 0
-    hits_before = engine.stats()["prefix_cache_hits"]
+    assert engine.stats().prefix_cache_evictions > 0
+    hits_before = engine.stats().prefix_cache_hits
     assert generate(engine, [prompt + [5]], greedy(6))[0].token_ids == dense_greedy_with_logprobs(tiny, prompt + [5], 6)[0]
-    assert engine.stats()["prefix_cache_hits"] - hits_before < 24  # not all of it was still there
+    assert engine.stats().prefix_cache_hits - hits_before < 24  # not all of it was still there
     engine.check_drained()
 
 
@@ -135,8 +135,8 @@ def test_preemption_and_aborts_with_shared_prefixes_give_everything_back(tiny):
     else:
         raise AssertionError(f"engine still busy after 3000 steps: {engine.stats()}")
     stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["aborted"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["gathers"] == 0
+    assert stats.preemptions > 0 and stats.aborted > 0 and stats.prefix_cache_hits > 0
+    assert stats.gathers == 0
     engine.check_drained()
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # all but the scratch block
 
@@ -166,8 +166,23 @@ def test_a_request_sharing_a_running_rows_prefix_is_admitted_for_the_blocks_it_a
     second = engine.add_request(prefix + [1, 2, 3, 4], greedy(4))
     engine.step()  # A decodes, B is admitted and prefills its 4 tokens
     assert [r.request_id for r in engine.scheduler.running] == [first, second]
-    assert engine.stats()["prefix_cache_hits"] == 40
+    assert engine.stats().prefix_cache_hits == 40
     done = run(engine)
     assert done[second].token_ids == dense_greedy_with_logprobs(tiny, prefix + [1, 2, 3, 4], 4)[0]
     assert done[first].token_ids == dense_greedy_with_logprobs(tiny, prefix, 8)[0]
     engine.check_drained()
+
+
+def test_each_full_block_of_a_request_is_hashed_once(tiny, monkeypatch):
+    # Chunks of 12 tokens, admission checks while the pool is short, and preemption: the
+    # request's chain grows with its tokens instead of being rehashed at each of them.
+    import hashlib
+
+    engine = engine_for(tiny, kv_cache_bytes=16 * BLOCK_BYTES, max_model_len=48)
+    real, hashed = hashlib.sha256, []
+    monkeypatch.setattr(hashlib, "sha256", lambda data: (hashed.append(data), real(data))[1])
+    outputs = generate(engine, with_system_prompt(6, seed=4, system_len=26), greedy(10))
+    monkeypatch.undo()
+    assert engine.stats().preemptions > 0 and engine.stats().prefill_steps > 6
+    full_blocks = sum((len(out.prompt_token_ids) + len(out.token_ids)) // 4 for out in outputs)
+    assert len(hashed) == full_blocks

@@ -61,8 +61,8 @@ def test_reduce_overhead_records_once_per_bucket_and_replays_every_step(graph_ca
     stats = compiled.stats()
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips == 0
     assert graph_calls["captures"] == captured_at_warmup, "a graph was recorded after warm-up"
-    assert graph_calls["replays"] - replays_before >= stats["decode_steps"]
-    assert stats["recompiles_after_warmup"] == 0
+    assert graph_calls["replays"] - replays_before >= stats.decode_steps
+    assert stats.recompiles_after_warmup == 0
     want = cuda_engine(model).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
@@ -76,7 +76,7 @@ def test_window_is_the_table_buffer_for_every_bucket():
         window = buffer[:rows, :width]
         assert window.data_ptr() == buffer.data_ptr() and window.stride(0) == buffer.stride(0)
     engine.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert engine.stats()["gathers"] == 0 and engine.stats()["windows"] > 0
+    assert engine.stats().gathers == 0 and engine.stats().windows > 0
 
 
 def test_bf16_is_the_cuda_default_and_decodes():

@@ -323,7 +323,7 @@ def test_compiled_packed_decode_equals_eager_with_no_recompiles(plan):
     for got, ref in zip(compiled, eager):
         assert_greedy_agrees_up_to_near_ties(got, ref, tolerance)
     stats = compiled_engine.stats()
-    assert stats["weights"] == plan.name and stats["recompiles_after_warmup"] == 0
+    assert stats.weights == plan.name and stats.recompiles_after_warmup == 0
     torch._dynamo.reset()
 
 
@@ -439,8 +439,8 @@ def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():
     tolerance = 0.05 if plan.dtype == torch.bfloat16 else 1e-3
     for got, ref in zip(compiled, eager):
         assert_greedy_agrees_up_to_near_ties(got, ref, tolerance)
-    assert compiled_engine.stats()["recompiles_after_warmup"] == 0
-    assert compiled_engine.stats()["max_decode_rows"] == rows
+    assert compiled_engine.stats().recompiles_after_warmup == 0
+    assert compiled_engine.stats().max_decode_rows == rows
     torch._dynamo.reset()
 
 

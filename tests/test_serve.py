@@ -232,7 +232,7 @@ def test_32_concurrent_streams_finish_and_share_decode_steps(server):
 
 def test_client_closing_its_stream_aborts_the_request_and_frees_its_blocks(client, server):
     loop = server.engine_loop
-    baseline, aborted = loop.stats["blocks_free"], loop.metrics.finished["abort"]
+    baseline, aborted = loop.stats.blocks_free, loop.metrics.finished["abort"]
     stream = client.completions.create(model=MODEL, prompt=PROMPT * 20, max_tokens=300, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     received = 0
@@ -240,15 +240,15 @@ def test_client_closing_its_stream_aborts_the_request_and_frees_its_blocks(clien
         received += bool(chunk.choices and chunk.choices[0].text)
         if received == 3:
             break
-    assert loop.stats["blocks_free"] < baseline  # it holds blocks while it runs
+    assert loop.stats.blocks_free < baseline  # it holds blocks while it runs
     closed_at = time.monotonic()
     stream.close()
     while time.monotonic() - closed_at < 1.0 and (
-            loop.stats["blocks_free"] != baseline or loop.metrics.finished["abort"] != aborted + 1):
+            loop.stats.blocks_free != baseline or loop.metrics.finished["abort"] != aborted + 1):
         time.sleep(0.01)
     assert loop.metrics.finished["abort"] == aborted + 1, "the request was not aborted within a second"
-    assert loop.stats["blocks_free"] == baseline, "its blocks did not come back within a second"
-    assert loop.stats["running"] == loop.stats["waiting"] == 0
+    assert loop.stats.blocks_free == baseline, "its blocks did not come back within a second"
+    assert loop.stats.running == loop.stats.waiting == 0
     with httpx.Client(base_url=server.url) as plain:
         assert _metric(plain.get("/metrics").text, "nanoserve_kv_blocks_free") == baseline
 

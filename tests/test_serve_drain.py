@@ -68,7 +68,7 @@ def test_drain_finishes_short_work_ends_long_work_and_refuses_new_work(tmp_path)
         for worker in workers:
             worker.start()
         deadline = time.monotonic() + 10
-        while loop.stats["running"] + loop.stats["waiting"] < 2 and time.monotonic() < deadline:
+        while loop.stats.running + loop.stats.waiting < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         drained = threading.Thread(target=server.drain)
         started = time.monotonic()

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from nanoserve.engine import RequestError, SamplingParams, build_engine
+from nanoserve.engine.stats import EngineStats
 from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
 from nanoserve.serve.metrics import Histogram, ServeMetrics
@@ -62,7 +63,7 @@ def test_bad_request_raises_in_the_caller_and_the_loop_keeps_going(loop):
 
 
 def test_abort_gives_blocks_back_without_waiting_for_a_step(loop):
-    baseline = loop.stats["blocks_free"]
+    baseline = loop.stats.blocks_free
 
     async def run():
         queue = await loop.add(list(range(1, 30)), SamplingParams(max_tokens=30, ignore_eos=True), "long")
@@ -71,9 +72,9 @@ def test_abort_gives_blocks_back_without_waiting_for_a_step(loop):
 
     asyncio.run(run())
     deadline = time.monotonic() + 1.0
-    while loop.stats["blocks_free"] != baseline and time.monotonic() < deadline:
+    while loop.stats.blocks_free != baseline and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert loop.stats["blocks_free"] == baseline
+    assert loop.stats.blocks_free == baseline
     assert loop.metrics.finished["abort"] == 1
     loop.engine.check_drained()
 
@@ -112,9 +113,8 @@ def test_metrics_render_as_prometheus_text():
     metrics.record_tokens(2, ttft=None, gap=0.02)
     metrics.record_finished("stop")
     metrics.record_disconnect()
-    stats = {"running": 2, "waiting": 1, "blocks_free": 10, "blocks_total": 16, "recompiles": 0,
-             "prefix_cache_queries": 96, "prefix_cache_hits": 64, "prefix_cache_blocks": 5,
-             "prefix_cache_evictions": 2}
+    stats = EngineStats(running=2, waiting=1, blocks_free=10, blocks_total=16, prefix_cache_queries=96,
+                        prefix_cache_hits=64, prefix_cache_blocks=5, prefix_cache_evictions=2)
     text = metrics.render(stats, http_in_flight=3)
     sample = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$')
     declared = set()

@@ -162,11 +162,11 @@ def test_server_keeps_serving_after_a_burst_of_bad_requests(client, server):
     assert_still_serving(client)
     assert server.engine_loop.alive
     stats = server.engine_loop.stats
-    assert stats["running"] == stats["waiting"] == 0
+    assert stats.running == stats.waiting == 0
 
 
 def test_non_streaming_client_that_hangs_up_aborts_its_request(client, server):
-    baseline = server.engine_loop.stats["blocks_free"]
+    baseline = server.engine_loop.stats.blocks_free
     aborted = server.engine_loop.metrics.finished["abort"]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 60, "ignore_eos": True}
     # Slow the engine (60 steps take over a second) so the request is still running when the
@@ -176,7 +176,7 @@ def test_non_streaming_client_that_hangs_up_aborts_its_request(client, server):
             with pytest.raises(httpx.TimeoutException):
                 impatient.post("/v1/completions", json=body)
         assert _eventually(lambda: server.engine_loop.metrics.finished["abort"] == aborted + 1)
-        assert _eventually(lambda: server.engine_loop.stats["blocks_free"] == baseline)
+        assert _eventually(lambda: server.engine_loop.stats.blocks_free == baseline)
 
 
 def test_streamed_request_failure_is_reported_in_band(client, server):

@@ -152,7 +152,7 @@ def check_answer(response: httpx.Response, route: str) -> None:
 def test_fuzzing_every_route_never_hurts_the_server_or_its_well_formed_requests(server):
     with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as client:
         expected = [greedy_answer(client, body) for body in GREEDY]
-        baseline = server.engine_loop.stats["blocks_free"]
+        baseline = server.engine_loop.stats.blocks_free
         sent, statuses = 0, {}
         with Bystanders(server.url, expected) as bystanders:
 
@@ -176,11 +176,11 @@ def test_fuzzing_every_route_never_hurts_the_server_or_its_well_formed_requests(
         assert bystanders.sent > 0 and not bystanders.mismatches, bystanders.mismatches[:3]
         deadline = time.monotonic() + 10
         stats = server.engine_loop.stats
-        while (stats["running"] or stats["waiting"] or stats["blocks_free"] != baseline) \
+        while (stats.running or stats.waiting or stats.blocks_free != baseline) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
             stats = server.engine_loop.stats
-        assert stats["running"] == stats["waiting"] == 0 and stats["blocks_free"] == baseline, stats
+        assert stats.running == stats.waiting == 0 and stats.blocks_free == baseline, stats
         assert server.engine_loop.alive and client.get("/health").status_code == 200
     print(f"\nfuzz: {sent} fuzzed requests (POST statuses {dict(sorted(statuses.items()))}), "
           f"{bystanders.sent} well-formed greedy requests beside them, 0 server errors")

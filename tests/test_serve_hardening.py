@@ -145,9 +145,9 @@ def test_a_batch_of_prompts_gets_one_choice_each_equal_to_each_alone(client, ser
     # One prompt the engine refuses fails the batch, and none of it is left running.
     assert_error(client.post("/v1/completions", json={**GREEDY, "prompt": [[1, 2], [999]]}), 400, "prompt")
     deadline = time.monotonic() + 5  # the abort reaches the engine thread between steps
-    while server.engine_loop.stats["running"] + server.engine_loop.stats["waiting"] and time.monotonic() < deadline:
+    while server.engine_loop.stats.running + server.engine_loop.stats.waiting and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.engine_loop.stats["running"] == server.engine_loop.stats["waiting"] == 0
+    assert server.engine_loop.stats.running == server.engine_loop.stats.waiting == 0
 
 
 def test_docs_and_openapi_need_the_key_and_probes_do_not(server):
@@ -204,10 +204,10 @@ def test_an_engine_fault_fails_work_in_flight_and_the_server_refuses_more(tmp_pa
     with served(engine, "tiny", None) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         assert client.post("/v1/completions", json=GREEDY).status_code == 200
 
-        def broken_plan(num_rows):
+        def broken_advance(rows):
             raise AssertionError("planted: the slot table disagrees with the pool")
 
-        engine.cache.plan_decode = broken_plan
+        engine.cache.advance = broken_advance
         error = assert_error(client.post("/v1/completions", json=GREEDY), 503)
         assert "planted" in error["message"]
         assert_error(client.get("/health"), 503)

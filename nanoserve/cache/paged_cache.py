@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
-from nanoserve.cache.prefix_cache import chain_hashes, root_hash
+from nanoserve.cache.pool_plan import clamp_max_model_len
+from nanoserve.cache.prefix_cache import BlockHash, BlockHashes, chain_hashes, root_hash
 from nanoserve.slots import RowsLike, SlotTable, is_prefix
 
 
@@ -43,6 +44,13 @@ class BatchedPagedKVCache:
     One block is reserved at construction; its first slot is `scratch_slot`, where padded rows
     write and no row reads. `max_model_len` is clamped to the slots the other blocks hold.
     Every operation that fails raises before it changes anything.
+
+    Two layers. The host operations (`claim_prefix`, `grow`, `advance`, `move`, `free`,
+    `cache_full_blocks`) change only the pool, the block tables and the lengths, and return
+    plain numbers: the scheduler plans a step with them and the runner writes the slot table's
+    cells from the plan. The seed's operations (`admit_prefix`, `allocate_prompt`, `plan_decode`,
+    `move_row`, `adopt_row`) make the host change and the slot table's write together: the
+    standalone cache, as the tests and benchmarks drive it.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -59,7 +67,7 @@ class BatchedPagedKVCache:
         self.pool = BlockPool(num_blocks, block_size)
         self._scratch_block = self.pool.allocate(1)[0]
         self.scratch_slot = self._scratch_block * block_size
-        self.max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+        self.max_model_len = clamp_max_model_len(max_model_len, num_blocks, block_size)
         # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
         # place, inductor copies the whole stack every step.
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
@@ -83,6 +91,9 @@ class BatchedPagedKVCache:
 
     def _claim(self, row: int) -> None:
         self._claimed[row] = True
+
+    def _claim_and_sync(self, row: int) -> None:
+        self._claim(row)
         self.slot_table.resync(self.tables[row], row)
 
     def adopt_row(self, row: int, table: BlockTable) -> None:
@@ -100,11 +111,11 @@ class BatchedPagedKVCache:
                 owner = f"held by {holder[block]}" if block in holder else "free in the pool"
                 raise ValueError(f"row {row}: cannot adopt block {block}: it is {owner}")
         self.tables[self._row(row)].adopt(table)
-        self._claim(row)
+        self._claim_and_sync(row)
 
-    def allocate_prompt(self, row: int, num_tokens: int) -> torch.Tensor:
-        """Grow `row` (claiming it) by `num_tokens` tokens in new blocks; returns their slots.
-        Raises ValueError past max_model_len and PoolExhaustedError, changing nothing."""
+    def grow(self, row: int, num_tokens: int) -> None:
+        """Host: grow `row` (claiming it) by `num_tokens` tokens in new blocks. Raises
+        ValueError past max_model_len and PoolExhaustedError, changing nothing."""
         table = self.tables[self._row(row)]
         start = table.num_tokens
         if num_tokens < 1 or start + num_tokens > self.max_model_len:
@@ -112,6 +123,19 @@ class BatchedPagedKVCache:
         table.add_blocks(self.pool.allocate(table.blocks_needed(num_tokens)))
         table.advance(num_tokens)
         self._claim(row)
+
+    def slots_of(self, row: int, end: int) -> list[int]:
+        """Host: the slots of the row's tokens [0, end)."""
+        table = self.tables[self._row(row)]
+        if not 0 <= end <= table.num_tokens:
+            raise ValueError(f"row {row} holds {table.num_tokens} tokens, not {end}")
+        return table.slots(end)
+
+    def allocate_prompt(self, row: int, num_tokens: int) -> torch.Tensor:
+        """`grow`, and the row's cells written to the slot table; returns the new tokens' slots."""
+        start = self.num_tokens(row)
+        self.grow(row, num_tokens)
+        self.slot_table.resync(self.tables[row], row)
         return self.slot_table.slots[row, start : start + num_tokens].clone()
 
     def reset_row(self, row: int) -> None:
@@ -125,8 +149,8 @@ class BatchedPagedKVCache:
         self.reset_row(row)
         self._claimed[row] = False
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Move a request from `src` to the empty row `dst` (compaction); `src` ends free."""
+    def move(self, src: int, dst: int) -> None:
+        """Host: move a request from `src` to the empty row `dst` (compaction); `src` ends free."""
         if src == dst or not self._claimed[self._row(src)]:
             raise ValueError(f"move_row({src}, {dst}): the source must be a live row other than the destination")
         if not self.tables[self._row(dst)].is_empty:
@@ -134,6 +158,11 @@ class BatchedPagedKVCache:
         self.tables[dst].adopt(self.tables[src])
         self._claimed[src] = False
         self._claim(dst)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """`move`, and the row's cells copied in the slot table."""
+        self.move(src, dst)
+        self.slot_table.resync(self.tables[dst], dst)
 
     def blocks_needed(self, num_tokens: int, row: int | None = None) -> int:
         """Blocks to allocate before `num_tokens` more tokens fit in `row` (or in a fresh row)."""
@@ -151,11 +180,11 @@ class BatchedPagedKVCache:
     def _full_rows(self, ids: list[int]) -> list[int]:
         return [row for row in ids if self.tables[row].num_tokens >= self.tables[row].capacity]
 
-    def plan_decode(self, rows: RowsLike) -> DecodePlan:
-        """Advance every row by one token and address the step: the full rows take a block each
-        (in row order), one indexed write appends the write slots to the slot table, and the
-        slot_mapping is read out of it. Raises, changing nothing, ValueError for rows not live or
-        at max_model_len and PoolExhaustedError when the pool lacks blocks (`can_append` first)."""
+    def advance(self, rows: RowsLike) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Host: advance every row by one token, the full rows taking a block each (in row
+        order); returns the row ids, the positions written and the write slots. Raises, changing
+        nothing, ValueError for rows not live or at max_model_len and PoolExhaustedError when
+        the pool lacks blocks (`can_append` first)."""
         ids = self.slot_table.row_ids(rows)
         idle = [row for row in ids if not self._claimed[row]]
         if idle:
@@ -171,35 +200,50 @@ class BatchedPagedKVCache:
                                      "free; the scheduler should preempt before planning (can_append tells it)")
         for row, block in zip(full, self.pool.allocate(len(full))):
             self.tables[row].add_blocks((block,))
-        host = np.stack([[self.tables[row].slot(n) for row, n in zip(ids, lens)],
-                         positions, positions + 1])  # write slots, positions, context lengths
+        write_slots = np.array([self.tables[row].slot(n) for row, n in zip(ids, lens)], dtype=np.int64)
+        self.slot_table.lengths_array[ids] = positions + 1  # the block tables' counts
+        return ids, positions, write_slots
+
+    def plan_decode(self, rows: RowsLike) -> DecodePlan:
+        """`advance`, then address the step: one indexed write puts the write slots in the slot
+        table and the slot_mapping is read out of it (raising as `advance` does)."""
+        ids, positions, write_slots = self.advance(rows)
+        host = np.stack([write_slots, positions, positions + 1])  # write slots, positions, context lengths
         is_window = is_prefix(ids)
         rows = len(ids) if is_window else ids  # a prefix passed by its size: checked once, above
-        write_slots, positions_t, context_lens = torch.from_numpy(host).to(self.device).unbind()
-        self.slot_table.append(rows, write_slots)
+        write_slots_t, positions_t, context_lens = torch.from_numpy(host).to(self.device).unbind()
+        self.slot_table.write_cells(rows, positions_t, write_slots_t)
         return DecodePlan(tuple(ids), self.slot_table.rect(rows, int(host[2].max())), context_lens,
-                          int(host[2].sum()), write_slots, positions_t, is_window)
+                          int(host[2].sum()), write_slots_t, positions_t, is_window)
 
-    def blocks_to_admit(self, token_ids: Sequence[int], adopt: bool = True) -> int:
+    # The prefix operations take a sequence's tokens and, optionally, its chain of block hashes
+    # (`block_hashes()`, kept with a request); without them the chain is hashed from the tokens.
+
+    def block_hashes(self) -> BlockHashes:
+        """An empty hash chain under this cache's root, for one sequence to grow."""
+        return BlockHashes(self.block_size, self._root_hash)
+
+    def blocks_to_admit(self, token_ids: Sequence[int], adopt: bool = True,
+                        hashes: Sequence[BlockHash] | None = None) -> int:
         """Free blocks a new row holding `token_ids` plus one decode token takes: its blocks,
         less the cached prefix (when it adopts one) that other rows already hold and so are not
         counted free (a cached block no row holds is counted free, so it counts here too)."""
-        held = sum(self.pool.ref_count(b) > 0 for b in self._cached_prefix(token_ids)) if adopt else 0
-        return self.blocks_needed(len(token_ids) + 1) - held
+        prefix = self._cached_prefix(token_ids, hashes) if adopt else []
+        return self.blocks_needed(len(token_ids) + 1) - sum(self.pool.ref_count(b) > 0 for b in prefix)
 
     def match_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of `token_ids` a new request could adopt now (a pure query)."""
         return len(self._cached_prefix(token_ids)) * self.block_size
 
-    def admit_prefix(self, row: int, token_ids: Sequence[int]) -> int:
-        """Claim the empty `row` and adopt the longest cached prefix of `token_ids` (each block
-        gains a holder); returns the tokens adopted (0 with caching off) and counts the query.
-        Raises ValueError (changing nothing) when the row holds blocks or tokens."""
+    def claim_prefix(self, row: int, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> int:
+        """Host: claim the empty `row` and adopt the longest cached prefix of `token_ids` (each
+        block gains a holder); returns the tokens adopted (0 with caching off) and counts the
+        query. Raises ValueError (changing nothing) when the row holds blocks or tokens."""
         table = self.tables[self._row(row)]
         if not table.is_empty:
             raise ValueError(f"admit_prefix: row {row} still holds {table.num_tokens} tokens in {table.blocks}; "
                              "free or reset it first")
-        blocks = self._cached_prefix(token_ids)
+        blocks = self._cached_prefix(token_ids, hashes)
         self.pool.share(blocks)
         table.add_blocks(blocks)
         table.advance(len(blocks) * self.block_size)
@@ -209,34 +253,47 @@ class BatchedPagedKVCache:
             self.prefix_hits += table.num_tokens
         return table.num_tokens
 
-    def cache_full_blocks(self, row: int, token_ids: Sequence[int]) -> None:
+    def admit_prefix(self, row: int, token_ids: Sequence[int]) -> int:
+        """`claim_prefix`, and the adopted cells written to the slot table."""
+        adopted = self.claim_prefix(row, token_ids)
+        self.slot_table.resync(self.tables[row], row)
+        return adopted
+
+    def cache_full_blocks(self, row: int, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> list[int]:
         """Register the row's full blocks among its first len(token_ids) tokens under their prefix hashes
         (K/V written, or written by this step's forward before any read); a hash that already names a block
-        keeps it. No-op with caching off. Raises if the row holds fewer tokens, or a registered block disagrees."""
+        keeps it. Returns the blocks newly registered (none with caching off). Raises if the row holds fewer
+        tokens, or a registered block disagrees."""
         if not self.enable_prefix_caching:
-            return
+            return []
         table = self.tables[self._row(row)]
         if len(token_ids) > table.num_tokens:
             raise ValueError(f"cache_full_blocks: row {row} holds {table.num_tokens} tokens, not {len(token_ids)}")
-        hashes = chain_hashes(token_ids, self.block_size, self._root_hash)
+        full = len(token_ids) // self.block_size
+        hashes = chain_hashes(token_ids, self.block_size, self._root_hash) if hashes is None else hashes[:full]
+        registered = []
         for i, (block, block_hash) in enumerate(zip(table.blocks, hashes)):
             known = self.pool.hash_of(block)
             if known is None:
-                self.pool.register(block, block_hash)
+                if self.pool.register(block, block_hash):
+                    registered.append(block)
             elif known != block_hash:
                 raise RuntimeError(f"row {row} block {i} (physical {block}) is cached under another prefix than "
                                    "the tokens given: the engine passed tokens that are not this row's")
+        return registered
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
                 "prefix_cache_blocks": self.pool.num_registered, "prefix_cache_evictions": self.pool.evictions}
 
-    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def _cached_prefix(self, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> list[int]:
         # Whole blocks, at most len(token_ids) - 1 tokens: one is always computed, for the logits.
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return []
-        usable = (len(token_ids) - 1) // self.block_size * self.block_size
-        return self.pool.lookup(chain_hashes(token_ids[:usable], self.block_size, self._root_hash))
+        usable = (len(token_ids) - 1) // self.block_size
+        if hashes is None:
+            hashes = chain_hashes(token_ids[:usable * self.block_size], self.block_size, self._root_hash)
+        return self.pool.lookup(hashes[:usable])
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""

@@ -17,6 +17,11 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def clamp_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The longest row a pool of `num_blocks` can hold: one block is the cache's scratch block."""
+    return min(max_model_len, (num_blocks - 1) * block_size)
+
+
 def table_bytes(max_batch_size: int, max_model_len: int) -> int:
     """What the slot table reserves for the life of the process."""
     return max_batch_size * max_model_len * INDEX_BYTES
@@ -54,5 +59,5 @@ def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
         raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "
                          "the cache needs 2 (a scratch block and one for a request): raise the budget or shrink "
                          "block_size")
-    return PoolPlan(num_blocks, block_size, max_batch_size, min(max_model_len, (num_blocks - 1) * block_size),
+    return PoolPlan(num_blocks, block_size, max_batch_size, clamp_max_model_len(max_model_len, num_blocks, block_size),
                     max_model_len, bytes_per_block)

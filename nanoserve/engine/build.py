@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from nanoserve.cache.paged_cache import BatchedPagedKVCache
-from nanoserve.cache.pool_plan import plan_pool
+from nanoserve.cache.pool_plan import PoolPlan, kv_bytes_per_token, plan_pool
 from nanoserve.engine.bucketing import Buckets
+from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.decode import DecodeStep
-from nanoserve.engine.engine import Engine, EngineConfig
+from nanoserve.engine.engine import Engine
 from nanoserve.engine.paged_attention import decode_attention_kernel
 from nanoserve.model import cpu_kernels
 from nanoserve.model.llama import LlamaModel
@@ -16,128 +19,106 @@ from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-# A chunked step's default token budget on a GPU: decode rows plus prefill chunks of a few
-# hundred tokens, which a GPU runs in about the time of the decode step itself.
+# A chunked step's default token budget on a GPU, and a CPU step's with no row decoding: a
+# chunk of a few hundred tokens costs a GPU about a decode step.
 DEFAULT_CHUNKED_BUDGET = 512
-# On the CPU an eager step runs its decode rows and its prefill chunk as one forward, so a chunk
-# costs its tokens' compute and their attention over the context, not a second pass over the
-# weights; at 32 rows the step is already compute-bound, so each chunk token adds about 1/32 of
-# a decode step, and the last chunks also attend over the whole prompt. With 32 streams decoding
-# and a 2,000-token prompt arriving (two threads, `auto`, three runs each), chunks of 33 / 49 / 65
-# tokens kept the streams' p99 inter-token latency at 1.8-2.3x / 2.1-3.0x / 2.6-3.4x the
-# undisturbed p50 and gave the prompt its first token after 7.3-9.8 / 6.0-7.9 / 6.0-6.3 s;
-# 161 tokens went to 5.1x. The budget leaves a chunk of half a decode batch, at least
-# CPU_MIN_CHUNK tokens. A compiled decode step runs the chunk as a forward of its own: there the
-# streams' p50 was 2.5x at 17 tokens and 2.7x at 65. On a GPU the chunk is cheap next to the
-# decode step, so it keeps DEFAULT_CHUNKED_BUDGET.
+# On the CPU an eager step runs its decode rows and its chunk as one forward, so a chunk token
+# costs its compute and attention, not a pass over the weights; the default chunk is half a
+# decode batch, at least this many tokens (the figures behind it: compile/results/).
 CPU_MIN_CHUNK = 48
 
 
-def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, max_model_len: int | None = None,
-                 max_batch_size: int = 32, kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_num_batched_tokens: int | None = None, dtype: torch.dtype | str | None = None,
-                 device: str = "cpu", compile: bool = False, compile_mode: str | None = "reduce-overhead",
-                 bucketing: bool | None = None, row_buckets: tuple[int, ...] | None = None,
-                 width_buckets: tuple[int, ...] | None = None, warmup: str = "lazy",
-                 compile_backend: str = "inductor", weights: str | WeightPlan | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True) -> Engine:
+def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config: EngineConfig | None = None,
+                 **options) -> Engine:
     """Build an engine.
 
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
     directory, or an already built ``LlamaModel`` (then pass ``tokenizer`` for text prompts).
+    The options are ``EngineConfig``'s fields (README: the options table), given as ``config``,
+    as keywords, or both (the keywords win); ``Engine.config`` holds them resolved.
+
     ``kv_cache_bytes`` is the K/V budget; the pool plan turns it into blocks and clamps
     ``max_model_len`` to what the pool can hold. Asking for a ``max_model_len`` the pool cannot
-    hold for even one request raises ValueError with the arithmetic.
-
-    With ``compile=True`` the decode step is ``torch.compile(mode=compile_mode)`` over bucketed
-    shapes (``bucketing`` defaults to on with compile, off without); ``warmup="eager"``
-    compiles every bucket here, ``"lazy"`` on first use.
-
-    ``weights`` is "auto", "fp32", "bf16", "int8", "int4" or a ``WeightPlan``: how the weights are
-    held and executed (activations and the K/V cache are bf16 for all but fp32). "auto" is
-    ``auto_cpu_plan()`` on the CPU and bf16 on CUDA. Unset, a model named by a string loads as "auto"
-    unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in its
-    own dtype; a ``LlamaModel`` given with ``weights`` is converted in place.
-
-    ``max_num_batched_tokens`` is a step's token budget. With ``enable_chunked_prefill`` (the
-    default) decode rows take one token each and prefill chunks fill the rest, so a long prompt
-    is prefilled over several steps while running streams keep decoding (unset:
-    ``default_token_budget``, and a step with no stream decoding may then prefill
-    DEFAULT_CHUNKED_BUDGET tokens); without it a step prefills whole prompts (unset:
-    max(2048, max_model_len)) or decodes.
-
-    With ``enable_prefix_caching`` (the default) full blocks of K/V stay cached after their
-    request leaves, and a new request adopts its longest cached prefix instead of recomputing it.
+    hold for even one request raises ValueError with the arithmetic. ``weights`` "auto" is
+    ``auto_cpu_plan()`` on the CPU and bf16 on CUDA; unset, a model named by a string loads as
+    "auto" unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in
+    its own dtype (given with ``weights``, it is converted in place).
     """
-    weight_plan, dtype = resolve_weights(weights, dtype, device, named_model=isinstance(model, str))
-    if warmup not in ("eager", "lazy"):
-        raise ValueError(f"warmup must be 'eager' or 'lazy', got {warmup!r}")
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    config = dataclasses.replace(config or EngineConfig(), **options)
+    weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=isinstance(model, str))
     # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
     source = model if isinstance(model, str) else f"{type(model).__name__}@{id(model):x}"
     if isinstance(model, str):
-        model, tokenizer = load_model(model, dtype=dtype, device=device, weights=weight_plan)
+        model, tokenizer = load_model(model, dtype=dtype, device=config.device, weights=weight_plan)
     else:
         if weight_plan is not None:
             pack_model(model, weight_plan)
-        model = model.to(device=device, dtype=dtype)
+        model = model.to(device=config.device, dtype=dtype)
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
-    config = model.config
-    limit = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    # Unset, the budget is what every row at full length needs (plus the scratch block), at
-    # most DEFAULT_KV_CACHE_BYTES: a tiny model does not get a gigabyte of zeros.
-    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * dtype.itemsize
-    full = (max_batch_size * -(-limit // block_size) + 1) * per_block
-    budget = kv_cache_bytes or min(DEFAULT_KV_CACHE_BYTES, full)
-    try:
-        plan = plan_pool(budget, config.num_layers, config.num_kv_heads, config.head_dim, dtype, block_size,
-                         max_batch_size, limit)
-    except ValueError as exc:
-        raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
-    if max_model_len is not None and plan.max_model_len < max_model_len:
-        needed_blocks = -(-max_model_len // block_size) + 1  # + the scratch block
-        raise ValueError(
-            f"kv_cache_bytes={budget} holds {plan.num_blocks} blocks of {plan.bytes_per_block} bytes "
-            f"({block_size} tokens each, one reserved as scratch) = {plan.max_model_len} tokens for a "
-            f"request, fewer than one max_model_len={max_model_len} request needs: raise kv_cache_bytes "
-            f"to at least {needed_blocks * plan.bytes_per_block} or lower max_model_len")
+    plan = _plan_pool(model.config, config, dtype)
     weights_name = weight_plan.name if weight_plan else _format_name(dtype)
-    cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim, plan.num_blocks,
-                                block_size, max_batch_size, plan.max_model_len, dtype=dtype, device=device,
-                                enable_prefix_caching=enable_prefix_caching,
-                                prefix_salt=f"{source}|{config!r}|{dtype}|{weights_name}")
+    arch = model.config
+    cache = BatchedPagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, plan.num_blocks,
+                                config.block_size, config.max_batch_size, plan.max_model_len, dtype=dtype,
+                                device=config.device, enable_prefix_caching=config.enable_prefix_caching,
+                                prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")
     # The tier running the packed weights; with dense bf16 weights the decode attention still
     # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
     tier = weight_plan.tier if weight_plan is not None else None
-    if tier is None and dtype == torch.bfloat16 and str(device) == "cpu":
+    if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
         tier = cpu_kernels.resolve_tier()
     attention_kernel = decode_attention_kernel(cache.k_caches[0], tier)
-    bucketing = compile if bucketing is None else bucketing
-    buckets = None
-    if bucketing:
-        default = Buckets.default(max_batch_size, block_size, cache.max_model_len)
-        # The CPU decode kernel reads each row's own cells whatever the window's width, so one
-        # width (the longest) steps as fast as a tight one and compiles one graph per row
-        # bucket instead of one per width; SDPA's masked read costs the whole window.
-        widths = (cache.max_model_len,) if attention_kernel is not None else default.widths
-        buckets = Buckets(tuple(row_buckets or default.rows), tuple(width_buckets or widths))
-    step = DecodeStep(model, cache, max_batch_size, buckets, compile=compile, mode=compile_mode, device=device,
-                      backend=compile_backend, attention_kernel=attention_kernel)
-    engine_config = EngineConfig(
-        max_model_len=cache.max_model_len, max_batch_size=max_batch_size, block_size=block_size,
-        num_blocks=plan.num_blocks,
-        max_num_batched_tokens=max_num_batched_tokens or default_token_budget(
-            enable_chunked_prefill, max_batch_size, cache.max_model_len, device),
+    buckets = _buckets(config, cache.max_model_len, attention_kernel is not None)
+    step = DecodeStep(model, cache, config.max_batch_size, buckets, compile=config.compile, mode=config.compile_mode,
+                      device=config.device, backend=config.compile_backend, attention_kernel=attention_kernel)
+    chunked, budget = config.enable_chunked_prefill, config.max_num_batched_tokens
+    resolved = dataclasses.replace(
+        config, max_model_len=cache.max_model_len, kv_cache_bytes=plan.num_blocks * plan.bytes_per_block,
+        max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, cache.max_model_len,
+                                                               config.device),
         # The CPU default budget is sized for the streams a chunk delays; with none decoding it
-        # would only slow a lone prompt, so such a step may prefill DEFAULT_CHUNKED_BUDGET tokens.
-        # A budget the caller sets is a hard limit on every step.
-        prefill_only_budget=None if max_num_batched_tokens or not enable_chunked_prefill else DEFAULT_CHUNKED_BUDGET,
-        dtype=dtype, device=device, compile=compile, weights=weights_name, cpu_kernels=tier, enable_chunked_prefill=enable_chunked_prefill)
-    engine = Engine(model, tokenizer, cache, engine_config, step)
-    if compile and warmup == "eager" and buckets is not None:
+        # would only slow a lone prompt. A budget the caller sets binds every step.
+        prefill_only_budget=config.prefill_only_budget or (None if budget or not chunked else DEFAULT_CHUNKED_BUDGET),
+        dtype=dtype, weights=weights_name, bucketing=buckets is not None,
+        row_buckets=buckets.rows if buckets else None, width_buckets=buckets.widths if buckets else None)
+    engine = Engine(model, tokenizer, cache, resolved, step, cpu_kernels=tier)
+    if config.compile and config.warmup == "eager" and buckets is not None:
         step.warmup()
     return engine
+
+
+def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
+    """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
+    block, at most DEFAULT_KV_CACHE_BYTES: a tiny model does not get a gigabyte of zeros)."""
+    block_size, rows = config.block_size, config.max_batch_size
+    limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+    budget = config.kv_cache_bytes or min(DEFAULT_KV_CACHE_BYTES, (rows * -(-limit // block_size) + 1) * per_block)
+    try:
+        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, block_size, rows, limit)
+    except ValueError as exc:
+        raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
+    wanted = config.max_model_len
+    if wanted is not None and plan.max_model_len < wanted:
+        needed_blocks = -(-wanted // block_size) + 1  # + the scratch block
+        raise ValueError(
+            f"kv_cache_bytes={budget} holds {plan.num_blocks} blocks of {plan.bytes_per_block} bytes "
+            f"({block_size} tokens each, one reserved as scratch) = {plan.max_model_len} tokens for a "
+            f"request, fewer than one max_model_len={wanted} request needs: raise kv_cache_bytes "
+            f"to at least {needed_blocks * plan.bytes_per_block} or lower max_model_len")
+    return plan
+
+
+def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool) -> Buckets | None:
+    """The decode grid (bucketing defaults to on with compile, off without)."""
+    if not (config.compile if config.bucketing is None else config.bucketing):
+        return None
+    default = Buckets.default(config.max_batch_size, config.block_size, max_model_len)
+    # The CPU decode kernel reads each row's own cells whatever the window's width, so one
+    # width (the longest) steps as fast as a tight one and compiles one graph per row
+    # bucket instead of one per width; SDPA's masked read costs the whole window.
+    widths = (max_model_len,) if decode_kernel else default.widths
+    return Buckets(tuple(config.row_buckets or default.rows), tuple(config.width_buckets or widths))
 
 
 def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int, device: str = "cpu") -> int:

@@ -5,6 +5,7 @@ per-row input tokens, positions, write slots, context lengths, the slot table's 
 the per-layer K/V caches. Its only other inputs are two Python ints, the bucketed
 ``rows`` and ``width``, so under ``torch.compile`` each bucket is one specialised graph
 and, on a GPU with ``mode="reduce-overhead"``, one CUDA graph replayed at fixed addresses.
+``DecodeStep.load`` fills those buffers from a plan's ``DecodeBatch``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.cache.paged_cache import DecodePlan
 from nanoserve.engine.bucketing import Buckets, PaddingWaste
 from nanoserve.engine.paged_attention import attend_window, window_mask
+from nanoserve.engine.plan import DecodeBatch
 
 
 class WindowAttention:
@@ -66,16 +69,18 @@ class DecodeStats:
 class DecodeStep:
     """Owns the persistent step buffers and the (optionally compiled) ``decode_forward``.
 
-    ``buckets=None`` runs exact shapes (the eager engine's default). With ``compile=True`` the
-    forward goes through ``torch.compile(mode=..., fullgraph=True, dynamic=False)``; once a
-    bucket has been compiled, calling it again runs under the ``fail_on_recompile`` stance,
-    so a stray shape is an error instead of a silent rebuild.
+    ``buckets`` is the grid ``warmup`` compiles (the scheduler plans each step's window in it;
+    None: exact shapes, the eager engine's default). With ``compile=True`` the forward goes
+    through ``torch.compile(mode=..., fullgraph=True, dynamic=False)``; once a bucket has been
+    compiled, calling it again runs under the ``fail_on_recompile`` stance, so a stray shape is
+    an error instead of a silent rebuild. ``backend`` is inductor's name or any torch.compile
+    backend (a callable: a benchmark's own inductor options).
     """
 
     def __init__(self, model, cache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
-                 device: torch.device | str = "cpu", backend: str = "inductor",
-                 options: dict | None = None, attention_kernel: int | None = None) -> None:
+                 device: torch.device | str = "cpu", backend="inductor",
+                 attention_kernel: int | None = None) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.device = torch.device(device)
         size = max_batch_size
@@ -91,9 +96,9 @@ class DecodeStep:
         self._graphs_compiled = 0  # graphs this step's backend has compiled
         self._forward = decode_forward
         if compile:
-            self._prepare_compile(mode, backend, options)
+            self._prepare_compile(mode, backend)
 
-    def _prepare_compile(self, mode: str | None, backend: str, options: dict | None) -> None:
+    def _prepare_compile(self, mode: str | None, backend) -> None:
         # Static addresses: graph capture may then read and write these buffers in place.
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
                        self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
@@ -106,9 +111,10 @@ class DecodeStep:
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * grid + 256)
         # mode only means something to inductor; other backends (tests use "eager" to check
         # dynamo's shape discipline without paying for code generation) take none.
-        # torch.compile takes a mode or explicit inductor options (e.g. cpp_wrapper), not both.
         if backend == "inductor":
-            compiler = torch._TorchCompileInductorWrapper(None if options else mode, options, False)
+            compiler = torch._TorchCompileInductorWrapper(mode, None, False)
+        elif callable(backend):
+            compiler = backend
         else:
             compiler = torch._dynamo.lookup_backend(backend)
 
@@ -118,16 +124,11 @@ class DecodeStep:
             return compiler(graph, example_inputs)
 
         # The model's modules never change under a built step, so their guards (hundreds of
-        # attribute and tensor checks, ~2-3 ms of a 1-row CPU step) are dropped. Still guarded:
+        # attribute and tensor checks, a large share of a small CPU step) are dropped. Still guarded:
         # the bucket's ints, the step's buffers, and the backend, which is this step's own
         # ``counted``, so another engine's graphs are never this one's.
         self._forward = torch.compile(decode_forward, backend=counted, fullgraph=True, dynamic=False,
                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-
-    def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
-        if self.buckets is None:
-            return num_rows, max_context
-        return self.buckets.shape_for(num_rows, max_context)
 
     @torch.inference_mode()
     def warmup(self) -> float:
@@ -142,27 +143,40 @@ class DecodeStep:
         self.stats.warmup_seconds += elapsed
         return elapsed
 
+    def load(self, batch: DecodeBatch) -> DecodePlan:
+        """Apply a plan's decode rows: their input tokens, positions, write slots and lengths go
+        to the buffers (rows past them to the bucket are padding: length 0, the scratch slot),
+        and their write slots to their cells in the slot table. Returns the step's addressing,
+        whose slot_mapping is the window [num_rows, width] that the graph reads of the table."""
+        n, rows = batch.num_rows, batch.rows
+        host = torch.tensor((batch.token_ids, batch.positions, batch.write_slots), dtype=torch.long)
+        token_ids, positions, write_slots = host.to(self.device).unbind()
+        context_lens = positions + 1
+        for buffer, values in ((self.input_ids, token_ids), (self.positions, positions),
+                               (self.write_slots, write_slots), (self.context_lens, context_lens)):
+            buffer[:n].copy_(values)
+        if rows > n:
+            self.write_slots[n:rows].fill_(self.cache.scratch_slot)
+            self.positions[n:rows].zero_()
+            self.context_lens[n:rows].zero_()
+        slot_table = self.cache.slot_table
+        slot_table.write_cells(n, positions, write_slots)
+        return DecodePlan(tuple(range(n)), slot_table.rect(n, batch.width), context_lens,
+                          sum(batch.positions) + n, write_slots, positions, True)
+
     @torch.inference_mode()
-    def run(self, num_rows: int, max_context: int, total_context: int, write_slots: torch.Tensor,
-            positions: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """Copy the step's addressing into the buffers, pad to the bucket, run the forward.
-        Returns logits [num_rows, vocab]; on a GPU graph they are overwritten by the next
-        replay, so the caller consumes them (the sampler does) before the next step."""
-        rows, width = self.shape_for(num_rows, max_context)
-        self.write_slots[:num_rows].copy_(write_slots)
-        self.positions[:num_rows].copy_(positions)
-        self.context_lens[:num_rows].copy_(context_lens)
-        if rows > num_rows:  # padded rows: length 0, write to the scratch slot
-            self.write_slots[num_rows:rows].fill_(self.cache.scratch_slot)
-            self.positions[num_rows:rows].zero_()
-            self.context_lens[num_rows:rows].zero_()
+    def run(self, plan: DecodePlan, rows: int) -> torch.Tensor:
+        """Run the forward over the loaded buffers in the window [rows, plan.width] (rows >= the
+        plan's, padded). Returns logits [plan's rows, vocab]; on a GPU graph they are
+        overwritten by the next replay, so the caller consumes them (the sampler does) before
+        the next step."""
+        num_rows, width = len(plan.rows), plan.width
         self.stats.bucket_hits[(rows, width)] += 1
         # The masked read covers the whole window; the decode kernel each row's own cells (a
         # padded row's one).
-        read = total_context + rows - num_rows if self.attention_kernel is not None else rows * width
-        self.stats.waste.add(read, total_context)
-        logits = self._call(rows, width)
-        return logits[:num_rows]
+        read = plan.total_context + rows - num_rows if self.attention_kernel is not None else rows * width
+        self.stats.waste.add(read, plan.total_context)
+        return self._call(rows, width)[:num_rows]
 
     @torch.inference_mode()  # the same dispatch keys on every call, or the guards would differ
     def _call(self, rows: int, width: int) -> torch.Tensor:
@@ -185,7 +199,3 @@ class DecodeStep:
             out = self._forward(*args)
         self.stats.graphs_built += self._graphs_compiled - before
         return out
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.input_ids[dst] = self.input_ids[src]
-

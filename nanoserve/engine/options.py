@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from nanoserve.engine.config import cli_flag, options
+
 DEFAULT_MODEL = "smollm2"  # nanoserve.model.loader.DEFAULT_MODEL, named here without importing torch
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -22,41 +24,29 @@ def parse_bytes(text: str) -> int:
 
 def add_engine_args(parser: argparse.ArgumentParser, *, max_batch_size: int, kv_cache_bytes: int | None,
                     kv_cache_default: str) -> None:
-    """The engine's options, with a command's own defaults for the rows and the K/V budget
-    (`kv_cache_default` says in words what an unset budget means)."""
+    """EngineConfig's options that the command line offers, as flags, with a command's own
+    defaults for the rows and the K/V budget (`kv_cache_default` says in words what an unset
+    budget means)."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + reply, in tokens (default: the model's context length, "
-                            "lowered to what the K/V pool holds)")
-    group.add_argument("--max-batch-size", type=int, default=max_batch_size,
-                       help="rows: requests decoded together in one step (default %(default)s)")
-    group.add_argument("--kv-cache-bytes", type=parse_bytes, default=kv_cache_bytes,
-                       help=f"K/V pool budget, e.g. 512M, 2G (default: {kv_cache_default})")
-    group.add_argument("--block-size", type=int, default=16,
-                       help="tokens per K/V block, the pool's unit of allocation (default %(default)s)")
-    group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                       help="default: float32 on cpu, bfloat16 on cuda")
-    group.add_argument("--weights", default=None, choices=["auto", "fp32", "bf16", "int8", "int4"],
-                       help="weight format (default: auto, or dense in --dtype when that is given)")
-    group.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
-    group.add_argument("--compile", action="store_true",
-                       help="torch.compile the decode step (reduce-overhead, bucketed static shapes)")
-    group.add_argument("--warmup", default="lazy", choices=["lazy", "eager"],
-                       help="with --compile: build every bucket's graph up front (eager) or on first use")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="a step's token budget (decode rows + prefill chunks), binding every step; "
-                            "default on the CPU: max batch size + max(48, half of it), 512 with no row "
-                            "decoding; on a GPU: 512")
-    group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                       help="prefill whole prompts in steps of their own (running streams wait)")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="recompute every prompt instead of reusing cached K/V of shared prefixes")
+    defaults = {"max_batch_size": max_batch_size, "kv_cache_bytes": kv_cache_bytes}
+    for option in options():
+        if not option.metadata["cli"]:
+            continue
+        help = option.metadata["help"]
+        if option.name == "kv_cache_bytes":
+            help = f"K/V pool budget, e.g. 512M, 2G (default: {kv_cache_default})"
+        if isinstance(option.default, bool):  # a switch: --compile, or --no-chunked-prefill for a True default
+            group.add_argument(cli_flag(option), dest=option.name, help=help,
+                               action="store_false" if option.default else "store_true")
+            continue
+        default = defaults.get(option.name, option.default)
+        if default is not None:
+            help += " (default %(default)s)"
+        kind = {"str": str, "int": int, "bytes": parse_bytes}[option.metadata["kind"]]
+        group.add_argument(cli_flag(option), dest=option.name, type=kind, default=default,
+                           choices=option.metadata["choices"], help=help)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """build_engine's keyword arguments from add_engine_args' options."""
-    return dict(max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
-                kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, dtype=args.dtype,
-                weights=args.weights, device=args.device, compile=args.compile, warmup=args.warmup,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching)
+    return {option.name: getattr(args, option.name) for option in options() if option.metadata["cli"]}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.cache.prefix_cache import BlockHashes
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.engine.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Request:
     emitted_chars: int = 0
     emitted_tokens: int = 0
     detokenizer: object | None = None
+    block_hashes: BlockHashes | None = None  # its full blocks' prefix hashes, grown as it grows
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property
@@ -60,6 +62,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        """The token a decode step feeds: the last one, whose K/V is not in the cache yet."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,33 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
+                    generators: list[torch.Generator | None], histories: list | None
+                    ) -> tuple[torch.Tensor, list[TokenLogprobs | None], dict[int, str]]:
+    """One token per row, and the rows whose sampling failed (row -> message). If sampling the
+    batch raises, every row is sampled alone (a seeded row's generator rewound first), so only
+    a row that fails on its own fails."""
+    states = [None if g is None else g.get_state() for g in generators]
+    try:
+        sampled = sampler(logits, params, generators, histories)
+        return sampled.token_ids, sampled.logprobs, {}
+    except Exception:  # find the rows at fault below
+        pass
+    token_ids = torch.zeros(len(params), dtype=torch.long, device=logits.device)
+    logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    failed = {}
+    for row, (p, generator, state) in enumerate(zip(params, generators, states)):
+        if generator is not None:
+            generator.set_state(state)
+        try:
+            one = sampler(logits[row:row + 1], [p], [generator], None if histories is None else [histories[row]])
+        except Exception as exc:
+            failed[row] = f"sampling failed: {type(exc).__name__}: {exc}"
+            continue
+        token_ids[row], logprobs[row] = one.token_ids[0], one.logprobs[0]
+    return token_ids, logprobs, failed
+
+
 class Sampler:
     """Samples one token per row. ``histories[i]`` is row i's (prompt ids, output ids),
     read only when a row asks for penalties."""

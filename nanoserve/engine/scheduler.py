@@ -15,48 +15,19 @@ Rows are kept a prefix of the slot table in two regions: decoding rows ``0..d-1`
 decode read is a window), then prefilling rows ``d..n-1``. Chunks are handed out in row
 order and only the last of them can stop short of its prompt's end, so the rows whose
 prefill completes in a step are exactly ``d..d+c-1``: they join the decode region where
-they stand. A row that leaves is filled by moving rows (compaction, through the cache's
-``move_row``): the last decoding row into a decode hole, the last row into what is left.
+they stand. A row that leaves is filled by moving rows (compaction): the last decoding row
+into a decode hole, the last row into what is left; the next plan lists the moves.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
+from nanoserve.engine.bucketing import Buckets
+from nanoserve.engine.plan import DecodeBatch, PrefillChunk, RowMove, StepPlan
 from nanoserve.engine.request import Request, RequestStatus
-
-
-@dataclass
-class PrefillChunk:
-    """Tokens [start, start + length) of a request, whose K/V go to ``write_slots``; the
-    tokens before ``start`` are already in the cache and are attended to through the row."""
-
-    request: Request
-    start: int
-    length: int
-    write_slots: torch.Tensor
-    is_last: bool  # the request's prefill ends here: its logits give its next token
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-@dataclass
-class ScheduledStep:
-    decode: list[Request]  # decode[i].row == i
-    prefill: list[PrefillChunk]  # on rows len(decode).., in row order
-
-    @property
-    def sampled(self) -> list[Request]:
-        """The requests that get a token this step, on the contiguous rows 0.. (or, without
-        decode rows, from the first chunk's row on)."""
-        return self.decode + [chunk.request for chunk in self.prefill if chunk.is_last]
 
 
 @dataclass
@@ -76,9 +47,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int,
-                 on_row_move: Callable[[int, int], None] | None = None, chunked: bool = True,
-                 prefill_only_budget: int | None = None) -> None:
+    def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int, chunked: bool = True,
+                 prefill_only_budget: int | None = None, buckets: Buckets | None = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if chunked and max_num_batched_tokens <= max_batch_size:
@@ -90,14 +60,18 @@ class Scheduler:
         # A step with no decode row keeps no stream waiting, so its prefill may take this many
         # tokens (None: the same budget as any step).
         self.prefill_only_budget = max(max_num_batched_tokens, prefill_only_budget or 0)
-        self.on_row_move = on_row_move
         self.chunked = chunked
+        self.buckets = buckets  # the decode windows a compiled graph was built for (None: exact)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i].row == i; decoding rows first
         self.stats = SchedulerStats()
+        self._moves: list[RowMove] = []  # compactions since the last plan, in order
+        self._registered: list[int] = []
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        if self.cache.enable_prefix_caching and request.block_hashes is None:
+            request.block_hashes = self.cache.block_hashes()
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -108,38 +82,53 @@ class Scheduler:
         return sum(r.status is RequestStatus.RUNNING for r in self.running)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
-        """Decode first, then prefill chunks in what is left of the budget (chunked; a step
-        without decode rows uses ``prefill_only_budget``); without
-        chunking, whole prompts first, else one decode step. None when nothing can run."""
+    def schedule(self) -> StepPlan | None:
+        """Make every decision and every allocation of the step, and return it as one plan.
+
+        Decode first (preempting by recompute until every decoding row has its next slot, then
+        appending that slot), then prefill chunks in what is left of the budget (chunked; a step
+        without decode rows uses ``prefill_only_budget``); without chunking, whole prompts
+        first, else one decode step. The runner needs nothing but the plan: it never asks the
+        cache or the scheduler again. None when nothing can run."""
+        self._registered = []
         if self.chunked:
             decode = self._schedule_decode()
-            budget = self.max_num_batched_tokens - len(decode) if decode else self.prefill_only_budget
-            step = ScheduledStep(decode, self._schedule_prefill(budget, decode))
-            while not step.decode and not step.prefill and self.running:
+            budget = self.prefill_only_budget if decode is None else self.max_num_batched_tokens - decode.num_rows
+            prefill = self._schedule_prefill(budget)
+            while decode is None and not prefill and self.running:
                 self._preempt_stuck_prefill()
-                step = ScheduledStep([], self._schedule_prefill(self.prefill_only_budget, []))
+                prefill = self._schedule_prefill(self.prefill_only_budget)
         else:
-            step = ScheduledStep([], self._schedule_prefill(self.max_num_batched_tokens, []))
-            if not step.prefill:
-                step = ScheduledStep(self._schedule_decode(), [])
-        if not step.decode and not step.prefill:
+            prefill = self._schedule_prefill(self.max_num_batched_tokens)
+            decode = None if prefill else self._schedule_decode()
+        if decode is None and not prefill:
             return None
-        self._count(step)
+        plan = StepPlan(tuple(self._moves), decode, tuple(prefill), tuple(self._registered))
+        self._moves.clear()
+        self._count(plan)
         self._check_regions()
-        return step
+        return plan
 
-    def _schedule_decode(self) -> list[Request]:
+    def _schedule_decode(self) -> DecodeBatch | None:
         # Preempt by recompute, newest first, until every decoding row can grow by one.
-        while len(self.running) > 1 and not self.cache.can_append(range(self.num_decoding)):
+        while len(self.running) > 1 and self.num_decoding and not self.cache.can_append(range(self.num_decoding)):
             self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
-        return self.running[:self.num_decoding]
+        n = self.num_decoding
+        if not n:
+            return None
+        _, positions, write_slots = self.cache.advance(n)
+        rows, width = (n, int(positions.max()) + 1)
+        if self.buckets is not None:
+            rows, width = self.buckets.shape_for(rows, width)
+        requests = self.running[:n]
+        return DecodeBatch(tuple(r.request_id for r in requests), tuple(r.last_token_id for r in requests),
+                           tuple(positions.tolist()), tuple(write_slots.tolist()), rows, width)
 
-    def _schedule_prefill(self, budget: int, decode: list[Request]) -> list[PrefillChunk]:
+    def _schedule_prefill(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
         for request in self.running[self.num_decoding:]:  # rows still prefilling, in row order
             remaining = request.num_tokens - self.cache.num_tokens(request.row)
-            length = min(remaining, budget, self._tokens_that_fit(request.row, decode))
+            length = min(remaining, budget, self._tokens_that_fit(request.row))
             if length >= 1:
                 chunks.append(self._chunk(request, length))
                 budget -= length
@@ -152,7 +141,7 @@ class Scheduler:
             # Without chunking one prompt larger than the budget still runs, alone.
             if not self.chunked and chunks and request.num_tokens > budget:
                 break
-            if not self._has_room_for(request, decode):
+            if not self._has_room_for(request):
                 break
             self.waiting.popleft()
             self._admit(request)
@@ -162,30 +151,28 @@ class Scheduler:
             budget -= length
         return chunks
 
-    def _has_room_for(self, request: Request, decode: list[Request]) -> bool:
+    def _has_room_for(self, request: Request) -> bool:
         # Room for the whole sequence and its first decode token (less the prefix blocks it
         # would share with running rows), the rest of every prefilling row, and a block of
         # headroom for every running row: admitting into a pool the running rows are about to
-        # need only buys a preemption (and a recompute) on a later step.
+        # need only buys a preemption (and a recompute) on a later step. (This step's decode
+        # rows already hold their blocks.)
         reserved = sum(self.cache.blocks_needed(r.num_tokens - self.cache.num_tokens(r.row) + 1, r.row)
                        for r in self.running[self.num_decoding:])
-        admit = self.cache.blocks_to_admit(request.all_token_ids, adopt=_adopts_prefix(request))
-        need = admit + reserved + len(self.running)
-        return need <= self._spare_blocks(decode)
+        tokens = request.all_token_ids
+        admit = self.cache.blocks_to_admit(tokens, adopt=_adopts_prefix(request), hashes=_hashes(request, tokens))
+        return admit + reserved + len(self.running) <= self.cache.pool.num_free
 
-    def _tokens_that_fit(self, row: int, decode: list[Request]) -> int:
+    def _tokens_that_fit(self, row: int) -> int:
         """Tokens the row can grow by now: the rest of its last block, then whole free blocks."""
         slack = -self.cache.num_tokens(row) % self.cache.block_size
-        return slack + max(self._spare_blocks(decode), 0) * self.cache.block_size
-
-    def _spare_blocks(self, decode: list[Request]) -> int:
-        """Free blocks once this step's decode rows have taken theirs."""
-        return self.cache.pool.num_free - (self.cache.blocks_to_append(range(len(decode))) if decode else 0)
+        return slack + self.cache.pool.num_free * self.cache.block_size
 
     def _admit(self, request: Request) -> None:
         row = len(self.running)
         if _adopts_prefix(request):  # else its first chunk claims the row
-            self.cache.admit_prefix(row, request.all_token_ids)
+            tokens = request.all_token_ids
+            self.cache.claim_prefix(row, tokens, _hashes(request, tokens))
         request.row = row
         request.status = RequestStatus.PREFILLING
         if request.metrics.first_scheduled_time is None:
@@ -194,22 +181,25 @@ class Scheduler:
 
     def _chunk(self, request: Request, length: int) -> PrefillChunk:
         start = self.cache.num_tokens(request.row)  # the row's K/V: adopted or computed
-        write_slots = self.cache.allocate_prompt(request.row, length)
+        end = start + length
+        self.cache.grow(request.row, length)
+        tokens = request.all_token_ids
         # Findable from now on: this step's forward writes them before anything reads them.
-        self.cache.cache_full_blocks(request.row, request.all_token_ids[:start + length])
-        is_last = start + length == request.num_tokens
+        self._registered += self.cache.cache_full_blocks(request.row, tokens[:end], _hashes(request, tokens))
+        is_last = end == request.num_tokens
         if is_last:  # it decodes from the next step on; its row is the first prefilling one
             request.status = RequestStatus.RUNNING
-        return PrefillChunk(request, start, length, write_slots, is_last)
+        return PrefillChunk(request.request_id, request.row, start, tuple(tokens[start:end]),
+                            tuple(self.cache.slots_of(request.row, end)), is_last, _scores(request, start))
 
-    def _count(self, step: ScheduledStep) -> None:
+    def _count(self, plan: StepPlan) -> None:
         s = self.stats
         s.steps += 1
-        if step.prefill:
+        if plan.prefill:
             s.prefill_steps += 1
-            s.prefill_tokens += sum(chunk.length for chunk in step.prefill)
-        if step.decode:
-            n = len(step.decode)
+            s.prefill_tokens += sum(chunk.length for chunk in plan.prefill)
+        if plan.decode is not None:
+            n = plan.decode.num_rows
             s.decode_steps += 1
             s.decode_tokens += n
             s.decode_rows_total += n
@@ -261,7 +251,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         row, decoding = request.row, self.num_decoding
         # Its K/V stays findable (with prefix caching): a later turn or a recompute adopts it.
-        self.cache.cache_full_blocks(row, request.all_token_ids[:self.cache.num_tokens(row)])
+        tokens = request.all_token_ids
+        self.cache.cache_full_blocks(row, tokens[:self.cache.num_tokens(row)], _hashes(request, tokens))
         self.cache.free(row)
         hole = row
         if row < decoding - 1:  # the last decoding row fills a decode hole
@@ -275,9 +266,8 @@ class Scheduler:
 
     def _move(self, src: int, dst: int) -> None:
         mover = self.running[src]
-        self.cache.move_row(src, dst)
-        if self.on_row_move is not None:
-            self.on_row_move(src, dst)
+        self._moves.append(RowMove(src, dst, self.cache.num_tokens(src)))
+        self.cache.move(src, dst)
         mover.row = dst
         self.running[dst] = mover
         self.stats.compactions += 1
@@ -287,3 +277,17 @@ def _adopts_prefix(request: Request) -> bool:
     """Whether a request adopts its longest cached prefix on admission. One that scores its
     prompt needs every prompt token's hidden state, so it adopts nothing."""
     return request.params.prompt_logprobs is None
+
+
+def _hashes(request: Request, tokens: list[int]):
+    """The request's block hashes over `tokens` (its own), each block hashed once; None without prefix caching."""
+    return None if request.block_hashes is None else request.block_hashes.update(tokens)
+
+
+def _scores(request: Request, start: int) -> bool:
+    """Whether a chunk from `start` covers prompt positions still to be scored (the first
+    prefill scores; a recompute after preemption finds the scores already made)."""
+    if request.params.prompt_logprobs is None:
+        return False
+    scored = 0 if request.prompt_logprobs is None else len(request.prompt_logprobs)
+    return scored < len(request.prompt_token_ids) and start < len(request.prompt_token_ids)

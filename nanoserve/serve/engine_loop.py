@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from nanoserve.engine import Engine, RequestOutput, SamplingParams
+from nanoserve.engine import Engine, EngineStats, RequestOutput, SamplingParams
 from nanoserve.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("nanoserve.serve")
@@ -60,7 +60,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServeMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServeMetrics()
-        self.stats: dict = engine.stats()
+        self.stats: EngineStats = engine.stats()
         self._commands: collections.deque = collections.deque()  # append/popleft are thread-safe
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
@@ -164,8 +164,8 @@ class EngineLoop:
         outputs = self.engine.step()
         now = time.perf_counter()
         self.stats = stats = self.engine.stats()
-        if stats["decode_steps"] > before["decode_steps"]:
-            self.metrics.record_decode_step(stats["decode_tokens"] - before["decode_tokens"])
+        if stats.decode_steps > before.decode_steps:
+            self.metrics.record_decode_step(stats.decode_tokens - before.decode_tokens)
         for output in outputs:
             self._deliver(output, now)
 

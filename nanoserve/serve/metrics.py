@@ -1,7 +1,7 @@
 """Server metrics in Prometheus text format, without a client library.
 
 The engine thread records (tokens, latencies, decode batch sizes); the HTTP side renders them
-next to a snapshot of ``Engine.stats()``. One lock guards both sides, held for microseconds.
+next to a snapshot of ``Engine.stats()`` (an ``EngineStats``, read by attribute). One lock guards both sides, held for microseconds.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter
+
+from nanoserve.engine.stats import EngineStats
 
 # Seconds. TTFT on CPU can reach seconds under load; inter-token latency is usually ms.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -83,42 +85,38 @@ class ServeMetrics:
         with self._lock:
             self.disconnects += 1
 
-    def render(self, stats: dict, http_in_flight: int | None = None) -> str:
+    def render(self, stats: EngineStats, http_in_flight: int | None = None) -> str:
         """Prometheus text exposition (version 0.0.4) of these metrics and an engine stats snapshot
         (and, from the HTTP side, the requests it is handling)."""
-        used = stats.get("blocks_total", 0) - stats.get("blocks_free", 0)
         gauges = [
-            ("nanoserve_requests_running", "Requests holding a row in the engine.", stats.get("running", 0)),
-            ("nanoserve_requests_waiting", "Requests queued for admission.", stats.get("waiting", 0)),
-            ("nanoserve_kv_blocks_used", "KV cache blocks in use.", used),
-            ("nanoserve_kv_blocks_free", "KV cache blocks free.", stats.get("blocks_free", 0)),
-            ("nanoserve_kv_blocks_total", "KV cache blocks in the pool.", stats.get("blocks_total", 0)),
-            ("nanoserve_decode_rows_max", "Most rows in one decode step so far.",
-             stats.get("max_decode_rows", 0)),
-            ("nanoserve_decode_rows_mean", "Mean rows per decode step so far.",
-             stats.get("mean_decode_rows", 0.0)),
-            ("nanoserve_compiled_graphs", "Decode graphs built.", _stat(stats, "graphs", "graphs_built")),
+            ("nanoserve_requests_running", "Requests holding a row in the engine.", stats.running),
+            ("nanoserve_requests_waiting", "Requests queued for admission.", stats.waiting),
+            ("nanoserve_kv_blocks_used", "KV cache blocks in use.", stats.blocks_total - stats.blocks_free),
+            ("nanoserve_kv_blocks_free", "KV cache blocks free.", stats.blocks_free),
+            ("nanoserve_kv_blocks_total", "KV cache blocks in the pool.", stats.blocks_total),
+            ("nanoserve_decode_rows_max", "Most rows in one decode step so far.", stats.max_decode_rows),
+            ("nanoserve_decode_rows_mean", "Mean rows per decode step so far.", stats.mean_decode_rows),
+            ("nanoserve_compiled_graphs", "Decode graphs built.", stats.graphs_built),
             ("nanoserve_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or evictable).",
-             stats.get("prefix_cache_blocks", 0)),
+             stats.prefix_cache_blocks),
         ]
         if http_in_flight is not None:
             gauges.append(("nanoserve_http_requests_in_flight",
                            "HTTP requests being handled (body arriving, queued or generating), probes aside.",
                            http_in_flight))
         counters = [
-            ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.get("steps", 0)),
-            ("nanoserve_decode_steps_total", "Decode steps.", stats.get("decode_steps", 0)),
-            ("nanoserve_preemptions_total", "Requests preempted (recomputed later).",
-             stats.get("preemptions", 0)),
+            ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.steps),
+            ("nanoserve_decode_steps_total", "Decode steps.", stats.decode_steps),
+            ("nanoserve_preemptions_total", "Requests preempted (recomputed later).", stats.preemptions),
             ("nanoserve_recompiles_total", "Recompilations of the decode graph after warm-up.",
-             _stat(stats, "recompiles", "recompiles_after_warmup")),
+             stats.recompiles_after_warmup),
             # vLLM's prefix_cache_queries / prefix_cache_hits: tokens asked about, tokens found cached.
             ("nanoserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-             stats.get("prefix_cache_queries", 0)),
+             stats.prefix_cache_queries),
             ("nanoserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not recomputed).",
-             stats.get("prefix_cache_hits", 0)),
+             stats.prefix_cache_hits),
             ("nanoserve_prefix_cache_evictions_total", "Cached prefix blocks evicted to make room.",
-             stats.get("prefix_cache_evictions", 0)),
+             stats.prefix_cache_evictions),
         ]
         with self._lock:
             counters += [
@@ -144,7 +142,3 @@ def _plain(kind: str, rows: list[tuple[str, str, float]]) -> list[str]:
         lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return lines
 
-
-def _stat(stats: dict, *names: str) -> float:
-    """The first of `names` the engine reports (its compile counters are still being named), else 0."""
-    return next((stats[name] for name in names if name in stats), 0)

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from nanoserve.engine import SamplingParams
-from nanoserve.engine.engine import unicode_problem
+from nanoserve.engine.inputs import unicode_problem
 from nanoserve.serve.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's own ceiling for chat top_logprobs

@@ -1,0 +1,91 @@
+"""The engine's options: one dataclass, each field with its default and its help. ``build_engine``
+takes them as keywords, the command line's flags (options.py) and the README's table
+(``options_table``) are made from them, and ``Engine.config`` is the same record with every
+unset value resolved (the clamped ``max_model_len``, the token budgets, the dtype, the weight
+format's name).
+
+Imports nothing heavy: the command line reads these before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def option(default: Any, help: str, cli: bool = True, flag: str | None = None, choices: tuple | None = None,
+           kind: str = "str") -> Any:
+    """A field with its help text; ``cli`` says whether the command line offers it (``flag``:
+    another spelling than --name-with-dashes; a True default is offered as its --no- flag), and
+    ``kind`` how it reads its value there ("str", "int", or "bytes": 512M, 2G)."""
+    return field(default=default, metadata=dict(help=help, cli=cli, flag=flag, choices=choices, kind=kind))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int | None = option(
+        None, "longest prompt + reply, in tokens (default: the model's context length, lowered to what the "
+              "K/V pool holds)", kind="int")
+    max_batch_size: int = option(32, "rows: requests decoded together in one step", kind="int")
+    kv_cache_bytes: int | None = option(
+        None, "K/V pool budget, e.g. 512M, 2G (default: what max_batch_size rows of max_model_len need, at most 1G)",
+        kind="bytes")
+    block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
+    max_num_batched_tokens: int | None = option(
+        None, "a step's token budget (decode rows + prefill chunks), binding every step; default on the CPU: "
+              "max batch size + max(48, half of it), 512 with no row decoding; on a GPU: 512; without "
+              "chunked prefill: max(2048, max_model_len)", kind="int")
+    prefill_only_budget: int | None = option(
+        None, "tokens a step with no row decoding may prefill (default: 512 where max_num_batched_tokens "
+              "is left to its default, else max_num_batched_tokens)", cli=False)
+    dtype: Any = option(None, "activations and K/V: float32, float16, bfloat16 or a torch.dtype "
+                              "(default: float32 on cpu, bfloat16 on cuda; the weight format's dtype)",
+                        choices=("float32", "float16", "bfloat16"))
+    weights: Any = option(None, "weight format: auto, fp32, bf16, int8, int4 or a WeightPlan (default: auto, or "
+                                "dense in dtype when that is given)", choices=("auto", "fp32", "bf16", "int8", "int4"))
+    device: str = option("cpu", "torch device, e.g. cpu or cuda")
+    compile: bool = option(False, "torch.compile the decode step (reduce-overhead, bucketed static shapes)")
+    compile_mode: str | None = option("reduce-overhead", "torch.compile mode of the decode step", cli=False)
+    compile_backend: str = option("inductor", "torch.compile backend of the decode step", cli=False)
+    bucketing: bool | None = option(None, "pad decode steps to [rows, width] buckets (default: with compile)",
+                                    cli=False)
+    row_buckets: tuple[int, ...] | None = option(None, "decode row buckets (default: 1, 2, 4, 8, then steps of "
+                                                       "8 and 16 to max_batch_size)", cli=False)
+    width_buckets: tuple[int, ...] | None = option(None, "decode width buckets (default: doubling block "
+                                                         "multiples to max_model_len)", cli=False)
+    warmup: str = option("lazy", "with compile: build every bucket's graph up front (eager) or on first use",
+                         choices=("lazy", "eager"))
+    enable_chunked_prefill: bool = option(
+        True, "prefill long prompts in chunks beside the decode rows (off: whole prompts in steps of their "
+              "own, running streams wait)", flag="--no-chunked-prefill")
+    enable_prefix_caching: bool = option(
+        True, "reuse cached K/V of shared prompt prefixes (off: recompute every prompt)", flag="--no-prefix-caching")
+
+    def __post_init__(self) -> None:
+        if self.warmup not in ("eager", "lazy"):
+            raise ValueError(f"warmup must be 'eager' or 'lazy', got {self.warmup!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+def options() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(EngineConfig))
+
+
+def cli_flag(option: dataclasses.Field) -> str:
+    return option.metadata["flag"] or "--" + option.name.replace("_", "-")
+
+
+def options_table() -> str:
+    """The options as a markdown table (the README's), from the dataclass itself."""
+    rows = ["| option | flag | default | what it sets |", "| --- | --- | --- | --- |"]
+    for option in options():
+        flag = f"`{cli_flag(option)}`" if option.metadata["cli"] else ""
+        help = option.metadata["help"].replace("|", "\\|")
+        rows.append(f"| `{option.name}` | {flag} | `{option.default!r}` | {help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(options_table())

@@ -1,0 +1,91 @@
+"""The step plan: everything one step does, decided and allocated by the scheduler, as plain data.
+
+A plan holds ints, strings and tuples only (no tensors, no cache, no requests), so it can be
+copied, pickled and sent to another process. The runner applies it in one direction: row moves,
+then each chunk's slots, then the decode rows' write cells, then the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RowMove:
+    """Compaction: the request on row ``src`` now lives on row ``dst``, with ``length`` cells."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens [start, end) of the request on ``row``. ``slots`` address the row's tokens
+    [0, end): the first ``start`` are already in the cache (computed or adopted) and are its
+    context, the rest are where this chunk's K/V go."""
+
+    request_id: str
+    row: int
+    start: int
+    token_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    is_last: bool  # the request's prefill ends here: its logits give its next token
+    keep_hidden: bool = False  # the engine scores these prompt positions (prompt_logprobs)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def write_slots(self) -> tuple[int, ...]:
+        return self.slots[self.start:]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Rows 0..n-1 decode one token each: row i feeds ``token_ids[i]`` at ``positions[i]``
+    and writes its K/V to ``write_slots[i]`` (already appended to its block table). The
+    forward reads the slot table's window ``[rows, width]`` (the bucketed shape a compiled
+    graph was built for; exact without buckets); rows past n are padding."""
+
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    write_slots: tuple[int, ...]
+    rows: int
+    width: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def context_lens(self) -> tuple[int, ...]:
+        """Tokens each row attends to, this step's included."""
+        return tuple(p + 1 for p in self.positions)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step. ``moves`` happened since the last plan (finishes, preemptions), in order;
+    ``prefill`` chunks sit on rows after the decode rows, in row order. ``registered`` names the
+    blocks this step's forward fills that the prefix cache now lists (a later request in the
+    same step may already adopt them: the forward writes every chunk's K/V of a layer before
+    any chunk reads its context there)."""
+
+    moves: tuple[RowMove, ...]
+    decode: DecodeBatch | None
+    prefill: tuple[PrefillChunk, ...]
+    registered: tuple[int, ...] = ()
+
+    @property
+    def sampled(self) -> tuple[str, ...]:
+        """The requests that get a token this step, in logits order: the decode rows, then
+        each request whose prefill ends here."""
+        decoding = self.decode.request_ids if self.decode is not None else ()
+        return decoding + tuple(c.request_id for c in self.prefill if c.is_last)

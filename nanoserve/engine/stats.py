@@ -1,0 +1,51 @@
+"""What an engine reports about itself: one typed snapshot, gathered by ``Engine.stats()`` and
+read by attribute (the metrics endpoint, the start-up summary, the tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    # requests and steps
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    prefill_steps: int = 0  # steps with at least one prefill chunk
+    decode_steps: int = 0  # steps with decode rows
+    prefill_tokens: int = 0  # tokens whose K/V a prefill computed (adopted prefixes excluded)
+    decode_tokens: int = 0
+    preemptions: int = 0
+    compactions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0
+    max_decode_rows: int = 0
+    mean_decode_rows: float = 0.0
+    # the slot table's reads and the pool
+    windows: int = 0
+    gathers: int = 0
+    blocks_free: int = 0
+    blocks_total: int = 0
+    # the decode step
+    compiled: bool = False
+    graphs_built: int = 0
+    recompiles_after_warmup: int = 0
+    warmup_seconds: float = 0.0
+    bucket_hits: dict[tuple[int, int], int] = field(default_factory=dict)
+    padding_waste: float = 0.0  # padded cells read per real cell
+    # what runs
+    weights: str = ""
+    weight_bytes: int = 0
+    cpu_kernels: str | None = None
+    compute_dtype: str = ""
+    chunked_prefill: bool = True
+    max_num_batched_tokens: int = 0
+    prefill_only_budget: int = 0
+    # prefix caching (vLLM's names: prompt tokens asked about, of them found cached)
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions: int = 0
