@@ -51,3 +51,103 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+# --- GGUF files as llama.cpp's converter writes them ---------------------------------------------
+
+GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> list[float]:
+    """The per-frequency divisors a Llama 3.x GGUF stores as rope_freqs.weight: 1 for short
+    wavelengths, `factor` for long ones, and the smooth interpolation's divisor between."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None = None):
+    """`hf_model` as an F32 GGUF the way llama.cpp's converter writes it: gguf's own tensor-name
+    map, Q/K rows permuted for the "llama" architecture (its interleaved rope), Gemma's norms
+    stored as 1 + w, a Llama 3 rope as rope_freqs factors, and a byte-level vocabulary."""
+    import gguf
+    import numpy as np
+
+    arch = GGUF_ARCH[variant]
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma3":
+        writer.add_sliding_window(c.sliding_window)
+        if c.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    _write_byte_vocabulary(writer, c.vocab_size, chat_template)
+
+    names = gguf.get_tensor_name_map(_arch_id(arch), c.num_hidden_layers)
+    for hf_name, tensor in hf_model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = tensor.detach().float().numpy().copy()
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2)
+            data = data.reshape(tensor.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1
+        writer.add_tensor(name, data.astype(np.float32))
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", np.array(llama3_rope_factors(rope, head_dim), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _arch_id(arch: str):
+    import gguf
+
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+
+
+def _write_byte_vocabulary(writer, vocab_size: int, chat_template: str | None) -> None:
+    from nanoserve.model.tokenizer import _bytes_to_unicode
+
+    tokens = list(_bytes_to_unicode().values())[:vocab_size]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
