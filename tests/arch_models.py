@@ -78,10 +78,12 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> list[float]:
     return out
 
 
-def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None = None):
+def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None = None,
+                         vocabulary: dict | None = None, edit=None):
     """`hf_model` as an F32 GGUF the way llama.cpp's converter writes it: gguf's own tensor-name
     map, Q/K rows permuted for the "llama" architecture (its interleaved rope), Gemma's norms
-    stored as 1 + w, a Llama 3 rope as rope_freqs factors, and a byte-level vocabulary."""
+    stored as 1 + w, a Llama 3 rope as rope_freqs factors, and a byte-level vocabulary (or the
+    SentencePiece one `vocabulary` describes, see spm_metadata). `edit(writer)` may add keys."""
     import gguf
     import numpy as np
 
@@ -108,7 +110,12 @@ def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None
         writer.add_sliding_window(c.sliding_window)
         if c.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(c.final_logit_softcapping)
-    _write_byte_vocabulary(writer, c.vocab_size, chat_template)
+    if vocabulary is None:
+        _write_byte_vocabulary(writer, c.vocab_size, chat_template)
+    else:
+        _write_spm_vocabulary(writer, vocabulary, chat_template)
+    if edit is not None:
+        edit(writer)
 
     names = gguf.get_tensor_name_map(_arch_id(arch), c.num_hidden_layers)
     for hf_name, tensor in hf_model.state_dict().items():
@@ -149,5 +156,43 @@ def _write_byte_vocabulary(writer, vocab_size: int, chat_template: str | None) -
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
+SPACE = "\u2581"
+SPM_PIECES = [SPACE, "e", "t", "h", "a", "o", "l", "r", "s", "n", "w", "d", SPACE + "t", "he", SPACE + "the",
+              SPACE + "a", "ll", "ell", "hell", "hello", SPACE + "w", "or", "wor", "ld", "world", SPACE + "world",
+              "er", SPACE + "s", "st", SPACE + SPACE, "in", "ing", SPACE + "st"]
+
+
+def spm_metadata(add_space_prefix: bool) -> dict:
+    """A SentencePiece vocabulary laid out as llama.cpp's converter writes one: <unk>, <s>, </s>,
+    Gemma's turn markers (control), 256 byte tokens, then pieces best-scored first."""
+    tokens = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"]
+    types = [2, 3, 3, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    scores = [0.0] * len(tokens)
+    for i, piece in enumerate(SPM_PIECES):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(i))
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_space_prefix": add_space_prefix}
+
+
+def _write_spm_vocabulary(writer, metadata: dict, chat_template: str | None) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(metadata["tokenizer.ggml.tokens"])
+    writer.add_token_scores(metadata["tokenizer.ggml.scores"])
+    writer.add_token_types(metadata["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(metadata["tokenizer.ggml.add_space_prefix"])
     if chat_template is not None:
         writer.add_chat_template(chat_template)

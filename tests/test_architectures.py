@@ -149,3 +149,16 @@ def test_a_runnable_gemma3_config_is_accepted(tmp_path):
     config = read_hf_config(_write_config(tmp_path))
     # sliding_window_pattern's default: every sixth layer is global.
     assert [config.layer_window(i) for i in range(2)] == [8, 8]
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_from_max_window_layers_matches_transformers(variant, tmp_path):
+    """use_sliding_window: layers from max_window_layers on attend over the window."""
+    hf = make_hf_model(variant, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config = read_hf_config(tmp_path)
+    assert [config.layer_window(i) for i in range(4)] == [None, None, WINDOW, WINDOW]
+    ids = torch.randint(3, VOCAB, (1, 4 * WINDOW), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert rel_err(dense_forward(build_model(config, load_hf_state_dict(tmp_path)), ids), ref) < 1e-4

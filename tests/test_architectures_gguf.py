@@ -5,11 +5,13 @@ and through the engine."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from arch_models import ARCHITECTURES, VOCAB, WINDOW, make_hf_model, rel_err, write_converted_gguf
 from engine_oracle_helpers import engine_for, generate, greedy
 
+from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.loader import load_model
@@ -75,3 +77,45 @@ def test_gguf_model_through_the_engine_equals_transformers(gguf_pair):
             assert (top2[0] - top2[1]).item() < 2e-4, f"parted at token {split}"
         assert len(ours) == 8
     engine.check_drained()
+
+
+# --- files the model code cannot run are refused at load, saying what is missing ---------------
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda w: w.add_attn_logit_softcapping(50.0), "attention logit soft-capping (gemma3.attn_logit_softcapping)"),
+    (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
+     "rope scaling type 'yarn' is not supported"),
+])
+def test_a_gemma3_file_the_model_cannot_run_is_refused(tmp_path, edit, message):
+    hf = make_hf_model("gemma3", **GGUF_OVERRIDES["gemma3"])
+    path = write_converted_gguf(tmp_path / "bad.gguf", hf, "gemma3", edit=edit)
+    with pytest.raises(ModelLoadError, match="bad.gguf") as info:
+        load_model(str(path))
+    assert message in str(info.value)
+
+
+def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "gemma2.gguf"), "gemma2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma2' \(supported: llama, qwen2, qwen3, "
+                                             r"gemma3\)"):
+        load_model(str(tmp_path / "gemma2.gguf"))
+
+
+def test_the_cli_generates_from_a_gemma3_file_with_a_sentencepiece_vocabulary(tmp_path, capsys):
+    """`nanoserve generate --model file.gguf --chat` on a Gemma 3 file as published: a
+    SentencePiece vocabulary, a chat template, the default (packed) weights."""
+    from arch_models import spm_metadata
+
+    from nanoserve.launch import main
+
+    vocabulary = spm_metadata(add_space_prefix=False)
+    hf = make_hf_model("gemma3", vocab_size=len(vocabulary["tokenizer.ggml.tokens"]), **GGUF_OVERRIDES["gemma3"])
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n"
+                "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    path = write_converted_gguf(tmp_path / "gemma3.gguf", hf, "gemma3", chat_template=template, vocabulary=vocabulary)
+    assert main(["generate", "--model", str(path), "--chat", "--max-tokens", "5", "hello world"]) == 0
+    assert "new tokens" in capsys.readouterr().err

@@ -5,34 +5,13 @@ from __future__ import annotations
 
 import gguf
 import pytest
+from arch_models import spm_metadata
 
 from nanoserve.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
-SPACE = "\u2581"
-PIECES = [SPACE, "e", "t", "h", "a", "o", "l", "r", "s", "n", "w", "d", SPACE + "t", "he", SPACE + "the",
-          SPACE + "a", "ll", "ell", "hell", "hello", SPACE + "w", "or", "wor", "ld", "world", SPACE + "world",
-          "er", SPACE + "s", "st", SPACE + SPACE, "in", "ing", SPACE + "s" + "t"]
 TEXTS = ["hello world", "the rest of the world", "  two leading spaces", "héllo wörld ☃", "a\nnew line\tand tab",
          "<start_of_turn>user\nhello<end_of_turn>", "sting and stinging the worlds"]
-
-
-def spm_metadata(add_space_prefix: bool) -> dict:
-    """A SentencePiece vocabulary laid out as llama.cpp's converter writes one: <unk>, <s>, </s>,
-    the turn markers (control), 256 byte tokens, then pieces best-scored first."""
-    tokens = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"]
-    types = [2, 3, 3, 3, 3]
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [6] * 256
-    scores = [0.0] * len(tokens)
-    for i, piece in enumerate(PIECES):
-        tokens.append(piece)
-        types.append(1)
-        scores.append(-float(i))
-    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True,
-            "tokenizer.ggml.add_space_prefix": add_space_prefix}
 
 
 def write_tokenizer_gguf(path, arch: str, metadata: dict):
