@@ -134,7 +134,7 @@ def _write_config(tmp_path, **overrides):
     (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
      "sliding layers' rope type 'linear'"),
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer types ['chunked_attention']"),
-    (dict(query_pre_attn_scalar=None), "missing required key 'query_pre_attn_scalar'"),
+    (dict(hidden_size=None), "missing required key 'hidden_size'"),
     (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
      "unsupported architecture ['Gemma2ForCausalLM'] (supported: LlamaForCausalLM, MistralForCausalLM, "
      "Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM"),
@@ -149,6 +149,23 @@ def test_a_runnable_gemma3_config_is_accepted(tmp_path):
     config = read_hf_config(_write_config(tmp_path))
     # sliding_window_pattern's default: every sixth layer is global.
     assert [config.layer_window(i) for i in range(2)] == [8, 8]
+
+
+def test_a_multimodal_gemma3_text_config_takes_transformers_defaults_for_what_it_leaves_out(tmp_path):
+    """The 4B's text_config names only its sizes, window and rope scaling; the rest are
+    Gemma3TextConfig's defaults, as transformers reads them."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "eos_token_id": [1, 106], "text_config": text}))
+    ours = read_hf_config(tmp_path)
+    reference = transformers.Gemma3TextConfig(**text)
+    assert (ours.vocab_size, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        reference.vocab_size, reference.num_attention_heads, reference.num_key_value_heads, reference.head_dim)
+    assert ours.attention_scale == reference.query_pre_attn_scalar ** -0.5
+    assert (ours.rope_theta, ours.rope_local_theta, ours.rope_type) == (1e6, 1e4, "linear")
+    assert [ours.layer_window(i) is None for i in range(34)] == [t == "full_attention" for t in reference.layer_types]
+    assert ours.eos_token_ids == (1, 106) and ours.tie_word_embeddings
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3"])

@@ -25,6 +25,14 @@ SUPPORTED_HF_ARCHITECTURES = {
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                "gemma3_text": "gemma3", "gemma3": "gemma3"}
 INDEX_FILE = "model.safetensors.index.json"
+# transformers' Gemma3TextConfig defaults: the 4B-27B checkpoints' text_config names only what
+# differs from them (the 4B's lists neither its heads nor its vocabulary).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "sliding_window": 4096, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
 # Tensor-name prefixes of a multimodal checkpoint's language model (transformers 5 and 4.x
 # layouts) -> the text model's, and the prefixes of parts we do not run.
 TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -50,6 +58,8 @@ def read_hf_config(model_dir: str | Path) -> ModelConfig:
     arch = _architecture(path, raw)
     if "text_config" in raw:  # a multimodal checkpoint: its language model
         raw = {**raw, **raw["text_config"]}
+    if arch == "gemma3":
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     try:
         return ModelConfig(**_config_fields(arch, raw))
     except KeyError as e:
