@@ -32,7 +32,8 @@ class PackedPrefillAttention:
     ``i`` (position ``start + i``) sees columns ``<= start + i``.
 
     A sliding-window layer's query ``i`` sees only columns ``start + i - window + 1 ..
-    start + i`` (a banded mask over the same keys).
+    start + i``: a chunk after cached tokens reads back only the cells from its first query's
+    window on, and a banded mask does the rest.
 
     Each chunk runs through ``grouped_causal_attention``: torch's fused CPU kernel, where
     ``enable_gqa`` or a 3-d input would send SDPA down its unfused math path (several times
@@ -52,16 +53,26 @@ class PackedPrefillAttention:
         self.cache.write_kv(layer, self.write_slots, k, v)
         if window not in self.masks:
             group = q.shape[1] // k.shape[1]
-            self.masks[window] = [grouped_causal_mask(c.start, c.length, group, q.dtype, q.device, window)
-                                  for c in self.chunks]
+            self.masks[window] = [
+                grouped_causal_mask(c.start - first_key(c, window), c.length, group, q.dtype, q.device, window)
+                for c in self.chunks]
         k_cache, v_cache = self.cache.k_caches[layer], self.cache.v_caches[layer]
         outputs = []
         for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks[window], q.split(self.lengths),
                                               k.split(self.lengths), v.split(self.lengths)):
             if chunk.context_slots is not None:
-                k_i, v_i = k_cache.index_select(0, chunk.context_slots), v_cache.index_select(0, chunk.context_slots)
+                slots = chunk.context_slots[first_key(chunk, window):]
+                k_i, v_i = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
             outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def first_key(chunk: ChunkContext, window: int | None) -> int:
+    """The first position any of the chunk's queries sees: 0, or its first query's window's
+    start for a chunk after cached tokens (a chunk without them holds every key it sees)."""
+    if window is None or chunk.context_slots is None:
+        return 0
+    return max(chunk.start - window + 1, 0)
 
 
 def grouped_causal_mask(start: int, length: int, group: int, dtype: torch.dtype,
