@@ -119,3 +119,16 @@ def test_the_cli_generates_from_a_gemma3_file_with_a_sentencepiece_vocabulary(tm
     path = write_converted_gguf(tmp_path / "gemma3.gguf", hf, "gemma3", chat_template=template, vocabulary=vocabulary)
     assert main(["generate", "--model", str(path), "--chat", "--max-tokens", "5", "hello world"]) == 0
     assert "new tokens" in capsys.readouterr().err
+
+
+def test_a_chat_turns_end_token_stops_generation_besides_the_files_eos(tmp_path):
+    """An instruct Gemma 3 file's eos is <eos>; its turns end in <end_of_turn>, which stops
+    generation too (as in llama.cpp)."""
+    from arch_models import spm_metadata
+
+    vocabulary = spm_metadata(add_space_prefix=False)
+    hf = make_hf_model("gemma3", vocab_size=len(vocabulary["tokenizer.ggml.tokens"]), **GGUF_OVERRIDES["gemma3"])
+    path = write_converted_gguf(tmp_path / "gemma3.gguf", hf, "gemma3", vocabulary=vocabulary)
+    config = GGUFCheckpoint.open(path).config()
+    end_of_turn = vocabulary["tokenizer.ggml.tokens"].index("<end_of_turn>")
+    assert config.eos_token_ids == (2, end_of_turn)

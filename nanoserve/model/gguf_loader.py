@@ -65,6 +65,10 @@ ROPE_FREQS = "rope_freqs.weight"
 # sliding layers' rope base.
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# Chat turn ends that stop generation besides the file's eos, as llama.cpp's vocabulary does:
+# an instruct Gemma 3 file's eos is <eos>, but its turns end in <end_of_turn>.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control, user-defined
 
 
 class _PlainArrayReader(GGUFReader):
@@ -200,12 +204,21 @@ class GGUFCheckpoint:
             eos_token_id=_optional_int(md.get("tokenizer.ggml.eos_token_id")),
             pad_token_id=_optional_int(md.get("tokenizer.ggml.padding_token_id")),
             architecture=arch,
+            extra_eos_token_ids=self._end_of_turn_ids(),
             qk_norm="blk.0.attn_q_norm.weight" in names,
             final_logit_softcapping=_optional_float(md.get(f"{arch}.final_logit_softcapping")),
         )
         if arch == "gemma3":
             fields.update(self._gemma3_fields(fields["num_layers"], hidden, heads, head_dim))
         return ModelConfig(**fields)
+
+    def _end_of_turn_ids(self) -> tuple[int, ...]:
+        """tokenizer.ggml.eot_token_id, and the END_OF_TURN_TOKENS the vocabulary marks control."""
+        md = self.metadata
+        ids = [] if md.get("tokenizer.ggml.eot_token_id") is None else [int(md["tokenizer.ggml.eot_token_id"])]
+        tokens, types = md.get("tokenizer.ggml.tokens", ()), md.get("tokenizer.ggml.token_type", ())
+        ids += [i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in CONTROL_TYPES and tok in END_OF_TURN_TOKENS]
+        return tuple(dict.fromkeys(ids))
 
     def _gemma3_fields(self, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
         """What llama.cpp's Gemma 3 reads or assumes: the window and its layer pattern, the
