@@ -121,6 +121,29 @@ def test_decode_attention_equals_the_reference_read(tier, dtype, num_heads, num_
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [1, 5, 16, 400])
+def test_decode_attention_with_a_window_reads_only_each_rows_last_cells(tier, dtype, window):
+    """A sliding-window layer's read: the reference's windowed read, and the cells before the
+    window are never touched (NaN there changes nothing)."""
+    torch.manual_seed(window)
+    n, slots, width, head_dim = 4, 300, 40, 32
+    k_cache = torch.randn(slots, 2, head_dim).to(dtype)
+    v_cache = torch.randn(slots, 2, head_dim).to(dtype)
+    q = torch.randn(n, 6, head_dim).to(dtype)
+    table = torch.randint(1, slots, (n, width))
+    lengths = torch.tensor([40, 1, 17, 6])
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lengths, window=window)
+    for row, length in enumerate(lengths.tolist()):
+        table[row, :max(length - window, 0)] = 0
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5,
+                                               cpu_kernels.handle(tier), window)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
 def test_decode_attention_honours_the_scale_and_refuses_bad_shapes():
     handle = cpu_kernels.handle(TIERS[0])
     torch.manual_seed(0)

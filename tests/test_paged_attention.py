@@ -150,3 +150,27 @@ def test_a_head_size_the_kernel_cannot_take_decodes_through_sdpa(head_dim):
         outs = engine.generate(prompts, params, use_tqdm=False)
         assert [out.error for out in outs] == [None, None]
         assert [len(out.token_ids) for out in outs] == [12, 12]
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+def test_a_sliding_window_read_is_the_read_of_each_rows_last_window_cells(window):
+    """Restricting a row of length L to columns L - window .. L - 1 is the plain read of a
+    row made of those cells alone; the SDPA path's banded mask gives the same."""
+    torch.manual_seed(window)
+    n, width, slots = 4, 24, 200
+    k_cache, v_cache, q = torch.randn(slots, 2, 16), torch.randn(slots, 2, 16), torch.randn(n, 6, 16)
+    slot_mapping = torch.randint(0, slots, (n, width))
+    context_lens = torch.tensor([24, 1, 11, 5])
+    got = paged_attention_reference(q, k_cache, v_cache, slot_mapping, context_lens, window=window)
+    for row, length in enumerate(context_lens.tolist()):
+        first = max(length - window, 0)
+        alone = paged_attention_reference(q[row:row + 1], k_cache, v_cache, slot_mapping[row:row + 1, first:length],
+                                          torch.tensor([length - first]))
+        torch.testing.assert_close(got[row:row + 1], alone)
+    fused = paged_attention(q, k_cache, v_cache, slot_mapping, context_lens, window=window)
+    torch.testing.assert_close(fused, got, rtol=1e-5, atol=1e-5)
+
+
+def test_window_mask_with_a_window_hides_the_columns_before_it():
+    hidden = torch.isinf(window_mask(torch.tensor([5, 2, 0]), 6, torch.float32, window=3).view(3, 6))
+    assert hidden.int().tolist() == [[1, 1, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]

@@ -31,6 +31,10 @@ class PackedPrefillAttention:
     prefix) reads its keys back through the row's slots once its own K/V are written; query
     ``i`` (position ``start + i``) sees columns ``<= start + i``.
 
+    A sliding-window layer's query ``i`` sees only columns ``start + i - window + 1 ..
+    start + i``: a chunk after cached tokens reads back only the cells from its first query's
+    window on, and a banded mask does the rest.
+
     Each chunk runs through ``grouped_causal_attention``: torch's fused CPU kernel, where
     ``enable_gqa`` or a 3-d input would send SDPA down its unfused math path (several times
     slower, and slower still as the context grows).
@@ -41,30 +45,47 @@ class PackedPrefillAttention:
         self.write_slots = write_slots
         self.chunks = chunks
         self.lengths = [c.length for c in chunks]
-        self.masks: list[torch.Tensor] | None = None  # built at the first layer, shared by every layer
+        # Per window: built at the first layer of each, shared by the layers with that window.
+        self.masks: dict[int | None, list[torch.Tensor]] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
         self.cache.write_kv(layer, self.write_slots, k, v)
-        if self.masks is None:
+        if window not in self.masks:
             group = q.shape[1] // k.shape[1]
-            self.masks = [grouped_causal_mask(c.start, c.length, group, q.dtype, q.device) for c in self.chunks]
+            self.masks[window] = [
+                grouped_causal_mask(c.start - first_key(c, window), c.length, group, q.dtype, q.device, window)
+                for c in self.chunks]
         k_cache, v_cache = self.cache.k_caches[layer], self.cache.v_caches[layer]
         outputs = []
-        for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks, q.split(self.lengths),
+        for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks[window], q.split(self.lengths),
                                               k.split(self.lengths), v.split(self.lengths)):
             if chunk.context_slots is not None:
-                k_i, v_i = k_cache.index_select(0, chunk.context_slots), v_cache.index_select(0, chunk.context_slots)
+                slots = chunk.context_slots[first_key(chunk, window):]
+                k_i, v_i = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
             outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
+def first_key(chunk: ChunkContext, window: int | None) -> int:
+    """The first position any of the chunk's queries sees: 0, or its first query's window's
+    start for a chunk after cached tokens (a chunk without them holds every key it sees)."""
+    if window is None or chunk.context_slots is None:
+        return 0
+    return max(chunk.start - window + 1, 0)
+
+
 def grouped_causal_mask(start: int, length: int, group: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
+                        device: torch.device, window: int | None = None) -> torch.Tensor:
     """The additive mask [group * length, start + length] of ``grouped_causal_attention``:
     query row ``g * length + i`` (position ``start + i``) sees columns ``0..start + i`` (0), not
-    the rest (-inf). In the activations' dtype: a bool mask would be converted in every layer."""
-    columns = torch.arange(start + length, device=device)
-    hidden = columns.view(1, -1) > torch.arange(start, start + length, device=device).view(-1, 1)
+    the rest (-inf); with ``window``, only columns from ``start + i - window + 1``. In the
+    activations' dtype: a bool mask would be converted in every layer."""
+    columns = torch.arange(start + length, device=device).view(1, -1)
+    positions = torch.arange(start, start + length, device=device).view(-1, 1)
+    hidden = columns > positions
+    if window is not None:
+        hidden |= columns <= positions - window
     mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     return mask.repeat(group, 1)
 

@@ -27,23 +27,27 @@ class WindowAttention:
     table, masked by ``context_lens``. A padded row (length 0) writes to the scratch slot and
     its output is never read. With ``kernel`` (a tier handle, ``decode_attention_kernel``) each
     row's cells are read in one pass of nanoserve's ``decode_attention`` (no gathered copy, no
-    mask); else a gather and torch's SDPA, with the mask built once per step for every layer."""
+    mask); else a gather and torch's SDPA, with the mask built once per step for every layer
+    of one window (sliding-window layers read the same row of slots, masked to their window)."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
                  slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
         self.k_caches, self.v_caches = k_caches, v_caches
         self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
         self.kernel = kernel  # decided outside any graph
-        self.mask = None if kernel is not None else window_mask(context_lens, slot_mapping.shape[1], k_caches[0].dtype)
+        self.masks: dict[int | None, torch.Tensor] = {}  # by window, built at the first layer of each
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache.index_copy_(0, self.write_slots, k)
         v_cache.index_copy_(0, self.write_slots, v)
         if self.kernel is not None:
             return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
-                                                        q.shape[-1] ** -0.5, self.kernel)
-        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.mask)
+                                                        q.shape[-1] ** -0.5, self.kernel, window or 0)
+        if window not in self.masks:
+            self.masks[window] = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
+        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window])
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,

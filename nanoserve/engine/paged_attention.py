@@ -5,6 +5,9 @@
 `window_mask` and `attend_window` (torch's fused SDPA). Padding in
 `slot_mapping` only has to be a legal slot index: the gather reads it and the mask
 (`column >= context_lens[row]`) throws it away.
+
+A sliding-window layer (``window``) reads the same row of slots, restricted to its last
+``window`` cells: column c of a row of length L is visible when L - window <= c < L.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def paged_attention_reference(
     slot_mapping: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per row over that row's cached tokens.
+    """Attention of one query token per row over that row's cached tokens (its last ``window``
+    ones only, when given).
 
     q [n, H, D]; k_cache, v_cache [num_slots, KV, D] with H a multiple of KV (grouped-query
     heads share a K/V head); slot_mapping [n, W]; context_lens [n] (<= W). Returns [n, H, D]
@@ -54,7 +59,7 @@ def paged_attention_reference(
     keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
     queries = q.view(n, num_kv_heads, group, head_dim)
     scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [n, KV, group, W]
-    masked = torch.arange(width, device=q.device) >= context_lens.view(n, 1)  # [n, W]
+    masked = hidden_columns(context_lens.view(n, 1), width, window)  # [n, W]
     scores.masked_fill_(masked.view(n, 1, 1, width), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A row with nothing to attend to softmaxes all -inf into NaN; it attends to nothing instead.
@@ -70,26 +75,36 @@ def paged_attention(
     slot_mapping: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same read as `paged_attention_reference`, through torch's fused SDPA kernel.
 
     The reference stays the oracle (tests pit this against it). A row with context_len 0
     returns zeros, as there.
     """
-    mask = window_mask(context_lens, slot_mapping.shape[1], q.dtype)
+    mask = window_mask(context_lens, slot_mapping.shape[1], q.dtype, window)
     out = attend_window(q, k_cache, v_cache, slot_mapping, mask, scale)
     return out * (context_lens > 0).view(-1, 1, 1).to(q.dtype)
 
 
-def window_mask(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [n, 1, 1, W] every layer of a decode step shares: 0 up to each row's
-    length, -inf past it. Built once per step, in q's dtype: a bool mask would be converted
-    by SDPA in every layer. A row of length 0 (padding) may see column 0, so the kernel
-    never softmaxes an empty row."""
+def window_mask(context_lens: torch.Tensor, width: int, dtype: torch.dtype,
+                window: int | None = None) -> torch.Tensor:
+    """The additive mask [n, 1, 1, W] every layer of a decode step with this ``window`` shares:
+    0 over each row's visible cells, -inf elsewhere. Built once per step, in q's dtype: a bool
+    mask would be converted by SDPA in every layer. A row of length 0 (padding) may see column
+    0, so the kernel never softmaxes an empty row."""
     n = context_lens.shape[0]
-    hidden = torch.arange(width, device=context_lens.device) >= context_lens.clamp(min=1).view(n, 1)
+    hidden = hidden_columns(context_lens.clamp(min=1).view(n, 1), width, window)
     mask = torch.zeros(n, width, dtype=dtype, device=context_lens.device).masked_fill_(hidden, float("-inf"))
     return mask.view(n, 1, 1, width)
+
+
+def hidden_columns(lengths: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    """[n, W] True where a row of length ``lengths[row]`` ([n, 1]) does not look: past its
+    length, and before its last ``window`` cells."""
+    columns = torch.arange(width, device=lengths.device)
+    hidden = columns >= lengths
+    return hidden if window is None else hidden | (columns < lengths - window)
 
 
 def attend_window(

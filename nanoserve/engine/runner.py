@@ -99,6 +99,8 @@ class DecodeThenPrefill:
     def __init__(self, rows: int, decode: WindowAttention, prefill: PackedPrefillAttention) -> None:
         self.rows, self.decode, self.prefill = rows, decode, prefill
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
         n = self.rows
-        return torch.cat([self.decode(layer, q[:n], k[:n], v[:n]), self.prefill(layer, q[n:], k[n:], v[n:])])
+        return torch.cat([self.decode(layer, q[:n], k[:n], v[:n], window=window),
+                          self.prefill(layer, q[n:], k[n:], v[n:], window=window)])

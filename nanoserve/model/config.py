@@ -1,4 +1,5 @@
-"""The shape of a Llama-family network, independent of where its weights come from."""
+"""The shape of a decoder-only network (Llama, Mistral, Qwen2, Qwen3, Gemma 3), independent of
+where its weights come from."""
 
 from __future__ import annotations
 
@@ -8,11 +9,24 @@ from typing import Any
 # Rope variants RotaryEmbedding knows how to build ("freq_factors": llama.cpp's explicit
 # per-frequency divisors, how GGUF files carry Llama 3.x scaling).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+# MLP activations: SwiGLU's silu, and Gemma's tanh-approximated GELU.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Per-layer attention kinds (Hugging Face's layer_types vocabulary).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder-only Llama-style transformer (Llama, Mistral, Qwen2)."""
+    """Hyper-parameters of a decoder-only Llama-style transformer.
+
+    The Llama layer (pre-norm attention and SwiGLU MLP) is the default; the other families
+    switch on what they add: ``qk_norm`` (Qwen3, Gemma 3: an RMS norm over each head of q and k
+    before rotary), ``sandwich_norms`` (Gemma 3: a norm after attention and a norm before and
+    after the MLP), ``scale_embeddings`` (Gemma: the embedding times sqrt(hidden_size)),
+    ``query_pre_attn_scalar`` (Gemma: scores scaled by its inverse square root instead of
+    head_dim's), sliding-window layers (``sliding_window`` and ``layer_types``) with their own
+    rope base ``rope_local_theta``, and ``final_logit_softcapping``.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -34,6 +48,17 @@ class ModelConfig:
     architecture: str = "llama"
     # Extra stop ids (e.g. several eos ids in a HF config); eos_token_id is always the first.
     extra_eos_token_ids: tuple[int, ...] = field(default=())
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    # A sliding layer attends to the last `sliding_window` positions (its own included).
+    sliding_window: int | None = None
+    # One of LAYER_TYPES per layer; empty: every layer sliding if sliding_window is set, else full.
+    layer_types: tuple[str, ...] = field(default=())
+    rope_local_theta: float | None = None  # sliding layers' rope base (unscaled); None: the global rope
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -51,6 +76,35 @@ class ModelConfig:
             raise ValueError(
                 f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"activation {self.hidden_act!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if not self.layer_types:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions layer `layer` attends back over (its own included), None for all."""
+        if self.sliding_window is None:
+            return None
+        kind = self.layer_types[layer] if self.layer_types else "sliding_attention"
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: 1/sqrt(query_pre_attn_scalar), else 1/sqrt(head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rope_type(self) -> str:

@@ -6,8 +6,9 @@ for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // 32] * c[n, k] + mi
 each activation is written per group of 32 as two int8 codes and multiplied with the weight
 codes in integers, reading 4 (or 8) bits per weight plus two fp16 numbers per group (held as
 int16 bits); each block of 16 outputs is read from memory once for all rows.
-``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier)`` is the
-decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots.
+``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0)`` is
+the decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots
+(a sliding-window layer's ``window``: over the last ``window`` of them).
 
 The tiers (``kernels/``, one source tree): ``avx512-vnni`` (vpdpbusd on 512 bits), ``avx-vnni``
 (vpdpbusd on 256 bits), ``avx2`` (vpmaddubsw + vpmaddwd), ``neon-dot`` (sdot), ``neon``

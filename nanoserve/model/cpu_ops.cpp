@@ -214,11 +214,14 @@ at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_
 }
 
 // q [n, H, D]; k_cache, v_cache [slots, KV, D], all bf16 or all fp32; slots [n, W] int64 (unit
-// column stride); lens [n] int64. Row r attends to its first min(max(lens[r], 1), W) cells: a
-// padded row of length 0 reads cell 0, finite garbage nobody reads. Query heads h * group ..
-// h * group + group - 1 share K/V head h.
+// column stride); lens [n] int64. Row r attends to its first len = min(max(lens[r], 1), W) cells:
+// a padded row of length 0 reads cell 0, finite garbage nobody reads. With window > 0 (a
+// sliding-window layer) only the last `window` of them: cells max(len - window, 0) .. len - 1,
+// which the tier reads as a shorter row of slots. Query heads h * group .. h * group + group - 1
+// share K/V head h.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t handle) {
+                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t handle,
+                            int64_t window) {
   TORCH_CHECK(q.dim() == 3 && is_float_input(q) && q.stride(2) == 1, "q must be [n, H, D] bf16 or fp32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == q.scalar_type() && v_cache.is_contiguous(),
@@ -231,6 +234,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(lens.dim() == 1 && lens.size(0) == n && lens.scalar_type() == at::kLong, "lens must be [n] int64");
   const int64_t W = slots.size(1), group = H / KV;
   TORCH_CHECK(W >= 1, "the window must have a column");
+  TORCH_CHECK(window >= 0, "a sliding window must be positive (0: none), got ", window);
   const nanoserve_kernel_table& tier = tier_of(handle);
   at::Tensor out = at::empty({n, H, D}, q.options());
   const at::Tensor lens_c = lens.contiguous();
@@ -247,9 +251,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / KV, h = task % KV;
       const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
+      const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
       tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_p + h * D * size,
-                  v_p + h * D * size, KV * D, s_p + r * slots.stride(0), len, group, D, static_cast<float>(scale),
-                  o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
+                  v_p + h * D * size, KV * D, s_p + r * slots.stride(0) + first, len - first, group, D,
+                  static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
     }
   });
   return out;
@@ -270,7 +275,7 @@ TORCH_LIBRARY(nanoserve, lib) {
           "ScalarType dtype, int tier) -> Tensor");
   lib.def("group_dots(Tensor x_codes, Tensor codes, int n, bool nibbles, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
-          "int tier) -> Tensor");
+          "int tier, int window=0) -> Tensor");
   lib.impl("load_tier", &load_tier);
   lib.impl("tier_name", &tier_name);
   lib.impl("cpu_features", &cpu_features);

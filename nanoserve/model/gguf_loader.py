@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
+from nanoserve.model.llama import hf_norm_offset
 from nanoserve.model.quant import GROUP_SIZE, GroupwiseInt4
 
 Q = GGMLQuantizationType
@@ -23,7 +24,8 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 })
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# general.architecture values we run (Mistral's files are "llama").
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 # GGUF tensor name -> HF name: per layer (under blk.{i}. / model.layers.{i}.) and global.
 GGUF_LAYER_TENSORS = {
@@ -40,7 +42,17 @@ GGUF_LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 3 norms its sublayers' outputs too, and its ffn_norm is the MLP's pre-norm.
+GEMMA3_LAYER_TENSORS = {
+    **GGUF_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+LAYER_TENSORS = {"gemma3": GEMMA3_LAYER_TENSORS}  # by architecture; GGUF_LAYER_TENSORS otherwise
 GGUF_GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -49,6 +61,14 @@ GGUF_GLOBAL_TENSORS = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Llama 3.x files carry their rope scaling as per-frequency divisors in this tensor.
 ROPE_FREQS = "rope_freqs.weight"
+# What llama.cpp assumes for Gemma 3 where the file is silent: every sixth layer global, and the
+# sliding layers' rope base.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# Chat turn ends that stop generation besides the file's eos, as llama.cpp's vocabulary does:
+# an instruct Gemma 3 file's eos is <eos>, but its turns end in <end_of_turn>.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control, user-defined
 
 
 class _PlainArrayReader(GGUFReader):
@@ -80,13 +100,14 @@ class _Truncated(Exception):
         super().__init__(f"truncated: the file needs at least {needed} bytes but has {size}")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF name of a GGUF tensor, or None when we do not know it."""
     if gguf_name in GGUF_GLOBAL_TENSORS:
         return GGUF_GLOBAL_TENSORS[gguf_name]
+    layer_tensors = LAYER_TENSORS.get(architecture, GGUF_LAYER_TENSORS)
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in GGUF_LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{GGUF_LAYER_TENSORS[m.group(2)]}"
+    if m and m.group(2) in layer_tensors:
+        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}"
     return None
 
 
@@ -162,7 +183,9 @@ class GGUFCheckpoint:
         hidden = int(md[f"{arch}.embedding_length"])
         head_dim = int(md.get(f"{arch}.attention.key_length", md.get(f"{arch}.rope.dimension_count", hidden // heads)))
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
-        return ModelConfig(
+        if md.get(f"{arch}.attn_logit_softcapping") is not None:
+            raise ValueError(f"attention logit soft-capping ({arch}.attn_logit_softcapping) is not supported")
+        fields = dict(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(md[f"{arch}.feed_forward_length"]),
@@ -181,6 +204,39 @@ class GGUFCheckpoint:
             eos_token_id=_optional_int(md.get("tokenizer.ggml.eos_token_id")),
             pad_token_id=_optional_int(md.get("tokenizer.ggml.padding_token_id")),
             architecture=arch,
+            extra_eos_token_ids=self._end_of_turn_ids(),
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            final_logit_softcapping=_optional_float(md.get(f"{arch}.final_logit_softcapping")),
+        )
+        if arch == "gemma3":
+            fields.update(self._gemma3_fields(fields["num_layers"], hidden, heads, head_dim))
+        return ModelConfig(**fields)
+
+    def _end_of_turn_ids(self) -> tuple[int, ...]:
+        """tokenizer.ggml.eot_token_id, and the END_OF_TURN_TOKENS the vocabulary marks control."""
+        md = self.metadata
+        ids = [] if md.get("tokenizer.ggml.eot_token_id") is None else [int(md["tokenizer.ggml.eot_token_id"])]
+        tokens, types = md.get("tokenizer.ggml.tokens", ()), md.get("tokenizer.ggml.token_type", ())
+        ids += [i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in CONTROL_TYPES and tok in END_OF_TURN_TOKENS]
+        return tuple(dict.fromkeys(ids))
+
+    def _gemma3_fields(self, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        """What llama.cpp's Gemma 3 reads or assumes: the window and its layer pattern, the
+        local rope base, and the score scale (1/sqrt(hidden / heads) for the 62-layer 27B, whose
+        query_pre_attn_scalar that is; 1/sqrt(head_dim), the others', elsewhere)."""
+        md = self.metadata
+        pattern = md.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, (list, tuple)):
+            sliding = [bool(x) for x in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+        scale = md.get("gemma3.attention.scale")
+        scalar = scale ** -2 if scale is not None else (hidden / heads if layers == 62 else head_dim)
+        return dict(
+            hidden_act="gelu_pytorch_tanh", sandwich_norms=True, scale_embeddings=True,
+            query_pre_attn_scalar=float(scalar), sliding_window=int(md["gemma3.attention.sliding_window"]),
+            layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+            rope_local_theta=float(md.get("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
         )
 
     def _rope_scaling(self, arch: str) -> dict[str, Any] | None:
@@ -201,10 +257,13 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             if t.name == ROPE_FREQS:
                 continue
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, config.architecture)
             if name is None:
                 raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {config.architecture}")
-            out[name] = torch.from_numpy(self._dequantize(t, config)).to(dtype)
+            weight = torch.from_numpy(self._dequantize(t, config))
+            if name.endswith("norm.weight"):
+                weight -= hf_norm_offset(config)  # the file holds the multiplier itself (1 + w for Gemma)
+            out[name] = weight.to(dtype)
         return out
 
     def int4_groups(self, config: ModelConfig) -> dict[str, GroupwiseInt4]:
@@ -258,3 +317,7 @@ def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

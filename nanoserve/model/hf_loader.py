@@ -17,8 +17,28 @@ SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model only (config text_config)
 }
+# model_type -> our architecture name, for configs without `architectures`.
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3_text": "gemma3", "gemma3": "gemma3"}
 INDEX_FILE = "model.safetensors.index.json"
+# transformers' Gemma3TextConfig defaults: the 4B-27B checkpoints' text_config names only what
+# differs from them (the 4B's lists neither its heads nor its vocabulary).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "sliding_window": 4096, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
+# Tensor-name prefixes of a multimodal checkpoint's language model (transformers 5 and 4.x
+# layouts) -> the text model's, and the prefixes of parts we do not run.
+TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+OTHER_MODEL_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                        "model.multi_modal_projector.")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -31,49 +51,116 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def read_hf_config(model_dir: str | Path) -> ModelConfig:
-    """ModelConfig from `model_dir/config.json`; raises ModelLoadError for an unsupported model."""
+    """ModelConfig from `model_dir/config.json`; raises ModelLoadError for an unsupported model,
+    naming what the model code cannot run."""
     path = Path(model_dir) / "config.json"
     raw = read_json(path)
     arch = _architecture(path, raw)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(path, f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-    if raw.get("mlp_bias"):
-        raise ModelLoadError(path, "mlp_bias=true is not supported")
-    heads = raw["num_attention_heads"]
-    # transformers 5 nests rope settings in rope_parameters; 4.x keeps rope_theta + rope_scaling.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    eos = raw.get("eos_token_id")
-    eos_ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
-    llama_bias = bool(raw.get("attention_bias", False))
+    if "text_config" in raw:  # a multimodal checkpoint: its language model
+        raw = {**raw, **raw["text_config"]}
+    if arch == "gemma3":
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     try:
-        return ModelConfig(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's flag covers all four.
-            attention_bias=arch == "qwen2" or llama_bias,
-            attention_out_bias=arch != "qwen2" and llama_bias,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos_ids[0] if eos_ids else None,
-            pad_token_id=raw.get("pad_token_id"),
-            architecture=arch,
-            extra_eos_token_ids=tuple(eos_ids[1:]),
-        )
+        return ModelConfig(**_config_fields(arch, raw))
     except KeyError as e:
         raise ModelLoadError(path, f"missing required key {e.args[0]!r}") from e
     except ValueError as e:
         raise ModelLoadError(path, str(e)) from e
+
+
+def _config_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    gemma = arch == "gemma3"
+    _refuse_unsupported(raw)
+    heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    eos_ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+    bias = bool(raw.get("attention_bias", False))
+    fields = dict(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        # Qwen2 always has q/k/v biases and no o_proj bias; the others' flag covers all four.
+        attention_bias=arch == "qwen2" or bias,
+        attention_out_bias=arch != "qwen2" and bias,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        pad_token_id=raw.get("pad_token_id"),
+        architecture=arch,
+        extra_eos_token_ids=tuple(eos_ids[1:]),
+        hidden_act=raw.get("hidden_activation" if gemma else "hidden_act") or "silu",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sandwich_norms=gemma,
+        scale_embeddings=gemma,
+        query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+    )
+    fields.update(_rope_fields(arch, raw))
+    fields.update(_window_fields(arch, raw))
+    return fields
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """ValueError naming a setting the model code does not implement."""
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attention logit soft-capping (attn_logit_softcapping="
+                         f"{raw['attn_logit_softcapping']}) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is not supported (causal attention only)")
+
+
+def _rope_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 nests rope settings in rope_parameters (Gemma 3: one entry per layer type);
+    # 4.x keeps rope_theta + rope_scaling (+ Gemma's rope_local_base_freq).
+    params = raw.get("rope_parameters") or {}
+    if arch == "gemma3":
+        full = dict(params.get("full_attention") or raw.get("rope_scaling") or {})
+        full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        local = dict(params.get("sliding_attention") or {})
+        local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"sliding layers' rope type {local['rope_type']!r} is not supported (only default)")
+        theta, scaling = _rope_entry(full)
+        return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=float(local["rope_theta"]))
+    rope = dict(params or raw.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    theta, scaling = _rope_entry(rope)
+    return dict(rope_theta=theta, rope_scaling=scaling)
+
+
+def _rope_entry(rope: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return theta, (rope if kind != "default" else None)
+
+
+def _window_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types as the reference reads them: Mistral windows every layer;
+    Qwen2/3 only with use_sliding_window, from layer max_window_layers on; Gemma 3 every layer
+    but each sliding_window_pattern-th (or as its layer_types say)."""
+    window = raw.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if window is None or arch == "llama":
+        return dict(sliding_window=None, layer_types=())
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None and arch in ("qwen2", "qwen3"):
+        first = raw.get("max_window_layers", layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif types is None and arch == "gemma3":
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return dict(sliding_window=int(window), layer_types=tuple(types or ()))
 
 
 def _architecture(path: Path, raw: dict[str, Any]) -> str:
@@ -82,12 +169,23 @@ def _architecture(path: Path, raw: dict[str, Any]) -> str:
         if name in SUPPORTED_HF_ARCHITECTURES:
             return SUPPORTED_HF_ARCHITECTURES[name]
     model_type = raw.get("model_type")
-    if not names and model_type in SUPPORTED_HF_ARCHITECTURES.values():
-        return model_type
+    if not names and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
     raise ModelLoadError(
         path, f"unsupported architecture {names or model_type!r} "
               f"(supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)})"
     )
+
+
+def text_model_name(name: str) -> str | None:
+    """A checkpoint tensor's name in the text model's HF naming, or None for a part we do not run
+    (a multimodal checkpoint's vision tower and projector)."""
+    if name.startswith(OTHER_MODEL_PREFIXES):
+        return None
+    for prefix, text_prefix in TEXT_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return text_prefix + name[len(prefix):]
+    return name
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -114,7 +212,9 @@ def load_hf_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    text_name = text_model_name(name)
+                    if text_name is not None:
+                        tensors[text_name] = f.get_tensor(name).to(dtype)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(path, f"cannot read safetensors file ({e})") from e
     return tensors

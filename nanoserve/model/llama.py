@@ -1,9 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2) in plain torch, written once for prefill and decode.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3) in plain torch, written once for
+prefill and decode.
 
 Tokens are flat: a step is `N` tokens from any number of sequences, each with its own
 position. The network owns no cache: attention is a callable handed to `forward`, called per
 layer with rotary already applied, so the same weights serve the dense oracle below and the
-paged backends.
+paged backends. A sliding-window layer passes its window as the keyword ``window`` (the number
+of positions it attends back over, its own included); other layers call without it.
 """
 
 from __future__ import annotations
@@ -20,13 +22,26 @@ from nanoserve.model.config import ModelConfig
 
 
 class Attention(Protocol):
-    """`attention(layer_idx, q [N, H, D], k [N, KV, D], v [N, KV, D]) -> [N, H, D]`."""
+    """`attention(layer_idx, q [N, H, D], k [N, KV, D], v [N, KV, D], *, window=None) -> [N, H, D]`.
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    Scores are scaled by 1/sqrt(D). ``window`` (only passed by sliding-window layers): a query
+    at position p sees keys at positions p - window + 1 .. p."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor: ...
 
 
 # (cos, sin) for one step's tokens, each [N, 1, head_dim].
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
+
+# Architectures whose Hugging Face checkpoints store RMS norm weights as w with the norm
+# multiplying by (1 + w); this module (like GGUF files) holds the multiplier 1 + w itself.
+OFFSET_NORM_ARCHITECTURES = ("gemma3",)
+
+
+def hf_norm_offset(config: ModelConfig) -> float:
+    """What HF checkpoints of this architecture leave out of a norm's multiplier (0 or 1)."""
+    return 1.0 if config.architecture in OFFSET_NORM_ARCHITECTURES else 0.0
 
 
 class RMSNorm(nn.Module):
@@ -44,11 +59,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotary frequencies [head_dim // 2] (fp32), with the config's scaling applied."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Per-pair rotary frequencies [head_dim // 2] (fp32), with the config's scaling applied;
+    ``local``: the sliding layers' own unscaled rope of base ``rope_local_theta``."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    inv_freq = 1.0 / ((config.rope_local_theta if local else config.rope_theta) ** exponents)
+    if local:
+        return inv_freq
     scaling = config.rope_scaling or {}
     if config.rope_type == "linear":
         return inv_freq / float(scaling["factor"])
@@ -90,9 +108,9 @@ class RotaryEmbedding(nn.Module):
     data-dependent branches, so it traces cleanly under torch.compile.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config)
+        inv_freq = rope_inv_freq(config, local)
         # Explicit cpu: the model may be constructed under a meta-device context, but these
         # tables are computed here, not loaded from the weights.
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
@@ -116,15 +134,36 @@ class LlamaAttention(nn.Module):
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = nn.Linear(config.hidden_size, self.qk_size + self.v_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.window = config.layer_window(layer_idx)
+        # Backends scale scores by 1/sqrt(head_dim); another scale (Gemma's) is folded into q.
+        self.query_scale = config.attention_scale * config.head_dim ** 0.5
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, attention: Attention) -> torch.Tensor:
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.qk_size, self.v_size], dim=-1)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads sit side by side in the fused output: rotate them in one pass.
-        qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), *rotary)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = attention(self.layer_idx, q, k, v.view(n, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.window is None:
+            out = attention(self.layer_idx, q, k, v)
+        else:
+            out = attention(self.layer_idx, q, k, v, window=self.window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 class LlamaMLP(nn.Module):
@@ -137,6 +176,7 @@ class LlamaMLP(nn.Module):
         self.up_proj: nn.Module | None = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.gate_up_proj: nn.Module | None = None
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def fuse_gate_up(self, gate_up: nn.Module) -> None:
         """Run gate and up as one module whose output is ``[gate | up]`` along the last dimension."""
@@ -147,18 +187,32 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; with ``sandwich_norms`` (Gemma) each output is normed too
+    before it joins the residual (post_attention_layernorm is then that norm, and the MLP has
+    pre_ and post_feedforward_layernorm)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        # Which of the model's rotary tables this layer reads: 1 is the sliding layers' own rope.
+        self.rope_index = int(config.layer_window(layer_idx) is not None and config.rope_local_theta is not None)
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, attention: Attention) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, attention))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rotary, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -183,6 +237,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        self.rotary_local = RotaryEmbedding(config, local=True) if config.rope_local_theta is not None else None
+        # A buffer, so that it takes the model's dtype as the reference's scale does.
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5, device="cpu")
+                             if config.scale_embeddings else None, persistent=False)
         # Tied models read the embedding matrix in compute_logits; no second copy.
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
@@ -190,16 +248,22 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rotary = self.rotary(positions)  # gathered once per step, not once per layer
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        # Gathered once per step, not once per layer.
+        tables = (self.rotary(positions), None if self.rotary_local is None else self.rotary_local(positions))
         for layer in self.layers:
-            hidden = layer(hidden, rotary, attention)
+            hidden = layer(hidden, tables[layer.rope_index], attention)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # lm_head may be a packed layer (nanoserve.model.quant), so it is called, not read.
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load a state dict in Hugging Face naming (`model.layers.0.self_attn.q_proj.weight`...).
@@ -217,7 +281,8 @@ class LlamaModel(nn.Module):
 
 
 def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to this module's names, stacking q/k/v into one matrix."""
+    """Rename HF tensors to this module's names, stacking q/k/v into one matrix and adding
+    ``hf_norm_offset`` to norm weights."""
     def take(name: str) -> torch.Tensor:
         if name not in weights:
             raise KeyError(f"checkpoint has no tensor {name!r}")
@@ -226,6 +291,11 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if config.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
@@ -236,11 +306,13 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
         out[dst + "self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
         if config.attention_out_bias:
             out[dst + "self_attn.o_proj.bias"] = take(f"{src}self_attn.o_proj.bias")
-        out[dst + "mlp.gate_proj.weight"] = take(f"{src}mlp.gate_proj.weight")
-        out[dst + "mlp.up_proj.weight"] = take(f"{src}mlp.up_proj.weight")
-        out[dst + "mlp.down_proj.weight"] = take(f"{src}mlp.down_proj.weight")
-        out[dst + "input_layernorm.weight"] = take(f"{src}input_layernorm.weight")
-        out[dst + "post_attention_layernorm.weight"] = take(f"{src}post_attention_layernorm.weight")
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{dst}mlp.{part}.weight"] = take(f"{src}mlp.{part}.weight")
+        for norm in norms:
+            out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight")
+    offset = hf_norm_offset(config)
+    if offset:
+        out.update({name: t + offset for name, t in out.items() if name.endswith("norm.weight")})
     return out
 
 
@@ -248,27 +320,40 @@ class DenseCausalAttention:
     """No-cache causal attention over a [batch, seq_len] rectangle of flat tokens.
 
     `attention_mask` [B, T] (1 = real token, 0 = left padding) hides padded keys. A padded query
-    still sees itself so its row stays finite (its output is garbage and must be ignored).
+    still sees itself so its row stays finite (its output is garbage and must be ignored). A
+    sliding-window layer's call sees only its window's keys.
     """
 
     def __init__(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None = None) -> None:
         self.batch, self.seq_len = batch, seq_len
-        self.mask = None if attention_mask is None else self._build_mask(attention_mask, seq_len)
+        self.attention_mask = attention_mask
+        self.masks: dict[int | None, torch.Tensor | None] = {}  # by window, shared by the layers
+
+    def _mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        if window not in self.masks:
+            self.masks[window] = self._build_mask(self.attention_mask, self.seq_len, window, device)
+        return self.masks[window]
 
     @staticmethod
-    def _build_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
-        device = attention_mask.device
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        mask = causal[None] & attention_mask.bool()[:, None, :]
+    def _build_mask(attention_mask: torch.Tensor | None, seq_len: int, window: int | None,
+                    device: torch.device) -> torch.Tensor | None:
+        if attention_mask is None and window is None:
+            return None  # plain causal: SDPA's is_causal
+        rows = torch.arange(seq_len, device=device)
+        back = rows.view(-1, 1) - rows.view(1, -1)  # query position minus key position
+        visible = (back >= 0) if window is None else (back >= 0) & (back < window)
+        if attention_mask is None:
+            return visible[None, None]
+        mask = visible[None] & attention_mask.bool()[:, None, :]
         mask |= torch.eye(seq_len, dtype=torch.bool, device=device)[None]
         return mask[:, None]  # [B, 1, T, T], broadcast over heads
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
         b, t = self.batch, self.seq_len
+        mask = self._mask(window, q.device)
         q, k, v = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * t, out.shape[1], out.shape[3])
 
 
@@ -298,13 +383,15 @@ def dense_forward(
 
 
 def unfuse_hf_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """The inverse of fuse_hf_weights: a model's weights in HF naming (views, no copies)."""
+    """The inverse of fuse_hf_weights: a model's weights in HF naming (views, no copies, but
+    for norms of an offset-norm architecture)."""
     c, out = model.config, {}
+    offset = hf_norm_offset(c)
     for name, t in model.state_dict().items():
         hf = name if name.startswith("lm_head") else "model." + name
         if ".qkv_proj." in name:
             for part, chunk in zip("qkv", t.split([c.q_size, c.kv_size, c.kv_size])):
                 out[hf.replace("qkv_proj", f"{part}_proj")] = chunk
         else:
-            out[hf] = t
+            out[hf] = t - offset if offset and name.endswith("norm.weight") else t
     return out

@@ -10,13 +10,16 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from nanoserve.model.errors import ModelLoadError
 
 # llama.cpp token types (tokenizer.ggml.token_type).
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+# tokenizer.ggml.model values we build: byte-level BPE, and SentencePiece's BPE with byte fallback.
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+SPACE = "\u2581"  # SentencePiece's visible space
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -70,11 +73,36 @@ def _token_string(metadata: Mapping[str, Any], key: str) -> str | None:
 
 
 def backend_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> Backend:
-    """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp's tokenizer.ggml.* metadata."""
+    """A `tokenizers.Tokenizer` from llama.cpp's tokenizer.ggml.* metadata: byte-level BPE
+    ("gpt2": Llama 3, Qwen, SmolLM) or SentencePiece BPE ("llama": Gemma, Mistral, Llama 2)."""
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelLoadError(source, f"tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        raise ModelLoadError(source, f"tokenizer model {model!r} is not supported "
+                                     f"(supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)})")
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types = list(metadata.get("tokenizer.ggml.token_type", ()))
+    if model == "gpt2":
+        backend, vocab, spelled = _byte_level_backend(metadata, tokens)
+    else:  # every SentencePiece token is spelled as it is
+        backend, vocab, spelled = _sentencepiece_backend(metadata, tokens, types), dict(zip(tokens, range(len(tokens)))), None
+    # Control tokens (<|im_start|>...) must match whole in text, never be cut into bytes.
+    backend.add_special_tokens([
+        AddedToken(tok, normalized=False, special=True)
+        for tok, kind in zip(tokens, types) if kind == TOKEN_CONTROL and (spelled is None or set(tok) <= spelled)
+    ])
+    backend.add_tokens([
+        AddedToken(tok, normalized=False, special=False)
+        for tok, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED and tok in vocab
+    ])
+    bos = _token_string(metadata, "bos_token_id")
+    if metadata.get("tokenizer.ggml.add_bos_token", model == "llama") and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    return backend
+
+
+def _byte_level_backend(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[Backend, dict[str, int], set[str]]:
     alphabet = _bytes_to_unicode()
     spelled = set(alphabet.values())
     # Some files store a token in plain UTF-8 instead of the byte alphabet; respell those.
@@ -86,21 +114,34 @@ def backend_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> Ba
     backend = Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _byte_level_pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
     backend.decoder = decoders.ByteLevel()
-    types = list(metadata.get("tokenizer.ggml.token_type", ()))
-    # Control tokens (<|im_start|>...) must match whole in text, never be cut into bytes.
-    backend.add_special_tokens([
-        AddedToken(tok, normalized=False, special=True)
-        for tok, kind in zip(tokens, types) if kind == TOKEN_CONTROL and set(tok) <= spelled
-    ])
-    backend.add_tokens([
-        AddedToken(tok, normalized=False, special=False)
-        for tok, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED and tok in vocab
-    ])
-    bos = _token_string(metadata, "bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-        )
+    return backend, vocab, spelled
+
+
+def _sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> Backend:
+    """SentencePiece BPE as llama.cpp runs it: spaces are written as U+2581 (and one is put
+    before the text unless tokenizer.ggml.add_space_prefix is false, as Gemma's files say),
+    adjacent pieces merge best score first, and what no piece covers falls back to <0xNN> byte
+    tokens. The file keeps scores, not merges: a merge of two pieces into a third is ranked by
+    the third's score."""
+    scores = list(metadata.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    mergeable = {tok for tok, kind in zip(tokens, types or [TOKEN_NORMAL] * len(tokens))
+                 if kind in (TOKEN_NORMAL, TOKEN_USER_DEFINED)}
+    ranked = []
+    for token in mergeable:
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[vocab[token]], vocab[token], cut, left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = _token_string(metadata, "unknown_token_id")
+    backend = Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    if prefix:  # before the first piece of text only, never after a special token
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return backend
 
 
