@@ -78,10 +78,10 @@ def test_batched_chunked_prefix_cached_greedy_equals_transformers(arch_models, c
     first = generate(engine, batch, greedy(MAX_TOKENS, logprobs=2))
     again = generate(engine, batch[1:], greedy(MAX_TOKENS, logprobs=2))  # from the cached prefixes
     stats = engine.stats()
-    assert stats["prefix_cache_hits"] > 0 and stats["prefill_steps"] > len(batch)
+    assert stats.prefix_cache_hits > 0 and stats.prefill_steps > len(batch)
     if compiled:  # the window is a per-layer constant: no graph beyond the buckets, no recompile
-        assert stats["recompiles_after_warmup"] == 0
-        assert stats["graphs_built"] <= len(engine.runner.decode_step.buckets.grid)
+        assert stats.recompiles_after_warmup == 0
+        assert stats.graphs_built <= len(engine.runner.decode_step.buckets.grid)
     for output, prompt in zip(first + again, batch + batch[1:]):
         assert_matches_transformers(output, hf, prompt)
     engine.check_drained()
@@ -100,6 +100,6 @@ def test_gemma3_windowed_decode_through_inductor_equals_transformers(weights, fr
     assert (engine.runner.decode_step.attention_kernel is not None) == (weights == "bf16")
     batch = prompts()
     outputs = generate(engine, batch, greedy(MAX_TOKENS, logprobs=2))
-    assert engine.stats()["recompiles_after_warmup"] == 0
+    assert engine.stats().recompiles_after_warmup == 0
     for output, prompt in zip(outputs, batch):
         assert_matches_transformers(output, hf, prompt, TOLERANCE if weights == "fp32" else 0.1)
