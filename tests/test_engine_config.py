@@ -4,6 +4,7 @@ options table all come from EngineConfig's fields, and Engine.config is that rec
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,3 +45,11 @@ def test_build_engine_takes_the_fields_and_refuses_anything_else():
     # Resolved: the unset budget, the dtype and the weight format's name.
     assert config.max_num_batched_tokens == 2 + 48 and config.dtype == torch.float32 and config.weights == "fp32"
     assert config.kv_cache_bytes == engine.cache.pool.num_blocks * 2 * 2 * 2 * 16 * 4 * 4
+
+
+def test_the_readmes_options_table_is_the_one_the_config_makes():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("<!-- options table: python -m nanoserve.engine.config -->\n")
+    end = readme.index("\n<!-- end of options table -->")
+    assert readme[readme.index("\n", start) + 1:end] == options_table().strip(), (
+        "README's options table is stale: paste `python -m nanoserve.engine.config` between its markers")
