@@ -15,6 +15,11 @@ from nanoserve.model.quant import GROUP_SIZE
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
 VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
+# The kernels' weight formats: (codes as nibbles, scale group, fp32 scales): Q4_0/Q4_1, Q8_0/Q5_x,
+# Q4_K, Q5_K, Q6_K and the two combinations no GGUF type uses but the kernels take.
+FORMATS = [(True, 32, False), (False, 32, False), (True, 32, True), (False, 32, True), (False, 16, True),
+           (False, 16, False), (True, 16, True), (True, 16, False)]
+FORMAT_IDS = [f"{'nibbles' if n else 'bytes'}-g{g}-{'fp32' if f else 'fp16'}" for n, g, f in FORMATS]
 
 
 def random_codes(n: int, k: int, nibbles: bool, seed: int) -> torch.Tensor:
@@ -23,21 +28,32 @@ def random_codes(n: int, k: int, nibbles: bool, seed: int) -> torch.Tensor:
     return (cpu_kernels.pack_nibbles if nibbles else cpu_kernels.pack_bytes)(codes.to(torch.uint8))
 
 
+def random_scales(n: int, groups: int, fp32: bool, generator: torch.Generator, sign: float = 1.0) -> torch.Tensor:
+    """[N / 16, groups, 16] scales as the kernels hold them: fp16 bits, or fp32 bits of a
+    K-quant's kind (an fp16 number times a 6-bit integer, no fp16 number itself)."""
+    values = sign * torch.rand(n // 16, groups, 16, generator=generator)
+    if not fp32:
+        return values.half().view(torch.int16)
+    six = torch.randint(1, 64, values.shape, generator=generator).float()
+    return (values.half().float() * six).view(torch.int32)
+
+
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
-@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("nibbles", [True, False], ids=["nibbles", "bytes"])
+@pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, nibbles, shape):
+def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, nibbles, group, shape):
     n, k = shape
     codes = random_codes(n, k, nibbles, seed=n + k)
     x = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(k), dtype=torch.int8)
     x[:GROUP_SIZE] = 127  # the extremes, where a saturating int16 sum would show
     x[GROUP_SIZE:2 * GROUP_SIZE] = -127
-    want = torch.ops.nanoserve.group_dots(x, codes, n, nibbles, cpu_kernels.handle("scalar"))
-    got = torch.ops.nanoserve.group_dots(x, codes, n, nibbles, cpu_kernels.handle(tier))
+    want = torch.ops.nanoserve.group_dots(x, codes, n, group, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.group_dots(x, codes, n, group, cpu_kernels.handle(tier))
     assert torch.equal(got, want)
     # and the reference is the plain sum over each group
-    unpacked = (cpu_kernels.unpack_nibbles if nibbles else cpu_kernels.unpack_bytes)(codes, n, k).int()
-    plain = (unpacked.view(n, -1, GROUP_SIZE) * x.int().view(1, -1, GROUP_SIZE)).sum(-1)
+    unpacked = cpu_kernels.unpack_codes(codes, n, k).int()
+    plain = (unpacked.view(n, -1, group) * x.int().view(1, -1, group)).sum(-1)
     assert torch.equal(want, plain)
 
 
@@ -53,23 +69,24 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
     codes, fine, _, sums = want
     rebuilt = fine.repeat_interleave(GROUP_SIZE, 1) * (254 * codes[0].float() + codes[1].float())
     assert (rebuilt - x.float()).abs().max() <= x.float().abs().max() / 64516 * 1.01
-    assert torch.equal(sums[0], codes[0].int().view(37, -1, GROUP_SIZE).sum(-1))
+    assert torch.equal(sums[0], codes[0].int().view(37, -1, 16).sum(-1))  # per half group
+    assert torch.equal(sums[1], codes[1].int().view(37, -1, 16).sum(-1))
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
-def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, nibbles, rows):
+def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows):
+    nibbles, group, fp32 = fmt
     n, k = 96, 576
     codes = random_codes(n, k, nibbles, seed=rows)
     generator = torch.Generator().manual_seed(rows)
-    scales = torch.rand(n // 16, k // GROUP_SIZE, 16, generator=generator).half().view(torch.int16)
-    mins = (-torch.rand(n // 16, k // GROUP_SIZE, 16, generator=generator)).half().view(torch.int16)
+    scales = random_scales(n, k // group, fp32, generator)
+    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)
     x = torch.randn(rows, k, generator=generator).to(dtype)
-    op = torch.ops.nanoserve.int4_mm if nibbles else torch.ops.nanoserve.int8_mm
-    want = op(x, codes, scales, mins, cpu_kernels.handle("scalar"))
-    got = op(x, codes, scales, mins, cpu_kernels.handle(tier))
+    want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, cpu_kernels.handle(tier))
     assert got.dtype == dtype and got.shape == (rows, n)
     # the same integers and fp32 sums in another order: bf16's last bit, or fp32 rounding
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
@@ -78,19 +95,38 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, nibbl
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
-def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, nibbles):
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
+    nibbles, group, fp32 = fmt
     n, k = 48, 96
     codes = random_codes(n, k, nibbles, seed=7)
     generator = torch.Generator().manual_seed(7)
-    scales = torch.randn(n // 16, k // GROUP_SIZE, 16, generator=generator).half()
-    mins = torch.randn(n // 16, k // GROUP_SIZE, 16, generator=generator).half()
-    got = torch.ops.nanoserve.dequantize(codes, scales.view(torch.int16), mins.view(torch.int16), n, k, nibbles, dtype,
-                                         cpu_kernels.handle(tier))
-    per_output = lambda t: t.float().transpose(1, 2).reshape(n, -1).repeat_interleave(GROUP_SIZE, 1)  # noqa: E731
-    unpacked = (cpu_kernels.unpack_nibbles if nibbles else cpu_kernels.unpack_bytes)(codes, n, k).float()
+    scales = random_scales(n, k // group, fp32, generator)
+    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)
+    got = torch.ops.nanoserve.dequantize(codes, scales, mins, n, k, dtype, cpu_kernels.handle(tier))
+    per_output = lambda t: cpu_kernels.per_group(t).repeat_interleave(group, 1)  # noqa: E731
+    unpacked = cpu_kernels.unpack_codes(codes, n, k).float()
     want = per_output(scales) * unpacked + per_output(mins)  # fp32, as the kernels compute it
     assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    rows = torch.tensor([[5, 0], [47, 5]])
+    picked = torch.ops.nanoserve.dequantize_rows(codes, scales, mins, rows, n, k, dtype, cpu_kernels.handle(tier))
+    assert torch.equal(picked, want.to(dtype)[rows])
+
+
+def test_packed_weights_of_no_known_format_are_refused():
+    handle = cpu_kernels.handle("scalar")
+    codes = random_codes(32, 64, True, seed=0)
+    x = torch.randn(2, 64)
+    scales = torch.zeros(2, 2, 16, dtype=torch.int16)
+    torch.ops.nanoserve.group_mm(x, codes, scales, scales, handle)  # the shapes that fit
+    with pytest.raises(RuntimeError, match="scales must be"):  # a group of 64
+        torch.ops.nanoserve.group_mm(x, codes, scales[:, :1], scales[:, :1], handle)
+    with pytest.raises(RuntimeError, match="scales must be"):  # fp64 bits
+        torch.ops.nanoserve.group_mm(x, codes, scales.long(), scales.long(), handle)
+    with pytest.raises(RuntimeError, match="mins must match"):
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales.int()[:, :, :16], handle)
+    with pytest.raises(RuntimeError, match="codes must be"):  # 3 bits a weight
+        torch.ops.nanoserve.group_mm(x, codes[: 32 * 64 * 3 // 8], scales, scales, handle)
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -91,6 +91,8 @@ class Engine:
         self._aborted_outputs: list[RequestOutput] = []
         self.decode_timing = StepTiming()
         self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any dense copy
+        # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: quant.weight_types).
+        self.weight_types = dict(getattr(model, "weight_types", {}))
 
     @classmethod
     def build(cls, **kwargs) -> Engine:
@@ -395,7 +397,7 @@ class Engine:
             "recompiles_after_warmup": d.recompiles_after_warmup, "warmup_seconds": d.warmup_seconds,
             "bucket_hits": dict(d.bucket_hits), "padding_waste": d.waste.ratio,
             "decode_outside_forward_share": self.decode_timing.outside_forward_share,
-            "weights": self.config.weights, "weight_bytes": self.weight_bytes,
+            "weights": self.config.weights, "weight_bytes": self.weight_bytes, "weight_types": self.weight_types,
             "cpu_kernels": self.config.cpu_kernels, "compute_dtype": str(self.config.dtype).removeprefix("torch."),
             "chunked_prefill": self.config.enable_chunked_prefill,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,

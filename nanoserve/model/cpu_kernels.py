@@ -1,11 +1,13 @@
-"""nanoserve's CPU kernels: group-wise int4 and int8 weight products and the decode attention
-read, in one tier per instruction set, chosen at run time.
+"""nanoserve's CPU kernels: group-wise weight products and the decode attention read, in one
+tier per instruction set, chosen at run time.
 
-``torch.ops.nanoserve.int4_mm(x, codes, scales, mins, tier)`` and ``int8_mm`` compute ``x @ w.T``
-for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // 32] * c[n, k] + mins[n, k // 32]``:
-each activation is written per group of 32 as two int8 codes and multiplied with the weight
-codes in integers, reading 4 (or 8) bits per weight plus two fp16 numbers per group (held as
-int16 bits); each block of 16 outputs is read from memory once for all rows.
+``torch.ops.nanoserve.group_mm(x, codes, scales, mins, tier)`` computes ``x @ w.T`` for bf16 or
+fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``, unsigned codes
+c of 4 bits (two a byte) or up to 8 (a byte each), scale groups of g = 32 or 16 weights along K,
+scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
+tensors' sizes and dtypes (``pack_groups``). Each activation is written per group of 32 as two
+int8 codes and multiplied with the weight codes in integers; each block of 16 outputs is read
+from memory once for all rows.
 ``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier)`` is the
 decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots.
 
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-GROUP_SIZE = 32  # kernels/common.h's GROUP: the group of every packed format here
+GROUP_SIZE = 32  # kernels/common.h's GROUP: the activations' group; a weight's scale group is 32 or 16
 HERE = Path(__file__).parent
 KERNELS = HERE / "kernels"
 ENV = "NANOSERVE_CPU_KERNELS"
@@ -102,8 +104,7 @@ def _ops_loaded() -> bool:
                 log.warning("nanoserve's CPU kernels did not build (%s); using torch's kernels", error)
                 return False
             log.warning("nanoserve's CPU kernels did not build with OpenMP (%s); trying one thread", error)
-    for op in ("int4_mm", "int8_mm"):
-        torch.library.register_fake(f"nanoserve::{op}")(_output_like)
+    torch.library.register_fake("nanoserve::group_mm")(_output_like)
     torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
     torch.library.register_fake("nanoserve::dequantize")(_dequantized_like)
     torch.library.register_fake("nanoserve::dequantize_rows")(_rows_like)
@@ -207,13 +208,13 @@ def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, min
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
 
 
-def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int, nibbles: bool,
+def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int,
                       dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((n, k), dtype=dtype)
 
 
 def _rows_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, rows: torch.Tensor, n: int, k: int,
-               nibbles: bool, dtype: torch.dtype, tier: int) -> torch.Tensor:
+               dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((*rows.shape, k), dtype=dtype)
 
 
@@ -221,11 +222,24 @@ def _attention_output_like(q: torch.Tensor, *args) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _per_block(values: torch.Tensor) -> torch.Tensor:
-    """[N, G] per-group numbers as the kernel reads them: fp16 [N / 16, G, 16], held as int16 bits
-    so that casting the model to another float dtype leaves them as they are."""
+def _per_block(values: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """[N, H] per-group numbers as the kernel reads them: fp16 or fp32 [N / 16, H, 16], held as
+    int16 or int32 bits so that casting the model to another float dtype leaves them as they are."""
     n, groups = values.shape
-    return values.view(n // 16, 16, groups).transpose(1, 2).half().contiguous().view(torch.int16)
+    blocks = values.view(n // 16, 16, groups).transpose(1, 2)
+    return blocks.float().contiguous().view(torch.int32) if fp32 else blocks.half().contiguous().view(torch.int16)
+
+
+def per_group(numbers: torch.Tensor) -> torch.Tensor:
+    """The inverse of _per_block: [N / 16, H, 16] bits back as fp32 [N, H]."""
+    blocks, groups, _ = numbers.shape
+    values = numbers.view(torch.float32 if numbers.dtype == torch.int32 else torch.float16).float()
+    return values.transpose(1, 2).reshape(16 * blocks, groups)
+
+
+def fp16_holds(values: torch.Tensor) -> bool:
+    """Whether every value is finite and exactly an fp16 number."""
+    return bool(torch.isfinite(values).all()) and torch.equal(values.half().float(), values.float())
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -252,13 +266,17 @@ def unpack_bytes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes.view(n // 16, k // GROUP_SIZE, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``w = (q - 8) * scales + zeros`` (q [N, K], scales/zeros [N, K / 32]) as (codes, scales, mins)."""
-    return pack_nibbles(q), _per_block(scales), _per_block(zeros - 8 * scales)
+def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Packed codes (nibbles or bytes, from their count) back as [N, K] uint8."""
+    return (unpack_nibbles if 2 * codes.numel() == n * k else unpack_bytes)(codes, n, k)
 
 
-def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``w = codes * scales`` (codes [N, K] int8, scales [N, K / 32]) as unsigned codes + 128,
-    scales and mins ``-128 * scales``."""
-    unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
-    return pack_bytes(unsigned), _per_block(scales), _per_block(-128 * scales)
+def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                nibbles: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w = scales * codes + mins`` per scale group (codes [N, K] uint8, 0..15 with ``nibbles``,
+    else 0..255; scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins) in the
+    kernels' layout. The scales and minimums stay fp16 where every one of them is an fp16 number
+    (a legacy GGUF block's d, m, -8d...), else fp32 (a K-quant's d * sc): exact either way."""
+    fp32 = not (fp16_holds(scales) and fp16_holds(mins))
+    packed = pack_nibbles(codes) if nibbles else pack_bytes(codes)
+    return packed, _per_block(scales, fp32), _per_block(mins, fp32)

@@ -8,35 +8,46 @@
 //   nibbles: byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i]
 //                                              | c[16 block + r, 32 g + 8 j + 4 + i] << 4
 //   bytes:   byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
-//   d, m:    fp16 [N / 16, K / 32, 16]
-// Per group g of output n: w[n, k] = d[n, g] * c[n, k] + m[n, g], c unsigned (0..15 or 0..255).
-// Activations, per row and group: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
-// -127..127, so sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs, xs = xd * sum(254 hi + lo).
+//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format)
+// Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
+// m[n, h], c unsigned: 4-bit codes as nibbles; 5-, 6- and 8-bit codes (0..255) as bytes.
+// Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
+// -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
+// xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16).
 #pragma once
 #include <stdint.h>
 #include <string.h>
 
 #include <cmath>
 
-#define NANOSERVE_KERNEL_ABI 3
+#define NANOSERVE_KERNEL_ABI 4
 
 extern "C" {
+// How a packed weight stores its codes and per-group numbers.
+struct nanoserve_format {
+  int32_t nibbles;      // 1: 4-bit codes, two a byte; 0: one code a byte
+  int32_t group;        // weights per scale and minimum along K: 32, or 16 (bytes only)
+  int32_t fp32_scales;  // d and m are fp32; 0: fp16 bits
+};
+
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
 struct nanoserve_kernel_table {
   int32_t abi;
   const char* tier;
-  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, K] (hi then lo), xd, xs [M, K / 32],
-  // xsum [2, M, K / 32] (the integer sums of hi and of lo per group); rows [row_begin, row_end) only.
+  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, K] (hi then lo), xd [M, K / 32],
+  // xs [M, K / 16] and xsum [2, M, K / 16] (the integer sums of hi and of lo per half group of
+  // 16, xs from them as above); rows [row_begin, row_end) only.
   void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
                         int8_t* xq, float* xd, float* xs, int32_t* xsum);
   // out[M, N] (row stride N; bf16 bits if out_bf16, else fp32), output blocks [block_begin, block_end).
   // xq, xd, xs, xsum as quantize_rows wrote them for M rows.
-  void (*group_mm)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
+  void (*group_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
                    int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd,
                    const float* xs, const int32_t* xsum, void* out, int32_t out_bf16);
-  // The raw integer group sums out[n, g] = sum_k c[n, 32 g + k] * x[32 g + k] (unsigned codes,
-  // x int8 in -127..127), through the same instructions as group_mm: tiers are tested on these.
-  void (*group_dots)(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
+  // The raw integer group sums out[n, h] = sum_k c[n, group h + k] * x[group h + k] (unsigned
+  // codes, x int8 in -127..127, group 32 or 16), through the same instructions as group_mm: tiers
+  // are tested on these.
+  void (*group_dots)(nanoserve_format format, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
   // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
   // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
   // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. scratch: attend_scratch floats.
@@ -45,11 +56,11 @@ struct nanoserve_kernel_table {
                  int64_t out_stride, int32_t bf16, float* scratch);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
-  void (*dequantize)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+  void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
                      int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16);
   // Chosen rows of the weight, out[i, k] = d * c + m for row rows[i], i < count: an embedding
   // read from a tied LM head's codes.
-  void (*dequantize_rows)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+  void (*dequantize_rows)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
                           const int64_t* rows, int64_t count, void* out, int32_t out_bf16);
 };
 }
@@ -127,14 +138,21 @@ inline GroupScales group_scales(float amax) {
   return {coarse, fine, coarse > 0.f ? 1.f / coarse : 0.f, fine > 0.f ? 1.f / fine : 0.f};
 }
 
-// What the products read of group i (of M rows x G groups) besides its codes: the sums of its
-// hi and lo codes, its fine scale, and fine * sum(254 hi + lo).
-inline void store_group(int64_t i, int64_t M, int64_t G, int32_t sum_hi, int32_t sum_lo, float fine, float* xd,
-                        float* xs, int32_t* xsum) {
-  xsum[i] = sum_hi;
-  xsum[M * G + i] = sum_lo;
+// What the products read of group i (of M rows x G groups of 32) besides its codes: its fine
+// scale, and per half h (16 k each) the sums of its hi and lo codes and fine * sum(254 hi + lo).
+inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2], const int32_t sum_lo[2], float fine,
+                        float* xd, float* xs, int32_t* xsum) {
   xd[i] = fine;
-  xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+  for (int64_t h = 0; h < 2; ++h) {
+    xsum[2 * i + h] = sum_hi[h];
+    xsum[2 * M * G + 2 * i + h] = sum_lo[h];
+    xs[2 * i + h] = fine * static_cast<float>(254 * sum_hi[h] + sum_lo[h]);
+  }
+}
+
+// Scale or minimum i of a weight (fp32, or fp16 bits).
+inline float load_scale(const void* p, int64_t i, bool fp32) {
+  return fp32 ? static_cast<const float*>(p)[i] : fp16_to_float(static_cast<const uint16_t*>(p)[i]);
 }
 
 // The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
@@ -149,9 +167,9 @@ inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t
 // Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
 // group's 32 codes are unpacked first, so the loops stay simple enough to vectorise.
 template <bool NIBBLES, bool BF16>
-inline void dequantize_row_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t n,
-                                 void* out) {
-  const int64_t G = K / GROUP, group_bytes = NIBBLES ? 256 : 512, b = n / 16, r = n % 16;
+inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m, int64_t group, bool fp32, int64_t K,
+                                 int64_t n, void* out) {
+  const int64_t G = K / GROUP, group_bytes = NIBBLES ? 256 : 512, b = n / 16, r = n % 16, per = GROUP / group;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + (b * G + g) * group_bytes + 4 * r;
     float codes[GROUP];
@@ -166,38 +184,44 @@ inline void dequantize_row_typed(const uint8_t* w, const uint16_t* d, const uint
         }
       }
     }
-    const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
-    for (int64_t k = 0; k < GROUP; ++k) {
-      if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
-      else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;
+    for (int64_t h = 0; h < per; ++h) {
+      const int64_t at = ((b * G + g) * per + h) * 16 + r;
+      const float scale = load_scale(d, at, fp32), low = load_scale(m, at, fp32);
+      for (int64_t k = h * group; k < (h + 1) * group; ++k) {
+        if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
+        else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;
+      }
     }
   }
 }
 
-inline void dequantize_row(bool nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t n,
+inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t n,
                            void* out, bool out_bf16) {
-  if (nibbles) {
-    out_bf16 ? dequantize_row_typed<true, true>(w, d, m, K, n, out) : dequantize_row_typed<true, false>(w, d, m, K, n, out);
+  const bool fp32 = f.fp32_scales;
+  if (f.nibbles) {
+    out_bf16 ? dequantize_row_typed<true, true>(w, d, m, f.group, fp32, K, n, out)
+             : dequantize_row_typed<true, false>(w, d, m, f.group, fp32, K, n, out);
   } else {
-    out_bf16 ? dequantize_row_typed<false, true>(w, d, m, K, n, out) : dequantize_row_typed<false, false>(w, d, m, K, n, out);
+    out_bf16 ? dequantize_row_typed<false, true>(w, d, m, f.group, fp32, K, n, out)
+             : dequantize_row_typed<false, false>(w, d, m, f.group, fp32, K, n, out);
   }
 }
 
 // Every output row of blocks [block_begin, block_end) into out [N, K] (a prompt's dense GEMM).
-inline void dequantize_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+inline void dequantize_portable(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K,
                                 int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16) {
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t n = 16 * block_begin; n < 16 * block_end; ++n) {
-    dequantize_row(nibbles, w, d, m, K, n, static_cast<char*>(out) + n * K * size, out_bf16);
+    dequantize_row(f, w, d, m, K, n, static_cast<char*>(out) + n * K * size, out_bf16);
   }
 }
 
 // Rows rows[0 .. count) into out [count, K] (an embedding read from a tied head's codes).
-inline void dequantize_rows_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                                     int64_t K, const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
+inline void dequantize_rows_portable(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K,
+                                     const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t i = 0; i < count; ++i) {
-    dequantize_row(nibbles, w, d, m, K, rows[i], static_cast<char*>(out) + i * K * size, out_bf16);
+    dequantize_row(f, w, d, m, K, rows[i], static_cast<char*>(out) + i * K * size, out_bf16);
   }
 }
 

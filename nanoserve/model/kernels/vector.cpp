@@ -56,17 +56,18 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
     }
     const GroupScales sc = group_scales(V::hmax(amax));
     const V::F inv_coarse = V::set1(sc.inv_coarse), inv_fine = V::set1(sc.inv_fine), coarse = V::set1(sc.coarse);
-    V::F sum_h = V::fzero(), sum_l = V::fzero();  // integers below 2^12: exact in fp32
+    V::F sum_h[2] = {V::fzero(), V::fzero()}, sum_l[2] = {V::fzero(), V::fzero()};  // per half: exact integers
     for (int c = 0; c < C; ++c) {
       const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_coarse)), bottom), top);
       const V::F rest = V::sub(v[c], V::mul(h, coarse));
       const V::F l = V::min(V::max(V::rint(V::mul(rest, inv_fine)), bottom), top);
       V::store_int8(xq + i * GROUP + V::LANES * c, V::to_int(h));
       V::store_int8(xq + M * K + i * GROUP + V::LANES * c, V::to_int(l));
-      sum_h = V::add(sum_h, h);
-      sum_l = V::add(sum_l, l);
+      sum_h[2 * c / C] = V::add(sum_h[2 * c / C], h);
+      sum_l[2 * c / C] = V::add(sum_l[2 * c / C], l);
     }
-    const int32_t sum_hi = static_cast<int32_t>(V::hsum(sum_h)), sum_lo = static_cast<int32_t>(V::hsum(sum_l));
+    const int32_t sum_hi[2] = {static_cast<int32_t>(V::hsum(sum_h[0])), static_cast<int32_t>(V::hsum(sum_h[1]))};
+    const int32_t sum_lo[2] = {static_cast<int32_t>(V::hsum(sum_l[0])), static_cast<int32_t>(V::hsum(sum_l[1]))};
     store_group(i, M, G, sum_hi, sum_lo, sc.fine, xd, xs, xsum);
   }
 }
@@ -100,15 +101,17 @@ inline V::C code_vector(const uint8_t* wg, int s, int j) {
 template <bool NIBBLES>
 constexpr int code_offset(int j) { return NIBBLES ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
 
-// The integer sums of one group for the LANES outputs of vector s, for R rows at once: hi[r] =
-// sum_k c x_hi, lo[r] = sum_k c x_lo over the group's 32 k (row r's codes at + r * stride, int8 in
-// -127..127; sums[r * sum_stride], the sums of those codes, undo the byte tiers' flip to signed
-// codes). Each code vector is loaded once for all rows; with few rows each sum is split over two
-// accumulators (even and odd j), so dependent multiply-adds do not wait on each other.
-template <bool NIBBLES, int R, bool LO = true>
+// The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
+// hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
+// over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
+// k < 16 in both layouts). Row r's codes at + r * stride, int8 in -127..127; sums[r * sum_stride
+// + h], the sums of those codes per half, undo the byte tiers' flip to signed codes. Each code
+// vector is loaded once for all rows; each sum is split over two accumulators (the halves, or
+// even and odd j with few rows), so dependent multiply-adds do not wait on each other.
+template <bool NIBBLES, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t stride,
-                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I* hi, V::I* lo) {
-  constexpr int CHAINS = R <= 2 ? 2 : 1;
+                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I (*hi)[R], V::I (*lo)[R]) {
+  constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
   #pragma GCC unroll 16
   for (int c = 0; c < CHAINS; ++c) {
@@ -118,7 +121,7 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
   #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
     const V::C code = code_vector<NIBBLES>(wg, s, j);
-    const int c = j % CHAINS, at = code_offset<NIBBLES>(j);
+    const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<NIBBLES>(j);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       if constexpr (NIBBLES) {
@@ -130,30 +133,58 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
       }
     }
   }
+  const auto finish = [](V::A a) { return NIBBLES ? V::finish_nibbles(a) : V::finish_bytes(a); };
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    const auto finish = [](V::A a) { return NIBBLES ? V::finish_nibbles(a) : V::finish_bytes(a); };
-    hi[r] = finish(ah[0][r]);
-    lo[r] = finish(al[0][r]);
-    if constexpr (CHAINS == 2) {
-      hi[r] = V::iadd(hi[r], finish(ah[1][r]));
-      lo[r] = V::iadd(lo[r], finish(al[1][r]));
+    #pragma GCC unroll 2
+    for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
+      hi[h][r] = finish(ah[h][r]);
+      if constexpr (LO) lo[h][r] = finish(al[h][r]);
+    }
+    if constexpr (!SPLIT && CHAINS == 2) {
+      hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
+      if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
     }
     if constexpr (!NIBBLES && !V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
-      hi[r] = V::iadd(hi[r], V::iset1(128 * sum_hi[r * sum_stride]));
-      if constexpr (LO) lo[r] = V::iadd(lo[r], V::iset1(128 * sum_lo[r * sum_stride]));
+      const int32_t* sh = sum_hi + r * sum_stride;
+      #pragma GCC unroll 2
+      for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
+        hi[h][r] = V::iadd(hi[h][r], V::iset1(128 * (SPLIT ? sh[h] : sh[0] + sh[1])));
+        if constexpr (LO) {
+          const int32_t* sl = sum_lo + r * sum_stride;
+          lo[h][r] = V::iadd(lo[h][r], V::iset1(128 * (SPLIT ? sl[h] : sl[0] + sl[1])));
+        }
+      }
     }
   }
 }
 
+// LANES scales (or minimums) from element i of a weight's fp32 or fp16 numbers.
+template <bool FP32>
+inline V::F load_scales(const void* p, int64_t i) {
+  if constexpr (FP32) return V::load(static_cast<const float*>(p) + i);
+  else return V::load_fp16(static_cast<const uint16_t*>(p) + i);
+}
+
+// A weight format as template arguments: codes as nibbles, scale groups of 16, fp32 scales.
+template <bool NIBBLES_, bool SPLIT_, bool FP32_>
+struct Format {
+  static constexpr bool NIBBLES = NIBBLES_, SPLIT = SPLIT_, FP32 = FP32_;
+  static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
+  static constexpr int64_t GROUP_BYTES = NIBBLES ? 256 : 512;        // codes of 16 outputs x 32 k
+  static constexpr int64_t SCALE_BYTES = 16 * PER * (FP32 ? 4 : 2);  // their scales (or minimums)
+  // Rows sharing each code vector: split sums hold twice the accumulators.
+  static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
+};
+
 // One block of 16 outputs for R rows (from row r0): for each group, each code vector is loaded
 // (from cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32
-// sums stay in registers across the groups. out: row r0's first output of the block.
-template <bool NIBBLES, int R>
-void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, int64_t r0,
+// sums stay in registers across the groups. d, m: the block's first scale and minimum; out: row
+// r0's first output of the block.
+template <typename F, int R>
+void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
              int64_t ldo) {
-  constexpr int64_t GROUP_BYTES = NIBBLES ? 256 : 512;
   const int64_t G = K / GROUP;
   V::F acc[SUB][R];
   #pragma GCC unroll 16
@@ -162,22 +193,31 @@ void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, 
     for (int r = 0; r < R; ++r) acc[s][r] = V::fzero();
   }
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = w + g * GROUP_BYTES;
+    const uint8_t* wg = w + g * F::GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
-    for (int64_t l = 0; l < GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
-    __builtin_prefetch(reinterpret_cast<const char*>(d + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
-    __builtin_prefetch(reinterpret_cast<const char*>(m + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
+    for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
+    for (int64_t l = 0; l < F::SCALE_BYTES; l += 64) {
+      const int64_t ahead = g * F::SCALE_BYTES + PREFETCH_BYTES * F::SCALE_BYTES / F::GROUP_BYTES + l;
+      __builtin_prefetch(static_cast<const char*>(d) + ahead);
+      __builtin_prefetch(static_cast<const char*>(m) + ahead);
+    }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
-      V::I hi[R], lo[R];
-      group_sums<NIBBLES, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
-                             xsum + r0 * G + g, xsum + M * G + r0 * G + g, G, hi, lo);
-      const V::F dv = V::load_fp16(d + 16 * g + V::LANES * s), mv = V::load_fp16(m + 16 * g + V::LANES * s);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const V::F dot = V::to_float(V::iadd(V::times254(hi[r]), lo[r]));
-        acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
-        acc[s][r] = V::fma(mv, V::set1(xs[(r0 + r) * G + g]), acc[s][r]);
+      V::I hi[F::PER][R], lo[F::PER][R];
+      group_sums<F::NIBBLES, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
+                                          xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G, hi, lo);
+      #pragma GCC unroll 2
+      for (int h = 0; h < F::PER; ++h) {
+        const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
+        const V::F dv = load_scales<F::FP32>(d, at), mv = load_scales<F::FP32>(m, at);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
+          const float x_sum = F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1];
+          const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
+          acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
+          acc[s][r] = V::fma(mv, V::set1(x_sum), acc[s][r]);
+        }
       }
     }
   }
@@ -189,61 +229,87 @@ void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, 
 }
 
 // R rows or fewer (down to 1) from row r0: the template for the count.
-template <bool NIBBLES, int R = V::ROWS>
-void rows_block(int rows, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, int64_t r0,
+template <typename F, int R = F::ROWS>
+void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
                 int64_t ldo) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<NIBBLES, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
   }
-  block16<NIBBLES, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
-// every chunk of V::ROWS rows multiplies them.
-template <bool NIBBLES>
-void group_mm_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, int64_t b0,
-                    int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-                    void* out, bool out_bf16) {
-  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1), size = out_bf16 ? 2 : 4;
+// every chunk of F::ROWS rows multiplies them.
+template <typename F>
+void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
+                    int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
+                    bool out_bf16) {
+  const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::SCALE_BYTES;
+  const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t r = 0; r < M; r += V::ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(V::ROWS, M - r));
-      rows_block<NIBBLES>(rows, w + b * block_bytes, d + b * G * 16, m + b * G * 16, K, M, r, xq, xd, xs, xsum,
-                          static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N);
+    for (int64_t r = 0; r < M; r += F::ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
+      rows_block<F>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
+                    static_cast<const char*>(m) + b * scale_bytes, K, M, r, xq, xd, xs, xsum,
+                    static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N);
     }
   }
 }
 
-void group_mm(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
-              int64_t b0, int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs,
-              const int32_t* xsum, void* out, int32_t out_bf16) {
-  if (nibbles) group_mm_typed<true>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16);
-  else group_mm_typed<false>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16);
+// The format's template instance for a runtime format.
+template <template <typename> class Op, typename... Args>
+void with_format(nanoserve_format f, Args... args) {
+  const bool split = f.group == 16;
+  if (f.nibbles) {
+    if (split) f.fp32_scales ? Op<Format<true, true, true>>::run(args...) : Op<Format<true, true, false>>::run(args...);
+    else f.fp32_scales ? Op<Format<true, false, true>>::run(args...) : Op<Format<true, false, false>>::run(args...);
+  } else {
+    if (split) f.fp32_scales ? Op<Format<false, true, true>>::run(args...) : Op<Format<false, true, false>>::run(args...);
+    else f.fp32_scales ? Op<Format<false, false, true>>::run(args...) : Op<Format<false, false, false>>::run(args...);
+  }
 }
 
-template <bool NIBBLES>
-void group_dots_typed(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1);
-  for (int64_t b = 0; b < N / 16; ++b) {
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t x_sum = 0;
-      for (int64_t k = 0; k < GROUP; ++k) x_sum += x[g * GROUP + k];
-      for (int s = 0; s < SUB; ++s) {
-        int32_t lanes[V::LANES];
-        V::I sum, unused;
-        group_sums<NIBBLES, 1, false>(w + b * block_bytes + g * (NIBBLES ? 256 : 512), s, x + g * GROUP, nullptr, 0,
-                                      &x_sum, nullptr, 0, &sum, &unused);
-        V::istore(lanes, sum);
-        for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * G + g] = lanes[i];
+template <typename F>
+struct GroupMm {
+  static void run(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
+                  int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
+                  bool out_bf16) {
+    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16);
+  }
+};
+
+void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0,
+              int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+              void* out, int32_t out_bf16) {
+  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16));
+}
+
+template <typename F>
+struct GroupDots {
+  static void run(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+    const int64_t G = K / GROUP, H = G * F::PER, block_bytes = G * F::GROUP_BYTES;
+    for (int64_t b = 0; b < N / 16; ++b) {
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t x_sums[2] = {0, 0};
+        for (int64_t k = 0; k < GROUP; ++k) x_sums[k / 16] += x[g * GROUP + k];
+        for (int s = 0; s < SUB; ++s) {
+          int32_t lanes[V::LANES];
+          V::I sums[F::PER][1], unused[F::PER][1];
+          group_sums<F::NIBBLES, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
+                                                     nullptr, 0, x_sums, nullptr, 0, sums, unused);
+          for (int h = 0; h < F::PER; ++h) {
+            V::istore(lanes, sums[h][0]);
+            for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
+          }
+        }
       }
     }
   }
-}
+};
 
-void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  if (nibbles) group_dots_typed<true>(w, N, K, x, out);
-  else group_dots_typed<false>(w, N, K, x, out);
+void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+  with_format<GroupDots>(f, w, N, K, x, out);
 }
 
 // e^x for x <= 0 (softmax after its maximum is taken out): x = n ln2 + f with |f| <= ln2 / 2,
