@@ -157,7 +157,7 @@ def int8_kernel_accepts(in_features: int) -> bool:
 
 def resolve_group_kernel(kernel: str, dtype: torch.dtype) -> str:
     """The kernel tier (cpu_kernels) or "torch" that runs a group-wise layer with activations in
-    ``dtype``. torch's int4 kernel runs a reference loop ~25x slower with fp32 activations, so
+    ``dtype``. torch's int4 kernel runs a scalar reference loop with fp32 activations, so
     "auto" never picks it for them; asking for it is allowed (a test of its layout does)."""
     if kernel not in GROUP_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(GROUP_KERNELS)}, got {kernel!r}")

@@ -36,7 +36,7 @@ constexpr int SUB = 16 / V::LANES;  // vectors per 16-output block
 constexpr int64_t PREFETCH_BYTES = 8192;
 // The `#pragma GCC unroll` lines below unroll the loops over rows, chains and code vectors, so
 // that the accumulator arrays they index stay in registers; left as loops, GCC keeps them on the
-// stack and the product runs 1.4-1.5x slower from 8 rows.
+// stack.
 
 // reference.cpp's quantiser in vector operations, the same IEEE operations in the same order (so the
 // codes equal the reference's bit for bit): per group, coarse = max |x| / 127, hi = rint(x /
