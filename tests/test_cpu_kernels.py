@@ -15,17 +15,20 @@ from nanoserve.model.quant import GROUP_SIZE
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
 VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
-# The kernels' weight formats: (codes as nibbles, scale group, fp32 scales): Q4_0/Q4_1, Q8_0/Q5_x,
-# Q4_K, Q5_K, Q6_K and the two combinations no GGUF type uses but the kernels take.
-FORMATS = [(True, 32, False), (False, 32, False), (True, 32, True), (False, 32, True), (False, 16, True),
-           (False, 16, False), (True, 16, True), (True, 16, False)]
-FORMAT_IDS = [f"{'nibbles' if n else 'bytes'}-g{g}-{'fp32' if f else 'fp16'}" for n, g, f in FORMATS]
+# The kernels' weight formats: (the codes' storage bits, scale group, fp32 scales): Q4_0/Q4_1,
+# Q5_0/Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and the combinations no GGUF type uses but the kernels take.
+FORMATS = [(4, 32, False), (5, 32, False), (8, 32, False), (4, 32, True), (5, 32, True), (8, 16, True),
+           (8, 32, True), (8, 16, False), (4, 16, True), (5, 16, False)]
+FORMAT_IDS = [f"{b}bit-g{g}-{'fp32' if f else 'fp16'}" for b, g, f in FORMATS]
 
 
-def random_codes(n: int, k: int, nibbles: bool, seed: int) -> torch.Tensor:
+def random_codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
+    """Random codes of ``bits`` bits, packed, checked to unpack to themselves."""
     generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16 if nibbles else 256, (n, k), generator=generator, dtype=torch.int32)
-    return (cpu_kernels.pack_nibbles if nibbles else cpu_kernels.pack_bytes)(codes.to(torch.uint8))
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=generator, dtype=torch.int32).to(torch.uint8)
+    packed = cpu_kernels.pack_groups(codes, torch.ones(n, k // 32), torch.zeros(n, k // 32), bits)[0]
+    assert packed.numel() == n * k * bits // 8 and torch.equal(cpu_kernels.unpack_codes(packed, n, k), codes)
+    return packed
 
 
 def random_scales(n: int, groups: int, fp32: bool, generator: torch.Generator, sign: float = 1.0) -> torch.Tensor:
@@ -39,12 +42,12 @@ def random_scales(n: int, groups: int, fp32: bool, generator: torch.Generator, s
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
-@pytest.mark.parametrize("nibbles", [True, False], ids=["nibbles", "bytes"])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, nibbles, group, shape):
+def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, bits, group, shape):
     n, k = shape
-    codes = random_codes(n, k, nibbles, seed=n + k)
+    codes = random_codes(n, k, bits, seed=n + k)
     x = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(k), dtype=torch.int8)
     x[:GROUP_SIZE] = 127  # the extremes, where a saturating int16 sum would show
     x[GROUP_SIZE:2 * GROUP_SIZE] = -127
@@ -78,9 +81,9 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
 def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows):
-    nibbles, group, fp32 = fmt
+    bits, group, fp32 = fmt
     n, k = 96, 576
-    codes = random_codes(n, k, nibbles, seed=rows)
+    codes = random_codes(n, k, bits, seed=rows)
     generator = torch.Generator().manual_seed(rows)
     scales = random_scales(n, k // group, fp32, generator)
     mins = random_scales(n, k // group, fp32, generator, sign=-1.0)
@@ -97,9 +100,9 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
-    nibbles, group, fp32 = fmt
+    bits, group, fp32 = fmt
     n, k = 48, 96
-    codes = random_codes(n, k, nibbles, seed=7)
+    codes = random_codes(n, k, bits, seed=7)
     generator = torch.Generator().manual_seed(7)
     scales = random_scales(n, k // group, fp32, generator)
     mins = random_scales(n, k // group, fp32, generator, sign=-1.0)
@@ -115,7 +118,7 @@ def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
 
 def test_packed_weights_of_no_known_format_are_refused():
     handle = cpu_kernels.handle("scalar")
-    codes = random_codes(32, 64, True, seed=0)
+    codes = random_codes(32, 64, 4, seed=0)
     x = torch.randn(2, 64)
     scales = torch.zeros(2, 2, 16, dtype=torch.int16)
     torch.ops.nanoserve.group_mm(x, codes, scales, scales, handle)  # the shapes that fit
@@ -126,7 +129,7 @@ def test_packed_weights_of_no_known_format_are_refused():
     with pytest.raises(RuntimeError, match="mins must match"):
         torch.ops.nanoserve.group_mm(x, codes, scales, scales.int()[:, :, :16], handle)
     with pytest.raises(RuntimeError, match="codes must be"):  # 3 bits a weight
-        torch.ops.nanoserve.group_mm(x, codes[: 32 * 64 * 3 // 8], scales, scales, handle)
+        torch.ops.nanoserve.group_mm(x, torch.zeros(32 * 64 * 3 // 8, dtype=torch.uint8), scales, scales, handle)
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -3,7 +3,8 @@ tier per instruction set, chosen at run time.
 
 ``torch.ops.nanoserve.group_mm(x, codes, scales, mins, tier)`` computes ``x @ w.T`` for bf16 or
 fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``, unsigned codes
-c of 4 bits (two a byte) or up to 8 (a byte each), scale groups of g = 32 or 16 weights along K,
+c stored in 4 bits (two a byte), 5 (a nibble and a bit) or 8 (a byte each; 6-bit codes too),
+scale groups of g = 32 or 16 weights along K,
 scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
 tensors' sizes and dtypes (``pack_groups``). Each activation is written per group of 32 as two
 int8 codes and multiplied with the weight codes in integers; each block of 16 outputs is read
@@ -266,17 +267,49 @@ def unpack_bytes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes.view(n // 16, k // GROUP_SIZE, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
+def _fifth_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of each code [N, K] as the bit planes of the 5-bit layout: [N / 16, G, 64] bytes,
+    bit b of byte 8 v + b // 8 the code in byte b of nibble vector v (kernels/common.h)."""
+    n, k = codes.shape
+    high = (codes >> 4).view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4)  # [blocks, r, G, row, half, i]
+    bits = high.permute(0, 2, 3, 4, 1, 5).reshape(-1, 8)  # per byte of planes: its 8 bits, lowest first
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
+    return (bits.int() * weights).sum(-1).to(torch.uint8).view(n // 16, k // GROUP_SIZE, 64)
+
+
+def pack_fives(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in 0..31 as the kernels' 5-bit layout, N / 16 * K / 32 * 320 bytes."""
+    n, k = codes.shape
+    nibbles = pack_nibbles(codes & 15).view(n // 16, k // GROUP_SIZE, 256)
+    return torch.cat([nibbles, _fifth_bits(codes)], dim=-1).contiguous().view(-1)
+
+
+def unpack_fives(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    groups = codes.view(n // 16, k // GROUP_SIZE, 320)
+    low = unpack_nibbles(groups[..., :256].contiguous().view(-1), n, k)
+    planes = groups[..., 256:].reshape(-1, 8, 1) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8) & 1
+    high = planes.view(n // 16, k // GROUP_SIZE, 4, 2, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
+    return low | (high << 4)
+
+
+STORAGE = {4: (pack_nibbles, unpack_nibbles), 5: (pack_fives, unpack_fives), 8: (pack_bytes, unpack_bytes)}
+
+
+def storage_bits(bits: int) -> int:
+    """The bits a code of ``bits`` bits is stored in: 4, 5, or a byte."""
+    return 4 if bits <= 4 else 5 if bits == 5 else 8
+
+
 def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Packed codes (nibbles or bytes, from their count) back as [N, K] uint8."""
-    return (unpack_nibbles if 2 * codes.numel() == n * k else unpack_bytes)(codes, n, k)
+    """Packed codes (4, 5 or 8 bits, from their count) back as [N, K] uint8."""
+    return STORAGE[8 * codes.numel() // (n * k)][1](codes, n, k)
 
 
 def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                nibbles: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``w = scales * codes + mins`` per scale group (codes [N, K] uint8, 0..15 with ``nibbles``,
-    else 0..255; scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins) in the
-    kernels' layout. The scales and minimums stay fp16 where every one of them is an fp16 number
+                bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w = scales * codes + mins`` per scale group (codes [N, K] uint8 below ``2 ** bits``;
+    scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins) in the kernels'
+    layout, the codes in ``storage_bits(bits)``. The scales and minimums stay fp16 where every one of them is an fp16 number
     (a legacy GGUF block's d, m, -8d...), else fp32 (a K-quant's d * sc): exact either way."""
     fp32 = not (fp16_holds(scales) and fp16_holds(mins))
-    packed = pack_nibbles(codes) if nibbles else pack_bytes(codes)
-    return packed, _per_block(scales, fp32), _per_block(mins, fp32)
+    return STORAGE[storage_bits(bits)][0](codes), _per_block(scales, fp32), _per_block(mins, fp32)

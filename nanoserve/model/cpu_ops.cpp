@@ -90,8 +90,20 @@ std::string cpu_features() {
 
 bool is_float_input(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat; }
 
+// The storage bits of a packed weight's codes, from their count: 4, 5 or 8 bits a weight.
+int32_t code_bits(const at::Tensor& codes, int64_t n, int64_t k) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  int32_t found = 0;
+  for (int32_t bits : {4, 5, 8}) {
+    if (8 * codes.numel() == n * k * bits) found = bits;
+  }
+  TORCH_CHECK(found, "codes must be contiguous uint8 holding ", n, " x ", k, " codes of 4, 5 or 8 bits, got ",
+              codes.numel(), " bytes");
+  return found;
+}
+
 // The format of a packed weight of n x k as the tiers read it (kernels/common.h), from its
-// tensors: contiguous codes, n * k bytes or n * k / 2 (nibbles); scales and minimums
+// tensors: contiguous codes of 4, 5 or 8 bits a weight (n * k * bits / 8 bytes); scales and minimums
 // [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits (int32).
 nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k) {
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
@@ -101,9 +113,7 @@ nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const a
               "scales must be contiguous fp16 bits (int16) or fp32 bits (int32) [", n / 16, ", ", k / 32, " or ", k / 16,
               ", 16], got ", d.sizes(), " ", d.scalar_type());
   TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == d.scalar_type() && m.is_contiguous(), "mins must match the scales");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && (codes.numel() == n * k || 2 * codes.numel() == n * k),
-              "codes must be contiguous uint8 holding ", n, " x ", k, " nibbles or bytes, got ", codes.numel(), " bytes");
-  return {2 * codes.numel() == n * k, static_cast<int32_t>(k / d.size(1)), fp32};
+  return {code_bits(codes, n, k), static_cast<int32_t>(k / d.size(1)), fp32};
 }
 
 // x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd [M, G], xs [M, 2G]
@@ -192,17 +202,16 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
   return out;
 }
 
-// x_codes [K] int8 in -127..127, codes the packed weight of n outputs (nibbles or bytes, from
+// x_codes [K] int8 in -127..127, codes the packed weight of n outputs (4, 5 or 8 bits, from
 // their count) -> int32 [n, K / group], group 32 or 16.
 at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, int64_t group, int64_t handle) {
   TORCH_CHECK(x_codes.dim() == 1 && x_codes.scalar_type() == at::kChar && x_codes.is_contiguous(), "x_codes: [K] int8");
   const int64_t K = x_codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              (codes.numel() == n * K || 2 * codes.numel() == n * K), "codes must hold ", n, " x ", K, " packed codes");
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0, "codes must hold ", n, " x ", K, " packed codes");
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16, got ", group);
   TORCH_CHECK(x_codes.abs().max().item<int8_t>() <= 127, "x codes must lie in -127..127");
   at::Tensor out = at::empty({n, K / group}, x_codes.options().dtype(at::kInt));
-  const nanoserve_format format{2 * codes.numel() == n * K, static_cast<int32_t>(group), 0};
+  const nanoserve_format format{code_bits(codes, n, K), static_cast<int32_t>(group), 0};
   tier_of(handle).group_dots(format, codes.data_ptr<uint8_t>(), n, K, x_codes.data_ptr<int8_t>(),
                              out.data_ptr<int32_t>());
   return out;

@@ -5,12 +5,15 @@
 // Weight layout (nanoserve/model/cpu_kernels.py packs it): outputs in blocks of 16; per block,
 // per group of 32 along K, 4-byte lanes, lane r holding 4 consecutive codes of output r, so 64
 // bytes cover 16 outputs x 4 k:
-//   nibbles: byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i]
-//                                              | c[16 block + r, 32 g + 8 j + 4 + i] << 4
-//   bytes:   byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
+//   4 bits:  byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i] & 15
+//                                              | (c[16 block + r, 32 g + 8 j + 4 + i] & 15) << 4
+//   5 bits:  those 256 bytes of low nibbles, then 64 bytes of fifth bits: bit b of the 8 bytes
+//            at 256 + 8 v is bit 4 of the code in byte b of nibble vector v (v = 2 j, low
+//            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
+//   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
 //   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format)
 // Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
-// m[n, h], c unsigned: 4-bit codes as nibbles; 5-, 6- and 8-bit codes (0..255) as bytes.
+// m[n, h], c unsigned: 4- and 5-bit codes as above, 6- and 8-bit codes (0..255) as bytes.
 // Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
 // -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
 // xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16).
@@ -25,7 +28,7 @@
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
 struct nanoserve_format {
-  int32_t nibbles;      // 1: 4-bit codes, two a byte; 0: one code a byte
+  int32_t bits;         // the codes' storage: 4, 5 or 8 bits a code (the layouts above)
   int32_t group;        // weights per scale and minimum along K: 32, or 16 (bytes only)
   int32_t fp32_scales;  // d and m are fp32; 0: fp16 bits
 };
@@ -155,35 +158,29 @@ inline float load_scale(const void* p, int64_t i, bool fp32) {
   return fp32 ? static_cast<const float*>(p)[i] : fp16_to_float(static_cast<const uint16_t*>(p)[i]);
 }
 
+// Bytes of codes per group of 32 for a block of 16 outputs.
+constexpr int64_t group_bytes(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : 512; }
+
 // The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
-inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t k) {
-  if (nibbles) {
-    const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
-    return (k % 8) < 4 ? (byte & 15) : (byte >> 4);
-  }
-  return wg[64 * (k / 4) + 4 * r + k % 4];
+inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) {
+  if (bits == 8) return wg[64 * (k / 4) + 4 * r + k % 4];
+  const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
+  const uint8_t low = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
+  if (bits == 4) return low;
+  const int64_t vector = 2 * (k / 8) + (k % 8) / 4, bit = 4 * r + k % 4;
+  return low | (((wg[256 + 8 * vector + bit / 8] >> (bit % 8)) & 1) << 4);
 }
 
 // Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
-// group's 32 codes are unpacked first, so the loops stay simple enough to vectorise.
-template <bool NIBBLES, bool BF16>
+// group's 32 codes are read first, so the loops stay simple enough to vectorise.
+template <int BITS, bool BF16>
 inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m, int64_t group, bool fp32, int64_t K,
                                  int64_t n, void* out) {
-  const int64_t G = K / GROUP, group_bytes = NIBBLES ? 256 : 512, b = n / 16, r = n % 16, per = GROUP / group;
+  const int64_t G = K / GROUP, b = n / 16, r = n % 16, per = GROUP / group;
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = w + (b * G + g) * group_bytes + 4 * r;
+    const uint8_t* wg = w + (b * G + g) * group_bytes(BITS);
     float codes[GROUP];
-    for (int64_t j = 0; j < (NIBBLES ? 4 : 8); ++j) {
-      for (int64_t i = 0; i < 4; ++i) {
-        const uint8_t byte = wg[64 * j + i];
-        if constexpr (NIBBLES) {
-          codes[8 * j + i] = static_cast<float>(byte & 15);
-          codes[8 * j + 4 + i] = static_cast<float>(byte >> 4);
-        } else {
-          codes[4 * j + i] = static_cast<float>(byte);
-        }
-      }
-    }
+    for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_in_group(wg, BITS, r, k));
     for (int64_t h = 0; h < per; ++h) {
       const int64_t at = ((b * G + g) * per + h) * 16 + r;
       const float scale = load_scale(d, at, fp32), low = load_scale(m, at, fp32);
@@ -198,12 +195,15 @@ inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m,
 inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t n,
                            void* out, bool out_bf16) {
   const bool fp32 = f.fp32_scales;
-  if (f.nibbles) {
-    out_bf16 ? dequantize_row_typed<true, true>(w, d, m, f.group, fp32, K, n, out)
-             : dequantize_row_typed<true, false>(w, d, m, f.group, fp32, K, n, out);
+  if (f.bits == 4) {
+    out_bf16 ? dequantize_row_typed<4, true>(w, d, m, f.group, fp32, K, n, out)
+             : dequantize_row_typed<4, false>(w, d, m, f.group, fp32, K, n, out);
+  } else if (f.bits == 5) {
+    out_bf16 ? dequantize_row_typed<5, true>(w, d, m, f.group, fp32, K, n, out)
+             : dequantize_row_typed<5, false>(w, d, m, f.group, fp32, K, n, out);
   } else {
-    out_bf16 ? dequantize_row_typed<false, true>(w, d, m, f.group, fp32, K, n, out)
-             : dequantize_row_typed<false, false>(w, d, m, f.group, fp32, K, n, out);
+    out_bf16 ? dequantize_row_typed<8, true>(w, d, m, f.group, fp32, K, n, out)
+             : dequantize_row_typed<8, false>(w, d, m, f.group, fp32, K, n, out);
   }
 }
 

@@ -56,14 +56,14 @@ void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t 
 }
 
 void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  const int64_t G = K / GROUP, group_bytes = f.nibbles ? 256 : 512, H = K / f.group;
+  const int64_t G = K / GROUP, bytes_per_group = group_bytes(f.bits), H = K / f.group;
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t g = h * f.group / GROUP;
-      const uint8_t* wg = w + ((n / 16) * G + g) * group_bytes;
+      const uint8_t* wg = w + ((n / 16) * G + g) * bytes_per_group;
       int32_t sum = 0;
       for (int64_t k = h * f.group - g * GROUP; k < (h + 1) * f.group - g * GROUP; ++k) {
-        sum += code_in_group(wg, f.nibbles, n % 16, k) * x[g * GROUP + k];
+        sum += code_in_group(wg, f.bits, n % 16, k) * x[g * GROUP + k];
       }
       out[n * H + h] = sum;
     }
@@ -75,15 +75,15 @@ void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, cons
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
               int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
               const int32_t*, void* out, int32_t out_bf16) {
-  const int64_t G = K / GROUP, group_bytes = f.nibbles ? 256 : 512, per = GROUP / f.group;
+  const int64_t G = K / GROUP, bytes_per_group = group_bytes(f.bits), per = GROUP / f.group;
   std::vector<float> acc(16 * M);
   int32_t codes[16][GROUP];
   for (int64_t b = block_begin; b < block_end; ++b) {
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = w + (b * G + g) * group_bytes;
+      const uint8_t* wg = w + (b * G + g) * bytes_per_group;
       for (int64_t r = 0; r < 16; ++r) {
-        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_in_group(wg, f.nibbles, r, k);
+        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_in_group(wg, f.bits, r, k);
       }
       for (int64_t row = 0; row < M; ++row) {
         const int8_t* hi = xq + row * K + g * GROUP;

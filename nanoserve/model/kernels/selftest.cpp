@@ -72,14 +72,14 @@ std::vector<uint16_t> random_scales(size_t n, bool fp32) {
 
 void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
                    int64_t N, int64_t K, int64_t M, bool bf16) {
-  const std::string name = std::string(tier->tier) + (f.nibbles ? " nibbles" : " bytes") + " group " +
+  const std::string name = std::string(tier->tier) + " " + std::to_string(f.bits) + "-bit group " +
                            std::to_string(f.group) + (f.fp32_scales ? " fp32 scales " : " fp16 scales ") +
                            std::to_string(N) + "x" + std::to_string(K) + " rows " + std::to_string(M) +
                            (bf16 ? " bf16" : " fp32");
   const int64_t G = K / 32, H = K / f.group;
-  std::uniform_int_distribution<int> code(0, f.nibbles ? 15 : 255), xcode(-127, 127);
-  std::vector<uint8_t> w(N * K / (f.nibbles ? 2 : 1));
-  for (auto& b : w) b = static_cast<uint8_t>(f.nibbles ? (code(rng) | (code(rng) << 4)) : code(rng));
+  std::uniform_int_distribution<int> byte(0, 255), xcode(-127, 127);
+  std::vector<uint8_t> w(N * K * f.bits / 8);  // every byte pattern is a valid set of codes
+  for (auto& b : w) b = static_cast<uint8_t>(byte(rng));
   // integer group sums
   std::vector<int8_t> xc(K);
   for (auto& c : xc) c = static_cast<int8_t>(xcode(rng));
@@ -171,12 +171,12 @@ int main() {
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
   const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {32, 1536}};
   for (bool bf16 : {true, false}) {
-    for (int32_t nibbles : {1, 0}) {
+    for (int32_t bits : {4, 5, 8}) {
       for (int32_t group : {32, 16}) {
         for (int32_t fp32_scales : {0, 1}) {
           for (const auto& s : shapes) {
             for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
-              test_products(ref, tier, nanoserve_format{nibbles, group, fp32_scales}, s[0], s[1], rows, bf16);
+              test_products(ref, tier, nanoserve_format{bits, group, fp32_scales}, s[0], s[1], rows, bf16);
             }
           }
         }

@@ -87,19 +87,36 @@ inline void store_out(void* out, int64_t at, V::F v, bool bf16) {
 }
 
 // The code vector j (of 8) of one group for the vector s of outputs: it multiplies the 4
-// activations at k offset code_offset(j) of the group.
-template <bool NIBBLES>
+// activations at k offset code_offset(j) of the group. 5-bit codes are the 4-bit vector with
+// each fifth bit (the bit plane after the group's nibbles) set back as 16.
+template <int BITS>
 inline V::C code_vector(const uint8_t* wg, int s, int j) {
-  if constexpr (NIBBLES) {
-    const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
-    return j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
-  } else {
+  if constexpr (BITS == 8) {
     return V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
+  } else {
+    const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
+    const V::C low = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
+    if constexpr (BITS == 4) return low;
+    else return V::or_sixteens(low, wg + 256 + 8 * j, s);
   }
 }
 
-template <bool NIBBLES>
-constexpr int code_offset(int j) { return NIBBLES ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
+template <int BITS>
+constexpr int code_offset(int j) { return BITS == 8 ? 4 * j : 8 * (j / 2) + 4 * (j % 2); }
+
+template <int BITS>
+inline V::A dot_codes(V::A acc, V::C code, const int8_t* x) {
+  if constexpr (BITS == 4) return V::dot_nibbles(acc, code, x);
+  else if constexpr (BITS == 5) return V::dot_fives(acc, code, x);
+  else return V::dot_bytes(acc, code, x);
+}
+
+template <int BITS>
+inline V::I finish_codes(V::A a) {
+  if constexpr (BITS == 4) return V::finish_nibbles(a);
+  else if constexpr (BITS == 5) return V::finish_fives(a);
+  else return V::finish_bytes(a);
+}
 
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
@@ -108,7 +125,7 @@ constexpr int code_offset(int j) { return NIBBLES ? 8 * (j / 2) + 4 * (j % 2) : 
 // + h], the sums of those codes per half, undo the byte tiers' flip to signed codes. Each code
 // vector is loaded once for all rows; each sum is split over two accumulators (the halves, or
 // even and odd j with few rows), so dependent multiply-adds do not wait on each other.
-template <bool NIBBLES, bool SPLIT, int R, bool LO = true>
+template <int BITS, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t stride,
                        const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
@@ -120,20 +137,15 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
   }
   #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
-    const V::C code = code_vector<NIBBLES>(wg, s, j);
-    const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<NIBBLES>(j);
+    const V::C code = code_vector<BITS>(wg, s, j);
+    const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<BITS>(j);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      if constexpr (NIBBLES) {
-        ah[c][r] = V::dot_nibbles(ah[c][r], code, hi_x + r * stride + at);
-        if constexpr (LO) al[c][r] = V::dot_nibbles(al[c][r], code, lo_x + r * stride + at);
-      } else {
-        ah[c][r] = V::dot_bytes(ah[c][r], code, hi_x + r * stride + at);
-        if constexpr (LO) al[c][r] = V::dot_bytes(al[c][r], code, lo_x + r * stride + at);
-      }
+      ah[c][r] = dot_codes<BITS>(ah[c][r], code, hi_x + r * stride + at);
+      if constexpr (LO) al[c][r] = dot_codes<BITS>(al[c][r], code, lo_x + r * stride + at);
     }
   }
-  const auto finish = [](V::A a) { return NIBBLES ? V::finish_nibbles(a) : V::finish_bytes(a); };
+  const auto finish = [](V::A a) { return finish_codes<BITS>(a); };
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     #pragma GCC unroll 2
@@ -145,7 +157,7 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
       hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
       if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
     }
-    if constexpr (!NIBBLES && !V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
+    if constexpr (BITS == 8 && !V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
       const int32_t* sh = sum_hi + r * sum_stride;
       #pragma GCC unroll 2
       for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
@@ -166,12 +178,13 @@ inline V::F load_scales(const void* p, int64_t i) {
   else return V::load_fp16(static_cast<const uint16_t*>(p) + i);
 }
 
-// A weight format as template arguments: codes as nibbles, scale groups of 16, fp32 scales.
-template <bool NIBBLES_, bool SPLIT_, bool FP32_>
+// A weight format as template arguments: the codes' storage bits, scale groups of 16, fp32 scales.
+template <int BITS_, bool SPLIT_, bool FP32_>
 struct Format {
-  static constexpr bool NIBBLES = NIBBLES_, SPLIT = SPLIT_, FP32 = FP32_;
+  static constexpr int BITS = BITS_;
+  static constexpr bool SPLIT = SPLIT_, FP32 = FP32_;
   static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
-  static constexpr int64_t GROUP_BYTES = NIBBLES ? 256 : 512;        // codes of 16 outputs x 32 k
+  static constexpr int64_t GROUP_BYTES = group_bytes(BITS);          // codes of 16 outputs x 32 k
   static constexpr int64_t SCALE_BYTES = 16 * PER * (FP32 ? 4 : 2);  // their scales (or minimums)
   // Rows sharing each code vector: split sums hold twice the accumulators.
   static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
@@ -204,7 +217,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
-      group_sums<F::NIBBLES, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
+      group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
                                           xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
@@ -258,16 +271,18 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
 }
 
 // The format's template instance for a runtime format.
+template <template <typename> class Op, int BITS, typename... Args>
+void with_scales(nanoserve_format f, Args... args) {
+  if (f.group == 16) f.fp32_scales ? Op<Format<BITS, true, true>>::run(args...) : Op<Format<BITS, true, false>>::run(args...);
+  else f.fp32_scales ? Op<Format<BITS, false, true>>::run(args...) : Op<Format<BITS, false, false>>::run(args...);
+}
+
+// The format's template instance for a runtime format.
 template <template <typename> class Op, typename... Args>
 void with_format(nanoserve_format f, Args... args) {
-  const bool split = f.group == 16;
-  if (f.nibbles) {
-    if (split) f.fp32_scales ? Op<Format<true, true, true>>::run(args...) : Op<Format<true, true, false>>::run(args...);
-    else f.fp32_scales ? Op<Format<true, false, true>>::run(args...) : Op<Format<true, false, false>>::run(args...);
-  } else {
-    if (split) f.fp32_scales ? Op<Format<false, true, true>>::run(args...) : Op<Format<false, true, false>>::run(args...);
-    else f.fp32_scales ? Op<Format<false, false, true>>::run(args...) : Op<Format<false, false, false>>::run(args...);
-  }
+  if (f.bits == 4) with_scales<Op, 4>(f, args...);
+  else if (f.bits == 5) with_scales<Op, 5>(f, args...);
+  else with_scales<Op, 8>(f, args...);
 }
 
 template <typename F>
@@ -296,7 +311,7 @@ struct GroupDots {
         for (int s = 0; s < SUB; ++s) {
           int32_t lanes[V::LANES];
           V::I sums[F::PER][1], unused[F::PER][1];
-          group_sums<F::NIBBLES, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
+          group_sums<F::BITS, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
                                                      nullptr, 0, x_sums, nullptr, 0, sums, unused);
           for (int h = 0; h < F::PER; ++h) {
             V::istore(lanes, sums[h][0]);
