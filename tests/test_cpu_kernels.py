@@ -17,9 +17,12 @@ VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
 # The kernels' weight formats: (the codes' storage bits, scale group, fp32 scales): Q4_0/Q4_1,
 # Q5_0/Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and the combinations no GGUF type uses but the kernels take.
-FORMATS = [(4, 32, False), (5, 32, False), (8, 32, False), (4, 32, True), (5, 32, True), (8, 16, True),
-           (8, 32, True), (8, 16, False), (4, 16, True), (5, 16, False)]
-FORMAT_IDS = [f"{b}bit-g{g}-{'fp32' if f else 'fp16'}" for b, g, f in FORMATS]
+# A fourth number: the zero point of a symmetric format (Q4_0 8, Q5_0 16, Q8_0 128, Q6_K 32 in
+# bytes), which stores no minimums.
+FORMATS = [(4, 32, False, 0), (4, 32, False, 8), (5, 32, False, 0), (5, 32, False, 16), (8, 32, False, 128),
+           (4, 32, True, 0), (5, 32, True, 0), (8, 16, True, 32), (8, 32, True, 0), (8, 16, False, 0),
+           (4, 16, True, 0), (5, 16, False, 0)]
+FORMAT_IDS = [f"{b}bit-g{g}-{'fp32' if f else 'fp16'}-z{z}" for b, g, f, z in FORMATS]
 
 
 def random_codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
@@ -81,15 +84,15 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
 def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows):
-    bits, group, fp32 = fmt
+    bits, group, fp32, zero_point = fmt
     n, k = 96, 576
     codes = random_codes(n, k, bits, seed=rows)
     generator = torch.Generator().manual_seed(rows)
     scales = random_scales(n, k // group, fp32, generator)
-    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)
+    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)[:, :0 if zero_point else None]
     x = torch.randn(rows, k, generator=generator).to(dtype)
-    want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, cpu_kernels.handle("scalar"))
-    got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, cpu_kernels.handle(tier))
+    want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier))
     assert got.dtype == dtype and got.shape == (rows, n)
     # the same integers and fp32 sums in another order: bf16's last bit, or fp32 rounding
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
@@ -100,19 +103,21 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
-    bits, group, fp32 = fmt
+    bits, group, fp32, zero_point = fmt
     n, k = 48, 96
     codes = random_codes(n, k, bits, seed=7)
     generator = torch.Generator().manual_seed(7)
     scales = random_scales(n, k // group, fp32, generator)
-    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)
-    got = torch.ops.nanoserve.dequantize(codes, scales, mins, n, k, dtype, cpu_kernels.handle(tier))
+    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)[:, :0 if zero_point else None]
+    got = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, dtype, cpu_kernels.handle(tier))
     per_output = lambda t: cpu_kernels.per_group(t).repeat_interleave(group, 1)  # noqa: E731
     unpacked = cpu_kernels.unpack_codes(codes, n, k).float()
-    want = per_output(scales) * unpacked + per_output(mins)  # fp32, as the kernels compute it
+    minimums = -zero_point * per_output(scales) if zero_point else per_output(mins)
+    want = per_output(scales) * unpacked + minimums  # fp32, as the kernels compute it
     assert got.dtype == dtype and torch.equal(got, want.to(dtype))
     rows = torch.tensor([[5, 0], [47, 5]])
-    picked = torch.ops.nanoserve.dequantize_rows(codes, scales, mins, rows, n, k, dtype, cpu_kernels.handle(tier))
+    picked = torch.ops.nanoserve.dequantize_rows(codes, scales, mins, zero_point, rows, n, k, dtype,
+                                                 cpu_kernels.handle(tier))
     assert torch.equal(picked, want.to(dtype)[rows])
 
 
@@ -121,15 +126,20 @@ def test_packed_weights_of_no_known_format_are_refused():
     codes = random_codes(32, 64, 4, seed=0)
     x = torch.randn(2, 64)
     scales = torch.zeros(2, 2, 16, dtype=torch.int16)
-    torch.ops.nanoserve.group_mm(x, codes, scales, scales, handle)  # the shapes that fit
+    torch.ops.nanoserve.group_mm(x, codes, scales, scales, 0, handle)  # the shapes that fit
+    torch.ops.nanoserve.group_mm(x, codes, scales, scales[:, :0], 8, handle)
     with pytest.raises(RuntimeError, match="scales must be"):  # a group of 64
-        torch.ops.nanoserve.group_mm(x, codes, scales[:, :1], scales[:, :1], handle)
+        torch.ops.nanoserve.group_mm(x, codes, scales[:, :1], scales[:, :1], 0, handle)
     with pytest.raises(RuntimeError, match="scales must be"):  # fp64 bits
-        torch.ops.nanoserve.group_mm(x, codes, scales.long(), scales.long(), handle)
+        torch.ops.nanoserve.group_mm(x, codes, scales.long(), scales.long(), 0, handle)
     with pytest.raises(RuntimeError, match="mins must match"):
-        torch.ops.nanoserve.group_mm(x, codes, scales, scales.int()[:, :, :16], handle)
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales.int()[:, :, :16], 0, handle)
+    with pytest.raises(RuntimeError, match="stores no minimums"):
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales, 8, handle)
+    with pytest.raises(RuntimeError, match="zero point must lie"):
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales[:, :0], 300, handle)
     with pytest.raises(RuntimeError, match="codes must be"):  # 3 bits a weight
-        torch.ops.nanoserve.group_mm(x, torch.zeros(32 * 64 * 3 // 8, dtype=torch.uint8), scales, scales, handle)
+        torch.ops.nanoserve.group_mm(x, torch.zeros(32 * 64 * 3 // 8, dtype=torch.uint8), scales, scales, 0, handle)
 
 
 @pytest.mark.parametrize("tier", TIERS)

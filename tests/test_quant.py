@@ -113,7 +113,7 @@ def test_int4_linear_equals_dequantised_product(shape, rows, kernel):
         x[0, :GROUP_SIZE] *= 1e-37  # a group below our kernels' floor (1e-30), read as zeros
     assert torch.equal(unpack_int4(layer), weight.codes)
     if kernel != "torch":  # w = scale * code + min, both in fp16
-        assert_kernel_product(layer(x), x, weight.codes, per_group(layer.scales), per_group(layer.mins),
+        assert_kernel_product(layer(x), x, weight.codes, *layer.held_numbers(),
                               weight.dequantize(), dequantised=rows >= layer.dense_from_rows)
         return
     # torch's kernel holds scales and zeros in the activations' dtype: that rounding is the format's.
@@ -144,7 +144,7 @@ def test_int8_group_linear_equals_dequantised_product(shape, rows, kernel):
     if kernel != "torch":  # unsigned codes c + 128, w = scale * (c + 128) - 128 * scale
         assert torch.equal(cpu_kernels.unpack_bytes(layer.codes, *shape), (codes.to(torch.int16) + 128).to(torch.uint8))
         dense = codes.float().view(shape[0], -1, GROUP_SIZE) * scales[..., None]
-        assert_kernel_product(layer(x), x, codes.to(torch.int16) + 128, per_group(layer.scales), per_group(layer.mins),
+        assert_kernel_product(layer(x), x, codes.to(torch.int16) + 128, *layer.held_numbers(),
                               dense.view(shape), dequantised=rows >= layer.dense_from_rows)
         return
     # The kernel holds each group's scale in bf16 (16d and d round alike): the format's rounding.
@@ -372,7 +372,7 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
         weight = torch.cat([fp32[p].weight for p in parts])
         assert torch.equal(source.dequantize(), weight), name
         if layer.handle is not None:
-            d, m = (per_group(t).repeat_interleave(GROUP_SIZE, 1) for t in (layer.scales, layer.mins))
+            d, m = (t.repeat_interleave(GROUP_SIZE, 1) for t in layer.held_numbers())
             assert torch.equal(unpack_int4(layer).float() * d + m, weight), name
     assert smollm2_int4.weight_types == {"F32": "dense", "Q4_1": "packed", "Q8_0": "dense"}
 

@@ -110,10 +110,13 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
     # gguf's values bit for bit.
     assert layer.codes.numel() * 8 == n * k * {4: 4, 5: 5, 6: 8, 8: 8}[source.bits]  # bits a code held
     assert torch.equal(cpu_kernels.unpack_codes(layer.codes, n, k), source.codes)
-    assert torch.equal(cpu_kernels.per_group(layer.scales), source.scales)
-    assert torch.equal(cpu_kernels.per_group(layer.mins), source.mins)
+    assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
     assert layer.scales.dtype == (torch.int16 if qtype in LEGACY else torch.int32)
-    dense = torch.ops.nanoserve.dequantize(layer.codes, layer.scales, layer.mins, n, k, torch.float32, layer.handle)
+    # the symmetric types keep a zero point instead of minimums
+    assert layer.zero_point == {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32}.get(qtype, 0)
+    assert layer.mins.numel() == (0 if layer.zero_point else source.mins.numel())
+    dense = torch.ops.nanoserve.dequantize(layer.codes, layer.scales, layer.mins, layer.zero_point, n, k, torch.float32,
+                                           layer.handle)
     assert torch.equal(dense, reference)
 
 

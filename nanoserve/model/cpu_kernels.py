@@ -1,8 +1,9 @@
 """nanoserve's CPU kernels: group-wise weight products and the decode attention read, in one
 tier per instruction set, chosen at run time.
 
-``torch.ops.nanoserve.group_mm(x, codes, scales, mins, tier)`` computes ``x @ w.T`` for bf16 or
-fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``, unsigned codes
+``torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, tier)`` computes ``x @ w.T``
+for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``
+(a symmetric format stores no mins: ``mins = -zero_point * scales``), unsigned codes
 c stored in 4 bits (two a byte), 5 (a nibble and a bit) or 8 (a byte each; 6-bit codes too),
 scale groups of g = 32 or 16 weights along K,
 scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
@@ -204,18 +205,18 @@ def _build(tier: Tier) -> Path:
     return out
 
 
-def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int,
                  tier: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
 
 
-def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int,
+def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int, n: int, k: int,
                       dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((n, k), dtype=dtype)
 
 
-def _rows_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, rows: torch.Tensor, n: int, k: int,
-               dtype: torch.dtype, tier: int) -> torch.Tensor:
+def _rows_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int, rows: torch.Tensor,
+               n: int, k: int, dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((*rows.shape, k), dtype=dtype)
 
 
@@ -232,7 +233,7 @@ def _per_block(values: torch.Tensor, fp32: bool) -> torch.Tensor:
 
 
 def per_group(numbers: torch.Tensor) -> torch.Tensor:
-    """The inverse of _per_block: [N / 16, H, 16] bits back as fp32 [N, H]."""
+    """The inverse of _per_block: [N / 16, H, 16] bits back as fp32 [N, H] (H may be 0)."""
     blocks, groups, _ = numbers.shape
     values = numbers.view(torch.float32 if numbers.dtype == torch.int32 else torch.float16).float()
     return values.transpose(1, 2).reshape(16 * blocks, groups)
@@ -306,10 +307,16 @@ def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``w = scales * codes + mins`` per scale group (codes [N, K] uint8 below ``2 ** bits``;
-    scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins) in the kernels'
-    layout, the codes in ``storage_bits(bits)``. The scales and minimums stay fp16 where every one of them is an fp16 number
-    (a legacy GGUF block's d, m, -8d...), else fp32 (a K-quant's d * sc): exact either way."""
-    fp32 = not (fp16_holds(scales) and fp16_holds(mins))
-    return STORAGE[storage_bits(bits)][0](codes), _per_block(scales, fp32), _per_block(mins, fp32)
+    scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins, zero point) in the
+    kernels' layout, the codes in ``storage_bits(bits)``. A symmetric weight, every minimum
+    ``-2 ** (bits - 1)`` times its scale (Q4_0, Q5_0, Q8_0, Q6_K), keeps no minimums: its zero
+    point says them. The numbers stay fp16 where every one of them is an fp16 number (a legacy
+    GGUF block's d, m), else fp32 (a K-quant's d * sc): exact either way."""
+    zero_point = 2 ** (bits - 1)
+    if not torch.equal(mins, -zero_point * scales):
+        zero_point = 0
+    fp32 = not (fp16_holds(scales) and (zero_point or fp16_holds(mins)))
+    kept = mins[:, :0] if zero_point else mins
+    return STORAGE[storage_bits(bits)][0](codes), _per_block(scales, fp32), _per_block(kept, fp32), zero_point

@@ -103,17 +103,25 @@ int32_t code_bits(const at::Tensor& codes, int64_t n, int64_t k) {
 }
 
 // The format of a packed weight of n x k as the tiers read it (kernels/common.h), from its
-// tensors: contiguous codes of 4, 5 or 8 bits a weight (n * k * bits / 8 bytes); scales and minimums
-// [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits (int32).
-nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k) {
+// tensors: contiguous codes of 4, 5 or 8 bits a weight (n * k * bits / 8 bytes); scales and
+// minimums [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits
+// (int32); with a zero point z > 0, no minimums (an empty tensor): m = -z * d.
+nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
+                           int64_t n, int64_t k) {
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
   const bool fp32 = d.scalar_type() == at::kInt;
   TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) > 0 && (d.size(1) == k / 32 || d.size(1) == k / 16) &&
               d.size(2) == 16 && (fp32 || d.scalar_type() == at::kShort) && d.is_contiguous(),
               "scales must be contiguous fp16 bits (int16) or fp32 bits (int32) [", n / 16, ", ", k / 32, " or ", k / 16,
               ", 16], got ", d.sizes(), " ", d.scalar_type());
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == d.scalar_type() && m.is_contiguous(), "mins must match the scales");
-  return {code_bits(codes, n, k), static_cast<int32_t>(k / d.size(1)), fp32};
+  TORCH_CHECK(zero_point >= 0 && zero_point <= 128, "the zero point must lie in 0..128, got ", zero_point);
+  if (zero_point) {
+    TORCH_CHECK(m.numel() == 0, "a format with a zero point stores no minimums, got ", m.sizes());
+  } else {
+    TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == d.scalar_type() && m.is_contiguous(),
+                "mins must match the scales");
+  }
+  return {code_bits(codes, n, k), static_cast<int32_t>(k / d.size(1)), fp32, static_cast<int32_t>(zero_point)};
 }
 
 // x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd [M, G], xs [M, 2G]
@@ -145,10 +153,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const a
 
 // x [M, K] @ w.T for the packed weight w of N x K (format_of; N from the scales).
 at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                    int64_t handle) {
+                    int64_t zero_point, int64_t handle) {
   TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / group, 16]");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, N = 16 * d.size(0);
-  const nanoserve_format format = format_of(codes, d, m, N, K);
+  const nanoserve_format format = format_of(codes, d, m, zero_point, N, K);
   const nanoserve_kernel_table& tier = tier_of(handle);
   // One scratch allocation for the activations' codes [2, M, K], xd [M, G], xs [M, 2G], sums [2, M, 2G].
   at::Tensor scratch = at::empty({2 * M * K + 28 * M * G}, x.options().dtype(at::kChar));
@@ -166,10 +174,10 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 }
 
 // The packed weight of n x k back as a dense [n, k] tensor in `dtype` (fp32 or bf16).
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k,
-                      at::ScalarType dtype, int64_t handle) {
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point, int64_t n,
+                      int64_t k, at::ScalarType dtype, int64_t handle) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize writes fp32 or bf16");
-  const nanoserve_format format = format_of(codes, d, m, n, k);
+  const nanoserve_format format = format_of(codes, d, m, zero_point, n, k);
   const nanoserve_kernel_table& tier = tier_of(handle);
   at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
   at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
@@ -180,10 +188,10 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Te
 }
 
 // Rows `rows` (int64, any shape) of the packed weight of n x k as a dense [*rows.shape, k] tensor.
-at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, const at::Tensor& rows,
-                           int64_t n, int64_t k, at::ScalarType dtype, int64_t handle) {
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
+                           const at::Tensor& rows, int64_t n, int64_t k, at::ScalarType dtype, int64_t handle) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_rows writes fp32 or bf16");
-  const nanoserve_format format = format_of(codes, d, m, n, k);
+  const nanoserve_format format = format_of(codes, d, m, zero_point, n, k);
   TORCH_CHECK(rows.scalar_type() == at::kLong, "rows must be int64");
   const at::Tensor flat = rows.contiguous().view(-1);
   const int64_t* r = flat.data_ptr<int64_t>();
@@ -211,7 +219,7 @@ at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16, got ", group);
   TORCH_CHECK(x_codes.abs().max().item<int8_t>() <= 127, "x codes must lie in -127..127");
   at::Tensor out = at::empty({n, K / group}, x_codes.options().dtype(at::kInt));
-  const nanoserve_format format{code_bits(codes, n, K), static_cast<int32_t>(group), 0};
+  const nanoserve_format format{code_bits(codes, n, K), static_cast<int32_t>(group), 0, 0};
   tier_of(handle).group_dots(format, codes.data_ptr<uint8_t>(), n, K, x_codes.data_ptr<int8_t>(),
                              out.data_ptr<int32_t>());
   return out;
@@ -266,10 +274,11 @@ TORCH_LIBRARY(nanoserve, lib) {
   lib.def("tier_name(int tier) -> str");
   lib.def("cpu_features() -> str");
   lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
-  lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
-  lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int n, int k, ScalarType dtype, int tier) -> Tensor");
-  lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor rows, int n, int k, ScalarType dtype, "
+  lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier) -> Tensor");
+  lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int zero_point, int n, int k, ScalarType dtype, "
           "int tier) -> Tensor");
+  lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, int zero_point, Tensor rows, int n, int k, "
+          "ScalarType dtype, int tier) -> Tensor");
   lib.def("group_dots(Tensor x_codes, Tensor codes, int n, int group, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
           "int tier) -> Tensor");

@@ -205,7 +205,7 @@ class GroupLinear(_PackedLinear):
         self.out_features, self.in_features = weight.codes.shape
         self.compute_dtype = dtype
         if self.handle is not None:
-            packed = cpu_kernels.pack_groups(weight.codes, weight.scales, weight.mins, weight.bits)
+            *packed, self.zero_point = cpu_kernels.pack_groups(weight.codes, weight.scales, weight.mins, weight.bits)
             for name, tensor in zip(("codes", "scales", "mins"), packed):
                 self.register_buffer(name, tensor)
             if dense is None:  # no copy held: from DEQUANT_FROM_ROWS rows the weight is dequantised for the call
@@ -222,19 +222,25 @@ class GroupLinear(_PackedLinear):
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dense is not None:
             return self.dense
-        return torch.ops.nanoserve.dequantize(self.codes, self.scales, self.mins, self.out_features, self.in_features,
-                                              dtype, self.handle)
+        return torch.ops.nanoserve.dequantize(self.codes, self.scales, self.mins, self.zero_point, self.out_features,
+                                              self.in_features, dtype, self.handle)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.handle is not None:
-            return torch.ops.nanoserve.group_mm(x, self.codes, self.scales, self.mins, self.handle)
+            return torch.ops.nanoserve.group_mm(x, self.codes, self.scales, self.mins, self.zero_point, self.handle)
         x = torch.cat([x, x], dim=-1) if self.doubled_input else x
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight as an embedding table (our kernels' codes only)."""
-        return torch.ops.nanoserve.dequantize_rows(self.codes, self.scales, self.mins, token_ids, self.out_features,
-                                                   self.in_features, self.compute_dtype, self.handle)
+        return torch.ops.nanoserve.dequantize_rows(self.codes, self.scales, self.mins, self.zero_point, token_ids,
+                                                   self.out_features, self.in_features, self.compute_dtype, self.handle)
+
+    def held_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and minimums our kernels read, fp32 [N, K / group] each (a symmetric
+        format's minimums from its zero point)."""
+        scales = cpu_kernels.per_group(self.scales)
+        return scales, -self.zero_point * scales if self.zero_point else cpu_kernels.per_group(self.mins)
 
 
 class Int8GroupLinear(GroupLinear):

@@ -11,7 +11,8 @@
 //            at 256 + 8 v is bit 4 of the code in byte b of nibble vector v (v = 2 j, low
 //            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
 //   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
-//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format)
+//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format); a symmetric format
+//            stores no m: m = -zero_point * d
 // Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
 // m[n, h], c unsigned: 4- and 5-bit codes as above, 6- and 8-bit codes (0..255) as bytes.
 // Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
@@ -31,6 +32,7 @@ struct nanoserve_format {
   int32_t bits;         // the codes' storage: 4, 5 or 8 bits a code (the layouts above)
   int32_t group;        // weights per scale and minimum along K: 32, or 16 (bytes only)
   int32_t fp32_scales;  // d and m are fp32; 0: fp16 bits
+  int32_t zero_point;   // 0: a minimum m per group; else m = -zero_point * d (Q4_0 8, Q8_0 128...), none stored
 };
 
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
@@ -174,16 +176,17 @@ inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) 
 // Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
 // group's 32 codes are read first, so the loops stay simple enough to vectorise.
 template <int BITS, bool BF16>
-inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m, int64_t group, bool fp32, int64_t K,
+inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m, nanoserve_format f, int64_t K,
                                  int64_t n, void* out) {
-  const int64_t G = K / GROUP, b = n / 16, r = n % 16, per = GROUP / group;
+  const int64_t G = K / GROUP, b = n / 16, r = n % 16, per = GROUP / f.group, group = f.group;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + (b * G + g) * group_bytes(BITS);
     float codes[GROUP];
     for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_in_group(wg, BITS, r, k));
     for (int64_t h = 0; h < per; ++h) {
       const int64_t at = ((b * G + g) * per + h) * 16 + r;
-      const float scale = load_scale(d, at, fp32), low = load_scale(m, at, fp32);
+      const float scale = load_scale(d, at, f.fp32_scales);
+      const float low = f.zero_point ? -static_cast<float>(f.zero_point) * scale : load_scale(m, at, f.fp32_scales);
       for (int64_t k = h * group; k < (h + 1) * group; ++k) {
         if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
         else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;
@@ -194,16 +197,12 @@ inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m,
 
 inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t n,
                            void* out, bool out_bf16) {
-  const bool fp32 = f.fp32_scales;
   if (f.bits == 4) {
-    out_bf16 ? dequantize_row_typed<4, true>(w, d, m, f.group, fp32, K, n, out)
-             : dequantize_row_typed<4, false>(w, d, m, f.group, fp32, K, n, out);
+    out_bf16 ? dequantize_row_typed<4, true>(w, d, m, f, K, n, out) : dequantize_row_typed<4, false>(w, d, m, f, K, n, out);
   } else if (f.bits == 5) {
-    out_bf16 ? dequantize_row_typed<5, true>(w, d, m, f.group, fp32, K, n, out)
-             : dequantize_row_typed<5, false>(w, d, m, f.group, fp32, K, n, out);
+    out_bf16 ? dequantize_row_typed<5, true>(w, d, m, f, K, n, out) : dequantize_row_typed<5, false>(w, d, m, f, K, n, out);
   } else {
-    out_bf16 ? dequantize_row_typed<8, true>(w, d, m, f.group, fp32, K, n, out)
-             : dequantize_row_typed<8, false>(w, d, m, f.group, fp32, K, n, out);
+    out_bf16 ? dequantize_row_typed<8, true>(w, d, m, f, K, n, out) : dequantize_row_typed<8, false>(w, d, m, f, K, n, out);
   }
 }
 

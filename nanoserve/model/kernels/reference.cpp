@@ -71,7 +71,8 @@ void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, cons
 }
 
 // Per group of 32 and scale group h within it (one, or two halves of 16), the integer sums of
-// the codes with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m * xs over h's k.
+// the codes with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m * xs over h's k
+// (m = -zero_point * d in a symmetric format).
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
               int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
               const int32_t*, void* out, int32_t out_bf16) {
@@ -95,9 +96,10 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
             int32_t dot_hi = 0, dot_lo = 0;
             for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
             const int64_t at = ((b * G + g) * per + h) * 16 + r;
-            const float scale = load_scale(d, at, f.fp32_scales) * xd[row * G + g];
-            acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * scale;
-            acc[row * 16 + r] += load_scale(m, at, f.fp32_scales) * x_sum;
+            const float d_at = load_scale(d, at, f.fp32_scales);
+            const float low = f.zero_point ? -static_cast<float>(f.zero_point) * d_at : load_scale(m, at, f.fp32_scales);
+            acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * (d_at * xd[row * G + g]);
+            acc[row * 16 + r] += low * x_sum;
           }
         }
       }

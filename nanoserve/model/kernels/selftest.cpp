@@ -74,7 +74,7 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
                    int64_t N, int64_t K, int64_t M, bool bf16) {
   const std::string name = std::string(tier->tier) + " " + std::to_string(f.bits) + "-bit group " +
                            std::to_string(f.group) + (f.fp32_scales ? " fp32 scales " : " fp16 scales ") +
-                           std::to_string(N) + "x" + std::to_string(K) + " rows " + std::to_string(M) +
+                           "zero point " + std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " rows " + std::to_string(M) +
                            (bf16 ? " bf16" : " fp32");
   const int64_t G = K / 32, H = K / f.group;
   std::uniform_int_distribution<int> byte(0, 255), xcode(-127, 127);
@@ -174,9 +174,12 @@ int main() {
     for (int32_t bits : {4, 5, 8}) {
       for (int32_t group : {32, 16}) {
         for (int32_t fp32_scales : {0, 1}) {
-          for (const auto& s : shapes) {
-            for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
-              test_products(ref, tier, nanoserve_format{bits, group, fp32_scales}, s[0], s[1], rows, bf16);
+          for (int32_t zero_point : {0, 1 << (bits - 1)}) {
+            for (const auto& s : shapes) {
+              for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
+                const nanoserve_format format{bits, group, fp32_scales, zero_point};
+                test_products(ref, tier, format, s[0], s[1], rows, bf16);
+              }
             }
           }
         }

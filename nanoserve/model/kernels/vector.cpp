@@ -122,12 +122,14 @@ inline V::I finish_codes(V::A a) {
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
 // over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
 // k < 16 in both layouts). Row r's codes at + r * stride, int8 in -127..127; sums[r * sum_stride
-// + h], the sums of those codes per half, undo the byte tiers' flip to signed codes. Each code
-// vector is loaded once for all rows; each sum is split over two accumulators (the halves, or
-// even and odd j with few rows), so dependent multiply-adds do not wait on each other.
+// + h], the sums of those codes per half, undo the byte tiers' flip to signed codes and, with a
+// zero point z, make the sums those of c - z. Each code vector is loaded once for all rows; each
+// sum is split over two accumulators (the halves, or even and odd j with few rows), so dependent
+// multiply-adds do not wait on each other.
 template <int BITS, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t stride,
-                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I (*hi)[R], V::I (*lo)[R]) {
+                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t zero_point,
+                       V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
   #pragma GCC unroll 16
@@ -157,14 +159,16 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
       hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
       if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
     }
-    if constexpr (BITS == 8 && !V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
+    // the byte tiers without unsigned products multiplied the codes as c - 128
+    const int32_t offset = (BITS == 8 && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
+    if (offset != 0) {
       const int32_t* sh = sum_hi + r * sum_stride;
       #pragma GCC unroll 2
       for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
-        hi[h][r] = V::iadd(hi[h][r], V::iset1(128 * (SPLIT ? sh[h] : sh[0] + sh[1])));
+        hi[h][r] = V::iadd(hi[h][r], V::iset1(offset * (SPLIT ? sh[h] : sh[0] + sh[1])));
         if constexpr (LO) {
           const int32_t* sl = sum_lo + r * sum_stride;
-          lo[h][r] = V::iadd(lo[h][r], V::iset1(128 * (SPLIT ? sl[h] : sl[0] + sl[1])));
+          lo[h][r] = V::iadd(lo[h][r], V::iset1(offset * (SPLIT ? sl[h] : sl[0] + sl[1])));
         }
       }
     }
@@ -178,11 +182,12 @@ inline V::F load_scales(const void* p, int64_t i) {
   else return V::load_fp16(static_cast<const uint16_t*>(p) + i);
 }
 
-// A weight format as template arguments: the codes' storage bits, scale groups of 16, fp32 scales.
-template <int BITS_, bool SPLIT_, bool FP32_>
+// A weight format as template arguments: the codes' storage bits, scale groups of 16, fp32
+// scales, a zero point instead of minimums.
+template <int BITS_, bool SPLIT_, bool FP32_, bool SYMMETRIC_>
 struct Format {
   static constexpr int BITS = BITS_;
-  static constexpr bool SPLIT = SPLIT_, FP32 = FP32_;
+  static constexpr bool SPLIT = SPLIT_, FP32 = FP32_, SYMMETRIC = SYMMETRIC_;
   static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
   static constexpr int64_t GROUP_BYTES = group_bytes(BITS);          // codes of 16 outputs x 32 k
   static constexpr int64_t SCALE_BYTES = 16 * PER * (FP32 ? 4 : 2);  // their scales (or minimums)
@@ -192,12 +197,13 @@ struct Format {
 
 // One block of 16 outputs for R rows (from row r0): for each group, each code vector is loaded
 // (from cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32
-// sums stay in registers across the groups. d, m: the block's first scale and minimum; out: row
-// r0's first output of the block.
+// sums stay in registers across the groups. d, m: the block's first scale and minimum (none in
+// a symmetric format, whose zero point the integer sums take out); out: row r0's first output of
+// the block.
 template <typename F, int R>
 void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
-             int64_t ldo) {
+             int64_t ldo, int32_t zero_point) {
   const int64_t G = K / GROUP;
   V::F acc[SUB][R];
   #pragma GCC unroll 16
@@ -212,24 +218,30 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     for (int64_t l = 0; l < F::SCALE_BYTES; l += 64) {
       const int64_t ahead = g * F::SCALE_BYTES + PREFETCH_BYTES * F::SCALE_BYTES / F::GROUP_BYTES + l;
       __builtin_prefetch(static_cast<const char*>(d) + ahead);
-      __builtin_prefetch(static_cast<const char*>(m) + ahead);
+      if constexpr (!F::SYMMETRIC) __builtin_prefetch(static_cast<const char*>(m) + ahead);
     }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
       group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
-                                          xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G, hi, lo);
+                                       xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G,
+                                       F::SYMMETRIC ? zero_point : 0, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
-        const V::F dv = load_scales<F::FP32>(d, at), mv = load_scales<F::FP32>(m, at);
+        const V::F dv = load_scales<F::FP32>(d, at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
-          const float x_sum = F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1];
           const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
           acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
-          acc[s][r] = V::fma(mv, V::set1(x_sum), acc[s][r]);
+        }
+        if constexpr (!F::SYMMETRIC) {
+          const V::F mv = load_scales<F::FP32>(m, at);
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
+            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
+          }
         }
       }
     }
@@ -245,11 +257,11 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
 template <typename F, int R = F::ROWS>
 void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
-                int64_t ldo) {
+                int64_t ldo, int32_t zero_point) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, zero_point);
   }
-  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, zero_point);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
@@ -257,7 +269,7 @@ void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_
 template <typename F>
 void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
                     int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
-                    bool out_bf16) {
+                    bool out_bf16, int32_t zero_point) {
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::SCALE_BYTES;
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
@@ -265,39 +277,47 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
       const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
       rows_block<F>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
                     static_cast<const char*>(m) + b * scale_bytes, K, M, r, xq, xd, xs, xsum,
-                    static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N);
+                    static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, zero_point);
     }
   }
 }
 
-// The format's template instance for a runtime format.
-template <template <typename> class Op, int BITS, typename... Args>
+template <template <typename> class Op, int BITS, bool SYMMETRIC, typename... Args>
 void with_scales(nanoserve_format f, Args... args) {
-  if (f.group == 16) f.fp32_scales ? Op<Format<BITS, true, true>>::run(args...) : Op<Format<BITS, true, false>>::run(args...);
-  else f.fp32_scales ? Op<Format<BITS, false, true>>::run(args...) : Op<Format<BITS, false, false>>::run(args...);
+  if (f.group == 16) {
+    f.fp32_scales ? Op<Format<BITS, true, true, SYMMETRIC>>::run(args...) : Op<Format<BITS, true, false, SYMMETRIC>>::run(args...);
+  } else {
+    f.fp32_scales ? Op<Format<BITS, false, true, SYMMETRIC>>::run(args...) : Op<Format<BITS, false, false, SYMMETRIC>>::run(args...);
+  }
+}
+
+template <template <typename> class Op, int BITS, typename... Args>
+void with_zero_point(nanoserve_format f, Args... args) {
+  if (f.zero_point) with_scales<Op, BITS, true>(f, args...);
+  else with_scales<Op, BITS, false>(f, args...);
 }
 
 // The format's template instance for a runtime format.
 template <template <typename> class Op, typename... Args>
 void with_format(nanoserve_format f, Args... args) {
-  if (f.bits == 4) with_scales<Op, 4>(f, args...);
-  else if (f.bits == 5) with_scales<Op, 5>(f, args...);
-  else with_scales<Op, 8>(f, args...);
+  if (f.bits == 4) with_zero_point<Op, 4>(f, args...);
+  else if (f.bits == 5) with_zero_point<Op, 5>(f, args...);
+  else with_zero_point<Op, 8>(f, args...);
 }
 
 template <typename F>
 struct GroupMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
                   int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
-                  bool out_bf16) {
-    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16);
+                  bool out_bf16, int32_t zero_point) {
+    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, zero_point);
   }
 };
 
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0,
               int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
               void* out, int32_t out_bf16) {
-  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16));
+  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16), f.zero_point);
 }
 
 template <typename F>
@@ -312,7 +332,7 @@ struct GroupDots {
           int32_t lanes[V::LANES];
           V::I sums[F::PER][1], unused[F::PER][1];
           group_sums<F::BITS, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
-                                                     nullptr, 0, x_sums, nullptr, 0, sums, unused);
+                                                  nullptr, 0, x_sums, nullptr, 0, 0, sums, unused);
           for (int h = 0; h < F::PER; ++h) {
             V::istore(lanes, sums[h][0]);
             for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
@@ -324,6 +344,7 @@ struct GroupDots {
 };
 
 void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+  f.zero_point = 0;  // the raw sums of the codes: no scales, no zero point
   with_format<GroupDots>(f, w, N, K, x, out);
 }
 
