@@ -15,13 +15,13 @@ from nanoserve.model.quant import GROUP_SIZE
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
 VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
-# The kernels' weight formats: (the codes' storage bits, scale group, fp32 scales): Q4_0/Q4_1,
-# Q5_0/Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and the combinations no GGUF type uses but the kernels take.
-# A fourth number: the zero point of a symmetric format (Q4_0 8, Q5_0 16, Q8_0 128, Q6_K 32 in
-# bytes), which stores no minimums.
+# The kernels' weight formats: (the codes' storage bits, scale group, fp32 scales): Q4_1, Q4_0,
+# Q5_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, and combinations no GGUF type uses but the kernels take.
+# A fourth number: the zero point of a symmetric format (Q4_0 8, Q5_0 16, Q8_0 128, Q6_K 32),
+# which stores no minimums.
 FORMATS = [(4, 32, False, 0), (4, 32, False, 8), (5, 32, False, 0), (5, 32, False, 16), (8, 32, False, 128),
-           (4, 32, True, 0), (5, 32, True, 0), (8, 16, True, 32), (8, 32, True, 0), (8, 16, False, 0),
-           (4, 16, True, 0), (5, 16, False, 0)]
+           (4, 32, True, 0), (5, 32, True, 0), (6, 16, True, 32), (8, 32, True, 0), (8, 16, False, 0),
+           (4, 16, True, 0), (5, 16, False, 0), (6, 32, False, 0)]
 FORMAT_IDS = [f"{b}bit-g{g}-{'fp32' if f else 'fp16'}-z{z}" for b, g, f, z in FORMATS]
 
 
@@ -45,7 +45,7 @@ def random_scales(n: int, groups: int, fp32: bool, generator: torch.Generator, s
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, bits, group, shape):

@@ -108,7 +108,7 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
     # Read back, the layer holds the file's codes, scales and minimums, in a precision that
     # represents them exactly (fp16 where all are fp16 numbers, else fp32), and dequantises to
     # gguf's values bit for bit.
-    assert layer.codes.numel() * 8 == n * k * {4: 4, 5: 5, 6: 8, 8: 8}[source.bits]  # bits a code held
+    assert layer.codes.numel() * 8 == n * k * {4: 4, 5: 5, 6: 6, 8: 8}[source.bits]  # bits a code held
     assert torch.equal(cpu_kernels.unpack_codes(layer.codes, n, k), source.codes)
     assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
     assert layer.scales.dtype == (torch.int16 if qtype in LEGACY else torch.int32)

@@ -4,7 +4,7 @@ tier per instruction set, chosen at run time.
 ``torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, tier)`` computes ``x @ w.T``
 for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``
 (a symmetric format stores no mins: ``mins = -zero_point * scales``), unsigned codes
-c stored in 4 bits (two a byte), 5 (a nibble and a bit) or 8 (a byte each; 6-bit codes too),
+c stored in 4 bits (two a byte), 5 or 6 (a nibble and bit planes) or 8 (a byte each),
 scale groups of g = 32 or 16 weights along K,
 scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
 tensors' sizes and dtypes (``pack_groups``). Each activation is written per group of 32 as two
@@ -268,41 +268,51 @@ def unpack_bytes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes.view(n // 16, k // GROUP_SIZE, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
-def _fifth_bits(codes: torch.Tensor) -> torch.Tensor:
-    """Bit 4 of each code [N, K] as the bit planes of the 5-bit layout: [N / 16, G, 64] bytes,
-    bit b of byte 8 v + b // 8 the code in byte b of nibble vector v (kernels/common.h)."""
+def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit ``bit`` of each code [N, K] as a bit plane of the 5- and 6-bit layouts: [N / 16, G, 64]
+    bytes, bit b of byte 8 v + b // 8 the code in byte b of nibble vector v (kernels/common.h)."""
     n, k = codes.shape
-    high = (codes >> 4).view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4)  # [blocks, r, G, row, half, i]
-    bits = high.permute(0, 2, 3, 4, 1, 5).reshape(-1, 8)  # per byte of planes: its 8 bits, lowest first
+    high = ((codes >> bit) & 1).view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4)  # [blocks, r, G, row, half, i]
+    bits = high.permute(0, 2, 3, 4, 1, 5).reshape(-1, 8)  # per byte of the plane: its 8 bits, lowest first
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
     return (bits.int() * weights).sum(-1).to(torch.uint8).view(n // 16, k // GROUP_SIZE, 64)
 
 
-def pack_fives(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] in 0..31 as the kernels' 5-bit layout, N / 16 * K / 32 * 320 bytes."""
+def _from_bit_plane(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of _bit_plane: [N, K] bits 0 or 1."""
+    bits = planes.reshape(-1, 8, 1) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8) & 1
+    return bits.view(n // 16, k // GROUP_SIZE, 4, 2, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
+
+
+def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] below 2 ** bits (5 or 6) as the kernels' layout: per group the low nibbles,
+    then one bit plane per bit above them, N / 16 * K / 32 * 64 * bits bytes."""
     n, k = codes.shape
     nibbles = pack_nibbles(codes & 15).view(n // 16, k // GROUP_SIZE, 256)
-    return torch.cat([nibbles, _fifth_bits(codes)], dim=-1).contiguous().view(-1)
+    planes = [_bit_plane(codes, bit) for bit in range(4, bits)]
+    return torch.cat([nibbles, *planes], dim=-1).contiguous().view(-1)
 
 
-def unpack_fives(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    groups = codes.view(n // 16, k // GROUP_SIZE, 320)
-    low = unpack_nibbles(groups[..., :256].contiguous().view(-1), n, k)
-    planes = groups[..., 256:].reshape(-1, 8, 1) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8) & 1
-    high = planes.view(n // 16, k // GROUP_SIZE, 4, 2, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
-    return low | (high << 4)
+def unpack_planes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    bits = 8 * codes.numel() // (n * k)
+    groups = codes.view(n // 16, k // GROUP_SIZE, 64 * bits)
+    out = unpack_nibbles(groups[..., :256].contiguous().view(-1), n, k)
+    for plane, bit in enumerate(range(4, bits)):
+        out = out | (_from_bit_plane(groups[..., 256 + 64 * plane:320 + 64 * plane], n, k) << bit)
+    return out
 
 
-STORAGE = {4: (pack_nibbles, unpack_nibbles), 5: (pack_fives, unpack_fives), 8: (pack_bytes, unpack_bytes)}
+STORAGE = {4: (pack_nibbles, unpack_nibbles), 5: (lambda c: pack_planes(c, 5), unpack_planes),
+           6: (lambda c: pack_planes(c, 6), unpack_planes), 8: (pack_bytes, unpack_bytes)}
 
 
 def storage_bits(bits: int) -> int:
-    """The bits a code of ``bits`` bits is stored in: 4, 5, or a byte."""
-    return 4 if bits <= 4 else 5 if bits == 5 else 8
+    """The bits a code of ``bits`` bits is stored in: 4, 5, 6, or a byte."""
+    return 4 if bits <= 4 else bits if bits <= 6 else 8
 
 
 def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Packed codes (4, 5 or 8 bits, from their count) back as [N, K] uint8."""
+    """Packed codes (4, 5, 6 or 8 bits, from their count) back as [N, K] uint8."""
     return STORAGE[8 * codes.numel() // (n * k)][1](codes, n, k)
 
 

@@ -90,20 +90,20 @@ std::string cpu_features() {
 
 bool is_float_input(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat; }
 
-// The storage bits of a packed weight's codes, from their count: 4, 5 or 8 bits a weight.
+// The storage bits of a packed weight's codes, from their count: 4, 5, 6 or 8 bits a weight.
 int32_t code_bits(const at::Tensor& codes, int64_t n, int64_t k) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   int32_t found = 0;
-  for (int32_t bits : {4, 5, 8}) {
+  for (int32_t bits : {4, 5, 6, 8}) {
     if (8 * codes.numel() == n * k * bits) found = bits;
   }
-  TORCH_CHECK(found, "codes must be contiguous uint8 holding ", n, " x ", k, " codes of 4, 5 or 8 bits, got ",
+  TORCH_CHECK(found, "codes must be contiguous uint8 holding ", n, " x ", k, " codes of 4, 5, 6 or 8 bits, got ",
               codes.numel(), " bytes");
   return found;
 }
 
 // The format of a packed weight of n x k as the tiers read it (kernels/common.h), from its
-// tensors: contiguous codes of 4, 5 or 8 bits a weight (n * k * bits / 8 bytes); scales and
+// tensors: contiguous codes of 4, 5, 6 or 8 bits a weight (n * k * bits / 8 bytes); scales and
 // minimums [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits
 // (int32); with a zero point z > 0, no minimums (an empty tensor): m = -z * d.
 nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
@@ -210,7 +210,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
   return out;
 }
 
-// x_codes [K] int8 in -127..127, codes the packed weight of n outputs (4, 5 or 8 bits, from
+// x_codes [K] int8 in -127..127, codes the packed weight of n outputs (4, 5, 6 or 8 bits, from
 // their count) -> int32 [n, K / group], group 32 or 16.
 at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, int64_t group, int64_t handle) {
   TORCH_CHECK(x_codes.dim() == 1 && x_codes.scalar_type() == at::kChar && x_codes.is_contiguous(), "x_codes: [K] int8");

@@ -8,10 +8,10 @@ scales give each group of 32 (Q4_K, Q5_K) or 16 (Q6_K) an exact fp32 scale and m
 weight is rounded here to int4 groups (``quantize_int4``) or, for an LM head, int8 groups.
 
 nanoserve's kernels (``cpu_kernels``) run every such format where a tier of them runs on the host:
-4-bit codes two a byte, 5-bit codes as a nibble and a bit, 6- and 8-bit codes a byte each (so
-Q6_K holds 8 bits a code), scales and minimums in fp16 where they all are fp16 numbers and fp32
-otherwise (a K-quant's); each activation as two int8 codes; each block of weights read once for
-all rows. With them the activations are bf16 where the CPU computes bf16 natively and
+4-bit codes two a byte, 5- and 6-bit codes as a nibble and bit planes, 8-bit codes a byte each,
+scales and minimums in fp16 where they all are fp16 numbers and fp32 otherwise (a K-quant's), no
+minimums in a symmetric format (a zero point instead); each activation as two int8 codes; each
+block of weights read once for all rows. With them the activations are bf16 where the CPU computes bf16 natively and
 fp32 elsewhere (``cpu_kernels.compute_dtype``).
 
 ``kernel="torch"`` runs group-32 formats through torch's CPU int4 kernel instead:

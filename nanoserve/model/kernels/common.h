@@ -10,11 +10,12 @@
 //   5 bits:  those 256 bytes of low nibbles, then 64 bytes of fifth bits: bit b of the 8 bytes
 //            at 256 + 8 v is bit 4 of the code in byte b of nibble vector v (v = 2 j, low
 //            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
+//   6 bits:  the 5-bit layout, then 64 bytes of sixth bits (bit 5) in the same order, 384 bytes
 //   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
 //   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format); a symmetric format
 //            stores no m: m = -zero_point * d
 // Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
-// m[n, h], c unsigned: 4- and 5-bit codes as above, 6- and 8-bit codes (0..255) as bytes.
+// m[n, h], c unsigned, of 4, 5, 6 or 8 bits.
 // Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
 // -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
 // xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16).
@@ -29,7 +30,7 @@
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
 struct nanoserve_format {
-  int32_t bits;         // the codes' storage: 4, 5 or 8 bits a code (the layouts above)
+  int32_t bits;         // the codes' storage: 4, 5, 6 or 8 bits a code (the layouts above)
   int32_t group;        // weights per scale and minimum along K: 32, or 16 (bytes only)
   int32_t fp32_scales;  // d and m are fp32; 0: fp16 bits
   int32_t zero_point;   // 0: a minimum m per group; else m = -zero_point * d (Q4_0 8, Q8_0 128...), none stored
@@ -161,16 +162,19 @@ inline float load_scale(const void* p, int64_t i, bool fp32) {
 }
 
 // Bytes of codes per group of 32 for a block of 16 outputs.
-constexpr int64_t group_bytes(int bits) { return bits == 4 ? 256 : bits == 5 ? 320 : 512; }
+constexpr int64_t group_bytes(int bits) { return 64 * bits; }
 
 // The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
 inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) {
   if (bits == 8) return wg[64 * (k / 4) + 4 * r + k % 4];
   const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
   const uint8_t low = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
-  if (bits == 4) return low;
   const int64_t vector = 2 * (k / 8) + (k % 8) / 4, bit = 4 * r + k % 4;
-  return low | (((wg[256 + 8 * vector + bit / 8] >> (bit % 8)) & 1) << 4);
+  uint8_t code = low;
+  for (int plane = 0; plane < bits - 4; ++plane) {  // the fifth, then the sixth bits
+    code |= ((wg[256 + 64 * plane + 8 * vector + bit / 8] >> (bit % 8)) & 1) << (4 + plane);
+  }
+  return code;
 }
 
 // Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
@@ -201,6 +205,8 @@ inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, 
     out_bf16 ? dequantize_row_typed<4, true>(w, d, m, f, K, n, out) : dequantize_row_typed<4, false>(w, d, m, f, K, n, out);
   } else if (f.bits == 5) {
     out_bf16 ? dequantize_row_typed<5, true>(w, d, m, f, K, n, out) : dequantize_row_typed<5, false>(w, d, m, f, K, n, out);
+  } else if (f.bits == 6) {
+    out_bf16 ? dequantize_row_typed<6, true>(w, d, m, f, K, n, out) : dequantize_row_typed<6, false>(w, d, m, f, K, n, out);
   } else {
     out_bf16 ? dequantize_row_typed<8, true>(w, d, m, f, K, n, out) : dequantize_row_typed<8, false>(w, d, m, f, K, n, out);
   }

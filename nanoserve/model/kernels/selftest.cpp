@@ -171,7 +171,7 @@ int main() {
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
   const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {32, 1536}};
   for (bool bf16 : {true, false}) {
-    for (int32_t bits : {4, 5, 8}) {
+    for (int32_t bits : {4, 5, 6, 8}) {
       for (int32_t group : {32, 16}) {
         for (int32_t fp32_scales : {0, 1}) {
           for (int32_t zero_point : {0, 1 << (bits - 1)}) {

@@ -87,8 +87,8 @@ inline void store_out(void* out, int64_t at, V::F v, bool bf16) {
 }
 
 // The code vector j (of 8) of one group for the vector s of outputs: it multiplies the 4
-// activations at k offset code_offset(j) of the group. 5-bit codes are the 4-bit vector with
-// each fifth bit (the bit plane after the group's nibbles) set back as 16.
+// activations at k offset code_offset(j) of the group. 5- and 6-bit codes are the 4-bit vector
+// with each fifth (sixth) bit, from the bit planes after the group's nibbles, set back as 16 (32).
 template <int BITS>
 inline V::C code_vector(const uint8_t* wg, int s, int j) {
   if constexpr (BITS == 8) {
@@ -97,7 +97,9 @@ inline V::C code_vector(const uint8_t* wg, int s, int j) {
     const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
     const V::C low = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
     if constexpr (BITS == 4) return low;
-    else return V::or_sixteens(low, wg + 256 + 8 * j, s);
+    const V::C five = V::or_bit(low, wg + 256 + 8 * j, s, 16);
+    if constexpr (BITS == 5) return five;
+    else return V::or_bit(five, wg + 320 + 8 * j, s, 32);
   }
 }
 
@@ -107,14 +109,14 @@ constexpr int code_offset(int j) { return BITS == 8 ? 4 * j : 8 * (j / 2) + 4 * 
 template <int BITS>
 inline V::A dot_codes(V::A acc, V::C code, const int8_t* x) {
   if constexpr (BITS == 4) return V::dot_nibbles(acc, code, x);
-  else if constexpr (BITS == 5) return V::dot_fives(acc, code, x);
+  else if constexpr (BITS == 5 || BITS == 6) return V::dot_wide(acc, code, x);
   else return V::dot_bytes(acc, code, x);
 }
 
 template <int BITS>
 inline V::I finish_codes(V::A a) {
   if constexpr (BITS == 4) return V::finish_nibbles(a);
-  else if constexpr (BITS == 5) return V::finish_fives(a);
+  else if constexpr (BITS == 5 || BITS == 6) return V::finish_wide(a);
   else return V::finish_bytes(a);
 }
 
@@ -302,6 +304,7 @@ template <template <typename> class Op, typename... Args>
 void with_format(nanoserve_format f, Args... args) {
   if (f.bits == 4) with_zero_point<Op, 4>(f, args...);
   else if (f.bits == 5) with_zero_point<Op, 5>(f, args...);
+  else if (f.bits == 6) with_zero_point<Op, 6>(f, args...);
   else with_zero_point<Op, 8>(f, args...);
 }
 
