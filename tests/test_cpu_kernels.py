@@ -9,20 +9,22 @@ import torch
 
 from nanoserve.engine.paged_attention import paged_attention_reference
 from nanoserve.model import cpu_kernels
-from nanoserve.model.quant import GROUP_SIZE
+from nanoserve.model.quant import GROUP_SIZE, SuperScales
 
 # Every tier of ours this host runs, the reference included: each is tested here, none skipped.
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
 VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
-# The kernels' weight formats: (the codes' storage bits, scale group, fp32 scales): Q4_1, Q4_0,
-# Q5_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, and combinations no GGUF type uses but the kernels take.
-# A fourth number: the zero point of a symmetric format (Q4_0 8, Q5_0 16, Q8_0 128, Q6_K 32),
-# which stores no minimums.
-FORMATS = [(4, 32, False, 0), (4, 32, False, 8), (5, 32, False, 0), (5, 32, False, 16), (8, 32, False, 128),
-           (4, 32, True, 0), (5, 32, True, 0), (6, 16, True, 32), (8, 32, True, 0), (8, 16, False, 0),
-           (4, 16, True, 0), (5, 16, False, 0), (6, 32, False, 0)]
-FORMAT_IDS = [f"{b}bit-g{g}-{'fp32' if f else 'fp16'}-z{z}" for b, g, f, z in FORMATS]
+# The kernels' weight formats: (the codes' storage bits, scale group, the scales' kind, zero
+# point). Kinds: fp16 numbers, fp32 numbers, a K-quant's super-block records (fp16 times int8);
+# a symmetric format's zero point (Q4_0 8, Q5_0 16, Q8_0 128, Q6_K 32) replaces its minimums.
+# Q4_1, Q4_0, Q5_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, then combinations no GGUF type uses.
+FP16, FP32, SUPER = "fp16", "fp32", "super"
+FORMATS = [(4, 32, FP16, 0), (4, 32, FP16, 8), (5, 32, FP16, 0), (5, 32, FP16, 16), (8, 32, FP16, 128),
+           (4, 32, SUPER, 0), (5, 32, SUPER, 0), (6, 16, SUPER, 32), (4, 32, FP32, 0), (6, 16, FP32, 32),
+           (8, 32, FP32, 0), (8, 16, FP16, 0), (4, 16, FP32, 0), (5, 16, FP16, 0), (6, 32, FP16, 0),
+           (8, 16, SUPER, 0)]
+FORMAT_IDS = [f"{b}bit-g{g}-{kind}-z{z}" for b, g, kind, z in FORMATS]
 
 
 def random_codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
@@ -34,14 +36,22 @@ def random_codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
     return packed
 
 
-def random_scales(n: int, groups: int, fp32: bool, generator: torch.Generator, sign: float = 1.0) -> torch.Tensor:
-    """[N / 16, groups, 16] scales as the kernels hold them: fp16 bits, or fp32 bits of a
-    K-quant's kind (an fp16 number times a 6-bit integer, no fp16 number itself)."""
-    values = sign * torch.rand(n // 16, groups, 16, generator=generator)
-    if not fp32:
+def random_scales(n: int, k: int, group: int, kind: str, generator: torch.Generator,
+                  sign: float = 1.0) -> torch.Tensor:
+    """Scales for a weight [N, K] with scale groups of ``group`` as the kernels hold them: fp16
+    bits [N / 16, K / group, 16]; fp32 bits of a K-quant's kind (an fp16 number times a 6-bit
+    integer, mostly no fp16 number itself); or super-block records of fp16 super-scales and int8
+    multipliers (quant.SuperScales)."""
+    values = sign * torch.rand(n // 16, k // group, 16, generator=generator)
+    if kind == FP16:
         return values.half().view(torch.int16)
-    six = torch.randint(1, 64, values.shape, generator=generator).float()
-    return (values.half().float() * six).view(torch.int32)
+    if kind == FP32:
+        six = torch.randint(1, 64, values.shape, generator=generator).float()
+        return (values.half().float() * six).view(torch.int32)
+    factors = SuperScales(sign * torch.rand(n, k // 256, generator=generator).half().float(),
+                          torch.randint(-128, 128, (n, k // group), generator=generator).to(torch.int8))
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    return cpu_kernels.pack_groups(codes, factors.values(), factors.values(), 8, factors, factors)[1]
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
@@ -84,12 +94,12 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
 def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows):
-    bits, group, fp32, zero_point = fmt
-    n, k = 96, 576
+    bits, group, kind, zero_point = fmt
+    n, k = 96, 512 if kind == SUPER else 576
     codes = random_codes(n, k, bits, seed=rows)
     generator = torch.Generator().manual_seed(rows)
-    scales = random_scales(n, k // group, fp32, generator)
-    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)[:, :0 if zero_point else None]
+    scales = random_scales(n, k, group, kind, generator)
+    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
     x = torch.randn(rows, k, generator=generator).to(dtype)
     want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle("scalar"))
     got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier))
@@ -103,12 +113,12 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
-    bits, group, fp32, zero_point = fmt
-    n, k = 48, 96
+    bits, group, kind, zero_point = fmt
+    n, k = 48, 256 if kind == SUPER else 96
     codes = random_codes(n, k, bits, seed=7)
     generator = torch.Generator().manual_seed(7)
-    scales = random_scales(n, k // group, fp32, generator)
-    mins = random_scales(n, k // group, fp32, generator, sign=-1.0)[:, :0 if zero_point else None]
+    scales = random_scales(n, k, group, kind, generator)
+    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
     got = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, dtype, cpu_kernels.handle(tier))
     per_output = lambda t: cpu_kernels.per_group(t).repeat_interleave(group, 1)  # noqa: E731
     unpacked = cpu_kernels.unpack_codes(codes, n, k).float()

@@ -113,10 +113,11 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
     assert layer.codes.numel() * 8 == n * k * {4: 4, 5: 5, 6: 6, 8: 8}[source.bits]  # bits a code held
     assert torch.equal(cpu_kernels.unpack_codes(layer.codes, n, k), source.codes)
     assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
-    assert layer.scales.dtype == (torch.int16 if qtype in LEGACY else torch.int32)
+    # fp16 numbers as the legacy blocks hold them; a K-quant's super-block records (fp16 times int8)
+    assert layer.scales.dtype == (torch.int16 if qtype in LEGACY else torch.uint8)
     # the symmetric types keep a zero point instead of minimums
     assert layer.zero_point == {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32}.get(qtype, 0)
-    assert layer.mins.numel() == (0 if layer.zero_point else source.mins.numel())
+    assert (layer.mins.numel() == 0) == (layer.zero_point > 0)
     dense = torch.ops.nanoserve.dequantize(layer.codes, layer.scales, layer.mins, layer.zero_point, n, k, torch.float32,
                                            layer.handle)
     assert torch.equal(dense, reference)

@@ -233,7 +233,14 @@ def _per_block(values: torch.Tensor, fp32: bool) -> torch.Tensor:
 
 
 def per_group(numbers: torch.Tensor) -> torch.Tensor:
-    """The inverse of _per_block: [N / 16, H, 16] bits back as fp32 [N, H] (H may be 0)."""
+    """The inverse of _per_block (and of _super_records): the kernels' numbers back as fp32
+    [N, H] (H may be 0)."""
+    if numbers.dtype == torch.uint8:  # super-block records
+        blocks, supers, size = numbers.shape
+        per_super = (size - 32) // 16
+        head = numbers[..., :32].contiguous().view(torch.float16).float()  # [blocks, supers, 16]
+        rows = numbers[..., 32:].contiguous().view(torch.int8).view(blocks, supers, per_super, 16).float()
+        return (head[:, :, None, :] * rows).permute(0, 3, 1, 2).reshape(16 * blocks, supers * per_super)
     blocks, groups, _ = numbers.shape
     values = numbers.view(torch.float32 if numbers.dtype == torch.int32 else torch.float16).float()
     return values.transpose(1, 2).reshape(16 * blocks, groups)
@@ -316,17 +323,33 @@ def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return STORAGE[8 * codes.numel() // (n * k)][1](codes, n, k)
 
 
-def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, scale_factors=None,
+                min_factors=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``w = scales * codes + mins`` per scale group (codes [N, K] uint8 below ``2 ** bits``;
     scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins, zero point) in the
     kernels' layout, the codes in ``storage_bits(bits)``. A symmetric weight, every minimum
     ``-2 ** (bits - 1)`` times its scale (Q4_0, Q5_0, Q8_0, Q6_K), keeps no minimums: its zero
     point says them. The numbers stay fp16 where every one of them is an fp16 number (a legacy
-    GGUF block's d, m), else fp32 (a K-quant's d * sc): exact either way."""
+    GGUF block's d, m); with their K-quant's factors (quant.SuperScales: fp16 super-scales times
+    int8 multipliers) as super-block records (kernels/common.h); else fp32: exact every way."""
     zero_point = 2 ** (bits - 1)
     if not torch.equal(mins, -zero_point * scales):
         zero_point = 0
+    packed = STORAGE[storage_bits(bits)][0](codes)
+    needed = [scale_factors] if zero_point else [scale_factors, min_factors]
+    if codes.shape[1] % 256 == 0 and all(f is not None and fp16_holds(f.supers) for f in needed):
+        records = [_super_records(f) for f in needed]
+        return packed, records[0], records[1] if len(records) > 1 else records[0][:, :, :0], zero_point
     fp32 = not (fp16_holds(scales) and (zero_point or fp16_holds(mins)))
     kept = mins[:, :0] if zero_point else mins
-    return STORAGE[storage_bits(bits)][0](codes), _per_block(scales, fp32), _per_block(kept, fp32), zero_point
+    return packed, _per_block(scales, fp32), _per_block(kept, fp32), zero_point
+
+
+def _super_records(factors) -> torch.Tensor:
+    """quant.SuperScales as the kernels' records [N / 16, K / 256, 32 + 16 S] uint8: per block of
+    16 outputs and super-block, the 16 fp16 super-scales, then S rows of 16 int8 multipliers."""
+    n, supers = factors.supers.shape
+    per_super = factors.multipliers.shape[1] // supers
+    head = factors.supers.view(n // 16, 16, supers).transpose(1, 2).half().contiguous().view(torch.uint8)
+    rows = factors.multipliers.view(n // 16, 16, supers, per_super).permute(0, 2, 3, 1).contiguous()
+    return torch.cat([head, rows.view(torch.uint8).view(n // 16, supers, 16 * per_super)], dim=-1).contiguous()

@@ -105,15 +105,25 @@ int32_t code_bits(const at::Tensor& codes, int64_t n, int64_t k) {
 // The format of a packed weight of n x k as the tiers read it (kernels/common.h), from its
 // tensors: contiguous codes of 4, 5, 6 or 8 bits a weight (n * k * bits / 8 bytes); scales and
 // minimums [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits
-// (int32); with a zero point z > 0, no minimums (an empty tensor): m = -z * d.
+// (int32), or super-block records [n / 16, k / 256, 32 + 16 * 256 / group] (uint8); with a zero
+// point z > 0, no minimums (an empty tensor): m = -z * d.
 nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
                            int64_t n, int64_t k) {
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
-  const bool fp32 = d.scalar_type() == at::kInt;
-  TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) > 0 && (d.size(1) == k / 32 || d.size(1) == k / 16) &&
-              d.size(2) == 16 && (fp32 || d.scalar_type() == at::kShort) && d.is_contiguous(),
-              "scales must be contiguous fp16 bits (int16) or fp32 bits (int32) [", n / 16, ", ", k / 32, " or ", k / 16,
-              ", 16], got ", d.sizes(), " ", d.scalar_type());
+  const bool fp32 = d.scalar_type() == at::kInt, super = d.scalar_type() == at::kByte;
+  int64_t group = 0;
+  if (super) {
+    const bool fits = d.dim() == 3 && k % 256 == 0 && d.size(0) == n / 16 && d.size(1) == k / 256 && d.is_contiguous();
+    group = fits && d.size(2) == nanoserve::super_record_bytes(32) ? 32 : fits && d.size(2) == nanoserve::super_record_bytes(16) ? 16 : 0;
+    TORCH_CHECK(group, "super-block scales must be contiguous uint8 [", n / 16, ", ", k / 256, ", 160 or 288], got ",
+                d.sizes());
+  } else {
+    TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) > 0 && (d.size(1) == k / 32 || d.size(1) == k / 16) &&
+                d.size(2) == 16 && (fp32 || d.scalar_type() == at::kShort) && d.is_contiguous(),
+                "scales must be contiguous fp16 bits (int16) or fp32 bits (int32) [", n / 16, ", ", k / 32, " or ",
+                k / 16, ", 16], got ", d.sizes(), " ", d.scalar_type());
+    group = k / d.size(1);
+  }
   TORCH_CHECK(zero_point >= 0 && zero_point <= 128, "the zero point must lie in 0..128, got ", zero_point);
   if (zero_point) {
     TORCH_CHECK(m.numel() == 0, "a format with a zero point stores no minimums, got ", m.sizes());
@@ -121,7 +131,8 @@ nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const a
     TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == d.scalar_type() && m.is_contiguous(),
                 "mins must match the scales");
   }
-  return {code_bits(codes, n, k), static_cast<int32_t>(k / d.size(1)), fp32, static_cast<int32_t>(zero_point)};
+  const int32_t kind = super ? nanoserve::SCALES_SUPER : fp32 ? nanoserve::SCALES_FP32 : nanoserve::SCALES_FP16;
+  return {code_bits(codes, n, k), static_cast<int32_t>(group), kind, static_cast<int32_t>(zero_point)};
 }
 
 // x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd [M, G], xs [M, 2G]

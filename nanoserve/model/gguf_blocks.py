@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nanoserve.model.quant import GroupCodes
+from nanoserve.model.quant import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
 
@@ -72,8 +72,9 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales.astype(np.float32), mins.astype(np.float32)
 
 
-def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, ...]:
-    """Q4_K, Q5_K, Q6_K: (codes [..., 256], scales [..., groups], minimums [..., groups], bits)."""
+def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple:
+    """Q4_K, Q5_K, Q6_K: (codes [..., 256], scales [..., groups], minimums [..., groups], bits,
+    the scales' and the minimums' factors: (super [...], multipliers [..., groups]) or None)."""
     lead = blocks.shape[:-1]
     if qtype == Q.Q6_K:
         # 128 bytes of low nibbles (two halves of 64: weights 0-63 low, 64-127 high nibbles),
@@ -82,9 +83,10 @@ def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, ...]:
         low = np.stack([low & 0x0F, low >> 4], axis=-2).reshape(*lead, 256)
         high = blocks[..., 128:192].reshape(*lead, 2, 32)
         high = np.stack([(high >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-2).reshape(*lead, 256)
-        scales = _fp16(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
-        return (low | (high << 4)).astype(np.uint8), scales, -32 * scales, 6
-    d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
+        d, sc = _fp16(blocks, 208), blocks[..., 192:208].view(np.int8)
+        scales = d[..., None] * sc.astype(np.float32)
+        return (low | (high << 4)).astype(np.uint8), scales, -32 * scales, 6, (d, sc), None
+    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
     sc, mn = _k_scales(blocks[..., 4:16])
     at = 16 if qtype == Q.Q4_K else 48
     # 4 chunks of 32 bytes: chunk c holds group 2c in its low nibbles and group 2c + 1 in its high ones.
@@ -93,7 +95,8 @@ def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, ...]:
     if qtype == Q.Q5_K:  # 32 bytes of fifth bits: bit g of byte i is weight i of group g
         fifth = blocks[..., 16:48]
         codes = codes | (np.stack([(fifth >> g) & 1 for g in range(8)], axis=-2).reshape(*lead, 256) << 4)
-    return codes.astype(np.uint8), d * sc, -(dmin * mn), 5 if qtype == Q.Q5_K else 4
+    factors = (d, sc.astype(np.int8)), (-dmin, mn.astype(np.int8))
+    return codes.astype(np.uint8), d[..., None] * sc, -(dmin[..., None] * mn), 5 if qtype == Q.Q5_K else 4, *factors
 
 
 LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
@@ -109,8 +112,10 @@ def group_codes(data: np.ndarray, qtype: Q, rows: int, cols: int) -> GroupCodes:
                          f"{', '.join(t.name for t in PACKED_TYPES)})")
     block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block_weights, block_bytes)
-    codes, scales, mins, bits = (_legacy if qtype in LEGACY else _k_quant)(blocks, qtype)
+    codes, scales, mins, bits, *factors = (_legacy if qtype in LEGACY else _k_quant)(blocks, qtype)
     group = 16 if qtype == Q.Q6_K else 32
     as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1)))  # noqa: E731
+    supers = [None if f is None else SuperScales(as_rows(f[0].astype(np.float32)), as_rows(f[1])) for f in factors]
     return GroupCodes(as_rows(codes), as_rows(scales.astype(np.float32)), as_rows(mins.astype(np.float32)),
-                      bits=bits, group=group)
+                      bits=bits, group=group, scale_factors=supers[0] if supers else None,
+                      min_factors=supers[1] if supers else None)

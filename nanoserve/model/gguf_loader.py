@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import PACKED_TYPES, group_codes
-from nanoserve.model.quant import GroupCodes
+from nanoserve.model.quant import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
 # Tensor types we load: the float types (dequantised through gguf.quants, run dense or rounded
@@ -218,9 +218,7 @@ class GGUFCheckpoint:
             weight = group_codes(t.data, t.tensor_type, n, k)
             if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-                weight = GroupCodes(*(torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(a.numpy(), heads)))
-                                      for a in (weight.codes, weight.scales, weight.mins)),
-                                    bits=weight.bits, group=weight.group)
+                weight = unpermute_group_rows(weight, heads)
             out[hf_tensor_name(t.name)] = weight
         return out
 
@@ -248,6 +246,14 @@ class GGUFCheckpoint:
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             weight = unpermute_rotary_rows(weight, heads)
         return weight
+
+
+def unpermute_group_rows(weight: GroupCodes, n_head: int) -> GroupCodes:
+    """unpermute_rotary_rows on every per-row array of a group-wise weight."""
+    rows = lambda t: torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), n_head)))  # noqa: E731
+    factors = [None if f is None else SuperScales(rows(f.supers), rows(f.multipliers))
+               for f in (weight.scale_factors, weight.min_factors)]
+    return GroupCodes(rows(weight.codes), rows(weight.scales), rows(weight.mins), weight.bits, weight.group, *factors)
 
 
 def _read_metadata(reader: GGUFReader) -> dict[str, Any]:

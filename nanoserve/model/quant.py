@@ -8,10 +8,11 @@ scales give each group of 32 (Q4_K, Q5_K) or 16 (Q6_K) an exact fp32 scale and m
 weight is rounded here to int4 groups (``quantize_int4``) or, for an LM head, int8 groups.
 
 nanoserve's kernels (``cpu_kernels``) run every such format where a tier of them runs on the host:
-4-bit codes two a byte, 5- and 6-bit codes as a nibble and bit planes, 8-bit codes a byte each,
-scales and minimums in fp16 where they all are fp16 numbers and fp32 otherwise (a K-quant's), no
-minimums in a symmetric format (a zero point instead); each activation as two int8 codes; each
-block of weights read once for all rows. With them the activations are bf16 where the CPU computes bf16 natively and
+4-bit codes two a byte, 5- and 6-bit codes as a nibble and bit planes, 8-bit codes a byte each;
+scales and minimums in fp16 where they all are fp16 numbers, a K-quant's as its fp16
+super-block scales times int8 multipliers (``SuperScales``), fp32 otherwise; no minimums in a
+symmetric format (a zero point instead): every GGUF type in its file's own size. Each activation
+as two int8 codes; each block of weights read once for all rows. With them the activations are bf16 where the CPU computes bf16 natively and
 fp32 elsewhere (``cpu_kernels.compute_dtype``).
 
 ``kernel="torch"`` runs group-32 formats through torch's CPU int4 kernel instead:
@@ -61,11 +62,25 @@ FP16_TINY = 2.0 ** -24  # the smallest fp16 number: the step of a group that is 
 
 
 @dataclass
+class SuperScales:
+    """Per-group numbers as a K-quant holds them: ``supers`` [N, K / 256] fp16 numbers (held in
+    fp32) times ``multipliers`` [N, K / group] int8, each group's number the product (exact)."""
+
+    supers: torch.Tensor
+    multipliers: torch.Tensor
+
+    def values(self) -> torch.Tensor:
+        per_super = self.multipliers.shape[1] // self.supers.shape[1]
+        return self.supers.repeat_interleave(per_super, 1) * self.multipliers.float()
+
+
+@dataclass
 class GroupCodes:
     """A weight [N, K] as unsigned codes in groups along K: ``w = scales * codes + mins`` per group.
 
     ``codes`` [N, K] uint8 below ``2 ** bits`` (4, 5, 6 or 8); ``scales`` and ``mins``
-    [N, K / group] fp32; ``group`` 32 or 16 weights.
+    [N, K / group] fp32; ``group`` 32 or 16 weights. A K-quant also gives its scales (and
+    minimums) as ``SuperScales``, which the kernels hold in the K-quant's own size.
     """
 
     codes: torch.Tensor
@@ -73,6 +88,8 @@ class GroupCodes:
     mins: torch.Tensor
     bits: int
     group: int = GROUP_SIZE
+    scale_factors: SuperScales | None = None
+    min_factors: SuperScales | None = None
 
     def per_weight(self, numbers: torch.Tensor) -> torch.Tensor:
         return numbers.repeat_interleave(self.group, dim=1)
@@ -84,18 +101,27 @@ class GroupCodes:
     def regroup(self, group: int) -> GroupCodes:
         """The same weight with scale groups of ``group`` (a divisor of this one's): lossless."""
         repeat = self.group // group
+        regrouped = [None if f is None else SuperScales(f.supers, f.multipliers.repeat_interleave(repeat, 1))
+                     for f in (self.scale_factors, self.min_factors)]
         return GroupCodes(self.codes, self.scales.repeat_interleave(repeat, 1), self.mins.repeat_interleave(repeat, 1),
-                          self.bits, group)
+                          self.bits, group, *regrouped)
 
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:
         """Stack weights along N (q, k and v into one fused projection). Parts of different
         formats (a Q4_K file's Q6_K v beside Q4_K q and k) meet in the widest codes and the
-        smallest group, which holds each part's codes and numbers as they are."""
+        smallest group, which holds each part's codes and numbers as they are (their super-block
+        factors only where every part has them)."""
         group = min(p.group for p in parts)
         parts = [p.regroup(group) for p in parts]
+        factors = []
+        for name in ("scale_factors", "min_factors"):
+            found = [getattr(p, name) for p in parts]
+            factors.append(None if any(f is None for f in found) else SuperScales(
+                torch.cat([f.supers for f in found]), torch.cat([f.multipliers for f in found])))
         return GroupCodes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")),
-                          bits=max(p.bits for p in parts), group=group)
+                          bits=max(p.bits for p in parts), group=group, scale_factors=factors[0],
+                          min_factors=factors[1])
 
 
 def quantize_int4(weight: torch.Tensor) -> GroupCodes:
@@ -205,7 +231,8 @@ class GroupLinear(_PackedLinear):
         self.out_features, self.in_features = weight.codes.shape
         self.compute_dtype = dtype
         if self.handle is not None:
-            *packed, self.zero_point = cpu_kernels.pack_groups(weight.codes, weight.scales, weight.mins, weight.bits)
+            *packed, self.zero_point = cpu_kernels.pack_groups(weight.codes, weight.scales, weight.mins, weight.bits,
+                                                               weight.scale_factors, weight.min_factors)
             for name, tensor in zip(("codes", "scales", "mins"), packed):
                 self.register_buffer(name, tensor)
             if dense is None:  # no copy held: from DEQUANT_FROM_ROWS rows the weight is dequantised for the call

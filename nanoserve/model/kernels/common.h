@@ -12,8 +12,10 @@
 //            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
 //   6 bits:  the 5-bit layout, then 64 bytes of sixth bits (bit 5) in the same order, 384 bytes
 //   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
-//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format); a symmetric format
-//            stores no m: m = -zero_point * d
+//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format); or, as a K-quant holds
+//            them, per block and super-block of 256 k a record of 16 fp16 super-scales, then
+//            S = 256 / group rows of 16 int8 multipliers: d = super * multiplier. A symmetric
+//            format stores no m: m = -zero_point * d
 // Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
 // m[n, h], c unsigned, of 4, 5, 6 or 8 bits.
 // Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
@@ -32,7 +34,7 @@ extern "C" {
 struct nanoserve_format {
   int32_t bits;         // the codes' storage: 4, 5, 6 or 8 bits a code (the layouts above)
   int32_t group;        // weights per scale and minimum along K: 32, or 16 (bytes only)
-  int32_t fp32_scales;  // d and m are fp32; 0: fp16 bits
+  int32_t scale_kind;   // d and m as SCALES_FP16, SCALES_FP32 or SCALES_SUPER (K % 256 == 0)
   int32_t zero_point;   // 0: a minimum m per group; else m = -zero_point * d (Q4_0 8, Q8_0 128...), none stored
 };
 
@@ -156,9 +158,21 @@ inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2]
   }
 }
 
-// Scale or minimum i of a weight (fp32, or fp16 bits).
-inline float load_scale(const void* p, int64_t i, bool fp32) {
-  return fp32 ? static_cast<const float*>(p)[i] : fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+enum { SCALES_FP16 = 0, SCALES_FP32 = 1, SCALES_SUPER = 2 };
+
+// Bytes of a super-block's record of scales: 16 fp16 super-scales and S rows of 16 multipliers.
+constexpr int64_t super_record_bytes(int64_t group) { return 32 + 16 * (256 / group); }
+
+// Scale or minimum i = 16 h + r (scale group h, output r of the block; the layout above) of a
+// weight whose scale groups are `group` wide. A super-scale times a multiplier is exact in fp32.
+inline float load_scale(const void* p, int64_t i, int32_t kind, int64_t group) {
+  if (kind == SCALES_FP32) return static_cast<const float*>(p)[i];
+  if (kind == SCALES_FP16) return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+  const int64_t per_record = 256 / group, h = i / 16, r = i % 16;
+  const uint8_t* record = static_cast<const uint8_t*>(p) + (h / per_record) * super_record_bytes(group);
+  uint16_t super;
+  memcpy(&super, record + 2 * r, 2);
+  return fp16_to_float(super) * static_cast<float>(reinterpret_cast<const int8_t*>(record)[32 + 16 * (h % per_record) + r]);
 }
 
 // Bytes of codes per group of 32 for a block of 16 outputs.
@@ -189,8 +203,8 @@ inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m,
     for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_in_group(wg, BITS, r, k));
     for (int64_t h = 0; h < per; ++h) {
       const int64_t at = ((b * G + g) * per + h) * 16 + r;
-      const float scale = load_scale(d, at, f.fp32_scales);
-      const float low = f.zero_point ? -static_cast<float>(f.zero_point) * scale : load_scale(m, at, f.fp32_scales);
+      const float scale = load_scale(d, at, f.scale_kind, f.group);
+      const float low = f.zero_point ? -static_cast<float>(f.zero_point) * scale : load_scale(m, at, f.scale_kind, f.group);
       for (int64_t k = h * group; k < (h + 1) * group; ++k) {
         if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
         else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;

@@ -96,8 +96,8 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
             int32_t dot_hi = 0, dot_lo = 0;
             for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
             const int64_t at = ((b * G + g) * per + h) * 16 + r;
-            const float d_at = load_scale(d, at, f.fp32_scales);
-            const float low = f.zero_point ? -static_cast<float>(f.zero_point) * d_at : load_scale(m, at, f.fp32_scales);
+            const float d_at = load_scale(d, at, f.scale_kind, f.group);
+            const float low = f.zero_point ? -static_cast<float>(f.zero_point) * d_at : load_scale(m, at, f.scale_kind, f.group);
             acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * (d_at * xd[row * G + g]);
             acc[row * 16 + r] += low * x_sum;
           }

@@ -57,10 +57,24 @@ std::vector<float> as_floats(const std::vector<uint8_t>& raw, bool bf16, size_t 
   return out;
 }
 
-// Scales or minimums of a format: fp16 bits, or fp32 (a K-quant's exact d * sc, fp16 times a
-// 6-bit integer), in either case magnitudes 2^-5 .. 2^3.
-std::vector<uint16_t> random_scales(size_t n, bool fp32) {
-  if (!fp32) return random_fp16(n);
+// Scales or minimums of a format, n of them (of blocks of 16 outputs, K = 256 k): fp16 bits;
+// fp32 (a K-quant's exact d * sc, fp16 times a 6-bit integer); or super-block records of fp16
+// super-scales and int8 multipliers (common.h). Magnitudes about 2^-5 .. 2^3.
+std::vector<uint16_t> random_scales(size_t n, int32_t kind, int64_t group) {
+  if (kind == nanoserve::SCALES_FP16) return random_fp16(n);
+  if (kind == nanoserve::SCALES_SUPER) {
+    const int64_t records = n / 16 / (256 / group);
+    std::vector<uint16_t> raw(records * nanoserve::super_record_bytes(group) / 2);
+    std::uniform_int_distribution<int> multiplier(-128, 127);
+    for (int64_t i = 0; i < records; ++i) {
+      uint16_t* record = raw.data() + i * nanoserve::super_record_bytes(group) / 2;
+      const std::vector<uint16_t> supers = random_fp16(16);
+      memcpy(record, supers.data(), 32);
+      int8_t* multipliers = reinterpret_cast<int8_t*>(record + 16);
+      for (int64_t j = 0; j < 16 * (256 / group); ++j) multipliers[j] = static_cast<int8_t>(multiplier(rng) / 16);
+    }
+    return raw;
+  }
   std::vector<uint16_t> bits = random_fp16(n), raw(2 * n);
   std::uniform_int_distribution<int> six(-32, 63);
   for (size_t i = 0; i < n; ++i) {
@@ -73,7 +87,7 @@ std::vector<uint16_t> random_scales(size_t n, bool fp32) {
 void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
                    int64_t N, int64_t K, int64_t M, bool bf16) {
   const std::string name = std::string(tier->tier) + " " + std::to_string(f.bits) + "-bit group " +
-                           std::to_string(f.group) + (f.fp32_scales ? " fp32 scales " : " fp16 scales ") +
+                           std::to_string(f.group) + " scales " + std::to_string(f.scale_kind) + " " +
                            "zero point " + std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " rows " + std::to_string(M) +
                            (bf16 ? " bf16" : " fp32");
   const int64_t G = K / 32, H = K / f.group;
@@ -99,7 +113,7 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
   tier->quantize_rows(x.data(), bf16, M, K, M / 2, M, xq.data(), xd.data(), xs.data(), sum.data());
   check(xq == xq_ref && xd == xd_ref && xs == xs_ref && sum == sum_ref, name + ": activation codes");
   // products
-  std::vector<uint16_t> d = random_scales(N * H, f.fp32_scales), m = random_scales(N * H, f.fp32_scales);
+  std::vector<uint16_t> d = random_scales(N * H, f.scale_kind, f.group), m = random_scales(N * H, f.scale_kind, f.group);
   std::vector<uint8_t> out_ref(M * N * 4), out(M * N * 4);
   ref->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
                 out_ref.data(), bf16);
@@ -169,15 +183,16 @@ int main() {
   const nanoserve_kernel_table* ref = nanoserve_kernels_reference();
   const nanoserve_kernel_table* tier = nanoserve_kernels_tier();
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
-  const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {32, 1536}};
+  const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {48, 256}, {32, 1536}};
   for (bool bf16 : {true, false}) {
     for (int32_t bits : {4, 5, 6, 8}) {
       for (int32_t group : {32, 16}) {
-        for (int32_t fp32_scales : {0, 1}) {
+        for (int32_t scale_kind : {0, 1, 2}) {
           for (int32_t zero_point : {0, 1 << (bits - 1)}) {
             for (const auto& s : shapes) {
+              if (scale_kind == nanoserve::SCALES_SUPER && s[1] % 256) continue;  // super-blocks of 256
               for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
-                const nanoserve_format format{bits, group, fp32_scales, zero_point};
+                const nanoserve_format format{bits, group, scale_kind, zero_point};
                 test_products(ref, tier, format, s[0], s[1], rows, bf16);
               }
             }

@@ -66,6 +66,10 @@ struct Simd {
   static F load(const float* p) { return vld1q_f32(p); }
   static F load(const uint16_t* bf16) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(bf16), 16)); }
   static F load_fp16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static F load_int8(const int8_t* p) {
+    const int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four_codes(p))));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide)));
+  }
   static void store(float* p, F v) { vst1q_f32(p, v); }
   static float hsum(F v) { return vaddvq_f32(v); }
   static F abs(F v) { return vabsq_f32(v); }

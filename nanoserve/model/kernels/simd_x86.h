@@ -52,6 +52,7 @@ struct Simd {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16))), 16));
   }
   static F load_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load_int8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }
   static F abs(F v) { return _mm512_abs_ps(v); }
@@ -138,6 +139,7 @@ struct Simd {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16))), 16));
   }
   static F load_fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_int8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }

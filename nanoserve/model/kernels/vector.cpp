@@ -177,22 +177,33 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
   }
 }
 
-// LANES scales (or minimums) from element i of a weight's fp32 or fp16 numbers.
-template <bool FP32>
+// LANES scales (or minimums) from element i = 16 h + lane of a block's numbers (common.h).
+template <int KIND, bool SPLIT>
 inline V::F load_scales(const void* p, int64_t i) {
-  if constexpr (FP32) return V::load(static_cast<const float*>(p) + i);
-  else return V::load_fp16(static_cast<const uint16_t*>(p) + i);
+  if constexpr (KIND == SCALES_FP32) {
+    return V::load(static_cast<const float*>(p) + i);
+  } else if constexpr (KIND == SCALES_FP16) {
+    return V::load_fp16(static_cast<const uint16_t*>(p) + i);
+  } else {
+    constexpr int64_t group = SPLIT ? 16 : 32, per_record = 256 / group;
+    const int64_t h = i / 16, lane = i % 16;
+    const uint8_t* record = static_cast<const uint8_t*>(p) + (h / per_record) * super_record_bytes(group);
+    const V::F super = V::load_fp16(reinterpret_cast<const uint16_t*>(record) + lane);
+    return V::mul(super, V::load_int8(reinterpret_cast<const int8_t*>(record) + 32 + 16 * (h % per_record) + lane));
+  }
 }
 
-// A weight format as template arguments: the codes' storage bits, scale groups of 16, fp32
-// scales, a zero point instead of minimums.
-template <int BITS_, bool SPLIT_, bool FP32_, bool SYMMETRIC_>
+// A weight format as template arguments: the codes' storage bits, scale groups of 16, the
+// scales' kind, a zero point instead of minimums.
+template <int BITS_, bool SPLIT_, int KIND_, bool SYMMETRIC_>
 struct Format {
-  static constexpr int BITS = BITS_;
-  static constexpr bool SPLIT = SPLIT_, FP32 = FP32_, SYMMETRIC = SYMMETRIC_;
+  static constexpr int BITS = BITS_, KIND = KIND_;
+  static constexpr bool SPLIT = SPLIT_, SYMMETRIC = SYMMETRIC_;
   static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
   static constexpr int64_t GROUP_BYTES = group_bytes(BITS);          // codes of 16 outputs x 32 k
-  static constexpr int64_t SCALE_BYTES = 16 * PER * (FP32 ? 4 : 2);  // their scales (or minimums)
+  // their scales (or minimums): a super-block record spread over its 8 groups of 32
+  static constexpr int64_t SCALE_BYTES = KIND == SCALES_SUPER ? super_record_bytes(32 / PER) / 8
+                                                               : 16 * PER * (KIND == SCALES_FP32 ? 4 : 2);
   // Rows sharing each code vector: split sums hold twice the accumulators.
   static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
 };
@@ -231,14 +242,14 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
-        const V::F dv = load_scales<F::FP32>(d, at);
+        const V::F dv = load_scales<F::KIND, F::SPLIT>(d, at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
           acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
         }
         if constexpr (!F::SYMMETRIC) {
-          const V::F mv = load_scales<F::FP32>(m, at);
+          const V::F mv = load_scales<F::KIND, F::SPLIT>(m, at);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
@@ -284,13 +295,17 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
   }
 }
 
+template <template <typename> class Op, int BITS, bool SYMMETRIC, bool SPLIT, typename... Args>
+void with_kind(nanoserve_format f, Args... args) {
+  if (f.scale_kind == SCALES_FP32) Op<Format<BITS, SPLIT, SCALES_FP32, SYMMETRIC>>::run(args...);
+  else if (f.scale_kind == SCALES_SUPER) Op<Format<BITS, SPLIT, SCALES_SUPER, SYMMETRIC>>::run(args...);
+  else Op<Format<BITS, SPLIT, SCALES_FP16, SYMMETRIC>>::run(args...);
+}
+
 template <template <typename> class Op, int BITS, bool SYMMETRIC, typename... Args>
 void with_scales(nanoserve_format f, Args... args) {
-  if (f.group == 16) {
-    f.fp32_scales ? Op<Format<BITS, true, true, SYMMETRIC>>::run(args...) : Op<Format<BITS, true, false, SYMMETRIC>>::run(args...);
-  } else {
-    f.fp32_scales ? Op<Format<BITS, false, true, SYMMETRIC>>::run(args...) : Op<Format<BITS, false, false, SYMMETRIC>>::run(args...);
-  }
+  if (f.group == 16) with_kind<Op, BITS, SYMMETRIC, true>(f, args...);
+  else with_kind<Op, BITS, SYMMETRIC, false>(f, args...);
 }
 
 template <template <typename> class Op, int BITS, typename... Args>
@@ -348,6 +363,7 @@ struct GroupDots {
 
 void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
   f.zero_point = 0;  // the raw sums of the codes: no scales, no zero point
+  f.scale_kind = SCALES_FP16;
   with_format<GroupDots>(f, w, N, K, x, out);
 }
 
