@@ -177,12 +177,13 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
   }
 }
 
-// LANES scales (or minimums) from element i = 16 h + lane of a block's numbers (common.h).
-template <int KIND, bool SPLIT>
-inline V::F load_scales(const void* p, int64_t i) {
-  if constexpr (KIND == SCALES_FP32) {
+// LANES scales (or minimums) from element i = 16 h + lane of a block's numbers (common.h). The
+// kind is a run-time value: one branch per group, taken the same way throughout a weight.
+template <bool SPLIT>
+inline V::F load_scales(int kind, const void* p, int64_t i) {
+  if (kind == SCALES_FP32) {
     return V::load(static_cast<const float*>(p) + i);
-  } else if constexpr (KIND == SCALES_FP16) {
+  } else if (kind == SCALES_FP16) {
     return V::load_fp16(static_cast<const uint16_t*>(p) + i);
   } else {
     constexpr int64_t group = SPLIT ? 16 : 32, per_record = 256 / group;
@@ -193,17 +194,18 @@ inline V::F load_scales(const void* p, int64_t i) {
   }
 }
 
-// A weight format as template arguments: the codes' storage bits, scale groups of 16, the
-// scales' kind, a zero point instead of minimums.
-template <int BITS_, bool SPLIT_, int KIND_, bool SYMMETRIC_>
+// What of a weight format the code is specialised on: the codes' storage bits and scale groups
+// of 16 (the scales' kind and the zero point are run-time values).
+template <int BITS_, bool SPLIT_>
 struct Format {
-  static constexpr int BITS = BITS_, KIND = KIND_;
-  static constexpr bool SPLIT = SPLIT_, SYMMETRIC = SYMMETRIC_;
+  static constexpr int BITS = BITS_;
+  static constexpr bool SPLIT = SPLIT_;
   static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
   static constexpr int64_t GROUP_BYTES = group_bytes(BITS);          // codes of 16 outputs x 32 k
   // their scales (or minimums): a super-block record spread over its 8 groups of 32
-  static constexpr int64_t SCALE_BYTES = KIND == SCALES_SUPER ? super_record_bytes(32 / PER) / 8
-                                                               : 16 * PER * (KIND == SCALES_FP32 ? 4 : 2);
+  static int64_t scale_bytes(int kind) {
+    return kind == SCALES_SUPER ? super_record_bytes(32 / PER) / 8 : 16 * PER * (kind == SCALES_FP32 ? 4 : 2);
+  }
   // Rows sharing each code vector: split sums hold twice the accumulators.
   static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
 };
@@ -216,8 +218,9 @@ struct Format {
 template <typename F, int R>
 void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
-             int64_t ldo, int32_t zero_point) {
-  const int64_t G = K / GROUP;
+             int64_t ldo, nanoserve_format f) {
+  const int64_t G = K / GROUP, scale_bytes = F::scale_bytes(f.scale_kind);
+  const bool symmetric = f.zero_point != 0;
   V::F acc[SUB][R];
   #pragma GCC unroll 16
   for (int s = 0; s < SUB; ++s) {
@@ -228,28 +231,28 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     const uint8_t* wg = w + g * F::GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
     for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
-    for (int64_t l = 0; l < F::SCALE_BYTES; l += 64) {
-      const int64_t ahead = g * F::SCALE_BYTES + PREFETCH_BYTES * F::SCALE_BYTES / F::GROUP_BYTES + l;
+    for (int64_t l = 0; l < scale_bytes; l += 64) {
+      const int64_t ahead = g * scale_bytes + PREFETCH_BYTES * scale_bytes / F::GROUP_BYTES + l;
       __builtin_prefetch(static_cast<const char*>(d) + ahead);
-      if constexpr (!F::SYMMETRIC) __builtin_prefetch(static_cast<const char*>(m) + ahead);
+      if (!symmetric) __builtin_prefetch(static_cast<const char*>(m) + ahead);
     }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
       group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
                                        xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G,
-                                       F::SYMMETRIC ? zero_point : 0, hi, lo);
+                                       f.zero_point, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
-        const V::F dv = load_scales<F::KIND, F::SPLIT>(d, at);
+        const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
           acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
         }
-        if constexpr (!F::SYMMETRIC) {
-          const V::F mv = load_scales<F::KIND, F::SPLIT>(m, at);
+        if (!symmetric) {
+          const V::F mv = load_scales<F::SPLIT>(f.scale_kind, m, at);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
@@ -270,11 +273,11 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
 template <typename F, int R = F::ROWS>
 void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
-                int64_t ldo, int32_t zero_point) {
+                int64_t ldo, nanoserve_format f) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, zero_point);
+    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, f);
   }
-  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, zero_point);
+  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, f);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
@@ -282,60 +285,47 @@ void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_
 template <typename F>
 void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
                     int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
-                    bool out_bf16, int32_t zero_point) {
-  const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::SCALE_BYTES;
+                    bool out_bf16, nanoserve_format f) {
+  const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t r = 0; r < M; r += F::ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
       rows_block<F>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
                     static_cast<const char*>(m) + b * scale_bytes, K, M, r, xq, xd, xs, xsum,
-                    static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, zero_point);
+                    static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
   }
 }
 
-template <template <typename> class Op, int BITS, bool SYMMETRIC, bool SPLIT, typename... Args>
-void with_kind(nanoserve_format f, Args... args) {
-  if (f.scale_kind == SCALES_FP32) Op<Format<BITS, SPLIT, SCALES_FP32, SYMMETRIC>>::run(args...);
-  else if (f.scale_kind == SCALES_SUPER) Op<Format<BITS, SPLIT, SCALES_SUPER, SYMMETRIC>>::run(args...);
-  else Op<Format<BITS, SPLIT, SCALES_FP16, SYMMETRIC>>::run(args...);
-}
-
-template <template <typename> class Op, int BITS, bool SYMMETRIC, typename... Args>
-void with_scales(nanoserve_format f, Args... args) {
-  if (f.group == 16) with_kind<Op, BITS, SYMMETRIC, true>(f, args...);
-  else with_kind<Op, BITS, SYMMETRIC, false>(f, args...);
-}
-
 template <template <typename> class Op, int BITS, typename... Args>
-void with_zero_point(nanoserve_format f, Args... args) {
-  if (f.zero_point) with_scales<Op, BITS, true>(f, args...);
-  else with_scales<Op, BITS, false>(f, args...);
+void with_group(nanoserve_format f, Args... args) {
+  if (f.group == 16) Op<Format<BITS, true>>::run(args...);
+  else Op<Format<BITS, false>>::run(args...);
 }
 
 // The format's template instance for a runtime format.
 template <template <typename> class Op, typename... Args>
 void with_format(nanoserve_format f, Args... args) {
-  if (f.bits == 4) with_zero_point<Op, 4>(f, args...);
-  else if (f.bits == 5) with_zero_point<Op, 5>(f, args...);
-  else if (f.bits == 6) with_zero_point<Op, 6>(f, args...);
-  else with_zero_point<Op, 8>(f, args...);
+  if (f.bits == 4) with_group<Op, 4>(f, args...);
+  else if (f.bits == 5) with_group<Op, 5>(f, args...);
+  else if (f.bits == 6) with_group<Op, 6>(f, args...);
+  else with_group<Op, 8>(f, args...);
 }
 
 template <typename F>
 struct GroupMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
                   int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
-                  bool out_bf16, int32_t zero_point) {
-    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, zero_point);
+                  bool out_bf16, nanoserve_format f) {
+    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
   }
 };
 
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0,
               int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
               void* out, int32_t out_bf16) {
-  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16), f.zero_point);
+  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16), f);
 }
 
 template <typename F>
