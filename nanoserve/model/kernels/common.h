@@ -33,7 +33,7 @@ extern "C" {
 // How a packed weight stores its codes and per-group numbers.
 struct nanoserve_format {
   int32_t bits;         // the codes' storage: 4, 5, 6 or 8 bits a code (the layouts above)
-  int32_t group;        // weights per scale and minimum along K: 32, or 16 (bytes only)
+  int32_t group;        // weights per scale and minimum along K: 32, or 16 (Q6_K)
   int32_t scale_kind;   // d and m as SCALES_FP16, SCALES_FP32 or SCALES_SUPER (K % 256 == 0)
   int32_t zero_point;   // 0: a minimum m per group; else m = -zero_point * d (Q4_0 8, Q8_0 128...), none stored
 };
