@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from compile.common import add_output_options, format_table, result_stem, write_results
 from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import (
-    Int4Linear,
+    GroupLinear,
     Int8GroupLinear,
     quantize_int4,
     quantize_int8_groups,
@@ -45,8 +45,8 @@ def arms(n: int, k: int, copies: int, tier: str, dtype: torch.dtype) -> dict[str
         dense32, dense16 = w, w.bfloat16()
         out["fp32"].append(lambda x, w=dense32: F.linear(x.float(), w))
         out["bf16"].append(lambda x, w=dense16: F.linear(x.bfloat16(), w))
-        out["int4"].append(Int4Linear(quantize_int4(w), None, dtype, kernel=tier))
-        out["int4_torch"].append(lambda x, m=Int4Linear(quantize_int4(w), None, torch.bfloat16, kernel="torch"):  # noqa: B008
+        out["int4"].append(GroupLinear(quantize_int4(w), None, dtype, kernel=tier))
+        out["int4_torch"].append(lambda x, m=GroupLinear(quantize_int4(w), None, torch.bfloat16, kernel="torch"):  # noqa: B008
                                  m(x.bfloat16()))
         out["int8g"].append(Int8GroupLinear(*quantize_int8_groups(w), None, dtype, kernel=tier))
     return out

@@ -9,35 +9,67 @@ import torch
 
 from nanoserve.engine.paged_attention import paged_attention_reference
 from nanoserve.model import cpu_kernels
-from nanoserve.model.quant import GROUP_SIZE
+from nanoserve.model.quant import GROUP_SIZE, SuperScales
 
 # Every tier of ours this host runs, the reference included: each is tested here, none skipped.
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
 VECTOR_TIERS = [t for t in TIERS if t != "scalar"]
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536)]
+# The kernels' weight formats: (the codes' storage bits, scale group, the scales' kind, zero
+# point). Kinds: fp16 numbers, fp32 numbers, a K-quant's super-block records (fp16 times int8);
+# a symmetric format's zero point (Q4_0 8, Q5_0 16, Q8_0 128, Q6_K 32) replaces its minimums.
+# Q4_1, Q4_0, Q5_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, then combinations no GGUF type uses.
+FP16, FP32, SUPER = "fp16", "fp32", "super"
+FORMATS = [(4, 32, FP16, 0), (4, 32, FP16, 8), (5, 32, FP16, 0), (5, 32, FP16, 16), (8, 32, FP16, 128),
+           (4, 32, SUPER, 0), (5, 32, SUPER, 0), (6, 16, SUPER, 32), (4, 32, FP32, 0), (6, 16, FP32, 32),
+           (8, 32, FP32, 0), (8, 16, FP16, 0), (4, 16, FP32, 0), (5, 16, FP16, 0), (6, 32, FP16, 0),
+           (8, 16, SUPER, 0)]
+FORMAT_IDS = [f"{b}bit-g{g}-{kind}-z{z}" for b, g, kind, z in FORMATS]
 
 
-def random_codes(n: int, k: int, nibbles: bool, seed: int) -> torch.Tensor:
+def random_codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
+    """Random codes of ``bits`` bits, packed, checked to unpack to themselves."""
     generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16 if nibbles else 256, (n, k), generator=generator, dtype=torch.int32)
-    return (cpu_kernels.pack_nibbles if nibbles else cpu_kernels.pack_bytes)(codes.to(torch.uint8))
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=generator, dtype=torch.int32).to(torch.uint8)
+    packed = cpu_kernels.pack_groups(codes, torch.ones(n, k // 32), torch.zeros(n, k // 32), bits)[0]
+    assert packed.numel() == n * k * bits // 8 and torch.equal(cpu_kernels.unpack_codes(packed, n, k), codes)
+    return packed
+
+
+def random_scales(n: int, k: int, group: int, kind: str, generator: torch.Generator,
+                  sign: float = 1.0) -> torch.Tensor:
+    """Scales for a weight [N, K] with scale groups of ``group`` as the kernels hold them: fp16
+    bits [N / 16, K / group, 16]; fp32 bits of a K-quant's kind (an fp16 number times a 6-bit
+    integer, mostly no fp16 number itself); or super-block records of fp16 super-scales and int8
+    multipliers (quant.SuperScales)."""
+    values = sign * torch.rand(n // 16, k // group, 16, generator=generator)
+    if kind == FP16:
+        return values.half().view(torch.int16)
+    if kind == FP32:
+        six = torch.randint(1, 64, values.shape, generator=generator).float()
+        return (values.half().float() * six).view(torch.int32)
+    factors = SuperScales(sign * torch.rand(n, k // 256, generator=generator).half().float(),
+                          torch.randint(-128, 128, (n, k // group), generator=generator).to(torch.int8))
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    return cpu_kernels.pack_groups(codes, factors.values(), factors.values(), 8, factors, factors)[1]
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
-@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, nibbles, shape):
+def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, bits, group, shape):
     n, k = shape
-    codes = random_codes(n, k, nibbles, seed=n + k)
+    codes = random_codes(n, k, bits, seed=n + k)
     x = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(k), dtype=torch.int8)
     x[:GROUP_SIZE] = 127  # the extremes, where a saturating int16 sum would show
     x[GROUP_SIZE:2 * GROUP_SIZE] = -127
-    want = torch.ops.nanoserve.group_dots(x, codes, n, nibbles, cpu_kernels.handle("scalar"))
-    got = torch.ops.nanoserve.group_dots(x, codes, n, nibbles, cpu_kernels.handle(tier))
+    want = torch.ops.nanoserve.group_dots(x, codes, n, group, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.group_dots(x, codes, n, group, cpu_kernels.handle(tier))
     assert torch.equal(got, want)
     # and the reference is the plain sum over each group
-    unpacked = (cpu_kernels.unpack_nibbles if nibbles else cpu_kernels.unpack_bytes)(codes, n, k).int()
-    plain = (unpacked.view(n, -1, GROUP_SIZE) * x.int().view(1, -1, GROUP_SIZE)).sum(-1)
+    unpacked = cpu_kernels.unpack_codes(codes, n, k).int()
+    plain = (unpacked.view(n, -1, group) * x.int().view(1, -1, group)).sum(-1)
     assert torch.equal(want, plain)
 
 
@@ -53,23 +85,24 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
     codes, fine, _, sums = want
     rebuilt = fine.repeat_interleave(GROUP_SIZE, 1) * (254 * codes[0].float() + codes[1].float())
     assert (rebuilt - x.float()).abs().max() <= x.float().abs().max() / 64516 * 1.01
-    assert torch.equal(sums[0], codes[0].int().view(37, -1, GROUP_SIZE).sum(-1))
+    assert torch.equal(sums[0], codes[0].int().view(37, -1, 16).sum(-1))  # per half group
+    assert torch.equal(sums[1], codes[1].int().view(37, -1, 16).sum(-1))
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
-def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, nibbles, rows):
-    n, k = 96, 576
-    codes = random_codes(n, k, nibbles, seed=rows)
+def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows):
+    bits, group, kind, zero_point = fmt
+    n, k = 96, 512 if kind == SUPER else 576
+    codes = random_codes(n, k, bits, seed=rows)
     generator = torch.Generator().manual_seed(rows)
-    scales = torch.rand(n // 16, k // GROUP_SIZE, 16, generator=generator).half().view(torch.int16)
-    mins = (-torch.rand(n // 16, k // GROUP_SIZE, 16, generator=generator)).half().view(torch.int16)
+    scales = random_scales(n, k, group, kind, generator)
+    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
     x = torch.randn(rows, k, generator=generator).to(dtype)
-    op = torch.ops.nanoserve.int4_mm if nibbles else torch.ops.nanoserve.int8_mm
-    want = op(x, codes, scales, mins, cpu_kernels.handle("scalar"))
-    got = op(x, codes, scales, mins, cpu_kernels.handle(tier))
+    want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle("scalar"))
+    got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier))
     assert got.dtype == dtype and got.shape == (rows, n)
     # the same integers and fp32 sums in another order: bf16's last bit, or fp32 rounding
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
@@ -78,19 +111,45 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, nibbl
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("nibbles", [True, False], ids=["int4", "int8"])
-def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, nibbles):
-    n, k = 48, 96
-    codes = random_codes(n, k, nibbles, seed=7)
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
+    bits, group, kind, zero_point = fmt
+    n, k = 48, 256 if kind == SUPER else 96
+    codes = random_codes(n, k, bits, seed=7)
     generator = torch.Generator().manual_seed(7)
-    scales = torch.randn(n // 16, k // GROUP_SIZE, 16, generator=generator).half()
-    mins = torch.randn(n // 16, k // GROUP_SIZE, 16, generator=generator).half()
-    got = torch.ops.nanoserve.dequantize(codes, scales.view(torch.int16), mins.view(torch.int16), n, k, nibbles, dtype,
-                                         cpu_kernels.handle(tier))
-    per_output = lambda t: t.float().transpose(1, 2).reshape(n, -1).repeat_interleave(GROUP_SIZE, 1)  # noqa: E731
-    unpacked = (cpu_kernels.unpack_nibbles if nibbles else cpu_kernels.unpack_bytes)(codes, n, k).float()
-    want = per_output(scales) * unpacked + per_output(mins)  # fp32, as the kernels compute it
+    scales = random_scales(n, k, group, kind, generator)
+    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    got = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, dtype, cpu_kernels.handle(tier))
+    per_output = lambda t: cpu_kernels.per_group(t).repeat_interleave(group, 1)  # noqa: E731
+    unpacked = cpu_kernels.unpack_codes(codes, n, k).float()
+    minimums = -zero_point * per_output(scales) if zero_point else per_output(mins)
+    want = per_output(scales) * unpacked + minimums  # fp32, as the kernels compute it
     assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    rows = torch.tensor([[5, 0], [47, 5]])
+    picked = torch.ops.nanoserve.dequantize_rows(codes, scales, mins, zero_point, rows, n, k, dtype,
+                                                 cpu_kernels.handle(tier))
+    assert torch.equal(picked, want.to(dtype)[rows])
+
+
+def test_packed_weights_of_no_known_format_are_refused():
+    handle = cpu_kernels.handle("scalar")
+    codes = random_codes(32, 64, 4, seed=0)
+    x = torch.randn(2, 64)
+    scales = torch.zeros(2, 2, 16, dtype=torch.int16)
+    torch.ops.nanoserve.group_mm(x, codes, scales, scales, 0, handle)  # the shapes that fit
+    torch.ops.nanoserve.group_mm(x, codes, scales, scales[:, :0], 8, handle)
+    with pytest.raises(RuntimeError, match="scales must be"):  # a group of 64
+        torch.ops.nanoserve.group_mm(x, codes, scales[:, :1], scales[:, :1], 0, handle)
+    with pytest.raises(RuntimeError, match="scales must be"):  # fp64 bits
+        torch.ops.nanoserve.group_mm(x, codes, scales.long(), scales.long(), 0, handle)
+    with pytest.raises(RuntimeError, match="mins must match"):
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales.int()[:, :, :16], 0, handle)
+    with pytest.raises(RuntimeError, match="stores no minimums"):
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales, 8, handle)
+    with pytest.raises(RuntimeError, match="zero point must lie"):
+        torch.ops.nanoserve.group_mm(x, codes, scales, scales[:, :0], 300, handle)
+    with pytest.raises(RuntimeError, match="codes must be"):  # 3 bits a weight
+        torch.ops.nanoserve.group_mm(x, torch.zeros(32 * 64 * 3 // 8, dtype=torch.uint8), scales, scales, 0, handle)
 
 
 @pytest.mark.parametrize("tier", TIERS)

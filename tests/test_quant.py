@@ -17,12 +17,12 @@ from nanoserve.model import cpu_kernels
 from nanoserve.model.quant import (
     GROUP_SIZE,
     HEAD_DENSE_FROM_ROWS,
-    GroupwiseInt4,
-    Int4Linear,
+    GroupCodes,
+    GroupLinear,
     Int8GroupLinear,
     Int8Linear,
     WeightPlan,
-    int4_source,
+    group_source,
     pack_model,
     quantize_int4,
     quantize_int8,
@@ -42,25 +42,23 @@ GROUP_KERNELS = cpu_kernels.host_tiers()
 OUR_TIERS = [t for t in GROUP_KERNELS if t != "torch"]
 
 
-def unpack_int4(layer: Int4Linear) -> torch.Tensor:
+def unpack_int4(layer: GroupLinear) -> torch.Tensor:
     """The codes [N, K] a packed layer holds. torch's layout is read back through its own kernel:
     with scale 1 and zero 8 each weight is its code, and an identity input returns the matrix."""
     k, n = layer.in_features, layer.out_features
     if layer.handle is not None:
-        return cpu_kernels.unpack_nibbles(layer.codes, n, k)
+        return cpu_kernels.unpack_codes(layer.codes, n, k)
     unit = torch.stack([torch.ones(k // GROUP_SIZE, n), torch.full((k // GROUP_SIZE, n), 8.0)], -1)
     eye = torch.eye(k, dtype=torch.bfloat16)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP_SIZE, unit.bfloat16())
     return out.t().to(torch.uint8)
 
 
-def per_group(layer_numbers: torch.Tensor) -> torch.Tensor:
-    """Our kernels' fp16 [N / 16, G, 16] per-group numbers back as fp32 [N, G]."""
-    blocks, groups, _ = layer_numbers.shape
-    return layer_numbers.view(torch.float16).float().transpose(1, 2).reshape(16 * blocks, groups)
+per_group = cpu_kernels.per_group  # our kernels' [N / 16, G, 16] per-group numbers back as fp32 [N, G]
 
 
-def kernel_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+def kernel_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                   group: int = GROUP_SIZE) -> torch.Tensor:
     """What our kernels compute, exactly, in float64: per group of 32, x as two int8 codes,
     ``x ~= fine * (254 * hi + lo)`` (hi rounds x / (max |x| / 127), lo the fp32 remainder / fine),
     integer dot products with the unsigned codes [N, K], then
@@ -74,9 +72,9 @@ def kernel_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     hi = (groups * reciprocal(coarse)).round()
     rest = groups - hi * coarse  # in fp32, the product rounded and then the difference
     lo = (rest * reciprocal(fine)).round()
-    x_codes = 254 * hi.double() + lo.double()
-    dots = torch.einsum("mgk,ngk->mng", x_codes, codes.double().view(codes.shape[0], -1, GROUP_SIZE))
-    fine = fine.double().view(m, 1, -1)
+    x_codes = (254 * hi.double() + lo.double()).view(m, k // group, group)
+    dots = torch.einsum("mgk,ngk->mng", x_codes, codes.double().view(codes.shape[0], -1, group))
+    fine = fine.double().view(m, 1, -1).repeat_interleave(GROUP_SIZE // group, -1)
     x_sums = fine * x_codes.sum(-1)[:, None, :]
     return (dots * scales.double() * fine + mins.double() * x_sums).sum(-1)
 
@@ -88,13 +86,16 @@ def assert_close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Te
 
 
 def assert_kernel_product(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                        mins: torch.Tensor, weight: torch.Tensor) -> None:
+                        mins: torch.Tensor, weight: torch.Tensor, group: int = GROUP_SIZE,
+                        dequantised: bool = False) -> None:
     """The kernel's output is its exact arithmetic up to fp32 sums and the bf16 output, and the
     activations' two int8 codes keep it as close to the product with unrounded activations as
-    torch's kernel, which reads x in bf16 (OUTPUT_TOLERANCE)."""
-    exact = kernel_product(x, codes, scales, mins)
+    torch's kernel, which reads x in bf16 (OUTPUT_TOLERANCE). A prompt's ``dequantised`` path
+    rounds each weight to the compute dtype besides."""
+    exact = kernel_product(x, codes, scales, mins, group)
     err = (out.double() - exact).abs().max().item()
-    assert err <= 2 ** -8 * exact.abs().max().item() + 1e-6, (err, exact.abs().max().item())
+    share = 2 ** -7 if dequantised and out.dtype == torch.bfloat16 else 2 ** -8
+    assert err <= share * exact.abs().max().item() + 1e-6, (err, exact.abs().max().item())
     assert_close_to_product(out, x, weight)
 
 
@@ -106,16 +107,18 @@ def test_int4_linear_equals_dequantised_product(shape, rows, kernel):
     torch.manual_seed(0)
     weight = quantize_int4(torch.randn(shape) * shape[1] ** -0.5)
     dtype = cpu_kernels.compute_dtype(kernel)
-    layer = Int4Linear(weight, None, dtype, kernel=kernel)
+    layer = GroupLinear(weight, None, dtype, kernel=kernel)
     x = torch.randn(rows, shape[1], dtype=dtype)
     if shape[1] > GROUP_SIZE:
         x[0, :GROUP_SIZE] *= 1e-37  # a group below our kernels' floor (1e-30), read as zeros
-    assert torch.equal(unpack_int4(layer), weight.q)
+    assert torch.equal(unpack_int4(layer), weight.codes)
     if kernel != "torch":  # w = scale * code + min, both in fp16
-        assert_kernel_product(layer(x), x, weight.q, per_group(layer.scales), per_group(layer.mins), weight.dequantize())
+        assert_kernel_product(layer(x), x, weight.codes, *layer.held_numbers(),
+                              weight.dequantize(), dequantised=rows >= layer.dense_from_rows)
         return
     # torch's kernel holds scales and zeros in the activations' dtype: that rounding is the format's.
-    rounded = GroupwiseInt4(weight.q, weight.scales.bfloat16().float(), weight.zeros.bfloat16().float())
+    zeros = (weight.mins + 8 * weight.scales).bfloat16().float()
+    rounded = GroupCodes(weight.codes, weight.scales.bfloat16().float(), zeros - 8 * weight.scales.bfloat16().float(), 4)
     assert_close_to_product(layer(x), x, rounded.dequantize())
 
 
@@ -141,8 +144,8 @@ def test_int8_group_linear_equals_dequantised_product(shape, rows, kernel):
     if kernel != "torch":  # unsigned codes c + 128, w = scale * (c + 128) - 128 * scale
         assert torch.equal(cpu_kernels.unpack_bytes(layer.codes, *shape), (codes.to(torch.int16) + 128).to(torch.uint8))
         dense = codes.float().view(shape[0], -1, GROUP_SIZE) * scales[..., None]
-        assert_kernel_product(layer(x), x, codes.to(torch.int16) + 128, per_group(layer.scales), per_group(layer.mins),
-                            dense.view(shape))
+        assert_kernel_product(layer(x), x, codes.to(torch.int16) + 128, *layer.held_numbers(),
+                              dense.view(shape), dequantised=rows >= layer.dense_from_rows)
         return
     # The kernel holds each group's scale in bf16 (16d and d round alike): the format's rounding.
     groups = codes.float().view(shape[0], -1, GROUP_SIZE) * scales.bfloat16().float()[..., None]
@@ -166,15 +169,15 @@ def test_group_kernels_refuse_what_they_cannot_run(monkeypatch):
     weight = quantize_int4(torch.randn(32, 64))
     lacking = next(t for t in cpu_kernels.TIERS if t not in GROUP_KERNELS)
     with pytest.raises(ValueError, match=f"kernel tier '{lacking}' needs"):
-        Int4Linear(weight, None, torch.float32, kernel=lacking)
+        GroupLinear(weight, None, torch.float32, kernel=lacking)
     with pytest.raises(ValueError, match="kernel"):
         WeightPlan("int8", kernel="torch")
     with pytest.raises(ValueError, match="kernel must be one of"):
-        Int4Linear(weight, None, torch.float32, kernel="vnni")
+        GroupLinear(weight, None, torch.float32, kernel="vnni")
     # auto never hands fp32 activations to torch's int4 kernel (a reference loop there)
     monkeypatch.setenv(cpu_kernels.ENV, "torch")
-    assert Int4Linear(weight, None, torch.float32).kernel == "scalar"
-    assert Int4Linear(weight, None, torch.bfloat16).kernel == "torch"
+    assert GroupLinear(weight, None, torch.float32).kernel == "scalar"
+    assert GroupLinear(weight, None, torch.bfloat16).kernel == "torch"
 
 
 def test_int8_groups_recover_q8_0_blocks_exactly():
@@ -192,14 +195,16 @@ def test_int4_round_to_nearest_error_is_at_most_half_a_step():
     weight = torch.randn(64, 256)
     packed = quantize_int4(weight)
     step = packed.scales.repeat_interleave(GROUP_SIZE, 1)
-    assert ((packed.dequantize() - weight).abs() <= step / 2 + 1e-6).all()
+    # plus the fp16 rounding of the group's minimum and of its 15 steps
+    fp16 = (packed.mins.abs() + 15 * packed.scales).repeat_interleave(GROUP_SIZE, 1) * 2 ** -11
+    assert ((packed.dequantize() - weight).abs() <= step / 2 + fp16).all()
 
 
 def test_dense_copy_takes_over_from_its_row_count():
     torch.manual_seed(0)
     weight = torch.randn(32, 64)
     dense = weight.bfloat16()
-    layer = Int4Linear(quantize_int4(weight), None, torch.bfloat16, dense=dense, dense_from_rows=8)
+    layer = GroupLinear(quantize_int4(weight), None, torch.bfloat16, dense=dense, dense_from_rows=8)
     few, many = torch.randn(7, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(many), many @ dense.t())
     assert not torch.equal(layer(few), few @ dense.t())  # the int4 codes, not the copy
@@ -212,7 +217,7 @@ def test_linears_the_int4_kernel_cannot_take_stay_dense():
     pack_model(model, WeightPlan("int4"))
     mlp = model.layers[0].mlp
     assert all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, GroupLinear)
 
 
 def test_linears_the_int8_kernel_cannot_take_stay_dense_and_serve():
@@ -251,7 +256,7 @@ def test_fused_gate_up_equals_the_separate_packed_linears_exactly(plan, rows):
     assert mlp.gate_proj is None and mlp.up_proj is None
     fused = mlp.gate_up_proj.to(plan.dtype)
     if plan.format == "int4":
-        alone = [Int4Linear(quantize_int4(w), None, plan.dtype, w.to(plan.dtype), 8) for w in (gate, up)]
+        alone = [GroupLinear(quantize_int4(w), None, plan.dtype, w.to(plan.dtype), 8) for w in (gate, up)]
     else:
         alone = [Int8Linear(*quantize_int8(w), None, plan.dtype, w.to(plan.dtype), 8) for w in (gate, up)]
     x = torch.randn(rows, gate.shape[1], dtype=plan.dtype)
@@ -265,7 +270,7 @@ def test_fused_mlp_equals_the_unfused_mlp_on_the_same_packed_parts():
     pack_model(model, WeightPlan("int4"))
     x = torch.randn(2, gate.shape[1], dtype=torch.bfloat16)
     model.to(torch.bfloat16)
-    expected_gate, expected_up = (Int4Linear(quantize_int4(w), None, torch.bfloat16) for w in (gate, up))
+    expected_gate, expected_up = (GroupLinear(quantize_int4(w), None, torch.bfloat16) for w in (gate, up))
     hidden = F.silu(expected_gate(x)) * expected_up(x)
     assert torch.equal(mlp(x), mlp.down_proj(hidden))
 
@@ -290,7 +295,7 @@ def test_int8_head_with_a_bf16_copy_shares_the_tied_embedding_table_from_its_own
     pack_model(model, plan)
     model.to(plan.dtype)
     head, table = model.lm_head, model.embed_tokens.weight
-    assert isinstance(head, Int8GroupLinear) and head.dense.data_ptr() == table.data_ptr()
+    assert isinstance(head, GroupLinear) and head.dense.data_ptr() == table.data_ptr()
     parts = sum(tensor_bytes(m) for m in [model.embed_tokens, model.layers, model.norm, head])
     assert tensor_bytes(model) == parts - table.nbytes  # the table counted once
     # The head crosses over to the bf16 table sooner than the linears do.
@@ -350,25 +355,26 @@ def smollm2_int4(smollm2_path):
 @pytest.mark.model
 @pytest.mark.slow
 def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smollm2_int4):
-    # Every Q4_1 linear: the codes read back from the packed layer, times the file's own scale
-    # and zero (exact in fp32), equal the file's dequantisation bit for bit. torch's kernel then
-    # holds scale and zero in bf16, a rounding the fidelity gates judge; our kernels hold
-    # the block's own fp16 d and m, so their weights are the file's exactly.
+    # Every Q4_1 linear: the codes read back from the packed layer are the file's, and with the
+    # file's own scale and minimum (exact in fp32) equal the file's dequantisation bit for bit.
+    # torch's kernel then holds scale and zero in bf16, a rounding the fidelity gates judge; our
+    # kernels hold the block's own fp16 d and m, so their weights are the file's exactly.
     from nanoserve.model.gguf_loader import GGUFCheckpoint
     ckpt = GGUFCheckpoint.open(smollm2_path)
-    groups = ckpt.int4_groups(ckpt.config())
+    groups = ckpt.group_codes(ckpt.config())
     fp32 = dict(smollm2[0].named_modules())
-    for name, layer in smollm2_int4.named_modules():
-        if not isinstance(layer, Int4Linear):
-            continue
-        source = int4_source(name, groups)
-        exact = GroupwiseInt4(unpack_int4(layer), source.scales, source.zeros)
+    packed = [(name, layer) for name, layer in smollm2_int4.named_modules() if isinstance(layer, GroupLinear)]
+    assert len(packed) == 30 * 4  # qkv, o, gate_up, down
+    for name, layer in packed:
+        source = group_source(name, groups)
+        assert torch.equal(unpack_int4(layer), source.codes), name
         parts = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")] if "gate_up" in name else [name]
         weight = torch.cat([fp32[p].weight for p in parts])
-        assert torch.equal(exact.dequantize(), weight), name
+        assert torch.equal(source.dequantize(), weight), name
         if layer.handle is not None:
-            d, m = (per_group(t).repeat_interleave(GROUP_SIZE, 1) for t in (layer.scales, layer.mins))
+            d, m = (t.repeat_interleave(GROUP_SIZE, 1) for t in layer.held_numbers())
             assert torch.equal(unpack_int4(layer).float() * d + m, weight), name
+    assert smollm2_int4.weight_types == {"F32": "dense", "Q4_1": "packed", "Q8_0": "dense"}
 
 
 @pytest.mark.model

@@ -52,6 +52,8 @@ class Engine:
         self._aborted_outputs: list[RequestOutput] = []
         self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any dense copy
         self.cpu_kernels = cpu_kernels  # the kernel tier running packed weights (cpu_kernels), if any
+        # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: quant.weight_types).
+        self.weight_types = dict(getattr(model, "weight_types", {}))
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -187,7 +189,8 @@ class Engine:
             gathers=cache.slot_table.gathers, blocks_free=cache.pool.num_free, blocks_total=cache.pool.num_blocks,
             compiled=config.compile, graphs_built=d.graphs_built, recompiles_after_warmup=d.recompiles_after_warmup,
             warmup_seconds=d.warmup_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
-            weights=config.weights, weight_bytes=self.weight_bytes, cpu_kernels=self.cpu_kernels,
+            weights=config.weights, weight_bytes=self.weight_bytes, weight_types=dict(self.weight_types),
+            cpu_kernels=self.cpu_kernels,
             compute_dtype=str(config.dtype).removeprefix("torch."), chunked_prefill=config.enable_chunked_prefill,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             prefill_only_budget=self.scheduler.prefill_only_budget, prefix_caching=cache.enable_prefix_caching,

@@ -38,6 +38,7 @@ class EngineStats:
     # what runs
     weights: str = ""
     weight_bytes: int = 0
+    weight_types: dict[str, str] = field(default_factory=dict)  # GGUF tensor type -> packed, dense
     cpu_kernels: str | None = None
     compute_dtype: str = ""
     chunked_prefill: bool = True

@@ -1,11 +1,15 @@
-"""nanoserve's CPU kernels: group-wise int4 and int8 weight products and the decode attention
-read, in one tier per instruction set, chosen at run time.
+"""nanoserve's CPU kernels: group-wise weight products and the decode attention read, in one
+tier per instruction set, chosen at run time.
 
-``torch.ops.nanoserve.int4_mm(x, codes, scales, mins, tier)`` and ``int8_mm`` compute ``x @ w.T``
-for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // 32] * c[n, k] + mins[n, k // 32]``:
-each activation is written per group of 32 as two int8 codes and multiplied with the weight
-codes in integers, reading 4 (or 8) bits per weight plus two fp16 numbers per group (held as
-int16 bits); each block of 16 outputs is read from memory once for all rows.
+``torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, tier)`` computes ``x @ w.T``
+for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``
+(a symmetric format stores no mins: ``mins = -zero_point * scales``), unsigned codes
+c stored in 4 bits (two a byte), 5 or 6 (a nibble and bit planes) or 8 (a byte each),
+scale groups of g = 32 or 16 weights along K,
+scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
+tensors' sizes and dtypes (``pack_groups``). Each activation is written per group of 32 as two
+int8 codes and multiplied with the weight codes in integers; each block of 16 outputs is read
+from memory once for all rows.
 ``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0)`` is
 the decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots
 (a sliding-window layer's ``window``: over the last ``window`` of them).
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-GROUP_SIZE = 32  # kernels/common.h's GROUP: the group of every packed format here
+GROUP_SIZE = 32  # kernels/common.h's GROUP: the activations' group; a weight's scale group is 32 or 16
 HERE = Path(__file__).parent
 KERNELS = HERE / "kernels"
 ENV = "NANOSERVE_CPU_KERNELS"
@@ -103,8 +107,7 @@ def _ops_loaded() -> bool:
                 log.warning("nanoserve's CPU kernels did not build (%s); using torch's kernels", error)
                 return False
             log.warning("nanoserve's CPU kernels did not build with OpenMP (%s); trying one thread", error)
-    for op in ("int4_mm", "int8_mm"):
-        torch.library.register_fake(f"nanoserve::{op}")(_output_like)
+    torch.library.register_fake("nanoserve::group_mm")(_output_like)
     torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
     torch.library.register_fake("nanoserve::dequantize")(_dequantized_like)
     torch.library.register_fake("nanoserve::dequantize_rows")(_rows_like)
@@ -203,18 +206,18 @@ def _build(tier: Tier) -> Path:
     return out
 
 
-def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int,
                  tier: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
 
 
-def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int, k: int, nibbles: bool,
+def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int, n: int, k: int,
                       dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((n, k), dtype=dtype)
 
 
-def _rows_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, rows: torch.Tensor, n: int, k: int,
-               nibbles: bool, dtype: torch.dtype, tier: int) -> torch.Tensor:
+def _rows_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int, rows: torch.Tensor,
+               n: int, k: int, dtype: torch.dtype, tier: int) -> torch.Tensor:
     return codes.new_empty((*rows.shape, k), dtype=dtype)
 
 
@@ -222,11 +225,31 @@ def _attention_output_like(q: torch.Tensor, *args) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _per_block(values: torch.Tensor) -> torch.Tensor:
-    """[N, G] per-group numbers as the kernel reads them: fp16 [N / 16, G, 16], held as int16 bits
-    so that casting the model to another float dtype leaves them as they are."""
+def _per_block(values: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """[N, H] per-group numbers as the kernel reads them: fp16 or fp32 [N / 16, H, 16], held as
+    int16 or int32 bits so that casting the model to another float dtype leaves them as they are."""
     n, groups = values.shape
-    return values.view(n // 16, 16, groups).transpose(1, 2).half().contiguous().view(torch.int16)
+    blocks = values.view(n // 16, 16, groups).transpose(1, 2)
+    return blocks.float().contiguous().view(torch.int32) if fp32 else blocks.half().contiguous().view(torch.int16)
+
+
+def per_group(numbers: torch.Tensor) -> torch.Tensor:
+    """The inverse of _per_block (and of _super_records): the kernels' numbers back as fp32
+    [N, H] (H may be 0)."""
+    if numbers.dtype == torch.uint8:  # super-block records
+        blocks, supers, size = numbers.shape
+        per_super = (size - 32) // 16
+        head = numbers[..., :32].contiguous().view(torch.float16).float()  # [blocks, supers, 16]
+        rows = numbers[..., 32:].contiguous().view(torch.int8).view(blocks, supers, per_super, 16).float()
+        return (head[:, :, None, :] * rows).permute(0, 3, 1, 2).reshape(16 * blocks, supers * per_super)
+    blocks, groups, _ = numbers.shape
+    values = numbers.view(torch.float32 if numbers.dtype == torch.int32 else torch.float16).float()
+    return values.transpose(1, 2).reshape(16 * blocks, groups)
+
+
+def fp16_holds(values: torch.Tensor) -> bool:
+    """Whether every value is finite and exactly an fp16 number."""
+    return bool(torch.isfinite(values).all()) and torch.equal(values.half().float(), values.float())
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -253,13 +276,81 @@ def unpack_bytes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return codes.view(n // 16, k // GROUP_SIZE, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``w = (q - 8) * scales + zeros`` (q [N, K], scales/zeros [N, K / 32]) as (codes, scales, mins)."""
-    return pack_nibbles(q), _per_block(scales), _per_block(zeros - 8 * scales)
+def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit ``bit`` of each code [N, K] as a bit plane of the 5- and 6-bit layouts: [N / 16, G, 64]
+    bytes, bit b of byte 8 v + b // 8 the code in byte b of nibble vector v (kernels/common.h)."""
+    n, k = codes.shape
+    high = ((codes >> bit) & 1).view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4)  # [blocks, r, G, row, half, i]
+    bits = high.permute(0, 2, 3, 4, 1, 5).reshape(-1, 8)  # per byte of the plane: its 8 bits, lowest first
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
+    return (bits.int() * weights).sum(-1).to(torch.uint8).view(n // 16, k // GROUP_SIZE, 64)
 
 
-def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``w = codes * scales`` (codes [N, K] int8, scales [N, K / 32]) as unsigned codes + 128,
-    scales and mins ``-128 * scales``."""
-    unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
-    return pack_bytes(unsigned), _per_block(scales), _per_block(-128 * scales)
+def _from_bit_plane(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of _bit_plane: [N, K] bits 0 or 1."""
+    bits = planes.reshape(-1, 8, 1) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8) & 1
+    return bits.view(n // 16, k // GROUP_SIZE, 4, 2, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
+
+
+def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] below 2 ** bits (5 or 6) as the kernels' layout: per group the low nibbles,
+    then one bit plane per bit above them, N / 16 * K / 32 * 64 * bits bytes."""
+    n, k = codes.shape
+    nibbles = pack_nibbles(codes & 15).view(n // 16, k // GROUP_SIZE, 256)
+    planes = [_bit_plane(codes, bit) for bit in range(4, bits)]
+    return torch.cat([nibbles, *planes], dim=-1).contiguous().view(-1)
+
+
+def unpack_planes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    bits = 8 * codes.numel() // (n * k)
+    groups = codes.view(n // 16, k // GROUP_SIZE, 64 * bits)
+    out = unpack_nibbles(groups[..., :256].contiguous().view(-1), n, k)
+    for plane, bit in enumerate(range(4, bits)):
+        out = out | (_from_bit_plane(groups[..., 256 + 64 * plane:320 + 64 * plane], n, k) << bit)
+    return out
+
+
+STORAGE = {4: (pack_nibbles, unpack_nibbles), 5: (lambda c: pack_planes(c, 5), unpack_planes),
+           6: (lambda c: pack_planes(c, 6), unpack_planes), 8: (pack_bytes, unpack_bytes)}
+
+
+def storage_bits(bits: int) -> int:
+    """The bits a code of ``bits`` bits is stored in: 4, 5, 6, or a byte."""
+    return 4 if bits <= 4 else bits if bits <= 6 else 8
+
+
+def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Packed codes (4, 5, 6 or 8 bits, from their count) back as [N, K] uint8."""
+    return STORAGE[8 * codes.numel() // (n * k)][1](codes, n, k)
+
+
+def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, scale_factors=None,
+                min_factors=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``w = scales * codes + mins`` per scale group (codes [N, K] uint8 below ``2 ** bits``;
+    scales and mins [N, K / g] fp32, g = 32 or 16) as (codes, scales, mins, zero point) in the
+    kernels' layout, the codes in ``storage_bits(bits)``. A symmetric weight, every minimum
+    ``-2 ** (bits - 1)`` times its scale (Q4_0, Q5_0, Q8_0, Q6_K), keeps no minimums: its zero
+    point says them. The numbers stay fp16 where every one of them is an fp16 number (a legacy
+    GGUF block's d, m); with their K-quant's factors (quant.SuperScales: fp16 super-scales times
+    int8 multipliers) as super-block records (kernels/common.h); else fp32: exact every way."""
+    zero_point = 2 ** (bits - 1)
+    if not torch.equal(mins, -zero_point * scales):
+        zero_point = 0
+    packed = STORAGE[storage_bits(bits)][0](codes)
+    needed = [scale_factors] if zero_point else [scale_factors, min_factors]
+    if codes.shape[1] % 256 == 0 and all(f is not None and fp16_holds(f.supers) for f in needed):
+        records = [_super_records(f) for f in needed]
+        return packed, records[0], records[1] if len(records) > 1 else records[0][:, :, :0], zero_point
+    fp32 = not (fp16_holds(scales) and (zero_point or fp16_holds(mins)))
+    kept = mins[:, :0] if zero_point else mins
+    return packed, _per_block(scales, fp32), _per_block(kept, fp32), zero_point
+
+
+def _super_records(factors) -> torch.Tensor:
+    """quant.SuperScales as the kernels' records [N / 16, K / 256, 32 + 16 S] uint8: per block of
+    16 outputs and super-block, the 16 fp16 super-scales, then S rows of 16 int8 multipliers."""
+    n, supers = factors.supers.shape
+    per_super = factors.multipliers.shape[1] // supers
+    head = factors.supers.view(n // 16, 16, supers).transpose(1, 2).half().contiguous().view(torch.uint8)
+    rows = factors.multipliers.view(n // 16, 16, supers, per_super).permute(0, 2, 3, 1).contiguous()
+    return torch.cat([head, rows.view(torch.uint8).view(n // 16, supers, 16 * per_super)], dim=-1).contiguous()

@@ -90,21 +90,53 @@ std::string cpu_features() {
 
 bool is_float_input(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat; }
 
-// A packed weight of n x k as the tiers read it: contiguous codes (nibbles or bytes) and the
-// fp16 bits of its scales and minimums, [n / 16, k / 32, 16] each.
-void check_packed(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k, bool nibbles) {
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
-  TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) == k / 32 && d.size(2) == 16 &&
-              d.scalar_type() == at::kShort && d.is_contiguous(),
-              "scales must be contiguous fp16 bits (int16) [", n / 16, ", ", k / 32, ", 16], got ", d.sizes(), " ",
-              d.scalar_type());
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kShort && m.is_contiguous(), "mins must match the scales");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n * k / (nibbles ? 2 : 1),
-              "codes must be contiguous uint8 holding ", n, " x ", k, nibbles ? " nibbles" : " bytes");
+// The storage bits of a packed weight's codes, from their count: 4, 5, 6 or 8 bits a weight.
+int32_t code_bits(const at::Tensor& codes, int64_t n, int64_t k) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  int32_t found = 0;
+  for (int32_t bits : {4, 5, 6, 8}) {
+    if (8 * codes.numel() == n * k * bits) found = bits;
+  }
+  TORCH_CHECK(found, "codes must be contiguous uint8 holding ", n, " x ", k, " codes of 4, 5, 6 or 8 bits, got ",
+              codes.numel(), " bytes");
+  return found;
 }
 
-// x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd and xs [M, G] and
-// the codes' sums [2, M, G] (common.h); rows split over threads only when there are enough of
+// The format of a packed weight of n x k as the tiers read it (kernels/common.h), from its
+// tensors: contiguous codes of 4, 5, 6 or 8 bits a weight (n * k * bits / 8 bytes); scales and
+// minimums [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits
+// (int32), or super-block records [n / 16, k / 256, 32 + 16 * 256 / group] (uint8); with a zero
+// point z > 0, no minimums (an empty tensor): m = -z * d.
+nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
+                           int64_t n, int64_t k) {
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
+  const bool fp32 = d.scalar_type() == at::kInt, super = d.scalar_type() == at::kByte;
+  int64_t group = 0;
+  if (super) {
+    const bool fits = d.dim() == 3 && k % 256 == 0 && d.size(0) == n / 16 && d.size(1) == k / 256 && d.is_contiguous();
+    group = fits && d.size(2) == nanoserve::super_record_bytes(32) ? 32 : fits && d.size(2) == nanoserve::super_record_bytes(16) ? 16 : 0;
+    TORCH_CHECK(group, "super-block scales must be contiguous uint8 [", n / 16, ", ", k / 256, ", 160 or 288], got ",
+                d.sizes());
+  } else {
+    TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) > 0 && (d.size(1) == k / 32 || d.size(1) == k / 16) &&
+                d.size(2) == 16 && (fp32 || d.scalar_type() == at::kShort) && d.is_contiguous(),
+                "scales must be contiguous fp16 bits (int16) or fp32 bits (int32) [", n / 16, ", ", k / 32, " or ",
+                k / 16, ", 16], got ", d.sizes(), " ", d.scalar_type());
+    group = k / d.size(1);
+  }
+  TORCH_CHECK(zero_point >= 0 && zero_point <= 128, "the zero point must lie in 0..128, got ", zero_point);
+  if (zero_point) {
+    TORCH_CHECK(m.numel() == 0, "a format with a zero point stores no minimums, got ", m.sizes());
+  } else {
+    TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == d.scalar_type() && m.is_contiguous(),
+                "mins must match the scales");
+  }
+  const int32_t kind = super ? nanoserve::SCALES_SUPER : fp32 ? nanoserve::SCALES_FP32 : nanoserve::SCALES_FP16;
+  return {code_bits(codes, n, k), static_cast<int32_t>(group), kind, static_cast<int32_t>(zero_point)};
+}
+
+// x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd [M, G], xs [M, 2G]
+// and the codes' sums per half group [2, M, 2G] (common.h); rows split over threads only when there are enough of
 // them to pay for it (a prefill).
 void quantize_into(const nanoserve_kernel_table& tier, const at::Tensor& x, int8_t* xq, float* xd, float* xs,
                    int32_t* sums) {
@@ -119,68 +151,58 @@ void quantize_into(const nanoserve_kernel_table& tier, const at::Tensor& x, int8
   });
 }
 
-// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, G], sums [2, M, G] int32).
+// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, 2G], sums [2, M, 2G] int32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle) {
   const int64_t M = x.dim() == 2 ? x.size(0) : 0, G = x.dim() == 2 ? x.size(1) / 32 : 0;
   const at::Tensor xq = at::empty({2, M, 32 * G}, x.options().dtype(at::kChar));
-  const at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, G}, xd.options());
-  const at::Tensor sums = at::empty({2, M, G}, x.options().dtype(at::kInt));
+  const at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, 2 * G}, xd.options());
+  const at::Tensor sums = at::empty({2, M, 2 * G}, x.options().dtype(at::kInt));
   quantize_into(tier_of(handle), x, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
                 sums.data_ptr<int32_t>());
   return {xq, xd, xs, sums};
 }
 
-at::Tensor group_mm(bool nibbles, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                    const at::Tensor& m, int64_t handle) {
-  TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / 32, 16]");
+// x [M, K] @ w.T for the packed weight w of N x K (format_of; N from the scales).
+at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                    int64_t zero_point, int64_t handle) {
+  TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / group, 16]");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, N = 16 * d.size(0);
-  check_packed(codes, d, m, N, K, nibbles);
+  const nanoserve_format format = format_of(codes, d, m, zero_point, N, K);
   const nanoserve_kernel_table& tier = tier_of(handle);
-  // One scratch allocation for the activations' codes [2, M, K], xd and xs [M, G], sums [2, M, G].
-  at::Tensor scratch = at::empty({2 * M * K + 16 * M * G}, x.options().dtype(at::kChar));
+  // One scratch allocation for the activations' codes [2, M, K], xd [M, G], xs [M, 2G], sums [2, M, 2G].
+  at::Tensor scratch = at::empty({2 * M * K + 28 * M * G}, x.options().dtype(at::kChar));
   int8_t* xq = scratch.data_ptr<int8_t>();
   float* xd = reinterpret_cast<float*>(xq + 2 * M * K);  // 2 M K is a multiple of 64: aligned
   float* xs = xd + M * G;
-  int32_t* sums = reinterpret_cast<int32_t*>(xs + M * G);
+  int32_t* sums = reinterpret_cast<int32_t*>(xs + 2 * M * G);
   quantize_into(tier, x, xq, xd, xs, sums);
   at::Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    tier.group_mm(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                  reinterpret_cast<const uint16_t*>(m.data_ptr()), N, K, begin, end, M, xq, xd, xs, sums,
+    tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, xq, xd, xs, sums,
                   out.data_ptr(), x.scalar_type() == at::kBFloat16);
   });
   return out;
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                   int64_t handle) {
-  return group_mm(true, x, codes, d, m, handle);
-}
-
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                   int64_t handle) {
-  return group_mm(false, x, codes, d, m, handle);
-}
-
 // The packed weight of n x k back as a dense [n, k] tensor in `dtype` (fp32 or bf16).
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t k,
-                      bool nibbles, at::ScalarType dtype, int64_t handle) {
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point, int64_t n,
+                      int64_t k, at::ScalarType dtype, int64_t handle) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize writes fp32 or bf16");
-  check_packed(codes, d, m, n, k, nibbles);
+  const nanoserve_format format = format_of(codes, d, m, zero_point, n, k);
   const nanoserve_kernel_table& tier = tier_of(handle);
   at::Tensor out = at::empty({n, k}, codes.options().dtype(dtype));
   at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-    tier.dequantize(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                    reinterpret_cast<const uint16_t*>(m.data_ptr()), k, begin, end, out.data_ptr(), dtype == at::kBFloat16);
+    tier.dequantize(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), k, begin, end, out.data_ptr(),
+                    dtype == at::kBFloat16);
   });
   return out;
 }
 
 // Rows `rows` (int64, any shape) of the packed weight of n x k as a dense [*rows.shape, k] tensor.
-at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, const at::Tensor& rows,
-                           int64_t n, int64_t k, bool nibbles, at::ScalarType dtype, int64_t handle) {
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
+                           const at::Tensor& rows, int64_t n, int64_t k, at::ScalarType dtype, int64_t handle) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_rows writes fp32 or bf16");
-  check_packed(codes, d, m, n, k, nibbles);
+  const nanoserve_format format = format_of(codes, d, m, zero_point, n, k);
   TORCH_CHECK(rows.scalar_type() == at::kLong, "rows must be int64");
   const at::Tensor flat = rows.contiguous().view(-1);
   const int64_t* r = flat.data_ptr<int64_t>();
@@ -193,22 +215,23 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
   at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
   const int64_t size = out.element_size();
   at::parallel_for(0, flat.numel(), 16, [&](int64_t begin, int64_t end) {
-    tier.dequantize_rows(nibbles, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                         reinterpret_cast<const uint16_t*>(m.data_ptr()), k, r + begin, end - begin,
+    tier.dequantize_rows(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), k, r + begin, end - begin,
                          static_cast<char*>(out.data_ptr()) + begin * k * size, dtype == at::kBFloat16);
   });
   return out;
 }
 
-// x_codes [K] int8 in -127..127, codes the packed weight of n outputs -> int32 [n, K / 32].
-at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, bool nibbles, int64_t handle) {
+// x_codes [K] int8 in -127..127, codes the packed weight of n outputs (4, 5, 6 or 8 bits, from
+// their count) -> int32 [n, K / group], group 32 or 16.
+at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_t n, int64_t group, int64_t handle) {
   TORCH_CHECK(x_codes.dim() == 1 && x_codes.scalar_type() == at::kChar && x_codes.is_contiguous(), "x_codes: [K] int8");
   const int64_t K = x_codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-              codes.numel() == n * K / (nibbles ? 2 : 1), "codes must hold ", n, " x ", K, " packed codes");
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0, "codes must hold ", n, " x ", K, " packed codes");
+  TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16, got ", group);
   TORCH_CHECK(x_codes.abs().max().item<int8_t>() <= 127, "x codes must lie in -127..127");
-  at::Tensor out = at::empty({n, K / 32}, x_codes.options().dtype(at::kInt));
-  tier_of(handle).group_dots(nibbles, codes.data_ptr<uint8_t>(), n, K, x_codes.data_ptr<int8_t>(),
+  at::Tensor out = at::empty({n, K / group}, x_codes.options().dtype(at::kInt));
+  const nanoserve_format format{code_bits(codes, n, K), static_cast<int32_t>(group), 0, 0};
+  tier_of(handle).group_dots(format, codes.data_ptr<uint8_t>(), n, K, x_codes.data_ptr<int8_t>(),
                              out.data_ptr<int32_t>());
   return out;
 }
@@ -267,13 +290,12 @@ TORCH_LIBRARY(nanoserve, lib) {
   lib.def("tier_name(int tier) -> str");
   lib.def("cpu_features() -> str");
   lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
-  lib.def("int4_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
-  lib.def("int8_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int tier) -> Tensor");
-  lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int n, int k, bool nibbles, ScalarType dtype, "
+  lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier) -> Tensor");
+  lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int zero_point, int n, int k, ScalarType dtype, "
           "int tier) -> Tensor");
-  lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, Tensor rows, int n, int k, bool nibbles, "
+  lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, int zero_point, Tensor rows, int n, int k, "
           "ScalarType dtype, int tier) -> Tensor");
-  lib.def("group_dots(Tensor x_codes, Tensor codes, int n, bool nibbles, int tier) -> Tensor");
+  lib.def("group_dots(Tensor x_codes, Tensor codes, int n, int group, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
           "int tier, int window=0) -> Tensor");
   lib.impl("load_tier", &load_tier);
@@ -283,8 +305,7 @@ TORCH_LIBRARY(nanoserve, lib) {
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
   lib.impl("quantize_rows", &quantize_rows);
-  lib.impl("int4_mm", &int4_mm);
-  lib.impl("int8_mm", &int8_mm);
+  lib.impl("group_mm", &group_mm);
   lib.impl("group_dots", &group_dots);
   lib.impl("dequantize", &dequantize);
   lib.impl("dequantize_rows", &dequantize_rows);

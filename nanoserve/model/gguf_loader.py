@@ -14,16 +14,15 @@ from gguf.quants import dequantize
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
+from nanoserve.model.gguf_blocks import PACKED_TYPES, group_codes
 from nanoserve.model.llama import hf_norm_offset
-from nanoserve.model.quant import GROUP_SIZE, GroupwiseInt4
+from nanoserve.model.quant import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
-# Tensor types we dequantise (all through gguf.quants): the float types, the legacy block
-# quants and the K-quants.
-SUPPORTED_TENSOR_TYPES = frozenset({
-    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-})
+# Tensor types we load: the float types (dequantised through gguf.quants, run dense or rounded
+# as the weight plan says) and the block types that run packed from their own blocks
+# (gguf_blocks; their fp32 dequantisation is the exact reference).
+SUPPORTED_TENSOR_TYPES = frozenset({Q.F32, Q.F16, Q.BF16} | PACKED_TYPES)
 # general.architecture values we run (Mistral's files are "llama").
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -266,40 +265,37 @@ class GGUFCheckpoint:
             out[name] = weight.to(dtype)
         return out
 
-    def int4_groups(self, config: ModelConfig) -> dict[str, GroupwiseInt4]:
-        """The Q4_0 / Q4_1 tensors as int4 groups, exactly (HF naming and row order).
-
-        A block of 32 is an fp16 scale d (Q4_1: then an fp16 minimum m) and 16 bytes of codes,
-        element j in the low nibble of byte j and element j + 16 in the high one. Q4_0 is
-        w = d * (q - 8); Q4_1 is w = d * q + m = d * (q - 8) + (m + 8d).
-        """
+    def group_codes(self, config: ModelConfig) -> dict[str, GroupCodes]:
+        """Every block-quantised tensor as its own codes, scales and minimums (gguf_blocks), in
+        HF naming and row order: nothing rounded."""
         out = {}
         for t in self.reader.tensors:
-            if t.tensor_type not in (Q.Q4_0, Q.Q4_1) or hf_tensor_name(t.name) is None:
+            if t.tensor_type not in PACKED_TYPES or hf_tensor_name(t.name) is None:
                 continue
+            self._check_type(t)
             n, k = (int(d) for d in reversed(t.shape))
-            blocks = np.asarray(t.data).reshape(n, k // GROUP_SIZE, -1)
-            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            if t.tensor_type == Q.Q4_1:
-                zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
-            else:
-                zeros = np.zeros_like(d)
-            codes = blocks[..., -GROUP_SIZE // 2:]
-            q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).reshape(n, k)
-            arrays = [q, d, zeros]
+            weight = group_codes(t.data, t.tensor_type, n, k)
             if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-                arrays = [unpermute_rotary_rows(a, heads) for a in arrays]
-            out[hf_tensor_name(t.name)] = GroupwiseInt4(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+                weight = unpermute_group_rows(weight, heads)
+            out[hf_tensor_name(t.name)] = weight
         return out
 
-    def _dequantize(self, t: Any, config: ModelConfig) -> np.ndarray:
+    def tensor_types(self) -> dict[str, str]:
+        """Each tensor's type name ("Q4_K", "F32"...) by HF name."""
+        return {hf_tensor_name(t.name): t.tensor_type.name for t in self.reader.tensors
+                if hf_tensor_name(t.name) is not None}
+
+    def _check_type(self, t: Any) -> None:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))
             raise ModelLoadError(
                 self.path, f"tensor {t.name} has unsupported quantisation type {t.tensor_type.name} "
                            f"(supported: {supported})"
             )
+
+    def _dequantize(self, t: Any, config: ModelConfig) -> np.ndarray:
+        self._check_type(t)
         # GGUF lists dimensions innermost first; torch wants them outermost first.
         shape = tuple(int(d) for d in reversed(t.shape))
         # np.array copies: F32 tensors would otherwise alias the read-only memory map.
@@ -309,6 +305,14 @@ class GGUFCheckpoint:
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             weight = unpermute_rotary_rows(weight, heads)
         return weight
+
+
+def unpermute_group_rows(weight: GroupCodes, n_head: int) -> GroupCodes:
+    """unpermute_rotary_rows on every per-row array of a group-wise weight."""
+    rows = lambda t: torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), n_head)))  # noqa: E731
+    factors = [None if f is None else SuperScales(rows(f.supers), rows(f.multipliers))
+               for f in (weight.scale_factors, weight.min_factors)]
+    return GroupCodes(rows(weight.codes), rows(weight.scales), rows(weight.mins), weight.bits, weight.group, *factors)
 
 
 def _read_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.quant import GroupwiseInt4, WeightPlan, pack_model
+from nanoserve.model.quant import GroupCodes, WeightPlan, pack_model, weight_types
 from nanoserve.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
@@ -76,10 +76,12 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     """Load weights and tokenizer. Raises FileNotFoundError or ModelLoadError naming the file at fault.
 
     With ``weights`` the model is held in that plan's format and dtype (``dtype`` is then
-    ignored); a GGUF's Q4_0/Q4_1 blocks become int4 weights without requantising.
+    ignored); with "int4" a GGUF's block-quantised tensors run from their own blocks
+    (gguf_blocks), never rounded again. ``model.weight_types`` says how each tensor type runs.
     """
     path = resolve_model_path(model)
-    int4_sources: dict[str, GroupwiseInt4] = {}
+    sources: dict[str, GroupCodes] = {}
+    types: dict[str, str] | None = None
     load_dtype = dtype if weights is None else torch.float32
     if path.is_dir():
         config = read_hf_config(path)
@@ -90,14 +92,17 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         config = ckpt.config()
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path))
         state = ckpt.state_dict(config, load_dtype)
+        types = ckpt.tensor_types()
         if weights is not None and weights.format == "int4":
-            int4_sources = ckpt.int4_groups(config)
+            sources = ckpt.group_codes(config)
     try:
         built = build_model(config, state, load_dtype, device)
     except (KeyError, RuntimeError) as e:  # missing tensors, or shapes that contradict the config
         raise ModelLoadError(path, f"weights do not match the model config: {e}") from e
     if weights is not None:
         del state  # the float tensors the packed layers replace are freed as they go
-        pack_model(built, weights, int4_sources)
+        pack_model(built, weights, sources, types)
         built.to(weights.dtype)
+    if not hasattr(built, "weight_types") and types is not None:
+        built.weight_types = weight_types(types, {})  # every tensor dense
     return built, tokenizer

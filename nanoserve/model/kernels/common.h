@@ -5,38 +5,57 @@
 // Weight layout (nanoserve/model/cpu_kernels.py packs it): outputs in blocks of 16; per block,
 // per group of 32 along K, 4-byte lanes, lane r holding 4 consecutive codes of output r, so 64
 // bytes cover 16 outputs x 4 k:
-//   nibbles: byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i]
-//                                              | c[16 block + r, 32 g + 8 j + 4 + i] << 4
-//   bytes:   byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
-//   d, m:    fp16 [N / 16, K / 32, 16]
-// Per group g of output n: w[n, k] = d[n, g] * c[n, k] + m[n, g], c unsigned (0..15 or 0..255).
-// Activations, per row and group: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
-// -127..127, so sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs, xs = xd * sum(254 hi + lo).
+//   4 bits:  byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i] & 15
+//                                              | (c[16 block + r, 32 g + 8 j + 4 + i] & 15) << 4
+//   5 bits:  those 256 bytes of low nibbles, then 64 bytes of fifth bits: bit b of the 8 bytes
+//            at 256 + 8 v is bit 4 of the code in byte b of nibble vector v (v = 2 j, low
+//            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
+//   6 bits:  the 5-bit layout, then 64 bytes of sixth bits (bit 5) in the same order, 384 bytes
+//   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
+//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format); or, as a K-quant holds
+//            them, per block and super-block of 256 k a record of 16 fp16 super-scales, then
+//            S = 256 / group rows of 16 int8 multipliers: d = super * multiplier. A symmetric
+//            format stores no m: m = -zero_point * d
+// Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
+// m[n, h], c unsigned, of 4, 5, 6 or 8 bits.
+// Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
+// -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
+// xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16).
 #pragma once
 #include <stdint.h>
 #include <string.h>
 
 #include <cmath>
 
-#define NANOSERVE_KERNEL_ABI 3
+#define NANOSERVE_KERNEL_ABI 4
 
 extern "C" {
+// How a packed weight stores its codes and per-group numbers.
+struct nanoserve_format {
+  int32_t bits;         // the codes' storage: 4, 5, 6 or 8 bits a code (the layouts above)
+  int32_t group;        // weights per scale and minimum along K: 32, or 16 (Q6_K)
+  int32_t scale_kind;   // d and m as SCALES_FP16, SCALES_FP32 or SCALES_SUPER (K % 256 == 0)
+  int32_t zero_point;   // 0: a minimum m per group; else m = -zero_point * d (Q4_0 8, Q8_0 128...), none stored
+};
+
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
 struct nanoserve_kernel_table {
   int32_t abi;
   const char* tier;
-  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, K] (hi then lo), xd, xs [M, K / 32],
-  // xsum [2, M, K / 32] (the integer sums of hi and of lo per group); rows [row_begin, row_end) only.
+  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, K] (hi then lo), xd [M, K / 32],
+  // xs [M, K / 16] and xsum [2, M, K / 16] (the integer sums of hi and of lo per half group of
+  // 16, xs from them as above); rows [row_begin, row_end) only.
   void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
                         int8_t* xq, float* xd, float* xs, int32_t* xsum);
   // out[M, N] (row stride N; bf16 bits if out_bf16, else fp32), output blocks [block_begin, block_end).
   // xq, xd, xs, xsum as quantize_rows wrote them for M rows.
-  void (*group_mm)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
+  void (*group_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
                    int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd,
                    const float* xs, const int32_t* xsum, void* out, int32_t out_bf16);
-  // The raw integer group sums out[n, g] = sum_k c[n, 32 g + k] * x[32 g + k] (unsigned codes,
-  // x int8 in -127..127), through the same instructions as group_mm: tiers are tested on these.
-  void (*group_dots)(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
+  // The raw integer group sums out[n, h] = sum_k c[n, group h + k] * x[group h + k] (unsigned
+  // codes, x int8 in -127..127, group 32 or 16), through the same instructions as group_mm: tiers
+  // are tested on these.
+  void (*group_dots)(nanoserve_format format, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
   // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
   // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
   // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. scratch: attend_scratch floats.
@@ -45,11 +64,11 @@ struct nanoserve_kernel_table {
                  int64_t out_stride, int32_t bf16, float* scratch);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
-  void (*dequantize)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+  void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
                      int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16);
   // Chosen rows of the weight, out[i, k] = d * c + m for row rows[i], i < count: an embedding
   // read from a tied LM head's codes.
-  void (*dequantize_rows)(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+  void (*dequantize_rows)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
                           const int64_t* rows, int64_t count, void* out, int32_t out_bf16);
 };
 }
@@ -127,77 +146,101 @@ inline GroupScales group_scales(float amax) {
   return {coarse, fine, coarse > 0.f ? 1.f / coarse : 0.f, fine > 0.f ? 1.f / fine : 0.f};
 }
 
-// What the products read of group i (of M rows x G groups) besides its codes: the sums of its
-// hi and lo codes, its fine scale, and fine * sum(254 hi + lo).
-inline void store_group(int64_t i, int64_t M, int64_t G, int32_t sum_hi, int32_t sum_lo, float fine, float* xd,
-                        float* xs, int32_t* xsum) {
-  xsum[i] = sum_hi;
-  xsum[M * G + i] = sum_lo;
+// What the products read of group i (of M rows x G groups of 32) besides its codes: its fine
+// scale, and per half h (16 k each) the sums of its hi and lo codes and fine * sum(254 hi + lo).
+inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2], const int32_t sum_lo[2], float fine,
+                        float* xd, float* xs, int32_t* xsum) {
   xd[i] = fine;
-  xs[i] = fine * static_cast<float>(254 * sum_hi + sum_lo);
+  for (int64_t h = 0; h < 2; ++h) {
+    xsum[2 * i + h] = sum_hi[h];
+    xsum[2 * M * G + 2 * i + h] = sum_lo[h];
+    xs[2 * i + h] = fine * static_cast<float>(254 * sum_hi[h] + sum_lo[h]);
+  }
 }
 
+enum { SCALES_FP16 = 0, SCALES_FP32 = 1, SCALES_SUPER = 2 };
+
+// Bytes of a super-block's record of scales: 16 fp16 super-scales and S rows of 16 multipliers.
+constexpr int64_t super_record_bytes(int64_t group) { return 32 + 16 * (256 / group); }
+
+// Scale or minimum i = 16 h + r (scale group h, output r of the block; the layout above) of a
+// weight whose scale groups are `group` wide. A super-scale times a multiplier is exact in fp32.
+inline float load_scale(const void* p, int64_t i, int32_t kind, int64_t group) {
+  if (kind == SCALES_FP32) return static_cast<const float*>(p)[i];
+  if (kind == SCALES_FP16) return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+  const int64_t per_record = 256 / group, h = i / 16, r = i % 16;
+  const uint8_t* record = static_cast<const uint8_t*>(p) + (h / per_record) * super_record_bytes(group);
+  uint16_t super;
+  memcpy(&super, record + 2 * r, 2);
+  return fp16_to_float(super) * static_cast<float>(reinterpret_cast<const int8_t*>(record)[32 + 16 * (h % per_record) + r]);
+}
+
+// Bytes of codes per group of 32 for a block of 16 outputs.
+constexpr int64_t group_bytes(int bits) { return 64 * bits; }
+
 // The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
-inline uint8_t code_in_group(const uint8_t* wg, bool nibbles, int64_t r, int64_t k) {
-  if (nibbles) {
-    const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
-    return (k % 8) < 4 ? (byte & 15) : (byte >> 4);
+inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) {
+  if (bits == 8) return wg[64 * (k / 4) + 4 * r + k % 4];
+  const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
+  const uint8_t low = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
+  const int64_t vector = 2 * (k / 8) + (k % 8) / 4, bit = 4 * r + k % 4;
+  uint8_t code = low;
+  for (int plane = 0; plane < bits - 4; ++plane) {  // the fifth, then the sixth bits
+    code |= ((wg[256 + 64 * plane + 8 * vector + bit / 8] >> (bit % 8)) & 1) << (4 + plane);
   }
-  return wg[64 * (k / 4) + 4 * r + k % 4];
+  return code;
 }
 
 // Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
-// group's 32 codes are unpacked first, so the loops stay simple enough to vectorise.
-template <bool NIBBLES, bool BF16>
-inline void dequantize_row_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t n,
-                                 void* out) {
-  const int64_t G = K / GROUP, group_bytes = NIBBLES ? 256 : 512, b = n / 16, r = n % 16;
+// group's 32 codes are read first, so the loops stay simple enough to vectorise.
+template <int BITS, bool BF16>
+inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m, nanoserve_format f, int64_t K,
+                                 int64_t n, void* out) {
+  const int64_t G = K / GROUP, b = n / 16, r = n % 16, per = GROUP / f.group, group = f.group;
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = w + (b * G + g) * group_bytes + 4 * r;
+    const uint8_t* wg = w + (b * G + g) * group_bytes(BITS);
     float codes[GROUP];
-    for (int64_t j = 0; j < (NIBBLES ? 4 : 8); ++j) {
-      for (int64_t i = 0; i < 4; ++i) {
-        const uint8_t byte = wg[64 * j + i];
-        if constexpr (NIBBLES) {
-          codes[8 * j + i] = static_cast<float>(byte & 15);
-          codes[8 * j + 4 + i] = static_cast<float>(byte >> 4);
-        } else {
-          codes[4 * j + i] = static_cast<float>(byte);
-        }
+    for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_in_group(wg, BITS, r, k));
+    for (int64_t h = 0; h < per; ++h) {
+      const int64_t at = ((b * G + g) * per + h) * 16 + r;
+      const float scale = load_scale(d, at, f.scale_kind, f.group);
+      const float low = f.zero_point ? -static_cast<float>(f.zero_point) * scale : load_scale(m, at, f.scale_kind, f.group);
+      for (int64_t k = h * group; k < (h + 1) * group; ++k) {
+        if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
+        else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;
       }
-    }
-    const float scale = fp16_to_float(d[(b * G + g) * 16 + r]), low = fp16_to_float(m[(b * G + g) * 16 + r]);
-    for (int64_t k = 0; k < GROUP; ++k) {
-      if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
-      else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;
     }
   }
 }
 
-inline void dequantize_row(bool nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t n,
+inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t n,
                            void* out, bool out_bf16) {
-  if (nibbles) {
-    out_bf16 ? dequantize_row_typed<true, true>(w, d, m, K, n, out) : dequantize_row_typed<true, false>(w, d, m, K, n, out);
+  if (f.bits == 4) {
+    out_bf16 ? dequantize_row_typed<4, true>(w, d, m, f, K, n, out) : dequantize_row_typed<4, false>(w, d, m, f, K, n, out);
+  } else if (f.bits == 5) {
+    out_bf16 ? dequantize_row_typed<5, true>(w, d, m, f, K, n, out) : dequantize_row_typed<5, false>(w, d, m, f, K, n, out);
+  } else if (f.bits == 6) {
+    out_bf16 ? dequantize_row_typed<6, true>(w, d, m, f, K, n, out) : dequantize_row_typed<6, false>(w, d, m, f, K, n, out);
   } else {
-    out_bf16 ? dequantize_row_typed<false, true>(w, d, m, K, n, out) : dequantize_row_typed<false, false>(w, d, m, K, n, out);
+    out_bf16 ? dequantize_row_typed<8, true>(w, d, m, f, K, n, out) : dequantize_row_typed<8, false>(w, d, m, f, K, n, out);
   }
 }
 
 // Every output row of blocks [block_begin, block_end) into out [N, K] (a prompt's dense GEMM).
-inline void dequantize_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K,
+inline void dequantize_portable(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K,
                                 int64_t block_begin, int64_t block_end, void* out, int32_t out_bf16) {
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t n = 16 * block_begin; n < 16 * block_end; ++n) {
-    dequantize_row(nibbles, w, d, m, K, n, static_cast<char*>(out) + n * K * size, out_bf16);
+    dequantize_row(f, w, d, m, K, n, static_cast<char*>(out) + n * K * size, out_bf16);
   }
 }
 
 // Rows rows[0 .. count) into out [count, K] (an embedding read from a tied head's codes).
-inline void dequantize_rows_portable(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m,
-                                     int64_t K, const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
+inline void dequantize_rows_portable(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K,
+                                     const int64_t* rows, int64_t count, void* out, int32_t out_bf16) {
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t i = 0; i < count; ++i) {
-    dequantize_row(nibbles, w, d, m, K, rows[i], static_cast<char*>(out) + i * K * size, out_bf16);
+    dequantize_row(f, w, d, m, K, rows[i], static_cast<char*>(out) + i * K * size, out_bf16);
   }
 }
 

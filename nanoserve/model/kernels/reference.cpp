@@ -37,13 +37,13 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
       const float l = __builtin_rintf((v[k] - product) * sc.inv_fine);
       lo[k] = l > 127.f ? 127.f : (l < -127.f ? -127.f : l);
     }
-    int32_t sum_hi = 0, sum_lo = 0;
+    int32_t sum_hi[2] = {0, 0}, sum_lo[2] = {0, 0};
     for (int64_t k = 0; k < GROUP; ++k) {
       const int32_t h = static_cast<int32_t>(hi[k]), l = static_cast<int32_t>(lo[k]);
       xq[i * GROUP + k] = static_cast<int8_t>(h);
       xq[M * K + i * GROUP + k] = static_cast<int8_t>(l);
-      sum_hi += h;
-      sum_lo += l;
+      sum_hi[k / 16] += h;
+      sum_lo[k / 16] += l;
     }
     store_group(i, M, G, sum_hi, sum_lo, sc.fine, xd, xs, xsum);
   }
@@ -55,40 +55,52 @@ void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t 
   else quantize_rows_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
 }
 
-void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
+void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+  const int64_t G = K / GROUP, bytes_per_group = group_bytes(f.bits), H = K / f.group;
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = w + ((n / 16) * G + g) * group_bytes;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h * f.group / GROUP;
+      const uint8_t* wg = w + ((n / 16) * G + g) * bytes_per_group;
       int32_t sum = 0;
-      for (int64_t k = 0; k < GROUP; ++k) sum += code_in_group(wg, nibbles, n % 16, k) * x[g * GROUP + k];
-      out[n * G + g] = sum;
+      for (int64_t k = h * f.group - g * GROUP; k < (h + 1) * f.group - g * GROUP; ++k) {
+        sum += code_in_group(wg, f.bits, n % 16, k) * x[g * GROUP + k];
+      }
+      out[n * H + h] = sum;
     }
   }
 }
 
-void group_mm(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
+// Per group of 32 and scale group h within it (one, or two halves of 16), the integer sums of
+// the codes with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m * xs over h's k
+// (m = -zero_point * d in a symmetric format).
+void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
               int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
               const int32_t*, void* out, int32_t out_bf16) {
-  const int64_t G = K / GROUP, group_bytes = nibbles ? 256 : 512;
+  const int64_t G = K / GROUP, bytes_per_group = group_bytes(f.bits), per = GROUP / f.group;
   std::vector<float> acc(16 * M);
   int32_t codes[16][GROUP];
   for (int64_t b = block_begin; b < block_end; ++b) {
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* wg = w + (b * G + g) * group_bytes;
+      const uint8_t* wg = w + (b * G + g) * bytes_per_group;
       for (int64_t r = 0; r < 16; ++r) {
-        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_in_group(wg, nibbles, r, k);
+        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_in_group(wg, f.bits, r, k);
       }
       for (int64_t row = 0; row < M; ++row) {
         const int8_t* hi = xq + row * K + g * GROUP;
         const int8_t* lo = hi + M * K;
-        for (int64_t r = 0; r < 16; ++r) {
-          int32_t dot_hi = 0, dot_lo = 0;
-          for (int64_t k = 0; k < GROUP; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
-          const float scale = fp16_to_float(d[(b * G + g) * 16 + r]) * xd[row * G + g];
-          acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * scale;
-          acc[row * 16 + r] += fp16_to_float(m[(b * G + g) * 16 + r]) * xs[row * G + g];
+        for (int64_t h = 0; h < per; ++h) {
+          // the activations' sum over this scale group: one half of 16, or both
+          const float x_sum = per == 2 ? xs[row * 2 * G + 2 * g + h] : xs[row * 2 * G + 2 * g] + xs[row * 2 * G + 2 * g + 1];
+          for (int64_t r = 0; r < 16; ++r) {
+            int32_t dot_hi = 0, dot_lo = 0;
+            for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
+            const int64_t at = ((b * G + g) * per + h) * 16 + r;
+            const float d_at = load_scale(d, at, f.scale_kind, f.group);
+            const float low = f.zero_point ? -static_cast<float>(f.zero_point) * d_at : load_scale(m, at, f.scale_kind, f.group);
+            acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * (d_at * xd[row * G + g]);
+            acc[row * 16 + r] += low * x_sum;
+          }
         }
       }
     }

@@ -57,46 +57,80 @@ std::vector<float> as_floats(const std::vector<uint8_t>& raw, bool bf16, size_t 
   return out;
 }
 
-void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, bool nibbles, int64_t N,
-                   int64_t K, int64_t M, bool bf16) {
-  const std::string name = std::string(tier->tier) + (nibbles ? " int4 " : " int8 ") + std::to_string(N) + "x" +
-                           std::to_string(K) + " rows " + std::to_string(M) + (bf16 ? " bf16" : " fp32");
-  const int64_t G = K / 32;
-  std::uniform_int_distribution<int> code(0, nibbles ? 15 : 255), xcode(-127, 127);
-  std::vector<uint8_t> w(N * K / (nibbles ? 2 : 1));
-  for (auto& b : w) b = static_cast<uint8_t>(nibbles ? (code(rng) | (code(rng) << 4)) : code(rng));
+// Scales or minimums of a format, n of them (of blocks of 16 outputs, K = 256 k): fp16 bits;
+// fp32 (a K-quant's exact d * sc, fp16 times a 6-bit integer); or super-block records of fp16
+// super-scales and int8 multipliers (common.h). Magnitudes about 2^-5 .. 2^3.
+std::vector<uint16_t> random_scales(size_t n, int32_t kind, int64_t group) {
+  if (kind == nanoserve::SCALES_FP16) return random_fp16(n);
+  if (kind == nanoserve::SCALES_SUPER) {
+    const int64_t records = n / 16 / (256 / group);
+    std::vector<uint16_t> raw(records * nanoserve::super_record_bytes(group) / 2);
+    std::uniform_int_distribution<int> multiplier(-128, 127);
+    for (int64_t i = 0; i < records; ++i) {
+      uint16_t* record = raw.data() + i * nanoserve::super_record_bytes(group) / 2;
+      const std::vector<uint16_t> supers = random_fp16(16);
+      memcpy(record, supers.data(), 32);
+      int8_t* multipliers = reinterpret_cast<int8_t*>(record + 16);
+      for (int64_t j = 0; j < 16 * (256 / group); ++j) multipliers[j] = static_cast<int8_t>(multiplier(rng) / 16);
+    }
+    return raw;
+  }
+  std::vector<uint16_t> bits = random_fp16(n), raw(2 * n);
+  std::uniform_int_distribution<int> six(-32, 63);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = nanoserve::fp16_to_float(bits[i]) * static_cast<float>(six(rng)) / 16.f;
+    memcpy(&raw[2 * i], &v, 4);
+  }
+  return raw;
+}
+
+void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
+                   int64_t N, int64_t K, int64_t M, bool bf16) {
+  const std::string name = std::string(tier->tier) + " " + std::to_string(f.bits) + "-bit group " +
+                           std::to_string(f.group) + " scales " + std::to_string(f.scale_kind) + " " +
+                           "zero point " + std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " rows " + std::to_string(M) +
+                           (bf16 ? " bf16" : " fp32");
+  const int64_t G = K / 32, H = K / f.group;
+  std::uniform_int_distribution<int> byte(0, 255), xcode(-127, 127);
+  std::vector<uint8_t> w(N * K * f.bits / 8);  // every byte pattern is a valid set of codes
+  for (auto& b : w) b = static_cast<uint8_t>(byte(rng));
   // integer group sums
   std::vector<int8_t> xc(K);
   for (auto& c : xc) c = static_cast<int8_t>(xcode(rng));
-  std::vector<int32_t> dots_ref(N * G), dots(N * G);
-  ref->group_dots(nibbles, w.data(), N, K, xc.data(), dots_ref.data());
-  tier->group_dots(nibbles, w.data(), N, K, xc.data(), dots.data());
+  std::vector<int32_t> dots_ref(N * H), dots(N * H);
+  ref->group_dots(f, w.data(), N, K, xc.data(), dots_ref.data());
+  tier->group_dots(f, w.data(), N, K, xc.data(), dots.data());
   check(dots == dots_ref, name + ": integer group sums");
   // activation codes
   std::vector<float> xf = random_floats(M * K);
   std::vector<uint8_t> x(M * K * (bf16 ? 2 : 4));
   for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
   std::vector<int8_t> xq_ref(2 * M * K), xq(2 * M * K);
-  std::vector<float> xd_ref(M * G), xs_ref(M * G), xd(M * G), xs(M * G);
-  std::vector<int32_t> sum_ref(2 * M * G), sum(2 * M * G);
+  std::vector<float> xd_ref(M * G), xs_ref(2 * M * G), xd(M * G), xs(2 * M * G);
+  std::vector<int32_t> sum_ref(4 * M * G), sum(4 * M * G);
   ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq_ref.data(), xd_ref.data(), xs_ref.data(), sum_ref.data());
   tier->quantize_rows(x.data(), bf16, M, K, 0, M / 2, xq.data(), xd.data(), xs.data(), sum.data());
   tier->quantize_rows(x.data(), bf16, M, K, M / 2, M, xq.data(), xd.data(), xs.data(), sum.data());
   check(xq == xq_ref && xd == xd_ref && xs == xs_ref && sum == sum_ref, name + ": activation codes");
   // products
-  std::vector<uint16_t> d = random_fp16(N * G), m = random_fp16(N * G);
+  std::vector<uint16_t> d = random_scales(N * H, f.scale_kind, f.group), m = random_scales(N * H, f.scale_kind, f.group);
   std::vector<uint8_t> out_ref(M * N * 4), out(M * N * 4);
-  ref->group_mm(nibbles, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
+  ref->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
                 out_ref.data(), bf16);
   // two calls over halves of the blocks, as the glue splits them over threads
-  tier->group_mm(nibbles, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(),
-                 sum.data(), out.data(), bf16);
-  tier->group_mm(nibbles, w.data(), d.data(), m.data(), N, K, N / 32, N / 16, M, xq.data(), xd.data(), xs.data(),
+  tier->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(), sum.data(),
+                 out.data(), bf16);
+  tier->group_mm(f, w.data(), d.data(), m.data(), N, K, N / 32, N / 16, M, xq.data(), xd.data(), xs.data(),
                  sum.data(), out.data(), bf16);
   float scale;
   const float diff = max_abs_diff(as_floats(out_ref, bf16, M * N), as_floats(out, bf16, M * N), &scale);
   check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale, name + ": products, max diff " + std::to_string(diff) + " of " +
                                                      std::to_string(scale));
+  // the dequantised weight is the same on both
+  std::vector<uint8_t> dense_ref(N * K * 4), dense(N * K * 4);
+  ref->dequantize(f, w.data(), d.data(), m.data(), K, 0, N / 16, dense_ref.data(), bf16);
+  tier->dequantize(f, w.data(), d.data(), m.data(), K, 0, N / 16, dense.data(), bf16);
+  check(dense == dense_ref, name + ": dequantised weight");
 }
 
 void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t group, int64_t D,
@@ -149,11 +183,21 @@ int main() {
   const nanoserve_kernel_table* ref = nanoserve_kernels_reference();
   const nanoserve_kernel_table* tier = nanoserve_kernels_tier();
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
-  const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {32, 1536}};
+  const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {48, 256}, {32, 1536}};
   for (bool bf16 : {true, false}) {
-    for (bool nibbles : {true, false}) {
-      for (const auto& s : shapes) {
-        for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) test_products(ref, tier, nibbles, s[0], s[1], rows, bf16);
+    for (int32_t bits : {4, 5, 6, 8}) {
+      for (int32_t group : {32, 16}) {
+        for (int32_t scale_kind : {0, 1, 2}) {
+          for (int32_t zero_point : {0, 1 << (bits - 1)}) {
+            for (const auto& s : shapes) {
+              if (scale_kind == nanoserve::SCALES_SUPER && s[1] % 256) continue;  // super-blocks of 256
+              for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
+                const nanoserve_format format{bits, group, scale_kind, zero_point};
+                test_products(ref, tier, format, s[0], s[1], rows, bf16);
+              }
+            }
+          }
+        }
       }
     }
     for (int64_t group : {1, 3, 4}) {

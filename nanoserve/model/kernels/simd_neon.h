@@ -22,6 +22,13 @@ struct Simd {
   static C low_nibbles(C b) { return vandq_s8(b, vdupq_n_s8(0x0F)); }
   static C high_nibbles(C b) { return vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_s8(b), 4)); }
   static C flip(C b) { return veorq_s8(b, vdupq_n_s8(static_cast<int8_t>(0x80))); }
+  // Codes | value where their bit (one per byte: the 16 bits of vector s) is set.
+  static C or_bit(C codes, const uint8_t* bits, int s, char value) {
+    const uint8x16_t spread = vcombine_u8(vdup_n_u8(bits[2 * s]), vdup_n_u8(bits[2 * s + 1]));
+    static const uint8_t select_bytes[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t set = vtstq_u8(spread, vld1q_u8(select_bytes));
+    return vorrq_s8(codes, vreinterpretq_s8_u8(vandq_u8(set, vdupq_n_u8(static_cast<uint8_t>(value)))));
+  }
   static int8x16_t broadcast(const int8_t* x) { return vreinterpretq_s8_s32(vdupq_n_s32(four_codes(x))); }
 #if defined(NANOSERVE_TIER_NEON_DOT)
   using A = int32x4_t;
@@ -42,7 +49,9 @@ struct Simd {
   static I finish_nibbles(A a) { return vpaddq_s32(a.low, a.high); }
 #endif
   static A dot_bytes(A acc, C codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
+  static A dot_wide(A acc, C codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
   static I finish_bytes(A a) { return finish_nibbles(a); }
+  static I finish_wide(A a) { return finish_nibbles(a); }
   static I iadd(I a, I b) { return vaddq_s32(a, b); }
   static I iset1(int32_t v) { return vdupq_n_s32(v); }
   static I times254(I h) { return vmulq_n_s32(h, 254); }
@@ -57,6 +66,10 @@ struct Simd {
   static F load(const float* p) { return vld1q_f32(p); }
   static F load(const uint16_t* bf16) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(bf16), 16)); }
   static F load_fp16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static F load_int8(const int8_t* p) {
+    const int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four_codes(p))));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide)));
+  }
   static void store(float* p, F v) { vst1q_f32(p, v); }
   static float hsum(F v) { return vaddvq_f32(v); }
   static F abs(F v) { return vabsq_f32(v); }

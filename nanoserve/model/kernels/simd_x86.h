@@ -23,10 +23,18 @@ struct Simd {
   static I low_nibbles(I b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
   static I flip(I b) { return b; }
+  // Codes | value where their bit (one per byte, 64 from bits) is set.
+  static I or_bit(I codes, const uint8_t* bits, int, char value) {
+    uint64_t mask;
+    memcpy(&mask, bits, 8);
+    return _mm512_or_si512(codes, _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(value)));
+  }
   static A azero() { return _mm512_setzero_si512(); }
   static A dot_nibbles(A acc, I codes, const int8_t* x) { return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(four_codes(x))); }
+  static A dot_wide(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
   static A dot_bytes(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
   static I finish_nibbles(A a) { return a; }
+  static I finish_wide(A a) { return a; }
   static I finish_bytes(A a) { return a; }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -44,6 +52,7 @@ struct Simd {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16))), 16));
   }
   static F load_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load_int8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }
   static F abs(F v) { return _mm512_abs_ps(v); }
@@ -70,6 +79,16 @@ struct Simd {
   static I load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low_nibbles(I b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
+  // Codes | value where their bit (one per byte: the 32 bits of vector s) is set.
+  static I or_bit(I codes, const uint8_t* bits, int s, char value) {
+    uint32_t word;
+    memcpy(&word, bits + 4 * s, 4);
+    const I spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)),
+                                         _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const I select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+    const I set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(value)));
+  }
   static A azero() { return _mm256_setzero_si256(); }
 #if defined(NANOSERVE_TIER_AVX_VNNI)
   static constexpr bool UNSIGNED_BYTES = true;
@@ -78,7 +97,9 @@ struct Simd {
     return _mm256_dpbusd_avx_epi32(acc, codes, _mm256_set1_epi32(four_codes(x)));
   }
   static A dot_bytes(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
+  static A dot_wide(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
   static I finish_nibbles(A a) { return a; }
+  static I finish_wide(A a) { return a; }
 #else
   // vpmaddubsw multiplies unsigned codes by signed int8 and adds pairs into int16, saturating:
   // nibble pairs reach 2 * 15 * 127 = 3810, so a whole group's 8 products per lane pair stay
@@ -94,6 +115,12 @@ struct Simd {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(codes), xs), _mm256_set1_epi16(1)));
   }
   static I finish_nibbles(A a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  // 5- and 6-bit codes: a pair reaches 2 * 63 * 127 = 16002, so the int16 sums are widened at once.
+  static A dot_wide(A acc, I codes, const int8_t* x) {
+    const I pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four_codes(x)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static I finish_wide(A a) { return a; }
 #endif
   static I finish_bytes(A a) { return a; }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -112,6 +139,7 @@ struct Simd {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16))), 16));
   }
   static F load_fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_int8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F abs(F v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }

@@ -36,7 +36,7 @@ constexpr int SUB = 16 / V::LANES;  // vectors per 16-output block
 constexpr int64_t PREFETCH_BYTES = 8192;
 // The `#pragma GCC unroll` lines below unroll the loops over rows, chains and code vectors, so
 // that the accumulator arrays they index stay in registers; left as loops, GCC keeps them on the
-// stack and the product runs 1.4-1.5x slower from 8 rows.
+// stack.
 
 // reference.cpp's quantiser in vector operations, the same IEEE operations in the same order (so the
 // codes equal the reference's bit for bit): per group, coarse = max |x| / 127, hi = rint(x /
@@ -56,17 +56,18 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
     }
     const GroupScales sc = group_scales(V::hmax(amax));
     const V::F inv_coarse = V::set1(sc.inv_coarse), inv_fine = V::set1(sc.inv_fine), coarse = V::set1(sc.coarse);
-    V::F sum_h = V::fzero(), sum_l = V::fzero();  // integers below 2^12: exact in fp32
+    V::F sum_h[2] = {V::fzero(), V::fzero()}, sum_l[2] = {V::fzero(), V::fzero()};  // per half: exact integers
     for (int c = 0; c < C; ++c) {
       const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_coarse)), bottom), top);
       const V::F rest = V::sub(v[c], V::mul(h, coarse));
       const V::F l = V::min(V::max(V::rint(V::mul(rest, inv_fine)), bottom), top);
       V::store_int8(xq + i * GROUP + V::LANES * c, V::to_int(h));
       V::store_int8(xq + M * K + i * GROUP + V::LANES * c, V::to_int(l));
-      sum_h = V::add(sum_h, h);
-      sum_l = V::add(sum_l, l);
+      sum_h[2 * c / C] = V::add(sum_h[2 * c / C], h);
+      sum_l[2 * c / C] = V::add(sum_l[2 * c / C], l);
     }
-    const int32_t sum_hi = static_cast<int32_t>(V::hsum(sum_h)), sum_lo = static_cast<int32_t>(V::hsum(sum_l));
+    const int32_t sum_hi[2] = {static_cast<int32_t>(V::hsum(sum_h[0])), static_cast<int32_t>(V::hsum(sum_h[1]))};
+    const int32_t sum_lo[2] = {static_cast<int32_t>(V::hsum(sum_l[0])), static_cast<int32_t>(V::hsum(sum_l[1]))};
     store_group(i, M, G, sum_hi, sum_lo, sc.fine, xd, xs, xsum);
   }
 }
@@ -86,29 +87,52 @@ inline void store_out(void* out, int64_t at, V::F v, bool bf16) {
 }
 
 // The code vector j (of 8) of one group for the vector s of outputs: it multiplies the 4
-// activations at k offset code_offset(j) of the group.
-template <bool NIBBLES>
+// activations at k offset code_offset(j) of the group. 5- and 6-bit codes are the 4-bit vector
+// with each fifth (sixth) bit, from the bit planes after the group's nibbles, set back as 16 (32).
+template <int BITS>
 inline V::C code_vector(const uint8_t* wg, int s, int j) {
-  if constexpr (NIBBLES) {
-    const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
-    return j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
-  } else {
+  if constexpr (BITS == 8) {
     return V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
+  } else {
+    const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
+    const V::C low = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
+    if constexpr (BITS == 4) return low;
+    const V::C five = V::or_bit(low, wg + 256 + 8 * j, s, 16);
+    if constexpr (BITS == 5) return five;
+    else return V::or_bit(five, wg + 320 + 8 * j, s, 32);
   }
 }
 
-template <bool NIBBLES>
-constexpr int code_offset(int j) { return NIBBLES ? 8 * (j / 2) + 4 * (j % 2) : 4 * j; }
+template <int BITS>
+constexpr int code_offset(int j) { return BITS == 8 ? 4 * j : 8 * (j / 2) + 4 * (j % 2); }
 
-// The integer sums of one group for the LANES outputs of vector s, for R rows at once: hi[r] =
-// sum_k c x_hi, lo[r] = sum_k c x_lo over the group's 32 k (row r's codes at + r * stride, int8 in
-// -127..127; sums[r * sum_stride], the sums of those codes, undo the byte tiers' flip to signed
-// codes). Each code vector is loaded once for all rows; with few rows each sum is split over two
-// accumulators (even and odd j), so dependent multiply-adds do not wait on each other.
-template <bool NIBBLES, int R, bool LO = true>
+template <int BITS>
+inline V::A dot_codes(V::A acc, V::C code, const int8_t* x) {
+  if constexpr (BITS == 4) return V::dot_nibbles(acc, code, x);
+  else if constexpr (BITS == 5 || BITS == 6) return V::dot_wide(acc, code, x);
+  else return V::dot_bytes(acc, code, x);
+}
+
+template <int BITS>
+inline V::I finish_codes(V::A a) {
+  if constexpr (BITS == 4) return V::finish_nibbles(a);
+  else if constexpr (BITS == 5 || BITS == 6) return V::finish_wide(a);
+  else return V::finish_bytes(a);
+}
+
+// The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
+// hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
+// over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
+// k < 16 in both layouts). Row r's codes at + r * stride, int8 in -127..127; sums[r * sum_stride
+// + h], the sums of those codes per half, undo the byte tiers' flip to signed codes and, with a
+// zero point z, make the sums those of c - z. Each code vector is loaded once for all rows; each
+// sum is split over two accumulators (the halves, or even and odd j with few rows), so dependent
+// multiply-adds do not wait on each other.
+template <int BITS, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t stride,
-                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, V::I* hi, V::I* lo) {
-  constexpr int CHAINS = R <= 2 ? 2 : 1;
+                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t zero_point,
+                       V::I (*hi)[R], V::I (*lo)[R]) {
+  constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
   #pragma GCC unroll 16
   for (int c = 0; c < CHAINS; ++c) {
@@ -117,44 +141,86 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
   }
   #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
-    const V::C code = code_vector<NIBBLES>(wg, s, j);
-    const int c = j % CHAINS, at = code_offset<NIBBLES>(j);
+    const V::C code = code_vector<BITS>(wg, s, j);
+    const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<BITS>(j);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      if constexpr (NIBBLES) {
-        ah[c][r] = V::dot_nibbles(ah[c][r], code, hi_x + r * stride + at);
-        if constexpr (LO) al[c][r] = V::dot_nibbles(al[c][r], code, lo_x + r * stride + at);
-      } else {
-        ah[c][r] = V::dot_bytes(ah[c][r], code, hi_x + r * stride + at);
-        if constexpr (LO) al[c][r] = V::dot_bytes(al[c][r], code, lo_x + r * stride + at);
-      }
+      ah[c][r] = dot_codes<BITS>(ah[c][r], code, hi_x + r * stride + at);
+      if constexpr (LO) al[c][r] = dot_codes<BITS>(al[c][r], code, lo_x + r * stride + at);
     }
   }
+  const auto finish = [](V::A a) { return finish_codes<BITS>(a); };
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    const auto finish = [](V::A a) { return NIBBLES ? V::finish_nibbles(a) : V::finish_bytes(a); };
-    hi[r] = finish(ah[0][r]);
-    lo[r] = finish(al[0][r]);
-    if constexpr (CHAINS == 2) {
-      hi[r] = V::iadd(hi[r], finish(ah[1][r]));
-      lo[r] = V::iadd(lo[r], finish(al[1][r]));
+    #pragma GCC unroll 2
+    for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
+      hi[h][r] = finish(ah[h][r]);
+      if constexpr (LO) lo[h][r] = finish(al[h][r]);
     }
-    if constexpr (!NIBBLES && !V::UNSIGNED_BYTES) {  // the codes were multiplied as c - 128
-      hi[r] = V::iadd(hi[r], V::iset1(128 * sum_hi[r * sum_stride]));
-      if constexpr (LO) lo[r] = V::iadd(lo[r], V::iset1(128 * sum_lo[r * sum_stride]));
+    if constexpr (!SPLIT && CHAINS == 2) {
+      hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
+      if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
+    }
+    // the byte tiers without unsigned products multiplied the codes as c - 128
+    const int32_t offset = (BITS == 8 && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
+    if (offset != 0) {
+      const int32_t* sh = sum_hi + r * sum_stride;
+      #pragma GCC unroll 2
+      for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
+        hi[h][r] = V::iadd(hi[h][r], V::iset1(offset * (SPLIT ? sh[h] : sh[0] + sh[1])));
+        if constexpr (LO) {
+          const int32_t* sl = sum_lo + r * sum_stride;
+          lo[h][r] = V::iadd(lo[h][r], V::iset1(offset * (SPLIT ? sl[h] : sl[0] + sl[1])));
+        }
+      }
     }
   }
 }
 
+// LANES scales (or minimums) from element i = 16 h + lane of a block's numbers (common.h). The
+// kind is a run-time value: one branch per group, taken the same way throughout a weight.
+template <bool SPLIT>
+inline V::F load_scales(int kind, const void* p, int64_t i) {
+  if (kind == SCALES_FP32) {
+    return V::load(static_cast<const float*>(p) + i);
+  } else if (kind == SCALES_FP16) {
+    return V::load_fp16(static_cast<const uint16_t*>(p) + i);
+  } else {
+    constexpr int64_t group = SPLIT ? 16 : 32, per_record = 256 / group;
+    const int64_t h = i / 16, lane = i % 16;
+    const uint8_t* record = static_cast<const uint8_t*>(p) + (h / per_record) * super_record_bytes(group);
+    const V::F super = V::load_fp16(reinterpret_cast<const uint16_t*>(record) + lane);
+    return V::mul(super, V::load_int8(reinterpret_cast<const int8_t*>(record) + 32 + 16 * (h % per_record) + lane));
+  }
+}
+
+// What of a weight format the code is specialised on: the codes' storage bits and scale groups
+// of 16 (the scales' kind and the zero point are run-time values).
+template <int BITS_, bool SPLIT_>
+struct Format {
+  static constexpr int BITS = BITS_;
+  static constexpr bool SPLIT = SPLIT_;
+  static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
+  static constexpr int64_t GROUP_BYTES = group_bytes(BITS);          // codes of 16 outputs x 32 k
+  // their scales (or minimums): a super-block record spread over its 8 groups of 32
+  static int64_t scale_bytes(int kind) {
+    return kind == SCALES_SUPER ? super_record_bytes(32 / PER) / 8 : 16 * PER * (kind == SCALES_FP32 ? 4 : 2);
+  }
+  // Rows sharing each code vector: split sums hold twice the accumulators.
+  static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
+};
+
 // One block of 16 outputs for R rows (from row r0): for each group, each code vector is loaded
 // (from cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32
-// sums stay in registers across the groups. out: row r0's first output of the block.
-template <bool NIBBLES, int R>
-void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, int64_t r0,
+// sums stay in registers across the groups. d, m: the block's first scale and minimum (none in
+// a symmetric format, whose zero point the integer sums take out); out: row r0's first output of
+// the block.
+template <typename F, int R>
+void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
-             int64_t ldo) {
-  constexpr int64_t GROUP_BYTES = NIBBLES ? 256 : 512;
-  const int64_t G = K / GROUP;
+             int64_t ldo, nanoserve_format f) {
+  const int64_t G = K / GROUP, scale_bytes = F::scale_bytes(f.scale_kind);
+  const bool symmetric = f.zero_point != 0;
   V::F acc[SUB][R];
   #pragma GCC unroll 16
   for (int s = 0; s < SUB; ++s) {
@@ -162,22 +228,37 @@ void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, 
     for (int r = 0; r < R; ++r) acc[s][r] = V::fzero();
   }
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = w + g * GROUP_BYTES;
+    const uint8_t* wg = w + g * F::GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
-    for (int64_t l = 0; l < GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
-    __builtin_prefetch(reinterpret_cast<const char*>(d + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
-    __builtin_prefetch(reinterpret_cast<const char*>(m + 16 * g) + PREFETCH_BYTES * 32 / GROUP_BYTES);
+    for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
+    for (int64_t l = 0; l < scale_bytes; l += 64) {
+      const int64_t ahead = g * scale_bytes + PREFETCH_BYTES * scale_bytes / F::GROUP_BYTES + l;
+      __builtin_prefetch(static_cast<const char*>(d) + ahead);
+      if (!symmetric) __builtin_prefetch(static_cast<const char*>(m) + ahead);
+    }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
-      V::I hi[R], lo[R];
-      group_sums<NIBBLES, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
-                             xsum + r0 * G + g, xsum + M * G + r0 * G + g, G, hi, lo);
-      const V::F dv = V::load_fp16(d + 16 * g + V::LANES * s), mv = V::load_fp16(m + 16 * g + V::LANES * s);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const V::F dot = V::to_float(V::iadd(V::times254(hi[r]), lo[r]));
-        acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
-        acc[s][r] = V::fma(mv, V::set1(xs[(r0 + r) * G + g]), acc[s][r]);
+      V::I hi[F::PER][R], lo[F::PER][R];
+      group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
+                                       xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G,
+                                       f.zero_point, hi, lo);
+      #pragma GCC unroll 2
+      for (int h = 0; h < F::PER; ++h) {
+        const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
+        const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
+          acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
+        }
+        if (!symmetric) {
+          const V::F mv = load_scales<F::SPLIT>(f.scale_kind, m, at);
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
+            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
+          }
+        }
       }
     }
   }
@@ -189,61 +270,91 @@ void block16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, 
 }
 
 // R rows or fewer (down to 1) from row r0: the template for the count.
-template <bool NIBBLES, int R = V::ROWS>
-void rows_block(int rows, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, int64_t M, int64_t r0,
+template <typename F, int R = F::ROWS>
+void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
-                int64_t ldo) {
+                int64_t ldo, nanoserve_format f) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<NIBBLES, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, f);
   }
-  block16<NIBBLES, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo);
+  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, f);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
-// every chunk of V::ROWS rows multiplies them.
-template <bool NIBBLES>
-void group_mm_typed(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K, int64_t b0,
-                    int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-                    void* out, bool out_bf16) {
-  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1), size = out_bf16 ? 2 : 4;
+// every chunk of F::ROWS rows multiplies them.
+template <typename F>
+void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
+                    int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
+                    bool out_bf16, nanoserve_format f) {
+  const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
+  const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t r = 0; r < M; r += V::ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(V::ROWS, M - r));
-      rows_block<NIBBLES>(rows, w + b * block_bytes, d + b * G * 16, m + b * G * 16, K, M, r, xq, xd, xs, xsum,
-                          static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N);
+    for (int64_t r = 0; r < M; r += F::ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
+      rows_block<F>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
+                    static_cast<const char*>(m) + b * scale_bytes, K, M, r, xq, xd, xs, xsum,
+                    static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
   }
 }
 
-void group_mm(int32_t nibbles, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t K,
-              int64_t b0, int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs,
-              const int32_t* xsum, void* out, int32_t out_bf16) {
-  if (nibbles) group_mm_typed<true>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16);
-  else group_mm_typed<false>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16);
+template <template <typename> class Op, int BITS, typename... Args>
+void with_group(nanoserve_format f, Args... args) {
+  if (f.group == 16) Op<Format<BITS, true>>::run(args...);
+  else Op<Format<BITS, false>>::run(args...);
 }
 
-template <bool NIBBLES>
-void group_dots_typed(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  const int64_t G = K / GROUP, block_bytes = 16 * K / (NIBBLES ? 2 : 1);
-  for (int64_t b = 0; b < N / 16; ++b) {
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t x_sum = 0;
-      for (int64_t k = 0; k < GROUP; ++k) x_sum += x[g * GROUP + k];
-      for (int s = 0; s < SUB; ++s) {
-        int32_t lanes[V::LANES];
-        V::I sum, unused;
-        group_sums<NIBBLES, 1, false>(w + b * block_bytes + g * (NIBBLES ? 256 : 512), s, x + g * GROUP, nullptr, 0,
-                                      &x_sum, nullptr, 0, &sum, &unused);
-        V::istore(lanes, sum);
-        for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * G + g] = lanes[i];
+// The format's template instance for a runtime format.
+template <template <typename> class Op, typename... Args>
+void with_format(nanoserve_format f, Args... args) {
+  if (f.bits == 4) with_group<Op, 4>(f, args...);
+  else if (f.bits == 5) with_group<Op, 5>(f, args...);
+  else if (f.bits == 6) with_group<Op, 6>(f, args...);
+  else with_group<Op, 8>(f, args...);
+}
+
+template <typename F>
+struct GroupMm {
+  static void run(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
+                  int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
+                  bool out_bf16, nanoserve_format f) {
+    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
+  }
+};
+
+void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0,
+              int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+              void* out, int32_t out_bf16) {
+  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16), f);
+}
+
+template <typename F>
+struct GroupDots {
+  static void run(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+    const int64_t G = K / GROUP, H = G * F::PER, block_bytes = G * F::GROUP_BYTES;
+    for (int64_t b = 0; b < N / 16; ++b) {
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t x_sums[2] = {0, 0};
+        for (int64_t k = 0; k < GROUP; ++k) x_sums[k / 16] += x[g * GROUP + k];
+        for (int s = 0; s < SUB; ++s) {
+          int32_t lanes[V::LANES];
+          V::I sums[F::PER][1], unused[F::PER][1];
+          group_sums<F::BITS, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
+                                                  nullptr, 0, x_sums, nullptr, 0, 0, sums, unused);
+          for (int h = 0; h < F::PER; ++h) {
+            V::istore(lanes, sums[h][0]);
+            for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
+          }
+        }
       }
     }
   }
-}
+};
 
-void group_dots(int32_t nibbles, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  if (nibbles) group_dots_typed<true>(w, N, K, x, out);
-  else group_dots_typed<false>(w, N, K, x, out);
+void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+  f.zero_point = 0;  // the raw sums of the codes: no scales, no zero point
+  f.scale_kind = SCALES_FP16;
+  with_format<GroupDots>(f, w, N, K, x, out);
 }
 
 // e^x for x <= 0 (softmax after its maximum is taken out): x = n ln2 + f with |f| <= ln2 / 2,
