@@ -79,11 +79,13 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> list[float]:
 
 
 def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None = None,
-                         vocabulary: dict | None = None, edit=None):
+                         vocabulary: dict | None = None, edit=None, quantize=None):
     """`hf_model` as an F32 GGUF the way llama.cpp's converter writes it: gguf's own tensor-name
     map, Q/K rows permuted for the "llama" architecture (its interleaved rope), Gemma's norms
     stored as 1 + w, a Llama 3 rope as rope_freqs factors, and a byte-level vocabulary (or the
-    SentencePiece one `vocabulary` describes, see spm_metadata). `edit(writer)` may add keys."""
+    SentencePiece one `vocabulary` describes, see spm_metadata). `edit(writer)` may add keys.
+    `quantize` (a gguf block type) stores every matrix whose rows split into its blocks in it,
+    through gguf's own quantiser."""
     import gguf
     import numpy as np
 
@@ -129,7 +131,12 @@ def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None
             data = data.reshape(tensor.shape)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1
-        writer.add_tensor(name, data.astype(np.float32))
+        data = data.astype(np.float32)
+        block = gguf.GGML_QUANT_SIZES[quantize][0] if quantize is not None else 0
+        if block and data.ndim == 2 and data.shape[1] % block == 0:
+            writer.add_tensor(name, gguf.quants.quantize(data, quantize), raw_dtype=quantize)
+        else:
+            writer.add_tensor(name, data)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", np.array(llama3_rope_factors(rope, head_dim), dtype=np.float32))
     writer.write_header_to_file()

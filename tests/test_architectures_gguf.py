@@ -15,6 +15,7 @@ from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.loader import load_model
+from nanoserve.model.quant import WeightPlan
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,6 +78,28 @@ def test_gguf_model_through_the_engine_equals_transformers(gguf_pair):
             assert (top2[0] - top2[1]).item() < 2e-4, f"parted at token {split}"
         assert len(ours) == 8
     engine.check_drained()
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_1])
+def test_a_block_quantised_file_runs_packed_with_its_fp32_dequantised_logits(gguf_pair, tmp_path, qtype):
+    """Every architecture's linears (and tied head) stored in a block type run from their blocks,
+    as close to the same file dequantised to fp32 as the compute dtype allows."""
+    variant, hf, _ = gguf_pair
+    path = write_converted_gguf(tmp_path / "q.gguf", hf, variant, quantize=qtype)
+    reference, _ = load_model(str(path), weights=WeightPlan("fp32"))
+    plan = WeightPlan("int4", int8_head=True)
+    model, _ = load_model(str(path), weights=plan)
+    assert model.weight_types[qtype.name] == "packed"
+    ids = torch.randint(3, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = dense_forward(reference, ids)[0].float()
+        got = dense_forward(model, ids)[0].float()
+        if plan.dtype == torch.bfloat16:  # as close as the same weights held dense in bf16 come
+            bf16, _ = load_model(str(path), weights=WeightPlan("bf16"))
+            bound = 2 * (dense_forward(bf16, ids)[0].float() - want).abs().max()
+        else:
+            bound = 2e-3 * want.abs().max()
+    assert (got - want).abs().max() <= bound
 
 
 # --- files the model code cannot run are refused at load, saying what is missing ---------------

@@ -270,7 +270,8 @@ class GGUFCheckpoint:
         HF naming and row order: nothing rounded."""
         out = {}
         for t in self.reader.tensors:
-            if t.tensor_type not in PACKED_TYPES or hf_tensor_name(t.name) is None:
+            name = hf_tensor_name(t.name, config.architecture)
+            if t.tensor_type not in PACKED_TYPES or name is None:
                 continue
             self._check_type(t)
             n, k = (int(d) for d in reversed(t.shape))
@@ -278,13 +279,13 @@ class GGUFCheckpoint:
             if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
                 weight = unpermute_group_rows(weight, heads)
-            out[hf_tensor_name(t.name)] = weight
+            out[name] = weight
         return out
 
     def tensor_types(self) -> dict[str, str]:
         """Each tensor's type name ("Q4_K", "F32"...) by HF name."""
-        return {hf_tensor_name(t.name): t.tensor_type.name for t in self.reader.tensors
-                if hf_tensor_name(t.name) is not None}
+        names = {t.name: hf_tensor_name(t.name, self.architecture) for t in self.reader.tensors}
+        return {names[t.name]: t.tensor_type.name for t in self.reader.tensors if names[t.name] is not None}
 
     def _check_type(self, t: Any) -> None:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
