@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from nanoserve.model import cpu_kernels
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
+
+if TYPE_CHECKING:
+    from nanoserve.distributed.launch import Rank
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # A chunked step's default token budget on a GPU, and a CPU step's with no row decoding: a
@@ -45,20 +50,37 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     its own dtype (given with ``weights``, it is converted in place).
     """
     config = dataclasses.replace(config or EngineConfig(), **options)
+    if config.tensor_parallel_size > 1:
+        from nanoserve.distributed.launch import build_tensor_parallel  # torch.distributed only when asked
+        return build_tensor_parallel(model, tokenizer, config)
+    return build_rank(model, tokenizer, config)
+
+
+def build_rank(model: str | LlamaModel, tokenizer, config: EngineConfig, rank: Rank | None = None) -> Engine:
+    """``build_engine`` for one process: the whole model, or with ``rank`` (tensor parallelism,
+    its process group joined) that rank's shard and its K/V heads' cache. Every rank builds
+    the same pool, buckets and engine from the same config, so one plan drives them all."""
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=isinstance(model, str))
     # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
     source = model if isinstance(model, str) else f"{type(model).__name__}@{id(model):x}"
     if isinstance(model, str):
-        model, tokenizer = load_model(model, dtype=dtype, device=config.device, weights=weight_plan)
+        model, tokenizer = load_model(model, dtype=dtype, device=config.device, weights=weight_plan,
+                                      shard=None if rank is None else rank.shard)
     else:
+        if rank is not None:
+            model = copy.deepcopy(model)  # the caller's model stays whole
+            rank.shard(model, {})
         if weight_plan is not None:
             pack_model(model, weight_plan)
         model = model.to(device=config.device, dtype=dtype)
+    if rank is not None:
+        rank.parallelize(model)
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
-    plan = _plan_pool(model.config, config, dtype)
-    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
     arch = model.config
-    cache = BatchedPagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, plan.num_blocks,
+    kv_heads = arch.num_kv_heads // (rank.size if rank is not None else 1)  # this process's K/V heads
+    plan = _plan_pool(arch, config, dtype, kv_heads)
+    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
+    cache = BatchedPagedKVCache(arch.num_layers, kv_heads, arch.head_dim, plan.num_blocks,
                                 config.block_size, config.max_batch_size, plan.max_model_len, dtype=dtype,
                                 device=config.device, enable_prefix_caching=config.enable_prefix_caching,
                                 prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")
@@ -87,15 +109,16 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     return engine
 
 
-def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
-    """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
-    block, at most DEFAULT_KV_CACHE_BYTES: a tiny model does not get a gigabyte of zeros)."""
+def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype, kv_heads: int) -> PoolPlan:
+    """The pool for the K/V budget of one process holding ``kv_heads`` heads (unset: what every
+    row at full length needs, plus the scratch block, at most DEFAULT_KV_CACHE_BYTES: a tiny
+    model does not get a gigabyte of zeros)."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+    per_block = block_size * kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
     budget = config.kv_cache_bytes or min(DEFAULT_KV_CACHE_BYTES, (rows * -(-limit // block_size) + 1) * per_block)
     try:
-        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, block_size, rows, limit)
+        plan = plan_pool(budget, arch.num_layers, kv_heads, arch.head_dim, dtype, block_size, rows, limit)
     except ValueError as exc:
         raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
     wanted = config.max_model_len

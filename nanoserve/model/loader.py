@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -72,11 +72,15 @@ def load_config(model: str) -> ModelConfig:
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", weights: WeightPlan | None = None) -> tuple[LlamaModel, Tokenizer]:
+               device: str | torch.device = "cpu", weights: WeightPlan | None = None,
+               shard: Callable[[LlamaModel, dict[str, GroupwiseInt4]], dict[str, GroupwiseInt4]] | None = None,
+               ) -> tuple[LlamaModel, Tokenizer]:
     """Load weights and tokenizer. Raises FileNotFoundError or ModelLoadError naming the file at fault.
 
     With ``weights`` the model is held in that plan's format and dtype (``dtype`` is then
-    ignored); a GGUF's Q4_0/Q4_1 blocks become int4 weights without requantising.
+    ignored); a GGUF's Q4_0/Q4_1 blocks become int4 weights without requantising. ``shard``
+    (tensor parallelism) cuts the float model and its int4 groups to one rank's part before
+    they are packed, and returns the groups it kept.
     """
     path = resolve_model_path(model)
     int4_sources: dict[str, GroupwiseInt4] = {}
@@ -96,6 +100,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         built = build_model(config, state, load_dtype, device)
     except (KeyError, RuntimeError) as e:  # missing tensors, or shapes that contradict the config
         raise ModelLoadError(path, f"weights do not match the model config: {e}") from e
+    if shard is not None:
+        int4_sources = shard(built, int4_sources)
     if weights is not None:
         del state  # the float tensors the packed layers replace are freed as they go
         pack_model(built, weights, int4_sources)
