@@ -36,7 +36,8 @@ from nanoserve.model.loader import load_config
 
 logger = logging.getLogger(__name__)
 
-# The plan channel waits as long as the server idles; only the forward's collectives are bounded.
+# A worker waits for the next plan as long as the server idles; rank 0's side of the plan
+# channel (each process sets its own) and the forward's collectives are bounded.
 IDLE_TIMEOUT = timedelta(days=365)
 # How long close() waits for a worker to leave after the stop message before killing it.
 JOIN_SECONDS = 10.0
@@ -100,10 +101,14 @@ def build_tensor_parallel(model, tokenizer, config: EngineConfig):
             raise SystemExit(code)
         return _driven_engine(model, tokenizer, config, joined, workers=[])
     port = free_port()
+    if not str(config.device).startswith("cuda"):
+        # The ranks share this host's cores: each takes its part (the workers inherit the count).
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    threads = torch.get_num_threads()
     context = mp.get_context("spawn")
     workers = []
     for rank in range(1, size):
-        process = context.Process(target=_worker_main, args=(rank, size, port, model, tokenizer, config, os.getpid()),
+        process = context.Process(target=_worker_main, args=(rank, size, port, model, tokenizer, config, os.getpid(), threads),
                                   name=f"nanoserve-tp{rank}")
         process.start()
         workers.append(process)
@@ -136,12 +141,14 @@ def _join(rank: int, size: int, init_method: str, config: EngineConfig) -> Rank:
     timeout = timedelta(seconds=config.tensor_parallel_timeout)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
     return Rank(rank, size, dist.group.WORLD, control)
 
 
-def _worker_main(rank: int, size: int, port: int, model, tokenizer, config: EngineConfig, parent: int) -> None:
+def _worker_main(rank: int, size: int, port: int, model, tokenizer, config: EngineConfig, parent: int,
+                 threads: int) -> None:
     """A spawned rank's process: join, build the shard, serve plans; leave when rank 0 does."""
+    torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     config = _rank_device(config, rank)
     joined = _join(rank, size, f"tcp://127.0.0.1:{port}", config)

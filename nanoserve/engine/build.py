@@ -77,8 +77,10 @@ def build_rank(model: str | LlamaModel, tokenizer, config: EngineConfig, rank: R
         rank.parallelize(model)
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
     arch = model.config
-    kv_heads = arch.num_kv_heads // (rank.size if rank is not None else 1)  # this process's K/V heads
-    plan = _plan_pool(arch, config, dtype, kv_heads)
+    # The pool is planned for the whole model's K/V heads (kv_cache_bytes is the budget over
+    # every rank); each rank's cache holds its heads of every block.
+    plan = _plan_pool(arch, config, dtype)
+    kv_heads = arch.num_kv_heads // (rank.size if rank is not None else 1)
     weights_name = weight_plan.name if weight_plan else _format_name(dtype)
     cache = BatchedPagedKVCache(arch.num_layers, kv_heads, arch.head_dim, plan.num_blocks,
                                 config.block_size, config.max_batch_size, plan.max_model_len, dtype=dtype,
@@ -109,16 +111,15 @@ def build_rank(model: str | LlamaModel, tokenizer, config: EngineConfig, rank: R
     return engine
 
 
-def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype, kv_heads: int) -> PoolPlan:
-    """The pool for the K/V budget of one process holding ``kv_heads`` heads (unset: what every
-    row at full length needs, plus the scratch block, at most DEFAULT_KV_CACHE_BYTES: a tiny
-    model does not get a gigabyte of zeros)."""
+def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
+    """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
+    block, at most DEFAULT_KV_CACHE_BYTES: a tiny model does not get a gigabyte of zeros)."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    per_block = block_size * kv_bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
+    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
     budget = config.kv_cache_bytes or min(DEFAULT_KV_CACHE_BYTES, (rows * -(-limit // block_size) + 1) * per_block)
     try:
-        plan = plan_pool(budget, arch.num_layers, kv_heads, arch.head_dim, dtype, block_size, rows, limit)
+        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, block_size, rows, limit)
     except ValueError as exc:
         raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
     wanted = config.max_model_len
