@@ -108,7 +108,7 @@ def build_tensor_parallel(model, tokenizer, config: EngineConfig):
     context = mp.get_context("spawn")
     workers = []
     for rank in range(1, size):
-        process = context.Process(target=_worker_main, args=(rank, size, port, model, tokenizer, config, os.getpid(), threads),
+        process = context.Process(target=_worker_main, args=(rank, size, port, model, config, os.getpid(), threads),
                                   name=f"nanoserve-tp{rank}")
         process.start()
         workers.append(process)
@@ -145,14 +145,14 @@ def _join(rank: int, size: int, init_method: str, config: EngineConfig) -> Rank:
     return Rank(rank, size, dist.group.WORLD, control)
 
 
-def _worker_main(rank: int, size: int, port: int, model, tokenizer, config: EngineConfig, parent: int,
-                 threads: int) -> None:
-    """A spawned rank's process: join, build the shard, serve plans; leave when rank 0 does."""
+def _worker_main(rank: int, size: int, port: int, model, config: EngineConfig, parent: int, threads: int) -> None:
+    """A spawned rank's process: join, build the shard, serve plans; leave when rank 0 does.
+    (No tokenizer: only rank 0 reads or writes text.)"""
     torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     config = _rank_device(config, rank)
     joined = _join(rank, size, f"tcp://127.0.0.1:{port}", config)
-    raise SystemExit(serve_plans(model, tokenizer, config, joined))
+    raise SystemExit(serve_plans(model, None, config, joined))
 
 
 def _exit_with_parent(parent: int) -> None:

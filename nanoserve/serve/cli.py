@@ -134,4 +134,7 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving %r at http://%s:%d%s", name, host, sock.getsockname()[1],
              " (API key required)" if args.api_key else "")
-    DrainingServer(config, app, args.drain_timeout).run(sockets=[sock])
+    try:
+        DrainingServer(config, app, args.drain_timeout).run(sockets=[sock])
+    finally:
+        engine.close()  # a tensor-parallel engine's ranks leave with the server
