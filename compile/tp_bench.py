@@ -41,9 +41,10 @@ COLUMNS = ["tp", "rows", "weights", "compiled", "step_ms", "tokens_per_s", "coll
 
 
 def tiny_model():
-    """A random model whose 6 heads split 1, 2 or 3 ways (a quick check of the suite)."""
+    """A random model whose 24 heads split 1, 2, 3, 4, 6 or 8 ways (a quick check of the suite,
+    and the GPU check's model on any number of GPUs up to 8 that divides them)."""
     from nanoserve.model.synthetic import random_model, tiny_config
-    return random_model(tiny_config(num_heads=6, num_kv_heads=6, hidden_size=96, intermediate_size=192), seed=0)
+    return random_model(tiny_config(num_heads=24, num_kv_heads=24, hidden_size=384, intermediate_size=768), seed=0)
 
 
 class TimedSend:
@@ -65,7 +66,8 @@ def decode_steps(engine, steps: int) -> None:
 
 def measure(model, size: int, args) -> dict:
     options = dict(max_batch_size=args.rows, max_model_len=args.prompt_len + args.warmup_steps + args.steps
-                   + args.profile_steps + 8, compile=args.compile, warmup="eager" if args.compile else "lazy")
+                   + args.profile_steps + 8, compile=args.compile, warmup="eager" if args.compile else "lazy",
+                   device=args.device)
     if args.weights:
         options["weights"] = args.weights
     with build_engine(model, tensor_parallel_size=size, **options) as engine:
@@ -84,6 +86,8 @@ def measure(model, size: int, args) -> dict:
         decode_steps(engine, args.steps)
         elapsed = time.perf_counter() - started
         broadcast = timed.seconds / args.steps if timed else 0.0
+        # Host time in the collective ops and their waits (on a GPU, where they are queued, the
+        # waits carry most of it).
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             decode_steps(engine, args.profile_steps)
         in_collectives = sum(e.cpu_time_total for e in profiler.key_averages() if e.key in COLLECTIVES) / 1e6
@@ -95,9 +99,9 @@ def measure(model, size: int, args) -> dict:
                 collectives_share=collectives / step, plan_broadcast_ms=broadcast * 1e3)
 
 
-def default_sizes(model, weights) -> tuple[int, ...]:
+def default_sizes(model, weights, device: str) -> tuple[int, ...]:
     config = model.config if not isinstance(model, str) else load_config(model)
-    plan, _ = resolve_weights(weights, None, "cpu", named_model=isinstance(model, str))
+    plan, _ = resolve_weights(weights, None, device, named_model=isinstance(model, str))
     sizes = []
     for size in (1, 2, 3):
         try:
@@ -119,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="compiled decode (each rank its own graphs)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (rank r on GPU r, NCCL)")
     add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -126,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = host_description()
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}")
     rows = []
-    for size in args.sizes or default_sizes(model, args.weights):
+    for size in args.sizes or default_sizes(model, args.weights, args.device):
         rows.append(dict(**host, **measure(model, size, args)))
         print(format_table(rows[-1:], COLUMNS), flush=True)
     print("\n" + format_table(rows, COLUMNS))

@@ -100,6 +100,43 @@ def test_two_ranks_give_one_rank_logits_and_tokens(tiny, compiled):
     assert no_workers_left()
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3"])
+def test_per_head_norms_and_sliding_windows_shard_with_their_heads(variant, tmp_path):
+    """Qwen3's and Gemma 3's q/k norms (one weight for every head), Gemma's sandwich norms,
+    scaled embeddings, soft-capped logits and sliding-window layers, at two ranks."""
+    pytest.importorskip("transformers")
+    from arch_models import make_hf_model
+
+    from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
+    from nanoserve.model.loader import build_model
+
+    make_hf_model(variant).save_pretrained(tmp_path, safe_serialization=True)
+    model = build_model(read_hf_config(tmp_path), load_hf_state_dict(tmp_path))
+    options = dict(OPTIONS, kv_cache_bytes=1 << 20, max_model_len=64)
+    p = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 3
+    prompts = PROMPTS[:3]
+    ref, ref_logits, _ = run_recorded(build_engine(model, **options), prompts, p)
+    with build_engine(model, tensor_parallel_size=2, **options) as engine:
+        got, logits, _ = run_recorded(engine, prompts, p)
+    assert_close(logits, ref_logits, rtol=1e-5)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_every_weight_format_shards(tiny, weights):
+    """bf16 rounds each shard's partial sum; int8 scales each shard's channels over its own
+    slice of K; int4 cuts on group boundaries, its groups unchanged. Greedy tokens agree up to
+    near ties."""
+    model = random_model(tiny_config(), seed=5)  # no biases: the packed kernels' plain shape
+    p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    with build_engine(model, weights=weights, tensor_parallel_size=2, **OPTIONS) as engine:
+        got = engine.generate(PROMPTS, p, use_tqdm=False)
+    # After: a one-process engine packs the model it is given in place (the ranks shard copies).
+    ref = build_engine(model, weights=weights, **OPTIONS).generate(PROMPTS, p, use_tqdm=False)
+    for a, b in zip(got, ref):
+        assert_greedy_agrees_up_to_near_ties(a, b, tolerance=0.1)
+
+
 def test_default_model_over_three_ranks_keeps_greedy_tokens(smollm2_path):
     """9 query heads, 3 K/V heads, int4 with the int8 head: each rank holds 3 and 1, its groups
     whole. The shards' partial sums round apart in bf16, hence the near-tie comparison."""
@@ -159,3 +196,17 @@ def test_vocab_shards_cover_the_vocabulary_in_equal_parts():
         assert len({rows for _, rows in shards}) == 1
         assert shards[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(shards, shards[1:]))
         assert shards[-1][0] + shards[-1][1] >= vocab
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_two_gpus_keep_one_gpu_greedy_tokens(tiny):
+    """NCCL for the forward, rank r on GPU r; bf16, so the shards' partial sums round apart."""
+    options = dict(OPTIONS, device="cuda")
+    p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    ref = build_engine(tiny, **options).generate(PROMPTS, p, use_tqdm=False)
+    with build_engine(tiny, tensor_parallel_size=2, **options) as engine:
+        got = engine.generate(PROMPTS, p, use_tqdm=False)
+    for a, b in zip(got, ref):
+        assert_greedy_agrees_up_to_near_ties(a, b, tolerance=0.1)
+    assert no_workers_left()
