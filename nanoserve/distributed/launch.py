@@ -129,8 +129,8 @@ def free_port() -> int:
 
 
 def _rank_device(config: EngineConfig, local_rank: int) -> EngineConfig:
-    """Each rank on its own GPU (cuda -> cuda:<local rank>); the CPU is shared."""
-    if str(config.device) == "cuda":
+    """Each rank on its own GPU (cuda or cuda:k -> cuda:<local rank>); the CPU is shared."""
+    if str(config.device).startswith("cuda"):
         torch.cuda.set_device(local_rank)
         return dataclasses.replace(config, device=f"cuda:{local_rank}")
     return config
