@@ -51,6 +51,11 @@ class Rank:
     size: int
     group: object  # the forward's collectives
     control: object  # rank 0's messages (gloo)
+    startup: object  # the barrier every rank passes once built (gloo, unbounded: loading takes what it takes)
+
+    def ready(self) -> None:
+        """Wait for every rank to have built its shard (a rank that died meanwhile fails it)."""
+        dist.barrier(group=self.startup)
 
     def shard(self, model, int4_sources: dict) -> dict:
         return shard_weights(model, self.rank, self.size, int4_sources)
@@ -142,7 +147,8 @@ def _join(rank: int, size: int, init_method: str, config: EngineConfig) -> Rank:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
-    return Rank(rank, size, dist.group.WORLD, control)
+    startup = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return Rank(rank, size, dist.group.WORLD, control, startup)
 
 
 def _worker_main(rank: int, size: int, port: int, model, config: EngineConfig, parent: int, threads: int) -> None:
@@ -167,6 +173,7 @@ def serve_plans(model, tokenizer, config: EngineConfig, joined: Rank) -> int:
     process's exit code (a fault is logged and leaves the process group)."""
     try:
         engine = build_rank(model, tokenizer, config, joined)
+        joined.ready()
         runner, network = engine.runner, engine.model
         while True:
             message = _receive(joined)
@@ -269,6 +276,7 @@ class DrivingLogits:
 
 def _driven_engine(model, tokenizer, config: EngineConfig, joined: Rank, workers: list):
     engine = build_rank(model, tokenizer, config, joined)
+    joined.ready()  # the first plan's bounded broadcast must not wait on a rank still loading
     driver = Driver(joined, workers)
     engine.runner = DrivingRunner(engine.runner, driver)
     engine.scoring_model = DrivingLogits(engine.model, engine.runner)

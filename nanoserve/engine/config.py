@@ -65,7 +65,8 @@ class EngineConfig:
         1, "ranks the model is sharded over (tensor parallelism); on one host the engine starts the other "
            "ranks' processes itself, under torchrun it joins the launched ranks", kind="int")
     tensor_parallel_timeout: float = option(
-        60.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails", cli=False)
+        180.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails (a rank "
+               "compiling a new decode graph must finish within it)", cli=False)
 
     def __post_init__(self) -> None:
         if self.warmup not in ("eager", "lazy"):
