@@ -115,7 +115,8 @@ def default_sizes(model, weights, device: str) -> tuple[int, ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py tp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help='a model argument, or "tiny" (a random check model)')
-    parser.add_argument("--sizes", type=int_list, default=None, help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--sizes", "--tensor-parallel-size", type=int_list, default=None,
+                        help="tensor-parallel sizes, comma-separated (default: those of 1, 2, 3 the model divides by)")
     parser.add_argument("--weights", default=None, help="weight format (default: the engine's)")
     parser.add_argument("--rows", type=int, default=8, help="decoding rows")
     parser.add_argument("--prompt-len", type=int, default=32)

@@ -280,6 +280,5 @@ def _driven_engine(model, tokenizer, config: EngineConfig, joined: Rank, workers
     driver = Driver(joined, workers)
     engine.runner = DrivingRunner(engine.runner, driver)
     engine.scoring_model = DrivingLogits(engine.model, engine.runner)
-    engine.tensor_parallel = driver
     weakref.finalize(engine, driver.close)  # an engine dropped unclosed still stops its ranks
     return engine
