@@ -107,8 +107,9 @@ def build_tensor_parallel(model, tokenizer, config: EngineConfig):
         return _driven_engine(model, tokenizer, config, joined, workers=[])
     port = free_port()
     if not str(config.device).startswith("cuda"):
-        # The ranks share this host's cores: each takes its part (the workers inherit the count).
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+        # The ranks share this host's cores: each takes its part (the workers get the same count).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // size)))
     threads = torch.get_num_threads()
     context = mp.get_context("spawn")
     workers = []
