@@ -61,6 +61,25 @@ def test_a_lost_worker_turns_the_server_to_503_and_every_rank_ends(tmp_path):
     assert not workers_left()
 
 
+def test_a_fault_on_rank_0_alone_stops_the_other_ranks(tmp_path):
+    """A fault outside the collectives (rank 0's own bookkeeping) leaves the other ranks idle
+    and healthy: the faulted loop closes the engine, and they leave."""
+    engine = tiny_text_engine(tmp_path, tensor_parallel_size=2, **ENGINE)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with served(engine, "tiny", None) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        (worker,) = engine.runner.driver.workers
+
+        def broken_advance(rows):
+            raise AssertionError("planted: the slot table disagrees with the pool")
+
+        engine.cache.advance = broken_advance
+        assert client.post("/v1/completions", json=body).status_code == 503
+        worker.join(30)
+        assert worker.exitcode == 0  # told to stop, not killed
+        assert client.get("/health").status_code == 503
+    assert not workers_left()
+
+
 @pytest.mark.slow  # two fresh interpreters importing torch
 def test_two_hosts_joined_as_torchrun_serve_a_request_and_stop_together(tmp_path, gguf_writer):
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
