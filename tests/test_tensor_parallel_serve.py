@@ -84,18 +84,18 @@ def test_a_fault_on_rank_0_alone_stops_the_other_ranks(tmp_path):
 def test_two_hosts_joined_as_torchrun_serve_a_request_and_stop_together(tmp_path, gguf_writer):
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
-    master, ports = free_port(), [free_port(), free_port()]
+    master, port = free_port(), free_port()
     processes = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "nanoserve.launch", "serve", str(path), "--port", str(ports[rank]),
+        argv = [sys.executable, "-m", "nanoserve.launch", "serve", str(path), "--port", str(port),
                 "--tensor-parallel-size", "2", "--weights", "fp32", "--max-model-len", "64",
                 "--kv-cache-bytes", "1M", "--max-batch-size", "4"]
         processes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           env=env))
     try:
-        url = f"http://127.0.0.1:{ports[0]}"
+        url = f"http://127.0.0.1:{port}"  # one port for both: only rank 0 binds it
         wait_until_serving(processes[0], url, timeout=120)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         reply = client.completions.create(**COMPLETION)
