@@ -181,6 +181,11 @@ def test_indivisible_configurations_are_refused_before_any_process_starts(tiny):
     with pytest.raises(ValueError, match=r"attention heads \(3\) are not divisible by 2.*K/V heads \(1\)"):
         build_engine(odd_heads, tensor_parallel_size=2, **OPTIONS)
     assert no_workers_left()
+    packed = random_model(tiny_config(), seed=0)
+    build_engine(packed, weights="int8", **OPTIONS)  # a one-process engine packs it in place
+    with pytest.raises(ValueError, match="packed already"):
+        build_engine(packed, tensor_parallel_size=2, **OPTIONS)
+    assert no_workers_left()
     # int4 groups run along K: down_proj's 96 inputs split two ways cut a group of 32.
     config = tiny_config(intermediate_size=96)
     check_tensor_parallel(config, 2, None)  # dense: any cut is fine

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanoserve.distributed.shard import check_tensor_parallel, parallelize, shard_weights
+from nanoserve.distributed.shard import check_float_model, check_tensor_parallel, parallelize, shard_weights
 from nanoserve.engine.build import build_rank, resolve_weights
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.plan import StepPlan
@@ -91,6 +91,8 @@ def build_tensor_parallel(model, tokenizer, config: EngineConfig):
     weight_plan, _ = resolve_weights(config.weights, config.dtype, config.device, named_model=isinstance(model, str))
     arch = load_config(model) if isinstance(model, str) else model.config
     check_tensor_parallel(arch, size, weight_plan)  # before any process starts
+    if not isinstance(model, str):
+        check_float_model(model)
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group (another tensor-parallel engine "
                            "still open?): close it first")

@@ -49,6 +49,12 @@ def check_tensor_parallel(config: ModelConfig, size: int, plan: WeightPlan | Non
                          + "; ".join(problems))
 
 
+def check_float_model(model: nn.Module) -> None:
+    """Shards are cut from float weights (then packed each on its own): refuse a packed model."""
+    if not all(isinstance(layer.mlp.gate_proj, nn.Linear) for layer in model.layers):
+        raise ValueError("tensor parallelism shards a float model; this one is packed already (load it again)")
+
+
 def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
     """(first row, rows) of rank's vocabulary shard; every shard has ceil(vocab / size) rows."""
     rows = -(-vocab_size // size)
@@ -59,8 +65,7 @@ def shard_weights(model: nn.Module, rank: int, size: int,
                   int4_sources: Mapping[str, GroupwiseInt4] | None = None) -> dict[str, GroupwiseInt4]:
     """Cut a float LlamaModel down to rank's shard, in place; return the GGUF int4 groups
     (HF-named) of the layers it keeps, cut the same way."""
-    if not all(isinstance(layer.mlp.gate_proj, nn.Linear) for layer in model.layers):
-        raise ValueError("tensor parallelism shards a float model; this one is packed already (load it again)")
+    check_float_model(model)
     config: ModelConfig = model.config
     d = config.head_dim
     heads, kv_heads = config.num_heads // size, config.num_kv_heads // size
