@@ -9,7 +9,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from compile import decode_bench, e2e, fidelity_suite, headline, linear_bench, serve_bench, slotbench, ttft
+from compile import (
+    decode_bench,
+    e2e,
+    fidelity_suite,
+    headline,
+    linear_bench,
+    serve_bench,
+    slotbench,
+    tp_bench,
+    ttft,
+)
 
 # name -> main(argv) -> exit status
 SUITES: dict[str, Callable[[Sequence[str]], int]] = {
@@ -21,6 +31,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": serve_bench.main,
     "ttft": ttft.main,
     "linear": linear_bench.main,
+    "tp": tp_bench.main,
 }
 DEFAULT_SUITE = "headline"
 

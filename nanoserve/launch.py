@@ -89,15 +89,21 @@ def prompt_text(args: argparse.Namespace, tokenizer) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from nanoserve.engine import RequestError, SamplingParams, build_engine
-    from nanoserve.summary import describe_engine
+    from nanoserve.engine import SamplingParams, build_engine
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
     started = time.perf_counter()
-    engine = build_engine(args.model, **engine_kwargs(args))
+    with build_engine(args.model, **engine_kwargs(args)) as engine:
+        return _generate(args, engine, params, started)
+
+
+def _generate(args: argparse.Namespace, engine, params, started: float) -> int:
+    from nanoserve.engine import RequestError
+    from nanoserve.summary import describe_engine
+
     for line in describe_engine(engine, args.model, time.perf_counter() - started):
         print(f"nanoserve: {line}", file=sys.stderr)
     prompt = prompt_text(args, engine.tokenizer)

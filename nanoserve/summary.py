@@ -17,7 +17,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     limit_note = f" (the model takes up to {model_limit:,})" if config.max_model_len < model_limit else ""
     decode = "compiled decode" if config.compile else "eager decode"
     rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
-    return [
+    lines = [
         f"model {model}: loaded in {load_seconds:.1f} s on {config.device}",
         f"weights {stats.weights}, {format_bytes(stats.weight_bytes)} resident; "
         f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}",
@@ -26,6 +26,11 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         f"max_model_len {config.max_model_len:,}{limit_note}; up to {rows} and "
         f"{stats.max_num_batched_tokens} tokens per step; {decode}",
     ]
+    size = config.tensor_parallel_size
+    if size > 1:
+        lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
+                     f"(each rank holds 1/{size} of the heads, the MLP and the vocabulary)")
+    return lines
 
 
 def kernel_tier(tier: str | None) -> str:

@@ -54,5 +54,15 @@ else
         --steps 3 --arms eager --out "$out" --tag cpu-fallback --no-plot
 fi
 tail -n 14 "$out/compilebench.log" | tee -a "$summary"
+# Tensor parallelism over every GPU (NCCL), when there is more than one: eager and compiled.
+gpus=$($py -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if [ "$device" = cuda ] && [ "$gpus" -gt 1 ]; then
+    run compilebench-tp 300 $py compilebench.py tp --device cuda --model tiny --sizes "1,$gpus" --out "$out" --tag cuda
+    run compilebench-tp-compiled 300 $py compilebench.py tp --device cuda --model tiny --sizes "1,$gpus" --compile \
+        --out "$out" --tag cuda-compiled
+    tail -n 4 "$out/compilebench-tp.log" "$out/compilebench-tp-compiled.log" | tee -a "$summary"
+else
+    say "tensor parallelism over GPUs: skipped ($gpus GPU(s))"
+fi
 say "overall: $([ $status -eq 0 ] && echo ok || echo FAILED)"
 exit $status

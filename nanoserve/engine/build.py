@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from nanoserve.model import cpu_kernels
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
+
+if TYPE_CHECKING:
+    from nanoserve.distributed.launch import Rank
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # A chunked step's default token budget on a GPU, and a CPU step's with no row decoding: a
@@ -45,20 +50,39 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     its own dtype (given with ``weights``, it is converted in place).
     """
     config = dataclasses.replace(config or EngineConfig(), **options)
+    if config.tensor_parallel_size > 1:
+        from nanoserve.distributed.launch import build_tensor_parallel  # torch.distributed only when asked
+        return build_tensor_parallel(model, tokenizer, config)
+    return build_rank(model, tokenizer, config)
+
+
+def build_rank(model: str | LlamaModel, tokenizer, config: EngineConfig, rank: Rank | None = None) -> Engine:
+    """``build_engine`` for one process: the whole model, or with ``rank`` (tensor parallelism,
+    its process group joined) that rank's shard and its K/V heads' cache. Every rank builds
+    the same pool, buckets and engine from the same config, so one plan drives them all."""
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=isinstance(model, str))
     # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
     source = model if isinstance(model, str) else f"{type(model).__name__}@{id(model):x}"
     if isinstance(model, str):
-        model, tokenizer = load_model(model, dtype=dtype, device=config.device, weights=weight_plan)
+        model, tokenizer = load_model(model, dtype=dtype, device=config.device, weights=weight_plan,
+                                      shard=None if rank is None else rank.shard)
     else:
+        if rank is not None:
+            model = copy.deepcopy(model)  # the caller's model stays whole
+            rank.shard(model, {})
         if weight_plan is not None:
             pack_model(model, weight_plan)
         model = model.to(device=config.device, dtype=dtype)
+    if rank is not None:
+        rank.parallelize(model)
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
-    plan = _plan_pool(model.config, config, dtype)
-    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
     arch = model.config
-    cache = BatchedPagedKVCache(arch.num_layers, arch.num_kv_heads, arch.head_dim, plan.num_blocks,
+    # The pool is planned for the whole model's K/V heads (kv_cache_bytes is the budget over
+    # every rank); each rank's cache holds its heads of every block.
+    plan = _plan_pool(arch, config, dtype)
+    kv_heads = arch.num_kv_heads // (rank.size if rank is not None else 1)
+    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
+    cache = BatchedPagedKVCache(arch.num_layers, kv_heads, arch.head_dim, plan.num_blocks,
                                 config.block_size, config.max_batch_size, plan.max_model_len, dtype=dtype,
                                 device=config.device, enable_prefix_caching=config.enable_prefix_caching,
                                 prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")

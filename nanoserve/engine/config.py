@@ -61,12 +61,20 @@ class EngineConfig:
               "own, running streams wait)", flag="--no-chunked-prefill")
     enable_prefix_caching: bool = option(
         True, "reuse cached K/V of shared prompt prefixes (off: recompute every prompt)", flag="--no-prefix-caching")
+    tensor_parallel_size: int = option(
+        1, "ranks the model is sharded over (tensor parallelism); on one host the engine starts the other "
+           "ranks' processes itself, under torchrun it joins the launched ranks", kind="int")
+    tensor_parallel_timeout: float = option(
+        180.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails (a rank "
+               "compiling a new decode graph must finish within it)", cli=False)
 
     def __post_init__(self) -> None:
         if self.warmup not in ("eager", "lazy"):
             raise ValueError(f"warmup must be 'eager' or 'lazy', got {self.warmup!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 def options() -> list[dataclasses.Field]:

@@ -41,6 +41,9 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self.runner = ModelRunner(model, cache, decode_step, config.device)
+        # What scores prompt positions (its compute_logits); under tensor parallelism the
+        # driver's, which has the other ranks join the LM head's gather.
+        self.scoring_model = model
         self.scheduler = Scheduler(cache, config.max_batch_size, config.max_num_batched_tokens,
                                    chunked=config.enable_chunked_prefill,
                                    prefill_only_budget=config.prefill_only_budget, buckets=decode_step.buckets)
@@ -117,7 +120,7 @@ class Engine:
         for index, states in hidden.items():
             chunk = plan.prefill[index]
             request = self.requests[chunk.request_id]
-            if (error := score_chunk(self.model, request, chunk, states)) is not None:
+            if (error := score_chunk(self.scoring_model, request, chunk, states)) is not None:
                 failed[request] = error
         return failed
 
@@ -176,6 +179,18 @@ class Engine:
             raise RequestError("chat needs a tokenizer; this engine was built without one")
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], params, use_tqdm=use_tqdm)[0]
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the engine started (a tensor-parallel engine's worker processes);
+        idempotent. A one-process engine holds nothing to release."""
+        self.runner.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- bookkeeping -----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -39,6 +39,9 @@ class ModelRunner:
         self.decode_step = decode_step
         self.device = torch.device(device)
 
+    def close(self) -> None:
+        """Nothing to release in one process (a tensor-parallel runner stops its ranks)."""
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """Apply the plan in order (row moves, the decode rows' cells and buffers, the chunks'

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -72,12 +72,16 @@ def load_config(model: str) -> ModelConfig:
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", weights: WeightPlan | None = None) -> tuple[LlamaModel, Tokenizer]:
+               device: str | torch.device = "cpu", weights: WeightPlan | None = None,
+               shard: Callable[[LlamaModel, dict[str, GroupCodes]], dict[str, GroupCodes]] | None = None,
+               ) -> tuple[LlamaModel, Tokenizer]:
     """Load weights and tokenizer. Raises FileNotFoundError or ModelLoadError naming the file at fault.
 
     With ``weights`` the model is held in that plan's format and dtype (``dtype`` is then
     ignored); with "int4" a GGUF's block-quantised tensors run from their own blocks
     (gguf_blocks), never rounded again. ``model.weight_types`` says how each tensor type runs.
+    ``shard`` (tensor parallelism) cuts the float model and its block groups to one rank's part
+    before they are packed, and returns the groups it kept.
     """
     path = resolve_model_path(model)
     sources: dict[str, GroupCodes] = {}
@@ -99,6 +103,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         built = build_model(config, state, load_dtype, device)
     except (KeyError, RuntimeError) as e:  # missing tensors, or shapes that contradict the config
         raise ModelLoadError(path, f"weights do not match the model config: {e}") from e
+    if shard is not None:
+        sources = shard(built, sources)
     if weights is not None:
         del state  # the float tensors the packed layers replace are freed as they go
         pack_model(built, weights, sources, types)

@@ -94,6 +94,12 @@ def bind(host: str, port: int) -> socket.socket:
 def run_serve(args: argparse.Namespace) -> None:
     """Bind the port, build the engine, then serve until interrupted."""
     model = chosen_model(args)
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        # A torchrun rank other than 0 applies rank 0's plans and binds no port (ranks may
+        # share a host); build_engine returns only on rank 0, so this exits with the rank.
+        from nanoserve.engine import build_engine
+        build_engine(model, **engine_kwargs(args))
+        return
     sock = bind(args.host, args.port)
     try:
         _serve(args, model, sock)
@@ -134,4 +140,7 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving %r at http://%s:%d%s", name, host, sock.getsockname()[1],
              " (API key required)" if args.api_key else "")
-    DrainingServer(config, app, args.drain_timeout).run(sockets=[sock])
+    try:
+        DrainingServer(config, app, args.drain_timeout).run(sockets=[sock])
+    finally:
+        engine.close()  # a tensor-parallel engine's ranks leave with the server

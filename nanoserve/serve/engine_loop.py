@@ -126,9 +126,18 @@ class EngineLoop:
         except Exception as exc:  # an engine fault: its state cannot be trusted, so stop serving
             logger.exception("engine fault: the engine loop stops; /health reports 503")
             self.fault = f"{type(exc).__name__}: {exc}"
+            self._close_engine()
         finally:
             self._stopping = True
             self._shutdown()
+
+    def _close_engine(self) -> None:
+        """Release what a faulted engine started (a tensor-parallel engine's other ranks): it
+        will run no more steps, and nothing it started may outlive the fault idle."""
+        try:
+            self.engine.close()
+        except Exception:
+            logger.exception("closing the faulted engine failed")
 
     def _drain_commands(self) -> None:
         while self._commands:
