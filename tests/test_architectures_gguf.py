@@ -15,7 +15,7 @@ from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import WeightPlan
+from nanoserve.model.quant import GroupLinear, WeightPlan
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +89,10 @@ def test_a_block_quantised_file_runs_packed_with_its_fp32_dequantised_logits(ggu
     reference, _ = load_model(str(path), weights=WeightPlan("fp32"))
     plan = WeightPlan("int4", int8_head=True)
     model, _ = load_model(str(path), weights=plan)
-    assert model.weight_types[qtype.name] == "packed"
+    packed = {name for name, m in model.named_modules() if isinstance(m, GroupLinear)}
+    assert {f"layers.{i}.{p}" for i in range(len(model.layers))
+            for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj")} <= packed
+    assert "packed" in model.weight_types[qtype.name].split("+")  # an untied embedding is read dense
     ids = torch.randint(3, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = dense_forward(reference, ids)[0].float()

@@ -215,3 +215,29 @@ def test_two_gpus_keep_one_gpu_greedy_tokens(tiny):
     for a, b in zip(got, ref):
         assert_greedy_agrees_up_to_near_ties(a, b, tolerance=0.1)
     assert no_workers_left()
+
+
+@pytest.mark.parametrize(("cut", "width"), [(256, 512), (64, 128)], ids=["on-super-blocks", "inside-a-super-block"])
+def test_a_k_quants_shards_hold_exactly_their_slice_of_the_weight(cut, width):
+    """A Q4_K weight's shards (output rows, input columns on or inside its 256-weight super-blocks)
+    dequantise to exactly their slice of the whole weight: codes, per-group numbers and factors cut together."""
+    from nanoserve.distributed.shard import _input_columns, _output_rows
+    from nanoserve.model.quant import GroupCodes, SuperScales
+
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 8, 512, 32
+    supers = torch.rand(n, k // 256, generator=g).half().float()
+    scale_m = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int8)
+    min_m = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int8)
+    scale_f, min_f = SuperScales(supers, scale_m), SuperScales(-supers, min_m)
+    weight = GroupCodes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), scale_f.values(),
+                        min_f.values(), bits=4, group=group, scale_factors=scale_f, min_factors=min_f)
+    whole = weight.dequantize()
+    cols = slice(cut, cut + width)
+    part = _input_columns(weight, cols)
+    assert torch.equal(part.dequantize(), whole[:, cols])
+    assert (part.scale_factors is None) == (cut % 256 != 0 or width % 256 != 0)
+    if part.scale_factors is not None:
+        assert torch.equal(part.scale_factors.values(), part.scales)
+    rows = _output_rows(weight, slice(2, 6))
+    assert torch.equal(rows.dequantize(), whole[2:6]) and torch.equal(rows.scale_factors.values(), rows.scales)
