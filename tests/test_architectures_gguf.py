@@ -15,7 +15,8 @@ from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import GroupLinear, WeightPlan
+from nanoserve.model.quant import GroupLinear
+from nanoserve.model.weight_plan import WeightPlan
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,8 @@ import torch
 
 from nanoserve.engine.paged_attention import paged_attention_reference
 from nanoserve.model import cpu_kernels
-from nanoserve.model.quant import GROUP_SIZE, SuperScales
+from nanoserve.model.group_codes import SuperScales
+from nanoserve.model.quant import GROUP_SIZE
 
 # Every tier of ours this host runs, the reference included: each is tested here, none skipped.
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
@@ -41,7 +42,7 @@ def random_scales(n: int, k: int, group: int, kind: str, generator: torch.Genera
     """Scales for a weight [N, K] with scale groups of ``group`` as the kernels hold them: fp16
     bits [N / 16, K / group, 16]; fp32 bits of a K-quant's kind (an fp16 number times a 6-bit
     integer, mostly no fp16 number itself); or super-block records of fp16 super-scales and int8
-    multipliers (quant.SuperScales)."""
+    multipliers (group_codes.SuperScales)."""
     values = sign * torch.rand(n // 16, k // group, 16, generator=generator)
     if kind == FP16:
         return values.half().view(torch.int16)

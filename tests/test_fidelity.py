@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoserve.model.fidelity import fidelity_metrics, teacher_forced_logits
-from nanoserve.model.quant import WeightPlan
+from nanoserve.model.weight_plan import WeightPlan
 
 SHORT_TEXT = Path(__file__).parent / "data" / "fidelity_short.txt"  # original prose, ~320 tokens
 

@@ -14,22 +14,17 @@ from torch import nn
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.build import auto_cpu_plan, resolve_weights
 from nanoserve.model import cpu_kernels
+from nanoserve.model.group_codes import GroupCodes, quantize_int4, quantize_int8, quantize_int8_groups
 from nanoserve.model.quant import (
     GROUP_SIZE,
     HEAD_DENSE_FROM_ROWS,
-    GroupCodes,
     GroupLinear,
     Int8GroupLinear,
     Int8Linear,
-    WeightPlan,
-    group_source,
-    pack_model,
-    quantize_int4,
-    quantize_int8,
-    quantize_int8_groups,
     tensor_bytes,
 )
 from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.weight_plan import WeightPlan, group_source, pack_model
 
 # [N, K]: random small shapes and every linear shape of the default model (qkv, o, gate/up, down).
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 576), (1536, 576), (576, 1536)]

@@ -18,10 +18,12 @@ from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model import cpu_kernels
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import K_QUANTS, LEGACY, PACKED_TYPES, group_codes
+from nanoserve.model.group_codes import as_torch_int4
 from nanoserve.model.llama import dense_forward, unfuse_hf_weights
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import GroupLinear, WeightPlan, as_torch_int4
+from nanoserve.model.quant import GroupLinear
 from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.weight_plan import WeightPlan
 
 TYPES = sorted(PACKED_TYPES, key=lambda q: q.value)
 KERNELS = cpu_kernels.host_tiers()  # every tier of ours this host runs, the reference, and torch's

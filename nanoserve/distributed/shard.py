@@ -23,7 +23,8 @@ from torch import nn
 from nanoserve.distributed.layers import GatheredHead, RowParallel, TiedHead, VocabParallelEmbedding
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.cpu_kernels import GROUP_SIZE
-from nanoserve.model.quant import GroupCodes, SuperScales, WeightPlan
+from nanoserve.model.group_codes import GroupCodes, SuperScales
+from nanoserve.model.weight_plan import WeightPlan
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, plan: WeightPlan | None) -> None:

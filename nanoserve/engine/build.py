@@ -18,7 +18,8 @@ from nanoserve.engine.paged_attention import decode_attention_kernel
 from nanoserve.model import cpu_kernels
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS, WeightPlan, pack_model
+from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS
+from nanoserve.model.weight_plan import WeightPlan, pack_model
 
 if TYPE_CHECKING:
     from nanoserve.distributed.launch import Rank

@@ -55,7 +55,7 @@ class Engine:
         self._aborted_outputs: list[RequestOutput] = []
         self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any dense copy
         self.cpu_kernels = cpu_kernels  # the kernel tier running packed weights (cpu_kernels), if any
-        # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: quant.weight_types).
+        # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: weight_plan.weight_types).
         self.weight_types = dict(getattr(model, "weight_types", {}))
 
     # -- requests --------------------------------------------------------------------------

@@ -331,7 +331,7 @@ def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, b
     kernels' layout, the codes in ``storage_bits(bits)``. A symmetric weight, every minimum
     ``-2 ** (bits - 1)`` times its scale (Q4_0, Q5_0, Q8_0, Q6_K), keeps no minimums: its zero
     point says them. The numbers stay fp16 where every one of them is an fp16 number (a legacy
-    GGUF block's d, m); with their K-quant's factors (quant.SuperScales: fp16 super-scales times
+    GGUF block's d, m); with their K-quant's factors (group_codes.SuperScales: fp16 super-scales times
     int8 multipliers) as super-block records (kernels/common.h); else fp32: exact every way."""
     zero_point = 2 ** (bits - 1)
     if not torch.equal(mins, -zero_point * scales):
@@ -347,7 +347,7 @@ def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, b
 
 
 def _super_records(factors) -> torch.Tensor:
-    """quant.SuperScales as the kernels' records [N / 16, K / 256, 32 + 16 S] uint8: per block of
+    """group_codes.SuperScales as the kernels' records [N / 16, K / 256, 32 + 16 S] uint8: per block of
     16 outputs and super-block, the 16 fp16 super-scales, then S rows of 16 int8 multipliers."""
     n, supers = factors.supers.shape
     per_super = factors.multipliers.shape[1] // supers

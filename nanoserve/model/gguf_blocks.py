@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nanoserve.model.quant import GroupCodes, SuperScales
+from nanoserve.model.group_codes import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
 

@@ -15,8 +15,8 @@ from gguf.quants import dequantize
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import PACKED_TYPES, group_codes
+from nanoserve.model.group_codes import GroupCodes, SuperScales
 from nanoserve.model.llama import hf_norm_offset
-from nanoserve.model.quant import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
 # Tensor types we load: the float types (dequantised through gguf.quants, run dense or rounded

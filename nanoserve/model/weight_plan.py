@@ -1,0 +1,249 @@
+"""How a model's weights are held (``WeightPlan``) and the pass that packs them (``pack_model``):
+each linear replaced by its packed layer (``quant``), from a GGUF's own blocks where it has them,
+fused where one kernel call serves several projections, the LM head and embedding as the plan
+says; ``weight_types`` reports how each tensor type ended up running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanoserve.model import cpu_kernels
+from nanoserve.model.cpu_kernels import GROUP_SIZE
+from nanoserve.model.group_codes import (
+    GroupCodes,
+    int8_groups,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_groups,
+)
+from nanoserve.model.quant import (
+    GROUP_KERNELS,
+    HEAD_DENSE_FROM_ROWS,
+    WEIGHT_FORMATS,
+    GroupEmbedding,
+    GroupLinear,
+    Int8Embedding,
+    Int8Linear,
+    int4_kernel_accepts,
+    int8_kernel_accepts,
+)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How the weights are held. ``format`` is one of WEIGHT_FORMATS: "int4" runs each linear
+    group-wise, from a GGUF's own blocks where it has them (any type in gguf_blocks) and rounded
+    to int4 groups where the weight is float. With ``dense_from_rows`` set, packed linears also
+    keep a dense copy (in the compute dtype) used for inputs of at least that many rows.
+    ``int8_head`` (int4 only) runs the LM head group-wise too (from the file's blocks, such as
+    the default GGUF's Q8_0, else rounded to int8 groups) instead of dense; a tied embedding
+    stays a dense table, except where nanoserve's kernels run the head without a dense copy
+    (then ``GroupEmbedding`` reads it from the head's codes). With a dense copy the head takes it from
+    ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows. ``kernel`` (GROUP_KERNELS, int4 only)
+    says who runs the group-wise layers."""
+
+    format: str
+    dense_from_rows: int | None = None
+    int8_head: bool = False
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.format not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)} or 'auto', got {self.format!r}")
+        if self.dense_from_rows is not None and self.format not in ("int8", "int4"):
+            raise ValueError(f"a dense copy for large row counts only applies to int8/int4, not {self.format}")
+        if self.int8_head and self.format != "int4":
+            raise ValueError(f"a group-wise int8 LM head only applies to int4, not {self.format}")
+        if self.kernel not in GROUP_KERNELS or (self.kernel != "auto" and self.format != "int4"):
+            raise ValueError(f"kernel {self.kernel!r}: one of {', '.join(GROUP_KERNELS)}, and only with int4")
+
+    @property
+    def tier(self) -> str | None:
+        """The kernel tier that runs the group-wise layers (int4 only), resolved on this host."""
+        return cpu_kernels.resolve_tier(self.kernel) if self.format == "int4" else None
+
+    @property
+    def name(self) -> str:
+        """"int4", or "int4+int8head+bf16>=10" with a group-wise int8 head and a bf16 copy from 10
+        rows ("+torch" or "+avx2" at the end when the kernel is chosen)."""
+        head = "+int8head" if self.int8_head else ""
+        short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+        dense = "" if self.dense_from_rows is None else f"+{short}>={self.dense_from_rows}"
+        return self.format + head + dense + ("" if self.kernel == "auto" else f"+{self.kernel}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and the K/V cache's) dtype: fp32 and bf16 as named; the packed
+        formats compute in bf16 where the CPU does so natively and in fp32 elsewhere
+        (cpu_kernels.compute_dtype of the tier that runs them)."""
+        if self.format in ("fp32", "bf16"):
+            return torch.float32 if self.format == "fp32" else torch.bfloat16
+        return cpu_kernels.compute_dtype(self.tier or cpu_kernels.resolve_tier())
+
+
+def pack_model(model: nn.Module, plan: WeightPlan, sources: Mapping[str, GroupCodes] | None = None,
+               tensor_types: Mapping[str, str] | None = None) -> None:
+    """Replace the model's linear layers (and a tied LM head) with packed ones, in place.
+
+    The model holds float weights (fp32 keeps the rounding to the packed format exact); cast it
+    to ``plan.dtype`` afterwards (packed codes are integers and stay as they are). ``sources``
+    maps HF weight names to group-wise weights taken as they are (a GGUF's blocks); other weights
+    are quantised here. With int8 the LM head runs int8 per channel too (a tied head shares its
+    codes with the token embedding); with int4 it stays dense in ``plan.dtype`` unless
+    ``plan.int8_head``. ``model.weight_types`` then says how each tensor type runs
+    (``weight_types``); ``tensor_types`` maps HF names to their types (a GGUF's), by default
+    each weight's dtype.
+    """
+    if plan.format not in ("int8", "int4"):
+        return
+    if any(isinstance(m, (GroupLinear, Int8Linear)) for m in model.modules()):
+        raise ValueError("the model's weights are packed already; load it again to choose another format")
+    sources = sources or {}
+    types = dict(tensor_types or _dtype_names(model))
+    modes: dict[str, str] = {}
+    _fuse_gate_up(model, plan)
+    for name, linear in list(model.named_modules()):
+        if isinstance(linear, nn.Linear) and name != "lm_head":
+            packed, mode = _packed_linear(linear, plan, group_source(name, sources))
+            _replace(model, name, packed)
+            modes.update(dict.fromkeys(hf_parts(name), mode))
+    tied = model.lm_head is None
+    head_names = ["model.embed_tokens.weight"] if tied else ["lm_head.weight"]
+    if plan.format == "int4":
+        # The LM head stays dense unless asked for a group-wise one (per-channel int8 fails the
+        # fidelity gates, README).
+        if plan.int8_head:
+            modes.update(dict.fromkeys(head_names, _pack_group_head(model, plan, sources)))
+    elif int8_kernel_accepts((model.embed_tokens if tied else model.lm_head).weight.shape[1]):
+        head = model.embed_tokens if tied else model.lm_head
+        model.lm_head = _int8_linear(head.weight, None if tied else head.bias, plan)
+        if tied:  # one int8 matrix serves as the embedding and the head
+            model.embed_tokens = Int8Embedding(model.lm_head)
+        modes.update(dict.fromkeys(head_names, "int8"))
+    model.weight_types = weight_types(types, modes)
+
+
+def weight_types(tensor_types: Mapping[str, str], modes: Mapping[str, str]) -> dict[str, str]:
+    """How each tensor type runs, from each tensor's type and mode ("packed": from its own blocks;
+    "int4" or "int8": rounded here to that format; "dense": in the compute dtype, the default):
+    {type: mode}, modes joined by "+" where a type's tensors differ (a Q8_0 embedding table held
+    dense beside Q8_0 linears run packed)."""
+    by_type: dict[str, set[str]] = {}
+    for name, kind in tensor_types.items():
+        by_type.setdefault(kind, set()).add(modes.get(name, "dense"))
+    return {kind: "+".join(sorted(found)) for kind, found in sorted(by_type.items())}
+
+
+def _dtype_names(model: nn.Module) -> dict[str, str]:
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    return {name: names.get(t.dtype, str(t.dtype)) for name, t in _hf_weights(model).items()}
+
+
+def _hf_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's float weights by HF name (fused linears by their parts' names)."""
+    out = {}
+    for name, tensor in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        for part in hf_parts(module):
+            out[part.removesuffix(".weight") + "." + leaf] = tensor
+    return out
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def _pack_group_head(model: nn.Module, plan: WeightPlan, sources: Mapping[str, GroupCodes]) -> str:
+    """The LM head group-wise (its source's blocks, else int8 groups); returns its mode."""
+    tied = model.lm_head is None
+    head = model.embed_tokens if tied else model.lm_head
+    source = sources.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if not int4_kernel_accepts(*head.weight.shape) or (
+            source is not None and source.group != GROUP_SIZE and plan.tier == "torch"):
+        return "dense"  # the kernel's shape rules do not hold, or torch has no such format
+    dense = None
+    if tied and plan.dense_from_rows is not None:
+        # The embedding table, cast now, is the head's dense copy too: the later cast of the
+        # model leaves a tensor already in its dtype as it is, so the two stay one tensor.
+        model.embed_tokens.to(plan.dtype)
+        dense = model.embed_tokens.weight.detach()
+    elif plan.dense_from_rows is not None:
+        dense = _dense_copy(head.weight, plan)
+    weight = source if source is not None else int8_groups(*quantize_int8_groups(head.weight))
+    dense_from_rows = None if dense is None else min(plan.dense_from_rows, HEAD_DENSE_FROM_ROWS)
+    model.lm_head = GroupLinear(weight, None if tied else head.bias, plan.dtype, dense, dense_from_rows, plan.kernel)
+    if tied and dense is None and model.lm_head.handle is not None:
+        model.embed_tokens = GroupEmbedding(model.lm_head)  # the head's codes serve as the table
+    return "packed" if source is not None else "int8"
+
+
+# A fused linear of this model and the HF tensors it stacks along the output dimension, in order.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_parts(module_name: str) -> list[str]:
+    """The HF weight names one of the model's linears holds: a fused linear (FUSED_PARTS) its
+    parts', stacked along the output dimension."""
+    hf = _hf_name(module_name + ".weight")
+    fused = next((f for f in FUSED_PARTS if f".{f}." in hf), None)
+    return [hf.replace(fused, part) for part in FUSED_PARTS[fused]] if fused else [hf]
+
+
+def group_source(module_name: str, sources: Mapping[str, GroupCodes]) -> GroupCodes | None:
+    """The group-wise weight of one of the model's linears from HF-named ``sources``, or None."""
+    parts = hf_parts(module_name)
+    if all(p in sources for p in parts):
+        return GroupCodes.cat([sources[p] for p in parts])
+    return None
+
+
+def _fuse_gate_up(model: nn.Module, plan: WeightPlan) -> None:
+    """Give every MLP one [2 * intermediate, hidden] linear for gate and up, to be packed next:
+    one kernel call per layer instead of two. Lossless: groups and int8 scales run along K
+    within an output row, so stacking rows changes no code or scale. An MLP whose parts the
+    kernel would not pack each on their own keeps them apart (and dense)."""
+    for mlp in model.modules():
+        if not hasattr(mlp, "fuse_gate_up") or mlp.gate_up_proj is not None:
+            continue
+        gate, up = mlp.gate_proj, mlp.up_proj
+        linears = isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
+        if not linears or gate.bias is not None or up.bias is not None:
+            continue
+        if plan.format == "int4" and not all(int4_kernel_accepts(*m.weight.shape) for m in (gate, up)):
+            continue
+        fused = nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        mlp.fuse_gate_up(fused)
+
+
+def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | None) -> tuple[nn.Module, str]:
+    """The packed layer for ``linear`` and its mode (weight_types); a layer the kernel cannot
+    take stays as it is, dense."""
+    n, k = linear.weight.shape
+    if plan.format == "int8":
+        return (_int8_linear(linear.weight, linear.bias, plan), "int8") if int8_kernel_accepts(k) else (linear, "dense")
+    if not int4_kernel_accepts(n, k) or (source is not None and source.group != GROUP_SIZE and plan.tier == "torch"):
+        return linear, "dense"
+    weight = source if source is not None else quantize_int4(linear.weight)
+    layer = GroupLinear(weight, linear.bias, plan.dtype, _dense_copy(linear.weight, plan), plan.dense_from_rows,
+                        plan.kernel)
+    return layer, "packed" if source is not None else "int4"
+
+
+def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan) -> Int8Linear:
+    codes, scales = quantize_int8(weight)
+    return Int8Linear(codes, scales, bias, plan.dtype, _dense_copy(weight, plan), plan.dense_from_rows)
+
+
+def _dense_copy(weight: torch.Tensor, plan: WeightPlan) -> torch.Tensor | None:
+    return None if plan.dense_from_rows is None else weight.detach().to(plan.dtype)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
