@@ -115,7 +115,7 @@ def write_converted_gguf(path, hf_model, variant: str, chat_template: str | None
     if vocabulary is None:
         _write_byte_vocabulary(writer, c.vocab_size, chat_template)
     else:
-        _write_spm_vocabulary(writer, vocabulary, chat_template)
+        write_spm_vocabulary(writer, vocabulary, chat_template)
     if edit is not None:
         edit(writer)
 
@@ -191,7 +191,8 @@ def spm_metadata(add_space_prefix: bool) -> dict:
             "tokenizer.ggml.add_space_prefix": add_space_prefix}
 
 
-def _write_spm_vocabulary(writer, metadata: dict, chat_template: str | None) -> None:
+def write_spm_vocabulary(writer, metadata: dict, chat_template: str | None = None) -> None:
+    """The SentencePiece vocabulary `metadata` describes (spm_metadata), as a GGUF's keys."""
     writer.add_tokenizer_model("llama")
     writer.add_token_list(metadata["tokenizer.ggml.tokens"])
     writer.add_token_scores(metadata["tokenizer.ggml.scores"])
@@ -203,3 +204,13 @@ def _write_spm_vocabulary(writer, metadata: dict, chat_template: str | None) -> 
     writer.add_add_space_prefix(metadata["tokenizer.ggml.add_space_prefix"])
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+
+
+def hf_and_ours(variant: str, directory):
+    """(transformers model, nanoserve model read back from its saved directory) for `variant`."""
+    from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
+    from nanoserve.model.loader import build_model
+
+    hf = make_hf_model(variant)
+    hf.save_pretrained(directory, safe_serialization=True)
+    return hf, build_model(read_hf_config(directory), load_hf_state_dict(directory))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from arch_models import ARCHITECTURES, VOCAB, WINDOW, WINDOWED, make_hf_model, rel_err
+from arch_models import ARCHITECTURES, VOCAB, WINDOW, WINDOWED, hf_and_ours, make_hf_model, rel_err
 
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
@@ -21,10 +21,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def arch_pair(request, tmp_path_factory):
     """(variant, transformers model, nanoserve model read from the saved directory)."""
-    hf = make_hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return request.param, hf, build_model(read_hf_config(path), load_hf_state_dict(path))
+    return (request.param, *hf_and_ours(request.param, tmp_path_factory.mktemp(request.param)))
 
 
 def test_logits_match_transformers_past_the_window(arch_pair):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from arch_models import ARCHITECTURES, VOCAB, WINDOW, make_hf_model
+from arch_models import ARCHITECTURES, VOCAB, WINDOW, hf_and_ours, make_hf_model
 from engine_oracle_helpers import engine_for, generate, greedy
 
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
@@ -39,10 +39,7 @@ def fresh_dynamo():
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def arch_models(request, tmp_path_factory):
-    hf = make_hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path, safe_serialization=True)
-    return request.param, hf, build_model(read_hf_config(path), load_hf_state_dict(path))
+    return (request.param, *hf_and_ours(request.param, tmp_path_factory.mktemp(request.param)))
 
 
 def transformers_greedy(hf, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gguf
 import pytest
-from arch_models import spm_metadata
+from arch_models import spm_metadata, write_spm_vocabulary
 
 from nanoserve.model.tokenizer import Tokenizer
 
@@ -16,15 +16,7 @@ TEXTS = ["hello world", "the rest of the world", "  two leading spaces", "héllo
 
 def write_tokenizer_gguf(path, arch: str, metadata: dict):
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(metadata["tokenizer.ggml.tokens"])
-    writer.add_token_scores(metadata["tokenizer.ggml.scores"])
-    writer.add_token_types(metadata["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(metadata["tokenizer.ggml.add_space_prefix"])
+    write_spm_vocabulary(writer, metadata)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
