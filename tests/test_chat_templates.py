@@ -1,10 +1,10 @@
 """Each architecture family's chat template renders through nanoserve's jinja2 path (from the
 GGUF file's tokenizer.chat_template) exactly as transformers' own renderer renders it.
 
-The Llama 3, Mistral and ChatML (Qwen2) templates are read from llama-cpp-python's module, as
-published; the Qwen3 and Gemma 3 ones are written here in their families' formats, with the
-constructs those templates use (namespaces, reversed loops, string methods, role checks that
-raise, the system prompt folded into Gemma's first user turn)."""
+The templates are written here in their families' formats (Llama 3's headers, Mistral's [INST]
+turns, ChatML, Qwen3's thinking blocks, Gemma 3's turns), with the constructs those templates use
+(namespaces, reversed loops, string methods, filters, role checks that raise, the system prompt
+folded into Gemma's first user turn)."""
 
 from __future__ import annotations
 
@@ -63,9 +63,25 @@ GEMMA3_STYLE = """{{ bos_token }}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"""
 
 
-def published(name: str) -> str:
-    formats = pytest.importorskip("llama_cpp.llama_chat_format")
-    return getattr(formats, name)
+LLAMA3_STYLE = """{{ bos_token }}
+{%- for message in messages -%}
+{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}"""
+
+MISTRAL_STYLE = """{{ bos_token }}
+{%- for message in messages -%}
+  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+  {%- endif -%}
+  {%- if message['role'] == 'user' -%}{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}
+  {%- else -%}{{ ' ' + message['content'] | trim + eos_token }}{%- endif -%}
+{%- endfor -%}"""
+
+CHATML_STYLE = """{%- for message in messages -%}
+{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"""
 
 
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there "},
@@ -73,9 +89,9 @@ CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user"
                 {"role": "user", "content": "What is 2 + 2?"}]
 # variant -> (template, messages it accepts, extra variables)
 FAMILIES = {
-    "llama3": (lambda: published("LLAMA3_INSTRUCT_CHAT_TEMPLATE"), CONVERSATION, {}),
-    "mistral": (lambda: published("MISTRAL_INSTRUCT_CHAT_TEMPLATE"), CONVERSATION[1:], {}),
-    "qwen2": (lambda: published("CHATML_CHAT_TEMPLATE"), CONVERSATION, {}),
+    "llama3": (lambda: LLAMA3_STYLE, CONVERSATION, {}),
+    "mistral": (lambda: MISTRAL_STYLE, CONVERSATION[1:], {}),
+    "qwen2": (lambda: CHATML_STYLE, CONVERSATION, {}),
     "qwen3": (lambda: QWEN3_STYLE, CONVERSATION, {"enable_thinking": False}),
     "gemma3": (lambda: GEMMA3_STYLE, CONVERSATION, {}),
 }
