@@ -214,3 +214,16 @@ def hf_and_ours(variant: str, directory):
     hf = make_hf_model(variant)
     hf.save_pretrained(directory, safe_serialization=True)
     return hf, build_model(read_hf_config(directory), load_hf_state_dict(directory))
+
+
+def save_bpe_tokenizer(directory, text: str, vocab_size: int, bos: str, eos: str) -> None:
+    """A byte-level BPE tokenizer trained on `text`, saved into a HF directory beside its config
+    (`tokenizer.json`, and `tokenizer_config.json` naming `bos` and `eos`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator([text] * 10, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[bos, eos]))
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(f'{{"bos_token": "{bos}", "eos_token": "{eos}"}}')

@@ -61,3 +61,16 @@ def assert_greedy_agrees_up_to_near_ties(got, ref, tolerance: float) -> None:
             assert first - second < 2 * tolerance, f"the runs parted at token {i} with a margin of {first - second}"
             return
     assert len(got.token_ids) == len(ref.token_ids)
+
+
+def dequantised_logits_bound(path, plan, want: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """How far a GGUF's packed logits may stand from ``want``, its fp32 dequantisation's: where
+    ``plan`` computes in bf16, twice as far as the same weights held dense in bf16 come; in fp32,
+    2e-3 of the largest logit."""
+    from nanoserve.model.loader import load_model
+    from nanoserve.model.weight_plan import WeightPlan
+
+    if plan.dtype != torch.bfloat16:
+        return 2e-3 * want.abs().max()
+    bf16, _ = load_model(str(path), weights=WeightPlan("bf16"))
+    return 2 * (dense_forward(bf16, ids)[0].float() - want).abs().max()

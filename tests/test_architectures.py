@@ -8,7 +8,16 @@ import json
 
 import pytest
 import torch
-from arch_models import ARCHITECTURES, VOCAB, WINDOW, WINDOWED, hf_and_ours, make_hf_model, rel_err
+from arch_models import (
+    ARCHITECTURES,
+    VOCAB,
+    WINDOW,
+    WINDOWED,
+    hf_and_ours,
+    make_hf_model,
+    rel_err,
+    save_bpe_tokenizer,
+)
 
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
@@ -181,17 +190,10 @@ def test_qwen_sliding_window_from_max_window_layers_matches_transformers(variant
 def test_build_engine_takes_a_gemma3_directory_by_path(tmp_path):
     """`build_engine("dir")` on a Gemma 3 Hugging Face directory with its tokenizer.json: the
     default (packed) weights, text in and text out."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     from nanoserve.engine import SamplingParams, build_engine
 
     make_hf_model("gemma3", vocab_size=320).save_pretrained(tmp_path, safe_serialization=True)
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.train_from_iterator(["a sliding window over the words"] * 10, trainers.BpeTrainer(
-        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<bos>", "<eos>"]))
-    backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<bos>", "eos_token": "<eos>"}')
+    save_bpe_tokenizer(tmp_path, "a sliding window over the words", 320, "<bos>", "<eos>")
     engine = build_engine(str(tmp_path), max_batch_size=2, max_model_len=128)
     prompt = "a sliding window over the words " * 3
     out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 from arch_models import ARCHITECTURES, VOCAB, WINDOW, make_hf_model, rel_err, write_converted_gguf
-from engine_oracle_helpers import engine_for, generate, greedy
+from engine_oracle_helpers import dequantised_logits_bound, engine_for, generate, greedy
 
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
@@ -98,11 +98,7 @@ def test_a_block_quantised_file_runs_packed_with_its_fp32_dequantised_logits(ggu
     with torch.no_grad():
         want = dense_forward(reference, ids)[0].float()
         got = dense_forward(model, ids)[0].float()
-        if plan.dtype == torch.bfloat16:  # as close as the same weights held dense in bf16 come
-            bf16, _ = load_model(str(path), weights=WeightPlan("bf16"))
-            bound = 2 * (dense_forward(bf16, ids)[0].float() - want).abs().max()
-        else:
-            bound = 2e-3 * want.abs().max()
+        bound = dequantised_logits_bound(path, plan, want, ids)
     assert (got - want).abs().max() <= bound
 
 

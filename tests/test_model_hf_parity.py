@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from arch_models import save_bpe_tokenizer
 
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
 from nanoserve.model.llama import DenseCausalAttention, dense_forward, unfuse_hf_weights
@@ -95,16 +96,9 @@ def test_hf_config_is_read_faithfully(tiny_pair):
 
 
 def test_load_model_reads_hf_directory_with_tokenizer(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     hf = make_hf_model(*VARIANTS["llama"])
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
-        vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"]))
-    backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    save_bpe_tokenizer(tmp_path, "hello world", 256, "<s>", "</s>")
     model, tokenizer = load_model(str(tmp_path))
     assert tokenizer.eos_token_id == 1 and tokenizer.bos_token_id == 0
     ids = torch.tensor([tokenizer.encode("hello world")])

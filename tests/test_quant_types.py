@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from engine_oracle_helpers import dequantised_logits_bound
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
@@ -184,11 +185,8 @@ def test_a_gguf_of_mixed_types_runs_packed_with_the_fp32_dequantised_logits(mixe
             # torch's format rounds every scale to bf16 besides (its layer products are checked
             # above); through this random model that only bounds the logits loosely.
             bound = 0.2 * want.abs().max()
-        elif plan.dtype == torch.bfloat16:  # as close as the same weights held dense in bf16 come
-            bf16, _ = load_model(str(mixed_gguf), weights=WeightPlan("bf16"))
-            bound = 2 * (dense_forward(bf16, ids)[0].float() - want).abs().max()
         else:
-            bound = 2e-3 * want.abs().max()
+            bound = dequantised_logits_bound(mixed_gguf, plan, want, ids)
     assert (got - want).abs().max() <= bound
 
 
