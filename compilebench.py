@@ -15,6 +15,7 @@ from compile import (
     fidelity_suite,
     headline,
     linear_bench,
+    scale,
     serve_bench,
     slotbench,
     tp_bench,
@@ -32,6 +33,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "ttft": ttft.main,
     "linear": linear_bench.main,
     "tp": tp_bench.main,
+    "scale": scale.main,
 }
 DEFAULT_SUITE = "headline"
 

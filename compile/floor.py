@@ -11,12 +11,27 @@ every byte of those weights once, so bytes / the machine's read bandwidth bounds
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from compile.common import median_seconds
 
-READ_BYTES = 256 << 20  # far larger than any CPU cache, so the read comes from memory
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (0 where it reports none)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=0)
+
+
+# Four times the last-level cache and at least 1 GiB, so the read comes from memory (a 480 MB L3
+# holds a whole small model).
+READ_BYTES = max(1 << 30, 4 * last_level_cache_bytes())
 
 
 def matmul_modules(model) -> list[nn.Module]:

@@ -17,9 +17,11 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     limit_note = f" (the model takes up to {model_limit:,})" if config.max_model_len < model_limit else ""
     decode = "compiled decode" if config.compile else "eager decode"
     rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
+    stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stats.load_stages.items())
+    file_note = f" (the file: {format_bytes(stats.file_bytes)})" if stats.file_bytes else ""
     lines = [
-        f"model {model}: loaded in {load_seconds:.1f} s on {config.device}",
-        f"weights {stats.weights}, {format_bytes(stats.weight_bytes)} resident; "
+        f"model {model}: loaded in {load_seconds:.1f} s on {config.device}" + (f" ({stages})" if stages else ""),
+        f"weights {stats.weights}, {format_bytes(stats.weight_bytes)} resident{file_note}; "
         f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}",
         f"K/V pool {format_bytes(kv_bytes)} of {kv_dtype}: {blocks:,} blocks of {block_size} tokens "
         f"({(blocks - 1) * block_size:,} tokens for requests, one block is scratch)",

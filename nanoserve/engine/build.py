@@ -18,7 +18,7 @@ from nanoserve.engine.paged_attention import decode_attention_kernel
 from nanoserve.model import cpu_kernels
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import DENSE_FROM_ROWS, WEIGHT_FORMATS
+from nanoserve.model.quant import DENSE_FROM_ROWS
 from nanoserve.model.weight_plan import WeightPlan, pack_model
 
 if TYPE_CHECKING:
@@ -158,16 +158,19 @@ def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int,
     return max(2048, max_model_len)
 
 
-def auto_cpu_plan(tier: str | None = None) -> WeightPlan:
+def auto_cpu_plan(tier: str | None = None, dense: bool = False) -> WeightPlan:
     """"auto" on the CPU: the fastest format that passes the fidelity gates against fp32
-    (README): int4 codes and the file's Q8_0 LM head (group-wise int8), with a dense copy of the
-    linears (and the embedding table as the head) from the kernel tier's measured crossover
-    (DENSE_FROM_ROWS) where it has one. ``tier``: cpu_kernels.resolve_tier's choice by default."""
+    (README): int4 codes and the file's Q8_0 LM head (group-wise int8), resident at about the
+    file's size: a prompt's many rows dequantise each weight for the call (DEQUANT_FROM_ROWS).
+    ``dense`` ("auto+dense") also keeps a dense copy of the linears (and the embedding table as
+    the head) from the kernel tier's measured crossover (DENSE_FROM_ROWS) where it has one: about
+    5x the memory of int4 codes, for faster steps of many rows. ``tier``:
+    cpu_kernels.resolve_tier's choice by default."""
     tier = tier or cpu_kernels.resolve_tier()
     # The crossovers were measured against a bf16 copy; an fp32 one (a CPU without native bf16,
     # such as AVX-512 VNNI before AVX-512 BF16) is 4x the codes and pays only at larger batches.
     bf16 = cpu_kernels.compute_dtype(tier) == torch.bfloat16
-    return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier] if bf16 else None, int8_head=True)
+    return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier] if dense and bf16 else None, int8_head=True)
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,
@@ -179,14 +182,12 @@ def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str |
     if weights is None and (dtype is not None or not named_model):
         # fp32 on the CPU (its bf16 matmuls are not the default anywhere), bf16 on a GPU.
         return None, _as_dtype(dtype) if dtype is not None else (torch.bfloat16 if cuda else torch.float32)
-    if weights is None or weights == "auto":
-        plan = WeightPlan("bf16") if cuda else auto_cpu_plan()
+    if weights is None or weights in ("auto", "auto+dense"):
+        plan = WeightPlan("bf16") if cuda else auto_cpu_plan(dense=weights == "auto+dense")
     elif isinstance(weights, WeightPlan):
         plan = weights
-    elif weights in WEIGHT_FORMATS:
-        plan = WeightPlan(weights)
     else:
-        raise ValueError(f"weights must be one of auto, {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        plan = WeightPlan.parse(weights)
     if plan.format in ("int8", "int4") and str(device) != "cpu":
         raise ValueError(f"weights={plan.format!r} runs torch's CPU kernels; on {device} use bf16 or fp32")
     if dtype is not None and _as_dtype(dtype) != plan.dtype:

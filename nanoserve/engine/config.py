@@ -42,8 +42,9 @@ class EngineConfig:
     dtype: Any = option(None, "activations and K/V: float32, float16, bfloat16 or a torch.dtype "
                               "(default: float32 on cpu, bfloat16 on cuda; the weight format's dtype)",
                         choices=("float32", "float16", "bfloat16"))
-    weights: Any = option(None, "weight format: auto, fp32, bf16, int8, int4 or a WeightPlan (default: auto, or "
-                                "dense in dtype when that is given)", choices=("auto", "fp32", "bf16", "int8", "int4"))
+    weights: Any = option(None, "weight format: auto, auto+dense (with a dense copy for steps of many rows), fp32, "
+                                "bf16, int8, int4, a plan name or a WeightPlan (default: auto, or dense in dtype when "
+                                "that is given)", choices=("auto", "auto+dense", "fp32", "bf16", "int8", "int4"))
     device: str = option("cpu", "torch device, e.g. cpu or cuda")
     compile: bool = option(False, "torch.compile the decode step (reduce-overhead, bucketed static shapes)")
     compile_mode: str | None = option("reduce-overhead", "torch.compile mode of the decode step", cli=False)

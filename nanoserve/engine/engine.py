@@ -57,6 +57,7 @@ class Engine:
         self.cpu_kernels = cpu_kernels  # the kernel tier running packed weights (cpu_kernels), if any
         # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: weight_plan.weight_types).
         self.weight_types = dict(getattr(model, "weight_types", {}))
+        self.file_bytes, self.load_stages = getattr(model, "file_bytes", 0), dict(getattr(model, "load_stages", {}))
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -205,6 +206,7 @@ class Engine:
             compiled=config.compile, graphs_built=d.graphs_built, recompiles_after_warmup=d.recompiles_after_warmup,
             warmup_seconds=d.warmup_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
             weights=config.weights, weight_bytes=self.weight_bytes, weight_types=dict(self.weight_types),
+            file_bytes=self.file_bytes, load_stages=dict(self.load_stages),
             cpu_kernels=self.cpu_kernels,
             compute_dtype=str(config.dtype).removeprefix("torch."), chunked_prefill=config.enable_chunked_prefill,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,

@@ -38,6 +38,8 @@ class EngineStats:
     # what runs
     weights: str = ""
     weight_bytes: int = 0
+    file_bytes: int = 0  # the model file's size (0: a model object, no file)
+    load_stages: dict[str, float] = field(default_factory=dict)  # seconds per stage of loading the file
     weight_types: dict[str, str] = field(default_factory=dict)  # GGUF tensor type -> packed, dense
     cpu_kernels: str | None = None
     compute_dtype: str = ""

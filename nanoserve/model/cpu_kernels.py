@@ -35,9 +35,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -90,17 +92,18 @@ def _machine() -> str:
 def _ops_loaded() -> bool:
     """Build and register the torch ops (cpu_ops.cpp, no instruction flags) once per process."""
     from torch.utils.cpp_extension import load
-    # torch's build cache keys on the source and flags: the shared header's hash, passed as a
-    # define, rebuilds the ops when the table they read changes.
-    header = hashlib.sha256((KERNELS / "common.h").read_bytes()).hexdigest()[:12]
+    sources = [HERE / "cpu_ops.cpp", HERE / "gguf_pack.cpp"]
+    # torch's build cache is a folder per name, rebuilt when another process builds other
+    # sources under it: the sources' and the shared header's hash in the name keep two source
+    # trees (or versions) from rebuilding each other's library.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*sources, KERNELS / "common.h"])).hexdigest()[:12]
     # -fopenmp: at::parallel_for is inline and splits the work over torch's OpenMP threads only
     # where the caller is built with OpenMP (without it, one thread). A compiler without OpenMP
     # (Apple's clang) still gets the kernels, on one thread, and says so.
     for openmp in (["-fopenmp"], []):
         try:
-            load("nanoserve_cpu_ops", [str(HERE / "cpu_ops.cpp")], extra_include_paths=[str(HERE)],
-                 extra_cflags=["-O2", *openmp, f"-DNANOSERVE_COMMON_H={header}"], extra_ldflags=["-ldl", *openmp],
-                 is_python_module=False)
+            load(f"nanoserve_cpu_ops_{digest}", [str(p) for p in sources], extra_include_paths=[str(HERE)],
+                 extra_cflags=["-O2", *openmp], extra_ldflags=["-ldl", *openmp], is_python_module=False)
             break
         except Exception as error:  # no compiler, or one without OpenMP
             if not openmp:
@@ -344,6 +347,22 @@ def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, b
     fp32 = not (fp16_holds(scales) and (zero_point or fp16_holds(mins)))
     kept = mins[:, :0] if zero_point else mins
     return packed, _per_block(scales, fp32), _per_block(kept, fp32), zero_point
+
+
+def pack_gguf(blocks: np.ndarray, qtype: int, rows: int, cols: int,
+              row_order: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF block tensor's raw bytes [rows, row bytes] (gguf's GGMLQuantizationType ``qtype``)
+    as (codes, scales, mins) in the layout ``pack_groups`` makes from its GroupCodes, in one pass
+    over the bytes (gguf_pack.cpp); ``row_order``: the file row of each row. The bytes are read,
+    never written, so a read-only view of a memory-mapped file serves."""
+    if not _ops_loaded():
+        raise RuntimeError("nanoserve's CPU ops did not build; unpack the blocks instead (BlockTensor.group_codes)")
+    with warnings.catch_warnings():  # a read-only memory map: torch warns that it cannot be written
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1))
+    order = torch.empty(0, dtype=torch.int64) if row_order is None else torch.from_numpy(
+        np.ascontiguousarray(row_order, dtype=np.int64))
+    return torch.ops.nanoserve.pack_gguf(data, qtype, rows, cols, order)
 
 
 def _super_records(factors) -> torch.Tensor:

@@ -22,10 +22,13 @@ here are the file's, and their dequantisation equals gguf's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from nanoserve.model import cpu_kernels
 from nanoserve.model.group_codes import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
@@ -119,3 +122,74 @@ def group_codes(data: np.ndarray, qtype: Q, rows: int, cols: int) -> GroupCodes:
     return GroupCodes(as_rows(codes), as_rows(scales.astype(np.float32)), as_rows(mins.astype(np.float32)),
                       bits=bits, group=group, scale_factors=supers[0] if supers else None,
                       min_factors=supers[1] if supers else None)
+
+
+# The zero point of each type that stores none of its minimums (``w = d * (c - zero point)``).
+ZERO_POINTS = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32}
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A block-quantised tensor [rows, cols] as the file holds it: its type and raw blocks (a view
+    of the file's memory map, never copied), and the file row each of its rows reads
+    (``row_order``; None: in order)."""
+
+    qtype: Q
+    data: np.ndarray
+    rows: int
+    cols: int
+    row_order: np.ndarray | None = None
+
+    @property
+    def bits(self) -> int:
+        return {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}.get(self.qtype, 4)
+
+    @property
+    def group(self) -> int:
+        return 16 if self.qtype == Q.Q6_K else 32
+
+    def group_codes(self) -> GroupCodes:
+        """The tensor as unpacked GroupCodes (one byte a code, fp32 numbers)."""
+        weight = group_codes(self.data, self.qtype, self.rows, self.cols)
+        if self.row_order is None:
+            return weight
+        order = torch.from_numpy(self.row_order)
+        factors = [None if f is None else SuperScales(f.supers[order], f.multipliers[order])
+                   for f in (weight.scale_factors, weight.min_factors)]
+        return GroupCodes(weight.codes[order], weight.scales[order], weight.mins[order], weight.bits, weight.group,
+                          *factors)
+
+
+@dataclass(frozen=True)
+class StackedBlocks:
+    """Block tensors of one type stacked along their rows (a fused projection's parts), packed
+    from the file's bytes straight into the kernels' layout (``pack``)."""
+
+    parts: tuple[BlockTensor, ...]
+
+    def __post_init__(self) -> None:
+        if len({(p.qtype, p.cols) for p in self.parts}) != 1:
+            raise ValueError("stacked block tensors must share their type and column count")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.rows for p in self.parts), self.parts[0].cols
+
+    @property
+    def bits(self) -> int:
+        return self.parts[0].bits
+
+    @property
+    def group(self) -> int:
+        return self.parts[0].group
+
+    def group_codes(self) -> GroupCodes:
+        return GroupCodes.cat([p.group_codes() for p in self.parts])
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(codes, scales, mins, zero point) as ``cpu_kernels.pack_groups`` lays them out, made
+        by ``cpu_kernels.pack_gguf`` part by part (blocks of 16 rows are independent, so the
+        parts' packings stack)."""
+        packed = [cpu_kernels.pack_gguf(p.data, int(p.qtype), p.rows, p.cols, p.row_order) for p in self.parts]
+        codes, scales, mins = (torch.cat([p[i] for p in packed]) for i in range(3))
+        return codes, scales, mins, ZERO_POINTS.get(self.parts[0].qtype, 0)

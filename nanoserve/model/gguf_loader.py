@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import mmap
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import PACKED_TYPES, group_codes
-from nanoserve.model.group_codes import GroupCodes, SuperScales
+from nanoserve.model.gguf_blocks import PACKED_TYPES, BlockTensor
+from nanoserve.model.group_codes import GroupCodes
 from nanoserve.model.llama import hf_norm_offset
 
 Q = GGMLQuantizationType
@@ -85,6 +88,14 @@ class _PlainArrayReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain_data = value.view(np.ndarray)
+        self._map = getattr(value, "_mmap", None)
+
+    def release_pages(self) -> None:
+        """Let the kernel drop the file's pages from this process (they stay in the page cache):
+        a tensor read once and packed need not stay resident beside its packed copy."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if self._map is not None and advice is not None:
+            self._map.madvise(advice)
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         # Every read goes through here: a read past the end means the file was cut short.
@@ -92,6 +103,34 @@ class _PlainArrayReader(GGUFReader):
         if end > self._plain_data.size:
             raise _Truncated(end, self._plain_data.size)
         return super()._get(offset, dtype, count, override_order)
+
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
+        """gguf's parts of a metadata value, an array of scalars or strings read in one pass
+        instead of one call per element (a vocabulary's 100k strings took most of a second)."""
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        itype, count, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            values = self._get(offs, nptype, count)
+            parts = [raw_itype, alen, *(values[i:i + 1] for i in range(count))]
+        elif itype == GGUFValueType.STRING:
+            data, parts = self._plain_data, [raw_itype, alen]
+            raw = memoryview(data)
+            for _ in range(count):
+                if offs + 8 > data.size:
+                    raise _Truncated(offs + 8, data.size)
+                end = offs + 8 + int.from_bytes(raw[offs:offs + 8], "little")
+                if end > data.size:
+                    raise _Truncated(end, data.size)
+                parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:end])
+                offs = end
+            return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, itype][:1 + bool(count)]
+        else:  # arrays of arrays: gguf's own walk
+            return super()._get_field_parts(orig_offs, raw_type)
+        return 12 + values.nbytes, parts, list(range(2, 2 + count)), [GGUFValueType.ARRAY, itype][:1 + bool(count)]
 
 
 class _Truncated(Exception):
@@ -252,35 +291,53 @@ class GGUFCheckpoint:
 
     def state_dict(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Every weight, dequantised and converted to `dtype`, in HF naming and HF row order."""
-        out: dict[str, torch.Tensor] = {}
-        for t in self.reader.tensors:
-            if t.name == ROPE_FREQS:
-                continue
-            name = hf_tensor_name(t.name, config.architecture)
-            if name is None:
-                raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {config.architecture}")
-            weight = torch.from_numpy(self._dequantize(t, config))
-            if name.endswith("norm.weight"):
-                weight -= hf_norm_offset(config)  # the file holds the multiplier itself (1 + w for Gemma)
-            out[name] = weight.to(dtype)
-        return out
+        return {name: self.read(name, config, dtype) for name in self._weights}
 
     def group_codes(self, config: ModelConfig) -> dict[str, GroupCodes]:
         """Every block-quantised tensor as its own codes, scales and minimums (gguf_blocks), in
         HF naming and row order: nothing rounded."""
+        return {name: blocks.group_codes() for name, blocks in self.block_tensors(config).items()}
+
+    def block_tensors(self, config: ModelConfig) -> dict[str, BlockTensor]:
+        """Every block-quantised tensor as it lies in the file (views of the map, nothing read
+        yet), in HF naming, its rows in HF order (``row_order`` undoes llama's Q/K permutation)."""
         out = {}
-        for t in self.reader.tensors:
-            name = hf_tensor_name(t.name, config.architecture)
-            if t.tensor_type not in PACKED_TYPES or name is None:
+        for name, t in self._weights.items():
+            if t.tensor_type not in PACKED_TYPES:
                 continue
-            self._check_type(t)
             n, k = (int(d) for d in reversed(t.shape))
-            weight = group_codes(t.data, t.tensor_type, n, k)
-            if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            order = None
+            if _permuted(config, t.name):
                 heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-                weight = unpermute_group_rows(weight, heads)
-            out[name] = weight
+                order = np.ascontiguousarray(unpermute_rotary_rows(np.arange(n), heads))
+            out[name] = BlockTensor(t.tensor_type, t.data, n, k, order)
         return out
+
+    def shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape [out, in] by HF name."""
+        return {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self._weights.items()}
+
+    def read(self, name: str, config: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One tensor by HF name, dequantised to ``dtype`` in HF row order (a norm as HF holds it)."""
+        t = self._weights[name]
+        weight = torch.from_numpy(self._dequantize(t, config))
+        if name.endswith("norm.weight"):
+            weight -= hf_norm_offset(config)  # the file holds the multiplier itself (1 + w for Gemma)
+        return weight.to(dtype)
+
+    @functools.cached_property
+    def _weights(self) -> dict[str, Any]:
+        """The file's weight tensors by HF name (the rope frequencies are config, not weights)."""
+        by_name = {}
+        for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:
+                continue
+            name = hf_tensor_name(t.name, self.architecture)
+            if name is None:
+                raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {self.architecture}")
+            self._check_type(t)
+            by_name[name] = t
+        return by_name
 
     def tensor_types(self) -> dict[str, str]:
         """Each tensor's type name ("Q4_K", "F32"...) by HF name."""
@@ -301,19 +358,15 @@ class GGUFCheckpoint:
         shape = tuple(int(d) for d in reversed(t.shape))
         # np.array copies: F32 tensors would otherwise alias the read-only memory map.
         weight = np.array(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
-        # Only the llama converter permutes Q/K (for its interleaved rope); qwen2 files are HF order.
-        if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        if _permuted(config, t.name):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             weight = unpermute_rotary_rows(weight, heads)
         return weight
 
 
-def unpermute_group_rows(weight: GroupCodes, n_head: int) -> GroupCodes:
-    """unpermute_rotary_rows on every per-row array of a group-wise weight."""
-    rows = lambda t: torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), n_head)))  # noqa: E731
-    factors = [None if f is None else SuperScales(rows(f.supers), rows(f.multipliers))
-               for f in (weight.scale_factors, weight.min_factors)]
-    return GroupCodes(rows(weight.codes), rows(weight.scales), rows(weight.mins), weight.bits, weight.group, *factors)
+def _permuted(config: ModelConfig, gguf_name: str) -> bool:
+    """Only the llama converter permutes Q/K rows (for its interleaved rope); qwen2 files are HF order."""
+    return config.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
 
 
 def _read_metadata(reader: GGUFReader) -> dict[str, Any]:

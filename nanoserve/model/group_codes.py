@@ -50,6 +50,10 @@ class GroupCodes:
     scale_factors: SuperScales | None = None
     min_factors: SuperScales | None = None
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
     def per_weight(self, numbers: torch.Tensor) -> torch.Tensor:
         return numbers.repeat_interleave(self.group, dim=1)
 

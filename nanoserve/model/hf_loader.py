@@ -207,14 +207,36 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 def load_hf_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors files, in HF naming, converted to `dtype`."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
+    weights = SafetensorsWeights(model_dir)
+    return {name: weights.read(name, dtype) for name in weights.shapes()}
+
+
+class SafetensorsWeights:
+    """A directory's safetensors files opened (memory-mapped), read one tensor at a time by its
+    text model's HF name."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self._files: dict[str, tuple[Path, Any, str]] = {}  # HF name -> (file, handle, name in file)
+        for path in safetensors_files(model_dir):
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+                for name in handle.keys():
                     text_name = text_model_name(name)
                     if text_name is not None:
-                        tensors[text_name] = f.get_tensor(name).to(dtype)
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ModelLoadError(path, f"cannot read safetensors file ({e})") from e
-    return tensors
+                        self._files[text_name] = (path, handle, name)
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ModelLoadError(path, f"cannot read safetensors file ({e})") from e
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(handle.get_slice(key).get_shape()) for name, (_, handle, key) in self._files.items()}
+
+    def dtypes(self) -> dict[str, str]:
+        """Each tensor's dtype as safetensors names it ("F32", "BF16", "F16")."""
+        return {name: handle.get_slice(key).get_dtype() for name, (_, handle, key) in self._files.items()}
+
+    def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        path, handle, key = self._files[name]
+        try:
+            return handle.get_tensor(key).to(dtype)
+        except Exception as e:
+            raise ModelLoadError(path, f"cannot read tensor {key} ({e})") from e

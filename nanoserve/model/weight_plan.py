@@ -14,6 +14,7 @@ from torch import nn
 
 from nanoserve.model import cpu_kernels
 from nanoserve.model.cpu_kernels import GROUP_SIZE
+from nanoserve.model.gguf_blocks import BlockTensor, StackedBlocks
 from nanoserve.model.group_codes import (
     GroupCodes,
     int8_groups,
@@ -32,6 +33,9 @@ from nanoserve.model.quant import (
     int4_kernel_accepts,
     int8_kernel_accepts,
 )
+
+# A weight as a loader hands it over to be packed as it is: unpacked codes, or a GGUF's blocks.
+WeightSource = GroupCodes | BlockTensor
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,32 @@ class WeightPlan:
         if self.kernel not in GROUP_KERNELS or (self.kernel != "auto" and self.format != "int4"):
             raise ValueError(f"kernel {self.kernel!r}: one of {', '.join(GROUP_KERNELS)}, and only with int4")
 
+    @classmethod
+    def parse(cls, name: str) -> WeightPlan:
+        """The plan a ``name`` (``WeightPlan.name``) describes: "int4", "int4+int8head",
+        "int4+int8head+bf16>=24", "int4+avx2"... Raises ValueError naming what it cannot read."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"weights must be one of auto, {', '.join(WEIGHT_FORMATS)} or a plan name, got {name!r}")
+        fmt, *options = name.split("+")
+        fields: dict = {}
+        for option in options:
+            dtype, sep, rows = option.partition(">=")
+            if option == "int8head":
+                fields["int8_head"] = True
+            elif sep and dtype in ("bf16", "fp32") and rows.isdigit():
+                fields["dense_from_rows"] = int(rows)
+            elif option in GROUP_KERNELS:
+                fields["kernel"] = option
+            else:
+                raise ValueError(f"weights {name!r}: unknown part {option!r} (int8head, bf16>=N, or a kernel: "
+                                 f"{', '.join(GROUP_KERNELS)})")
+        plan = cls(fmt, **fields)
+        short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[plan.dtype]
+        if any(o.split(">=")[0] != short for o in options if ">=" in o):
+            raise ValueError(f"weights {name!r}: {plan.format} computes in {short} on this host, so its dense copy "
+                             f"is {short}>=N")
+        return plan
+
     @property
     def tier(self) -> str | None:
         """The kernel tier that runs the group-wise layers (int4 only), resolved on this host."""
@@ -86,7 +116,7 @@ class WeightPlan:
         return cpu_kernels.compute_dtype(self.tier or cpu_kernels.resolve_tier())
 
 
-def pack_model(model: nn.Module, plan: WeightPlan, sources: Mapping[str, GroupCodes] | None = None,
+def pack_model(model: nn.Module, plan: WeightPlan, sources: Mapping[str, WeightSource] | None = None,
                tensor_types: Mapping[str, str] | None = None) -> None:
     """Replace the model's linear layers (and a tied LM head) with packed ones, in place.
 
@@ -105,13 +135,33 @@ def pack_model(model: nn.Module, plan: WeightPlan, sources: Mapping[str, GroupCo
         raise ValueError("the model's weights are packed already; load it again to choose another format")
     sources = sources or {}
     types = dict(tensor_types or _dtype_names(model))
+    modes = pack_linears(model, plan, sources)
+    modes.update(pack_head(model, plan, sources))
+    model.weight_types = weight_types(types, modes)
+
+
+def pack_linears(module: nn.Module, plan: WeightPlan, sources: Mapping[str, WeightSource], prefix: str = "",
+                 ) -> dict[str, str]:
+    """Pack the linears under ``module`` (named ``prefix`` in the model: a loader packs one decoder
+    layer at a time), the LM head aside; returns each HF weight's mode (``weight_types``). A
+    linear whose weight has a source is packed from it, so its float weight may be a meta tensor."""
+    if plan.format not in ("int8", "int4"):
+        return {}
+    _fuse_gate_up(module, plan)
     modes: dict[str, str] = {}
-    _fuse_gate_up(model, plan)
-    for name, linear in list(model.named_modules()):
-        if isinstance(linear, nn.Linear) and name != "lm_head":
-            packed, mode = _packed_linear(linear, plan, group_source(name, sources))
-            _replace(model, name, packed)
-            modes.update(dict.fromkeys(hf_parts(name), mode))
+    for name, linear in list(module.named_modules()):
+        full = ".".join(filter(None, (prefix, name)))
+        if isinstance(linear, nn.Linear) and full != "lm_head":
+            packed, mode = _packed_linear(linear, plan, group_source(full, sources))
+            _replace(module, name, packed)
+            modes.update(dict.fromkeys(hf_parts(full), mode))
+    return modes
+
+
+def pack_head(model: nn.Module, plan: WeightPlan, sources: Mapping[str, WeightSource]) -> dict[str, str]:
+    """Pack the LM head (and the embedding that shares or mirrors it) as the plan says; returns
+    their HF weights' modes."""
+    modes: dict[str, str] = {}
     tied = model.lm_head is None
     head_names = ["model.embed_tokens.weight"] if tied else ["lm_head.weight"]
     if plan.format == "int4":
@@ -119,13 +169,15 @@ def pack_model(model: nn.Module, plan: WeightPlan, sources: Mapping[str, GroupCo
         # fidelity gates, README).
         if plan.int8_head:
             modes.update(dict.fromkeys(head_names, _pack_group_head(model, plan, sources)))
-    elif int8_kernel_accepts((model.embed_tokens if tied else model.lm_head).weight.shape[1]):
+        if not tied:
+            modes.update(_pack_group_embedding(model, plan, sources))
+    elif plan.format == "int8" and int8_kernel_accepts((model.embed_tokens if tied else model.lm_head).weight.shape[1]):
         head = model.embed_tokens if tied else model.lm_head
         model.lm_head = _int8_linear(head.weight, None if tied else head.bias, plan)
         if tied:  # one int8 matrix serves as the embedding and the head
             model.embed_tokens = Int8Embedding(model.lm_head)
         modes.update(dict.fromkeys(head_names, "int8"))
-    model.weight_types = weight_types(types, modes)
+    return modes
 
 
 def weight_types(tensor_types: Mapping[str, str], modes: Mapping[str, str]) -> dict[str, str]:
@@ -158,11 +210,25 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def _pack_group_head(model: nn.Module, plan: WeightPlan, sources: Mapping[str, GroupCodes]) -> str:
+def _pack_group_embedding(model: nn.Module, plan: WeightPlan, sources: Mapping[str, WeightSource]) -> dict[str, str]:
+    """An untied token embedding with a source read from its own codes (GroupEmbedding) instead of
+    a dense table, where nanoserve's kernels run: about the file's size instead of the compute
+    dtype's."""
+    source = group_source("embed_tokens", sources)
+    if source is None or plan.tier == "torch" or not int4_kernel_accepts(*source.shape):
+        return {}
+    table = GroupLinear(source, None, plan.dtype, kernel=plan.kernel)
+    if table.handle is None:
+        return {}
+    model.embed_tokens = GroupEmbedding(table)
+    return {"model.embed_tokens.weight": "packed"}
+
+
+def _pack_group_head(model: nn.Module, plan: WeightPlan, sources: Mapping[str, WeightSource]) -> str:
     """The LM head group-wise (its source's blocks, else int8 groups); returns its mode."""
     tied = model.lm_head is None
     head = model.embed_tokens if tied else model.lm_head
-    source = sources.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    source = group_source("embed_tokens" if tied else "lm_head", sources)
     if not int4_kernel_accepts(*head.weight.shape) or (
             source is not None and source.group != GROUP_SIZE and plan.tier == "torch"):
         return "dense"  # the kernel's shape rules do not hold, or torch has no such format
@@ -194,12 +260,18 @@ def hf_parts(module_name: str) -> list[str]:
     return [hf.replace(fused, part) for part in FUSED_PARTS[fused]] if fused else [hf]
 
 
-def group_source(module_name: str, sources: Mapping[str, GroupCodes]) -> GroupCodes | None:
-    """The group-wise weight of one of the model's linears from HF-named ``sources``, or None."""
+def group_source(module_name: str, sources: Mapping[str, WeightSource]) -> GroupCodes | StackedBlocks | None:
+    """The group-wise weight of one of the model's linears from HF-named ``sources``, or None:
+    a GGUF's blocks of one type stay blocks (packed from the file's bytes); parts that differ
+    (a Q6_K v beside Q4_K q and k) meet as GroupCodes (GroupCodes.cat)."""
     parts = hf_parts(module_name)
-    if all(p in sources for p in parts):
-        return GroupCodes.cat([sources[p] for p in parts])
-    return None
+    if not all(p in sources for p in parts):
+        return None
+    found = [sources[p] for p in parts]
+    blocks = all(isinstance(p, BlockTensor) and p.rows % 16 == 0 for p in found)
+    if blocks and len({(p.qtype, p.cols) for p in found}) == 1:
+        return StackedBlocks(tuple(found))
+    return GroupCodes.cat([p.group_codes() if isinstance(p, BlockTensor) else p for p in found])
 
 
 def _fuse_gate_up(model: nn.Module, plan: WeightPlan) -> None:
@@ -217,7 +289,8 @@ def _fuse_gate_up(model: nn.Module, plan: WeightPlan) -> None:
         if plan.format == "int4" and not all(int4_kernel_accepts(*m.weight.shape) for m in (gate, up)):
             continue
         fused = nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False, device="meta")
-        fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        if not (gate.weight.is_meta or up.weight.is_meta):  # else a loader's source packs it, unread
+            fused.weight = nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
         mlp.fuse_gate_up(fused)
 
 

@@ -1,0 +1,168 @@
+"""Llama-shaped GGUF files of the sizes people run, with random weights, for measuring load time,
+memory and decode speed where the weights no longer fit in a cache.
+
+No such file ships on PyPI, and speed, memory and load time depend on a file's shapes and block
+types, not on what its weights learned. So the blocks are written directly: random codes, and
+scales drawn so that each weight is small (|w| ~ 0.02, as trained weights are), in llama.cpp's
+layouts, with the tensor types llama.cpp's quantiser picks for that file type (Q4_K_M: Q6_K for
+the output, for attn_v and ffn_down on its "more bits" layers; a tied embedding as the output).
+The vocabulary, tokenizer and chat template are the packaged SmolLM2 file's (49,152 tokens).
+Writing one is a pass of random bytes: seconds for a 1B file, about a minute for an 8B one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from nanoserve.model.loader import default_model_path
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama model's shape: hidden width, layers, query and K/V heads, MLP width, and whether the
+    LM head is the embedding (tied)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    tied: bool
+    vocab: int = 49152
+    context: int = 8192
+
+
+# Llama 3.2 1B and 3B, Llama 3.1 8B (with SmolLM2's vocabulary), and a small one for tests.
+SHAPES = {
+    "1b": Shape(2048, 16, 32, 8, 8192, tied=True),
+    "3b": Shape(3072, 28, 24, 8, 8192, tied=True),
+    "8b": Shape(4096, 32, 32, 8, 14336, tied=False),
+    "test": Shape(1024, 6, 16, 4, 4096, tied=True),
+}
+FILE_TYPES = ("Q4_0", "Q4_K_M", "Q8_0")
+
+
+def tensor_types(shape: Shape, file_type: str) -> dict[str, Q]:
+    """Each tensor's type as llama.cpp's quantiser chooses it for ``file_type`` (norms are F32)."""
+    body = {"Q4_0": Q.Q4_0, "Q4_K_M": Q.Q4_K, "Q8_0": Q.Q8_0}[file_type]
+    head = Q.Q8_0 if file_type == "Q8_0" else Q.Q6_K
+    types = {"token_embd.weight": head if shape.tied else body}
+    if not shape.tied:
+        types["output.weight"] = head
+    n = shape.layers
+    for i in range(n):
+        more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            kind = body
+            if file_type == "Q4_K_M" and part in ("attn_v", "ffn_down") and more_bits:
+                kind = Q.Q6_K
+            types[f"blk.{i}.{part}.weight"] = kind
+    return types
+
+
+def tensor_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
+    """Each weight's [out, in] shape by GGUF name."""
+    head_dim = shape.hidden // shape.heads
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
+    out = {"token_embd.weight": (shape.vocab, shape.hidden)}
+    if not shape.tied:
+        out["output.weight"] = (shape.vocab, shape.hidden)
+    for i in range(shape.layers):
+        out |= {f"blk.{i}.attn_q.weight": (q, shape.hidden), f"blk.{i}.attn_k.weight": (kv, shape.hidden),
+                f"blk.{i}.attn_v.weight": (kv, shape.hidden), f"blk.{i}.attn_output.weight": (shape.hidden, q),
+                f"blk.{i}.ffn_gate.weight": (shape.ffn, shape.hidden), f"blk.{i}.ffn_up.weight": (shape.ffn, shape.hidden),
+                f"blk.{i}.ffn_down.weight": (shape.hidden, shape.ffn)}
+    return out
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks [rows, row bytes] of ``qtype`` whose weights are about 0.02 in size: random
+    codes, and each block's fp16 scale (and minimum) set so."""
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    count = rows * (cols // block_weights)
+    blocks = np.frombuffer(rng.bytes(count * block_bytes), dtype=np.uint8).reshape(count, block_bytes).copy()
+
+    def fp16(at: int, scale: float) -> None:
+        values = (scale * (0.5 + rng.random(count, dtype=np.float32))).astype(np.float16)
+        blocks[:, at:at + 2] = values.view(np.uint8).reshape(count, 2)
+
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        fp16(0, 0.004)  # d; codes - 8 in -8..7
+        if qtype in (Q.Q4_1, Q.Q5_1):
+            fp16(2, -0.03)  # m
+    elif qtype == Q.Q8_0:
+        fp16(0, 0.0002)  # d times codes in -128..127
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        fp16(0, 0.0001)  # d, times 6-bit scales and 4-bit codes
+        fp16(2, 0.00075)  # dmin, times 6-bit minimums: centres the weights near zero
+    elif qtype == Q.Q6_K:
+        blocks[:, 192:208] = (rng.integers(-16, 16, (count, 16))).astype(np.int8).view(np.uint8)
+        fp16(208, 0.0001)  # d times int8 scales times codes - 32
+    return blocks.reshape(rows, -1)
+
+
+def write_model(path: Path, shape: Shape, file_type: str, seed: int = 0) -> Path:
+    """Write a random-weight Llama GGUF of ``shape`` and ``file_type`` (FILE_TYPES) to ``path``,
+    one tensor at a time (the writer never holds the whole model)."""
+    rng = np.random.default_rng(seed)
+    source = GGUFReader(default_model_path())
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name(f"random llama {shape.hidden}x{shape.layers} {file_type}")
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_dimension_count(shape.hidden // shape.heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(shape.vocab)
+    _copy_tokenizer(source, writer)
+    types, shapes = tensor_types(shape, file_type), tensor_shapes(shape)
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(shape.layers) for n in ("attn", "ffn")]
+    for name in norms:
+        writer.add_tensor_info(name, [shape.hidden], np.dtype(np.float32), shape.hidden * 4)
+    for name, (rows, cols) in shapes.items():
+        block_weights, block_bytes = GGML_QUANT_SIZES[types[name]]
+        row_bytes = cols // block_weights * block_bytes  # the writer takes a block tensor's shape in bytes
+        writer.add_tensor_info(name, [rows, row_bytes], np.dtype(np.uint8), rows * row_bytes, raw_dtype=types[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _ in norms:
+        writer.write_tensor_data(np.ones(shape.hidden, dtype=np.float32))
+    for name, (rows, cols) in shapes.items():
+        writer.write_tensor_data(random_blocks(types[name], rows, cols, rng))
+    writer.close()
+    return path
+
+
+def _copy_tokenizer(source: GGUFReader, writer: GGUFWriter) -> None:
+    """Every tokenizer.* key of the packaged SmolLM2 file, its vocabulary and chat template."""
+    for name, field in source.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        if kind == GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, kind)
+
+
+def model_file(directory: Path, size: str, file_type: str) -> Path:
+    """The random file of ``size`` (SHAPES) and ``file_type`` in ``directory``, written once."""
+    path = directory / f"random-llama-{size}-{file_type}.gguf"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_model(partial, SHAPES[size], file_type)
+        partial.rename(path)
+    return path

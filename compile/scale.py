@@ -1,0 +1,202 @@
+"""scale: the sizes people run. For Llama-shaped GGUF files of the 1B, 3B and 8B shapes (random
+weights, ``model_files``), each system alone in a process of its own, one after the other:
+seconds to load (to ready), peak resident memory (``getrusage``) after loading and over the whole
+run, resident weight bytes, decode tokens/s at batches 1 and 8 (nanoserve compiled ``auto``),
+time to first token of a 512-token prompt, and batch 1's weight bytes per step over its step
+time against the host's read bandwidth (a streaming read of a buffer larger than the last-level
+cache): nanoserve against llama.cpp on the same file
+(``python compilebench.py scale``; ``--sizes 1b --types Q4_0`` for one file).
+Writes ``compile/results/scale[-TAG].csv`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from compile import llama_peer
+from compile.common import (
+    add_output_options,
+    format_table,
+    host_description,
+    make_prompts,
+    name_list,
+    pyplot,
+    result_stem,
+    save_figure,
+    text_prompt,
+    write_results,
+)
+from compile.floor import read_bandwidth
+from compile.model_files import FILE_TYPES, SHAPES, model_file
+
+SYSTEMS = ("nanoserve", "llama.cpp")
+NEW_TOKENS = 24  # decode steps timed per batch, after a warm-up run of the same shape
+PROMPT_TOKENS = 32
+TTFT_TOKENS = 512
+MAX_MODEL_LEN = 1024
+COLUMNS = ("file", "system", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
+           "tok_s_b8", "ttft_512_s", "read_gbps_b1", "of_floor_b1")
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+def _median_step(steps) -> float:
+    while not steps.done:
+        steps.step()
+    return statistics.median(steps.decode_steps)
+
+
+def measure_nanoserve(path: Path, batches: Sequence[int]) -> dict:
+    from compile.floor import step_weight_bytes
+    from compile.interleave import EngineSteps
+    from compile.ttft import nanoserve_ttft
+    from nanoserve.engine import build_engine
+
+    started = time.perf_counter()
+    engine = build_engine(str(path), max_batch_size=max(batches), max_model_len=MAX_MODEL_LEN, compile=True,
+                          enable_prefix_caching=False)
+    row = dict(load_s=time.perf_counter() - started, rss_load_gb=_peak_rss_gb(),
+               weights_gb=engine.stats().weight_bytes / 1e9, load_stages=engine.stats().load_stages)
+    vocab = engine.model.config.vocab_size
+    for batch in batches:
+        EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), 4)  # builds the graph
+        while engine.has_unfinished():
+            engine.step()
+        step = _median_step(EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), NEW_TOKENS))
+        row[f"tok_s_b{batch}"] = batch / step
+        if batch == 1:
+            row["step_bytes_b1"] = step_weight_bytes(engine.model, 1)
+            row["step_s_b1"] = step
+    prompt = text_prompt(engine.tokenizer, TTFT_TOKENS)
+    nanoserve_ttft(engine, prompt)  # warm-up
+    row["ttft_512_s"] = statistics.median(nanoserve_ttft(engine, prompt) for _ in range(2))
+    row["rss_peak_gb"] = _peak_rss_gb()
+    row["weights"] = engine.stats().weights
+    return row
+
+
+def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
+    from compile.ttft import llama_ttft
+    from nanoserve.model.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.tokenizer import Tokenizer
+
+    started = time.perf_counter()
+    peer = llama_peer.LlamaCpp(path, max(batches), MAX_MODEL_LEN, torch.get_num_threads())
+    row = dict(load_s=time.perf_counter() - started, rss_load_gb=_peak_rss_gb())
+    ckpt = GGUFCheckpoint.open(path)
+    row["weights_gb"] = sum(int(t.n_bytes) for t in ckpt.reader.tensors) / 1e9  # it runs the file's blocks
+    for batch in batches:
+        _median_step(llama_peer.LlamaCppSteps(peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), 4))
+        step = _median_step(llama_peer.LlamaCppSteps(
+            peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), NEW_TOKENS))
+        row[f"tok_s_b{batch}"] = batch / step
+        if batch == 1:
+            # A step reads every tensor but the embedding table (a few rows of it), unless it is the head too.
+            names = {t.name for t in ckpt.reader.tensors}
+            row["step_bytes_b1"] = sum(int(t.n_bytes) for t in ckpt.reader.tensors
+                                       if t.name != "token_embd.weight" or "output.weight" not in names)
+            row["step_s_b1"] = step
+    prompt = text_prompt(Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)), TTFT_TOKENS)
+    llama_ttft(peer, prompt)
+    row["ttft_512_s"] = statistics.median(llama_ttft(peer, prompt) for _ in range(2))
+    row["rss_peak_gb"] = _peak_rss_gb()
+    peer.close()
+    return row
+
+
+def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, str]) -> dict:
+    """One system's measurements in a fresh process (its own peak RSS and nothing else running)."""
+    command = [sys.executable, "-m", "compile.scale", "--worker", system, str(path),
+               "--batches", ",".join(map(str, batches))]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env},
+                          cwd=Path(__file__).resolve().parent.parent)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return dict(error=f"exit {done.returncode}: {' | '.join(tail)}")
+    return json.loads(lines[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compilebench.py scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=name_list(tuple(SHAPES)), default=("1b", "3b", "8b"))
+    parser.add_argument("--types", type=name_list(FILE_TYPES), default=("Q4_0", "Q4_K_M"))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "nanoserve-scale",
+                        help="where the random GGUF files are written (once) and kept")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--worker", nargs=2, metavar=("SYSTEM", "FILE"), help=argparse.SUPPRESS)
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if args.worker:
+        system, path = args.worker
+        torch.set_grad_enabled(False)
+        measure = measure_nanoserve if system == "nanoserve" else measure_llama_cpp
+        print(json.dumps(measure(Path(path), batches)))
+        return 0
+    host = host_description()
+    floor = read_bandwidth()
+    print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}; "
+          f"read bandwidth floor {floor / 1e9:.1f} GB/s")
+    systems = ["nanoserve"]
+    if args.no_llama_cpp:
+        pass
+    elif llama_peer.available():
+        systems.append("llama.cpp")
+    else:
+        print(llama_peer.ABSENT)
+    rows = []
+    for size in args.sizes:
+        for file_type in args.types:
+            if size == "8b" and file_type == "Q4_0":
+                continue  # the 8B row is the Q4_K_M file people run
+            path = model_file(args.models_dir, size, file_type)
+            for system in systems:
+                measured = run_alone(system, path, batches, {})
+                row = dict(**host, file=path.name, system=system, file_gb=path.stat().st_size / 1e9, **measured)
+                if "step_s_b1" in row:
+                    row["read_gbps_b1"] = row["step_bytes_b1"] / row["step_s_b1"] / 1e9
+                    row["of_floor_b1"] = row["read_gbps_b1"] * 1e9 / floor
+                row["floor_gbps"] = floor / 1e9
+                rows.append(row)
+                print(format_table([row], [c for c in COLUMNS if c in row] + (["error"] if "error" in row else [])))
+    print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)]))
+    write_results(rows, args.out, result_stem("scale", tag=args.tag), plot=None if args.no_plot else _plot)
+    return 0
+
+
+def _plot(rows: Sequence[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    files = list(dict.fromkeys(r["file"] for r in rows))
+    for ax, (column, label) in zip(axes, [("load_s", "load to ready (s)"), ("rss_peak_gb", "peak RSS (GB)"),
+                                          ("tok_s_b1", "decode tok/s, batch 1")]):
+        for offset, system in enumerate(SYSTEMS):
+            values = [next((r.get(column, 0) for r in rows if r["file"] == f and r["system"] == system), 0)
+                      for f in files]
+            ax.bar([i + 0.4 * offset for i in range(len(files))], values, width=0.4, label=system)
+        ax.set_xticks([i + 0.2 for i in range(len(files))])
+        ax.set_xticklabels([f.removeprefix("random-llama-").removesuffix(".gguf") for f in files], fontsize=8)
+        ax.set_title(label)
+    axes[0].legend()
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

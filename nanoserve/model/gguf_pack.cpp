@@ -1,0 +1,207 @@
+// GGUF block tensors straight from the file's bytes into the kernels' packed layout
+// (kernels/common.h): one pass over the blocks, no float or unpacked copy of the weight. The
+// codes, scales and minimums written are the file's own (the same as gguf_blocks.py reads them
+// and cpu_kernels.pack_groups packs them), so the product is exactly the one of the slow path.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <tuple>
+
+#include "kernels/common.h"
+
+namespace {
+
+// gguf's GGMLQuantizationType values of the block types read here.
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct BlockType {
+  int64_t weights, bytes;  // weights and bytes of one block
+  int bits;                // the codes' storage bits in the kernels' layout
+  int64_t group;           // weights per scale group
+  bool has_mins;           // minimums stored (else a zero point)
+};
+
+BlockType block_type(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18, 4, 32, false};
+    case Q4_1: return {32, 20, 4, 32, true};
+    case Q5_0: return {32, 22, 5, 32, false};
+    case Q5_1: return {32, 24, 5, 32, true};
+    case Q8_0: return {32, 34, 8, 32, false};
+    case Q4_K: return {256, 144, 4, 32, true};
+    case Q5_K: return {256, 176, 5, 32, true};
+    case Q6_K: return {256, 210, 6, 16, false};
+  }
+  TORCH_CHECK(false, "GGUF type ", qtype, " does not pack from its blocks");
+}
+
+bool is_k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+
+uint16_t fp16_bits(const uint8_t* p) {
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+}
+
+// Q4_K's and Q5_K's 6-bit scale (mins = false) or minimum of group g (0..7) from its 12 bytes.
+uint8_t k_scale(const uint8_t* s, int g, bool mins) {
+  const int lo = mins ? 4 : 0;
+  if (g < 4) return s[g + lo] & 63;
+  const uint8_t low = mins ? (s[g + 4] >> 4) : (s[g + 4] & 15);
+  return low | ((s[g - 4 + lo] >> 6) << 4);
+}
+
+// The 32 codes of group g (32 weights along K) of one row whose blocks start at `row`.
+void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
+  if (!is_k_quant(qtype)) {
+    const BlockType t = block_type(qtype);
+    const uint8_t* b = row + g * t.bytes;
+    if (qtype == Q8_0) {
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + i]) + 128);
+      return;
+    }
+    const bool five = qtype == Q5_0 || qtype == Q5_1, mins = qtype == Q4_1 || qtype == Q5_1;
+    const uint8_t* qs = b + (mins ? 4 : 2) + (five ? 4 : 0);
+    uint32_t high = 0;
+    if (five) memcpy(&high, b + (mins ? 4 : 2), 4);
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t nibble = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+      out[i] = nibble | (five ? ((high >> i) & 1) << 4 : 0);
+    }
+    return;
+  }
+  const int64_t s = g / 8, gg = g % 8;
+  if (qtype == Q6_K) {
+    const uint8_t *b = row + s * 210, *ql = b, *qh = b + 128;
+    for (int i = 0; i < 32; ++i) {
+      const int w = 32 * gg + i, half = w / 128, rest = w % 128;
+      const uint8_t low = (ql[64 * half + rest % 64] >> (4 * (rest / 64))) & 15;
+      const uint8_t high = (qh[32 * half + rest % 32] >> (2 * (rest / 32))) & 3;
+      out[i] = low | (high << 4);
+    }
+    return;
+  }
+  const bool five = qtype == Q5_K;
+  const uint8_t* b = row + s * (five ? 176 : 144);
+  const uint8_t* qs = b + (five ? 48 : 16) + 32 * (gg / 2);
+  const int shift = 4 * (gg % 2);
+  for (int i = 0; i < 32; ++i) {
+    out[i] = ((qs[i] >> shift) & 15) | (five ? ((b[16 + i] >> gg) & 1) << 4 : 0);
+  }
+}
+
+// One group of 16 rows x 32 codes c[r][i] into the kernels' code layout at `dst` (common.h).
+void store_codes(const uint8_t (*c)[32], int bits, uint8_t* dst) {
+  if (bits == 8) {
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < 16; ++r)
+        for (int i = 0; i < 4; ++i) dst[(j * 16 + r) * 4 + i] = c[r][4 * j + i];
+    return;
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < 16; ++r)
+      for (int i = 0; i < 4; ++i)
+        dst[(j * 16 + r) * 4 + i] = (c[r][8 * j + i] & 15) | ((c[r][8 * j + 4 + i] & 15) << 4);
+  for (int bit = 4; bit < bits; ++bit) {
+    uint8_t* plane = dst + 256 + 64 * (bit - 4);
+    memset(plane, 0, 64);
+    for (int flat = 0; flat < 512; ++flat) {
+      const int i = flat % 4, r = (flat / 4) % 16, half = (flat / 64) % 2, j = flat / 128;
+      plane[flat / 8] |= ((c[r][8 * j + 4 * half + i] >> bit) & 1) << (flat % 8);
+    }
+  }
+}
+
+// Rows [16 b, 16 b + 16) of the weight: their codes, and their numbers as fp16 bits per scale
+// group (legacy types) or as super-block records (K-quants).
+void pack_block(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, const int64_t* order, int64_t k, int64_t b,
+                uint8_t* codes, uint8_t* scales, uint8_t* mins) {
+  const BlockType t = block_type(qtype);
+  const uint8_t* rows[16];
+  for (int r = 0; r < 16; ++r) rows[r] = blocks + (order ? order[16 * b + r] : 16 * b + r) * row_bytes;
+  const int64_t groups = k / 32, group_bytes = 64 * t.bits;  // code bytes of 16 rows x 32 weights
+  uint8_t c[16][32];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < 16; ++r) group_codes(qtype, rows[r], g, c[r]);
+    store_codes(c, t.bits, codes + (b * groups + g) * group_bytes);
+  }
+  if (!is_k_quant(qtype)) {  // [n / 16, groups, 16] fp16 bits
+    uint16_t* d = reinterpret_cast<uint16_t*>(scales) + b * groups * 16;
+    uint16_t* m = reinterpret_cast<uint16_t*>(mins) + b * groups * 16;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int r = 0; r < 16; ++r) {
+        d[g * 16 + r] = fp16_bits(rows[r] + g * t.bytes);
+        if (t.has_mins) m[g * 16 + r] = fp16_bits(rows[r] + g * t.bytes + 2);
+      }
+    return;
+  }
+  const int64_t supers = k / 256, per_super = 256 / t.group, record = nanoserve::super_record_bytes(t.group);
+  for (int64_t s = 0; s < supers; ++s) {
+    uint8_t* sd = scales + (b * supers + s) * record;
+    uint8_t* sm = t.has_mins ? mins + (b * supers + s) * record : nullptr;
+    for (int r = 0; r < 16; ++r) {
+      const uint8_t* blk = rows[r] + s * t.bytes;
+      if (qtype == Q6_K) {
+        const uint16_t d = fp16_bits(blk + 208);
+        memcpy(sd + 2 * r, &d, 2);
+        for (int h = 0; h < per_super; ++h) sd[32 + 16 * h + r] = blk[192 + h];
+        continue;
+      }
+      const uint16_t d = fp16_bits(blk), neg_dmin = fp16_bits(blk + 2) ^ 0x8000u;  // the minimum is -dmin * mn
+      memcpy(sd + 2 * r, &d, 2);
+      memcpy(sm + 2 * r, &neg_dmin, 2);
+      for (int h = 0; h < per_super; ++h) {
+        sd[32 + 16 * h + r] = k_scale(blk + 4, h, false);
+        sm[32 + 16 * h + r] = k_scale(blk + 4, h, true);
+      }
+    }
+  }
+}
+
+// blocks: uint8 [n, row_bytes], the tensor's blocks as the file holds them; row_order (int64 [n]
+// or empty): the file row of each output row. -> (codes, scales, mins) as cpu_kernels.pack_groups
+// lays them out; mins is empty for a format with a zero point.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(const at::Tensor& blocks, int64_t qtype, int64_t n,
+                                                         int64_t k, const at::Tensor& row_order) {
+  const BlockType t = block_type(qtype);
+  TORCH_CHECK(n % 16 == 0 && k % t.weights == 0 && k % 32 == 0, "a ", n, " x ", k,
+              " weight does not pack in blocks of 16 rows and whole blocks of ", t.weights);
+  const int64_t row_bytes = k / t.weights * t.bytes;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.numel() == n * row_bytes,
+              "blocks must be contiguous uint8 of ", n * row_bytes, " bytes, got ", blocks.numel());
+  const int64_t* order = nullptr;
+  if (row_order.numel()) {
+    TORCH_CHECK(row_order.scalar_type() == at::kLong && row_order.is_contiguous() && row_order.numel() == n,
+                "row_order must be contiguous int64 [", n, "]");
+    order = row_order.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(order[i] >= 0 && order[i] < n, "row_order must lie in [0, ", n, ")");
+  }
+  const auto bytes = blocks.options();
+  at::Tensor codes = at::empty({n * k * t.bits / 8}, bytes), scales, mins;
+  if (is_k_quant(qtype)) {
+    const int64_t record = nanoserve::super_record_bytes(t.group);
+    scales = at::empty({n / 16, k / 256, record}, bytes);
+    mins = t.has_mins ? at::empty({n / 16, k / 256, record}, bytes) : at::empty({n / 16, k / 256, 0}, bytes);
+  } else {
+    scales = at::empty({n / 16, k / 32, 16}, bytes.dtype(at::kShort));
+    mins = at::empty({n / 16, t.has_mins ? k / 32 : 0, 16}, bytes.dtype(at::kShort));
+  }
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  auto* d = static_cast<uint8_t*>(scales.data_ptr());
+  auto* m = static_cast<uint8_t*>(mins.data_ptr());
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) pack_block(qtype, src, row_bytes, order, k, b, codes.data_ptr<uint8_t>(), d, m);
+  });
+  return {codes, scales, mins};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoserve, lib) {
+  lib.def("pack_gguf(Tensor blocks, int qtype, int n, int k, Tensor row_order) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) { lib.impl("pack_gguf", &pack_gguf); }
