@@ -85,7 +85,10 @@ class WeightPlan:
             else:
                 raise ValueError(f"weights {name!r}: unknown part {option!r} (int8head, bf16>=N, or a kernel: "
                                  f"{', '.join(GROUP_KERNELS)})")
-        plan = cls(fmt, **fields)
+        try:
+            plan = cls(fmt, **fields)
+        except ValueError as e:
+            raise ValueError(f"weights {name!r}: {e}") from None
         short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[plan.dtype]
         if any(o.split(">=")[0] != short for o in options if ">=" in o):
             raise ValueError(f"weights {name!r}: {plan.format} computes in {short} on this host, so its dense copy "

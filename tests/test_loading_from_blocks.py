@@ -1,0 +1,164 @@
+"""Loading a GGUF at the sizes people run: its blocks go from the file's bytes to the kernels'
+packed layout in one pass (gguf_pack.cpp), no float copy of the model is ever made, and the
+resident weights and the peak memory stay about the file's size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+
+from compile.model_files import SHAPES, Shape, model_file, random_blocks, write_model
+from nanoserve.engine.build import auto_cpu_plan, resolve_weights
+from nanoserve.model import cpu_kernels
+from nanoserve.model.gguf_blocks import PACKED_TYPES, BlockTensor, StackedBlocks
+from nanoserve.model.gguf_loader import GGUFCheckpoint
+from nanoserve.model.loader import load_model
+from nanoserve.model.weight_plan import WeightPlan
+
+OUR_TIERS = [t for t in cpu_kernels.host_tiers() if t not in ("torch",)]
+pytestmark = pytest.mark.skipif(not OUR_TIERS, reason="nanoserve's CPU ops did not build on this host")
+
+
+@pytest.mark.parametrize("qtype", sorted(PACKED_TYPES, key=lambda q: q.value), ids=lambda q: q.name)
+def test_packing_from_the_files_bytes_equals_packing_its_unpacked_codes(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 48, 512
+    blocks = random_blocks(qtype, rows, cols, rng)
+    order = rng.permutation(rows)
+    tensor = BlockTensor(qtype, blocks, rows, cols, order)
+    codes = tensor.group_codes()
+    want = cpu_kernels.pack_groups(codes.codes, codes.scales, codes.mins, codes.bits, codes.scale_factors,
+                                   codes.min_factors)
+    got = StackedBlocks((tensor,)).pack()
+    for name, a, b in zip(("codes", "scales", "mins"), want[:3], got[:3]):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert want[3] == got[3]  # the zero point
+
+
+def test_stacked_parts_pack_as_their_concatenation():
+    rng = np.random.default_rng(1)
+    q = next(iter(sorted(PACKED_TYPES, key=lambda t: t.value)))
+    parts = tuple(BlockTensor(q, random_blocks(q, rows, 256, rng), rows, 256) for rows in (32, 16, 16))
+    stacked = StackedBlocks(parts)
+    want = stacked.group_codes()
+    packed = cpu_kernels.pack_groups(want.codes, want.scales, want.mins, want.bits, want.scale_factors,
+                                     want.min_factors)
+    assert stacked.shape == (64, 256)
+    assert all(torch.equal(a, b) for a, b in zip(packed[:3], stacked.pack()[:3]))
+
+
+def test_pack_refuses_bytes_that_do_not_hold_the_shape():
+    q = next(iter(PACKED_TYPES))
+    weights, size = GGML_QUANT_SIZES[q]
+    with pytest.raises(RuntimeError, match="blocks must be contiguous uint8"):
+        cpu_kernels.pack_gguf(np.zeros(16 * size, dtype=np.uint8), int(q), 16, 2 * weights)
+
+
+@pytest.fixture(scope="module")
+def mid_gguf(tmp_path_factory) -> Path:
+    """A Llama GGUF of the 1B's width, 6 layers, Q4_0 with a Q6_K tied embedding: ~330 MB."""
+    return model_file(tmp_path_factory.mktemp("mid"), "mid", "Q4_0")
+
+
+def test_auto_never_dequantises_a_block_tensor_nor_builds_a_float_state_dict(mid_gguf, monkeypatch):
+    read = []
+    original = GGUFCheckpoint._dequantize
+
+    def recording(self, tensor, config):
+        read.append((tensor.name, tensor.tensor_type.name))
+        return original(self, tensor, config)
+
+    monkeypatch.setattr(GGUFCheckpoint, "_dequantize", recording)
+    monkeypatch.setattr(GGUFCheckpoint, "state_dict", lambda *a, **k: pytest.fail("a whole float state dict"))
+    model, _ = load_model(str(mid_gguf), weights=auto_cpu_plan())
+    assert read and all(kind == "F32" for _, kind in read)  # the norms only
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert model.weight_types == {"F32": "dense", "Q4_0": "packed", "Q6_K": "packed"}
+
+
+def test_float_weights_are_read_one_layer_at_a_time(tmp_path, gguf_writer, monkeypatch):
+    """A float file rounded to int4: each layer's tensors are read, packed and dropped before the
+    next layer is read."""
+    from tests.test_loader_errors import CONFIG, hf_weights
+
+    path = gguf_writer(tmp_path / "f32.gguf", CONFIG, hf_weights(CONFIG))
+    layers_read = []
+    original = GGUFCheckpoint.read
+
+    def recording(self, name, config, dtype=torch.float32):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is not None and (not layers_read or layers_read[-1] != layer):
+            layers_read.append(layer)
+        return original(self, name, config, dtype)
+
+    monkeypatch.setattr(GGUFCheckpoint, "read", recording)
+    model, _ = load_model(str(path), weights=WeightPlan("int4"))
+    assert layers_read == [str(i) for i in range(CONFIG.num_layers)]  # each layer once, in order
+    assert model.weight_types["F32"] in ("int4", "dense+int4")
+
+
+@pytest.mark.slow
+def test_a_mid_size_gguf_loads_in_about_its_own_size(mid_gguf):
+    """In a fresh process: peak RSS within 1.3 x (file + K/V pool) + 0.6 GB (torch and the
+    interpreter), resident weights within 5% of the file, and it generates."""
+    kv_bytes = 64 << 20
+    script = f"""
+import json, resource
+from nanoserve import SamplingParams, build_engine
+engine = build_engine({str(mid_gguf)!r}, max_batch_size=2, max_model_len=256, kv_cache_bytes={kv_bytes})
+out = engine.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                      use_tqdm=False)[0]
+stats = engine.stats()
+print(json.dumps(dict(rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, tokens=len(out.token_ids),
+                      weights=stats.weight_bytes, file=stats.file_bytes, stages=stats.load_stages)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    size = mid_gguf.stat().st_size
+    assert found["tokens"] == 4 and found["file"] == size
+    assert found["weights"] <= 1.05 * size
+    assert found["rss"] <= 1.3 * (size + kv_bytes) + 0.6e9, found
+    assert set(found["stages"]) == {"metadata", "weights"}
+
+
+def test_auto_holds_no_dense_copy_and_auto_dense_asks_for_one():
+    assert auto_cpu_plan().dense_from_rows is None
+    dense, _ = resolve_weights("auto+dense", None, "cpu", named_model=True)
+    assert dense.int8_head and dense.format == "int4"
+    assert dense.dense_from_rows == auto_cpu_plan(dense=True).dense_from_rows
+
+
+@pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int4", int8_head=True), WeightPlan("int8"),
+                                  WeightPlan("fp32"), WeightPlan("bf16"), auto_cpu_plan(), auto_cpu_plan(dense=True),
+                                  *(WeightPlan("int4", kernel=t) for t in OUR_TIERS)], ids=lambda p: p.name)
+def test_a_plans_name_parses_back_to_the_plan(plan):
+    assert WeightPlan.parse(plan.name) == plan
+    assert resolve_weights(plan.name, None, "cpu", named_model=True)[0] == plan
+
+
+@pytest.mark.parametrize("name", ["int3", "int4+", "int4+int9head", "fp32+int8head", "int4+bf16>=x"])
+def test_a_name_that_is_no_plan_is_refused(name):
+    with pytest.raises(ValueError, match="weights"):
+        WeightPlan.parse(name)
+
+
+def test_random_files_have_the_shapes_and_types_they_name(tmp_path):
+    small = Shape(hidden=256, layers=8, heads=4, kv_heads=2, ffn=512, tied=False, vocab=49152)
+    path = write_model(tmp_path / "small.gguf", small, "Q4_K_M")
+    ckpt = GGUFCheckpoint.open(path)
+    config = ckpt.config()
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
+            config.intermediate_size) == (256, 8, 4, 2, 512)
+    types = {t.name: t.tensor_type.name for t in ckpt.reader.tensors}
+    assert types["output.weight"] == "Q6_K" and types["blk.0.ffn_down.weight"] == "Q6_K"
+    assert types["blk.2.ffn_down.weight"] == "Q4_K" and types["blk.3.ffn_down.weight"] == "Q6_K"
+    assert set(SHAPES) >= {"1b", "3b", "8b"}
