@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(generate)
     add_sampling_args(generate)
     add_engine_args(generate, max_batch_size=1, kv_cache_bytes=None,
-                    kv_cache_default="what --max-batch-size rows of --max-model-len need, at most 1G")
+                    kv_cache_default="what --max-batch-size rows of --max-model-len need, at most 16,384 tokens' worth")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--system", default=None, help="system message (with --chat)")
     generate.add_argument("prompt", help="the prompt text ('-' reads stdin)")

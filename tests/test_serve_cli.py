@@ -15,7 +15,7 @@ import pytest
 from nanoserve.engine.options import parse_bytes
 from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.synthetic import random_model, tiny_config
-from nanoserve.serve.cli import DEFAULT_KV_CACHE_BYTES, add_serve_subcommand, chosen_model, served_name
+from nanoserve.serve.cli import add_serve_subcommand, chosen_model, served_name
 from nanoserve.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 httpx = pytest.importorskip("httpx")
@@ -34,7 +34,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_defaults_bind_loopback_and_sizes_parse():
     args = parse()
     assert (chosen_model(args), args.host, args.port, args.compile) == ("smollm2", "127.0.0.1", 8000, False)
-    assert (args.max_batch_size, args.kv_cache_bytes) == (32, DEFAULT_KV_CACHE_BYTES) == (32, 256 << 20)
+    assert (args.max_batch_size, args.kv_cache_bytes) == (32, None)  # the engine's default, in tokens
     assert callable(args.func)
     assert parse("--kv-cache-bytes", "512M").kv_cache_bytes == 512 << 20
     assert [parse_bytes(s) for s in ("1024", "2k", "1.5GiB", "3 MB")] == [1024, 2048, 3 << 29, 3 << 20]
@@ -100,7 +100,7 @@ def test_serve_process_answers_says_what_it_loaded_and_stops_on_ctrl_c(tmp_path,
     blocks = 256 if dtype == "bfloat16" else 128
     assert f"model {path}: loaded in " in output, output
     assert f"compute dtype {dtype}; CPU kernels: {tier}" in output, output
-    assert re.search(r"weights \S+, [0-9.]+ [KMG]iB resident;", output), output
+    assert re.search(r"weights \S+, [0-9.]+ [KMG]iB resident \(the file: [0-9.]+ [KMG]iB\);", output), output
     assert (f"K/V pool 1.0 MiB of {dtype}: {blocks} blocks of 16 tokens ({(blocks - 1) * 16:,} tokens for requests"
             in output), output
     assert "max_model_len 64 (the model takes up to 1,024); up to 4 rows" in output, output

@@ -24,7 +24,9 @@ from nanoserve.model.weight_plan import WeightPlan, pack_model
 if TYPE_CHECKING:
     from nanoserve.distributed.launch import Rank
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+# The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
+# K/V heads and head size): a 135M model's 16k tokens are ~0.75 GB in fp32, an 8B's ~2 GB in bf16.
+DEFAULT_KV_TOKENS = 16384
 # A chunked step's default token budget on a GPU, and a CPU step's with no row decoding: a
 # chunk of a few hundred tokens costs a GPU about a decode step.
 DEFAULT_CHUNKED_BUDGET = 512
@@ -114,11 +116,12 @@ def build_rank(model: str | LlamaModel, tokenizer, config: EngineConfig, rank: R
 
 def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
     """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
-    block, at most DEFAULT_KV_CACHE_BYTES: a tiny model does not get a gigabyte of zeros)."""
+    block, at most DEFAULT_KV_TOKENS tokens' worth)."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
-    budget = config.kv_cache_bytes or min(DEFAULT_KV_CACHE_BYTES, (rows * -(-limit // block_size) + 1) * per_block)
+    blocks = min(rows * -(-limit // block_size), -(-DEFAULT_KV_TOKENS // block_size)) + 1
+    budget = config.kv_cache_bytes or blocks * per_block
     try:
         plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, block_size, rows, limit)
     except ValueError as exc:

@@ -29,7 +29,7 @@ class EngineConfig:
               "K/V pool holds)", kind="int")
     max_batch_size: int = option(32, "rows: requests decoded together in one step", kind="int")
     kv_cache_bytes: int | None = option(
-        None, "K/V pool budget, e.g. 512M, 2G (default: what max_batch_size rows of max_model_len need, at most 1G)",
+        None, "K/V pool budget, e.g. 512M, 2G (default: what max_batch_size rows of max_model_len need, at most 16,384 tokens' worth)",
         kind="bytes")
     block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
     max_num_batched_tokens: int | None = option(

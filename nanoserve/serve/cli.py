@@ -24,9 +24,6 @@ from nanoserve.serve.limits import (
 )
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-# The server's K/V pool unless --kv-cache-bytes says otherwise: room for more than one request
-# at a small model's full context, shared by the rows, without a gigabyte of zeros.
-DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
 def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
@@ -56,7 +53,8 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="on SIGTERM/SIGINT: seconds requests in flight may take to finish before "
                              "they are ended (default %(default)s); the process exits about 2 s after")
-    add_engine_args(parser, max_batch_size=32, kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_cache_default="256M")
+    add_engine_args(parser, max_batch_size=32, kv_cache_bytes=None,
+                    kv_cache_default="what the rows need at the model's context, at most 16,384 tokens' worth")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="default %(default)s")
     parser.set_defaults(func=run_serve)
