@@ -85,7 +85,8 @@ def measure_nanoserve(path: Path, batches: Sequence[int]) -> dict:
     nanoserve_ttft(engine, prompt)  # warm-up
     row["ttft_512_s"] = statistics.median(nanoserve_ttft(engine, prompt) for _ in range(2))
     row["rss_peak_gb"] = _peak_rss_gb()
-    row["weights"] = engine.stats().weights
+    stats = engine.stats()
+    row.update(weights=stats.weights, kernels=stats.cpu_kernels, dtype=stats.compute_dtype)
     return row
 
 
@@ -131,6 +132,17 @@ def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, st
     return json.loads(lines[-1])
 
 
+def worker_env(system: str, tier: str | None, llama_cpp_path: Path | None) -> dict[str, str]:
+    """The environment one system's worker runs in: a forced tier caps torch's kernels as well
+    (in an inductor cache of its own: graphs compiled for one capability must not serve another)."""
+    if system == "llama.cpp":
+        return {} if llama_cpp_path is None else {"PYTHONPATH": f"{llama_cpp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if tier is None:
+        return {}
+    return {"NANOSERVE_CPU_KERNELS": tier, "MKL_ENABLE_INSTRUCTIONS": tier.upper(), "ONEDNN_MAX_CPU_ISA": tier.upper(),
+            "ATEN_CPU_CAPABILITY": tier, "TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"inductor-{tier}")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compilebench.py scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=name_list(tuple(SHAPES)), default=("1b", "3b", "8b"))
@@ -139,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "nanoserve-scale",
                         help="where the random GGUF files are written (once) and kept")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--tier", choices=("avx2",), help="force nanoserve's kernel tier and cap torch's own "
+                        "kernels to it (with a fresh inductor cache); compare with --llama-cpp-path")
+    parser.add_argument("--llama-cpp-path", type=Path, help="a folder holding another llama-cpp-python build "
+                        "(e.g. one without AVX-512, installed with pip --target), put first on the peer's path")
     parser.add_argument("--worker", nargs=2, metavar=("SYSTEM", "FILE"), help=argparse.SUPPRESS)
     add_output_options(parser)
     args = parser.parse_args(argv)
@@ -167,8 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue  # the 8B row is the Q4_K_M file people run
             path = model_file(args.models_dir, size, file_type)
             for system in systems:
-                measured = run_alone(system, path, batches, {})
-                row = dict(**host, file=path.name, system=system, file_gb=path.stat().st_size / 1e9, **measured)
+                measured = run_alone(system, path, batches, worker_env(system, args.tier, args.llama_cpp_path))
+                row = {**host, "file": path.name, "system": system, "file_gb": path.stat().st_size / 1e9, **measured}
                 if "step_s_b1" in row:
                     row["read_gbps_b1"] = row["step_bytes_b1"] / row["step_s_b1"] / 1e9
                     row["of_floor_b1"] = row["read_gbps_b1"] * 1e9 / floor
