@@ -22,7 +22,7 @@ from nanoserve.model.gguf_blocks import K_QUANTS, LEGACY, PACKED_TYPES, group_co
 from nanoserve.model.group_codes import as_torch_int4
 from nanoserve.model.llama import dense_forward, unfuse_hf_weights
 from nanoserve.model.loader import load_model
-from nanoserve.model.quant import GroupLinear
+from nanoserve.model.quant import ConcatLinear, GroupLinear
 from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.model.weight_plan import WeightPlan
 
@@ -167,7 +167,9 @@ def test_a_gguf_of_mixed_types_runs_packed_with_the_fp32_dequantised_logits(mixe
     reference, _ = load_model(str(mixed_gguf), weights=WeightPlan("fp32"))
     plan = WeightPlan("int4", int8_head=True, kernel=kernel)
     model, _ = load_model(str(mixed_gguf), weights=plan)
-    packed = {name for name, m in model.named_modules() if isinstance(m, GroupLinear)}
+    # A projection whose parts differ in type runs them each in its own format (ConcatLinear).
+    packed = {name for name, m in model.named_modules()
+              if isinstance(m, (GroupLinear, ConcatLinear)) and ".parts." not in name}
     if kernel == "torch":  # no group-16 format there: the layers holding Q6_K stay dense
         assert model.weight_types["Q6_K"] == "dense" and "layers.0.self_attn.qkv_proj" not in packed
         # Q4_K and Q5_K share layer 0's q/k/v projection with Q6_K, and run packed elsewhere

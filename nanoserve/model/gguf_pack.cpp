@@ -75,13 +75,13 @@ void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
   }
   const int64_t s = g / 8, gg = g % 8;
   if (qtype == Q6_K) {
-    const uint8_t *b = row + s * 210, *ql = b, *qh = b + 128;
-    for (int i = 0; i < 32; ++i) {
-      const int w = 32 * gg + i, half = w / 128, rest = w % 128;
-      const uint8_t low = (ql[64 * half + rest % 64] >> (4 * (rest / 64))) & 15;
-      const uint8_t high = (qh[32 * half + rest % 32] >> (2 * (rest / 32))) & 3;
-      out[i] = low | (high << 4);
-    }
+    // Weight 32 gg + i: in half gg / 4 of the super-block, the low nibble of byte 32 (gg % 2) + i
+    // of that half's 64 (high nibble for gg % 4 >= 2), the 2 bits at 2 (gg % 4) of byte i of its 32.
+    const int half = static_cast<int>(gg / 4), quarter = static_cast<int>(gg % 4);
+    const uint8_t* ql = row + s * 210 + 64 * half + 32 * (quarter % 2);
+    const uint8_t* qh = row + s * 210 + 128 + 32 * half;
+    const int low_shift = 4 * (quarter / 2), high_shift = 2 * quarter;
+    for (int i = 0; i < 32; ++i) out[i] = ((ql[i] >> low_shift) & 15) | (((qh[i] >> high_shift) & 3) << 4);
     return;
   }
   const bool five = qtype == Q5_K;
@@ -105,13 +105,18 @@ void store_codes(const uint8_t (*c)[32], int bits, uint8_t* dst) {
     for (int r = 0; r < 16; ++r)
       for (int i = 0; i < 4; ++i)
         dst[(j * 16 + r) * 4 + i] = (c[r][8 * j + i] & 15) | ((c[r][8 * j + 4 + i] & 15) << 4);
+  // Byte 16 j + 8 half + p of a bit plane holds that bit of rows 2p (low 4 bits) and 2p + 1 (high 4)
+  // at k = 8 j + 4 half + 0..3.
   for (int bit = 4; bit < bits; ++bit) {
     uint8_t* plane = dst + 256 + 64 * (bit - 4);
-    memset(plane, 0, 64);
-    for (int flat = 0; flat < 512; ++flat) {
-      const int i = flat % 4, r = (flat / 4) % 16, half = (flat / 64) % 2, j = flat / 128;
-      plane[flat / 8] |= ((c[r][8 * j + 4 * half + i] >> bit) & 1) << (flat % 8);
-    }
+    for (int j = 0; j < 4; ++j)
+      for (int half = 0; half < 2; ++half)
+        for (int p = 0; p < 8; ++p) {
+          const uint8_t *even = c[2 * p] + 8 * j + 4 * half, *odd = c[2 * p + 1] + 8 * j + 4 * half;
+          uint8_t byte = 0;
+          for (int i = 0; i < 4; ++i) byte |= (((even[i] >> bit) & 1) << i) | (((odd[i] >> bit) & 1) << (4 + i));
+          plane[16 * j + 8 * half + p] = byte;
+        }
   }
 }
 

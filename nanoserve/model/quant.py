@@ -161,6 +161,21 @@ class GroupLinear(_PackedLinear):
         return scales, -self.zero_point * scales if self.zero_point else cpu_kernels.per_group(self.mins)
 
 
+class ConcatLinear(nn.Module):
+    """Linears over the same input whose outputs stack along the last dimension: a fused
+    projection whose parts a file holds in different formats (a Q4_K_M file's Q6_K v beside Q4_K
+    q and k), each part run in its own format rather than all in the widest."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 class Int8GroupLinear(GroupLinear):
     """A group-32 int8 weight from ``quantize_int8_groups``' codes and scales."""
 

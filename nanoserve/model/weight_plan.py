@@ -6,6 +6,7 @@ says; ``weight_types`` reports how each tensor type ended up running.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from nanoserve.model.quant import (
     GROUP_KERNELS,
     HEAD_DENSE_FROM_ROWS,
     WEIGHT_FORMATS,
+    ConcatLinear,
     GroupEmbedding,
     GroupLinear,
     Int8Embedding,
@@ -155,7 +157,8 @@ def pack_linears(module: nn.Module, plan: WeightPlan, sources: Mapping[str, Weig
     for name, linear in list(module.named_modules()):
         full = ".".join(filter(None, (prefix, name)))
         if isinstance(linear, nn.Linear) and full != "lm_head":
-            packed, mode = _packed_linear(linear, plan, group_source(full, sources))
+            # Parts of different types run each in its own format, where nanoserve's kernels run them.
+            packed, mode = _packed_linear(linear, plan, group_source(full, sources, split=plan.tier != "torch"))
             _replace(module, name, packed)
             modes.update(dict.fromkeys(hf_parts(full), mode))
     return modes
@@ -263,17 +266,23 @@ def hf_parts(module_name: str) -> list[str]:
     return [hf.replace(fused, part) for part in FUSED_PARTS[fused]] if fused else [hf]
 
 
-def group_source(module_name: str, sources: Mapping[str, WeightSource]) -> GroupCodes | StackedBlocks | None:
+def group_source(module_name: str, sources: Mapping[str, WeightSource], split: bool = False,
+                 ) -> GroupCodes | StackedBlocks | list[StackedBlocks] | None:
     """The group-wise weight of one of the model's linears from HF-named ``sources``, or None:
-    a GGUF's blocks of one type stay blocks (packed from the file's bytes); parts that differ
-    (a Q6_K v beside Q4_K q and k) meet as GroupCodes (GroupCodes.cat)."""
+    a GGUF's blocks of one type stay blocks (packed from the file's bytes). Parts of different
+    types (a Q6_K v beside Q4_K q and k) are, with ``split``, one StackedBlocks per run of one
+    type (each packed in its own format: ConcatLinear), else they meet as GroupCodes in the
+    widest codes and smallest group (GroupCodes.cat)."""
     parts = hf_parts(module_name)
     if not all(p in sources for p in parts):
         return None
     found = [sources[p] for p in parts]
-    blocks = all(isinstance(p, BlockTensor) and p.rows % 16 == 0 for p in found)
-    if blocks and len({(p.qtype, p.cols) for p in found}) == 1:
-        return StackedBlocks(tuple(found))
+    if all(isinstance(p, BlockTensor) and p.rows % 16 == 0 for p in found):
+        runs = [list(run) for _, run in itertools.groupby(found, key=lambda p: (p.qtype, p.cols))]
+        if len(runs) == 1:
+            return StackedBlocks(tuple(found))
+        if split:
+            return [StackedBlocks(tuple(run)) for run in runs]
     return GroupCodes.cat([p.group_codes() if isinstance(p, BlockTensor) else p for p in found])
 
 
@@ -297,10 +306,18 @@ def _fuse_gate_up(model: nn.Module, plan: WeightPlan) -> None:
         mlp.fuse_gate_up(fused)
 
 
-def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | None) -> tuple[nn.Module, str]:
+def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | StackedBlocks | list | None,
+                   ) -> tuple[nn.Module, str]:
     """The packed layer for ``linear`` and its mode (weight_types); a layer the kernel cannot
     take stays as it is, dense."""
     n, k = linear.weight.shape
+    if isinstance(source, list):  # parts in formats of their own, their outputs stacked
+        rows = [part.shape[0] for part in source]
+        weights = linear.weight.split(rows) if plan.dense_from_rows is not None else [None] * len(source)
+        biases = linear.bias.split(rows) if linear.bias is not None else [None] * len(source)
+        return ConcatLinear([GroupLinear(part, bias, plan.dtype, None if w is None else _dense_copy(w, plan),
+                                         plan.dense_from_rows, plan.kernel)
+                             for part, w, bias in zip(source, weights, biases)]), "packed"
     if plan.format == "int8":
         return (_int8_linear(linear.weight, linear.bias, plan), "int8") if int8_kernel_accepts(k) else (linear, "dense")
     if not int4_kernel_accepts(n, k) or (source is not None and source.group != GROUP_SIZE and plan.tier == "torch"):
