@@ -15,6 +15,7 @@ from nanoserve.serve import serving
 from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
+from nanoserve.serve.structured_fields import structure_for
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
 # "tool" only where the template names that role itself (a generic template would render it
@@ -34,6 +35,7 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     # Validate every field before the template and tokenizer run; the budget is settled after.
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
+    params = replace(params, structured=await structure_for(state, body))
     prompt_ids = await serving.encode(state, await render_chat(state, body.messages), "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)

@@ -11,9 +11,9 @@ silently dropped.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from nanoserve.engine import SamplingParams
 from nanoserve.engine.inputs import unicode_problem
@@ -42,6 +42,20 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: "text", "json_object", or "json_schema" with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(StrictModel):
     """Fields both endpoints share. ``None`` means "the OpenAI default"."""
 
@@ -62,6 +76,12 @@ class _SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Structured output: OpenAI's response_format, or vLLM's guided_* extensions (one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def include_usage(self) -> bool:
