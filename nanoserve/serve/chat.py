@@ -15,7 +15,9 @@ from nanoserve.serve import serving
 from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
-from nanoserve.serve.structured_fields import structure_for
+from nanoserve.serve.structured_fields import compile_structure, structure_for
+from nanoserve.serve.tool_calling import ToolPlan, plan_tools, prompt_messages, reply_message
+from nanoserve.structured import StructuredOutputs
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
 # "tool" only where the template names that role itself (a generic template would render it
@@ -35,8 +37,9 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     # Validate every field before the template and tokenizer run; the budget is settled after.
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
-    params = replace(params, structured=await structure_for(state, body))
-    prompt_ids = await serving.encode(state, await render_chat(state, body.messages), "messages")
+    plan = plan_tools(body, template_source(state), state.tool_call_parser)
+    params = replace(params, structured=await _reply_structure(state, body, plan))
+    prompt_ids = await serving.encode(state, await render_chat(state, body.messages, plan=plan), "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)
     request_id, created = serving.new_id("chatcmpl")
@@ -44,27 +47,55 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     head = {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name}
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage)
+        chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage, plan)
         return serving.sse_response(state, chunks, request_id)
     output, = await serving.collect(state, request, [(queue, request_id)])
-    choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-              "logprobs": chat_logprobs(state, output.logprobs), "finish_reason": output.finish_reason}
+    message, finish_reason = reply_message(plan, output.text, output.finish_reason)
+    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(state, output.logprobs),
+              "finish_reason": finish_reason}
     return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}
 
 
-async def render_chat(state: ServeState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+async def _reply_structure(state: ServeState, body: ChatCompletionRequest, plan: ToolPlan | None
+                           ) -> StructuredOutputs | None:
+    """What the reply is constrained to: response_format / guided_*, or the tools' grammar."""
+    requested = await structure_for(state, body)
+    if plan is not None and plan.choice != "none":  # every parameters schema must be one we can enforce
+        for index, function in enumerate(plan.functions):
+            await compile_structure(state.engine_loop.engine, StructuredOutputs(json=function.parameters),
+                                    f"tools[{index}].function.parameters", state.compile_timeout)
+    tools = plan.structure() if plan is not None else None
+    if tools is None:
+        return requested
+    if requested is not None:
+        raise ApiError(400, "response_format: cannot be combined with tools whose tool_choice constrains the "
+                            "reply; send one of them", param="response_format", code="invalid_value")
+    await compile_structure(state.engine_loop.engine, tools, "tools", state.compile_timeout)
+    return tools
+
+
+def template_source(state: ServeState) -> str:
+    return getattr(getattr(state.tokenizer, "chat_template", None), "source", "")
+
+
+async def render_chat(state: ServeState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                      plan: ToolPlan | None = None) -> str:
     """The prompt text: the model's chat template (with the generation prompt appended), rendered
     in a worker thread so that long conversations do not stall the event loop. A role the
-    template does not take is a 400 naming `messages[i].role`, as OpenAI's API answers."""
+    template does not take is a 400 naming `messages[i].role`, as OpenAI's API answers. With a
+    tool plan, the tools are in the prompt (the template's own way, or a system message)."""
     template = getattr(state.tokenizer, "chat_template", None)
     if template is None:
         raise ApiError(400, "messages: this server's model has no chat template; use /v1/completions",
                        param="messages", code="invalid_value")
-    check_roles(messages, chat_roles(getattr(template, "source", "")))
-    messages = [m.as_template_dict() for m in messages]
+    roles = chat_roles(template.source)
+    # Outside a native template, tool results are rewritten as user turns (prompt_messages).
+    check_roles(messages, roles if plan is None or plan.native else tuple(dict.fromkeys((*roles, "tool"))))
+    messages = prompt_messages(plan, [m.as_template_dict() for m in messages])
+    tools = {"tools": plan.template_tools()} if plan is not None and plan.native else {}
     try:
         return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, **tools)
     except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception on bad roles
         raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
                        code="invalid_value") from exc
@@ -84,13 +115,17 @@ def check_roles(messages: list[ChatMessage], roles: tuple[str, ...]) -> None:
 
 
 async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_len: int,
-                  include_usage: bool) -> AsyncIterator[dict]:
+                  include_usage: bool, plan: ToolPlan | None = None) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
     yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}], **extra}
     completion_tokens = 0
     async for delta in serving.deltas(state, queue, head["id"]):
         completion_tokens = len(delta.output.token_ids)
+        if plan is not None:  # a reply that may be a call is read whole, then sent as deltas
+            for choice in _tool_reply_choices(state, plan, delta):
+                yield {**head, "choices": [choice], **extra}
+            continue
         if not delta.text and not delta.output.finished and not delta.logprobs:
             continue  # tokens whose text is still held back (a partial character, a possible stop)
         choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
@@ -99,6 +134,23 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
         yield {**head, "choices": [choice], **extra}
     if include_usage:
         yield {**head, "choices": [], "usage": serving.usage(prompt_len, completion_tokens)}
+
+
+def _tool_reply_choices(state: ServeState, plan: ToolPlan, delta: serving.Delta) -> list[dict]:
+    """Stream choices of a tool-enabled reply: logprobs as they come, then at the end its
+    content and one tool_calls delta per call (OpenAI's shape: index, id, name, arguments)."""
+    logprobs = chat_logprobs(state, delta.logprobs)
+    if not delta.output.finished:
+        return [{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": None}] if logprobs else []
+    message, finish_reason = reply_message(plan, delta.output.text, delta.output.finish_reason)
+    choices = []
+    if message.get("content"):
+        choices.append({"index": 0, "delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None})
+    for index, call in enumerate(message.get("tool_calls", [])):
+        choices.append({"index": 0, "delta": {"tool_calls": [{"index": index, **call}]}, "logprobs": None,
+                        "finish_reason": None})
+    choices.append({"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})
+    return choices
 
 
 def chat_logprobs(state: ServeState, logprobs: list[TokenLogprobs] | None) -> dict | None:

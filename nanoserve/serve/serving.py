@@ -32,6 +32,7 @@ class ServeState:
     engine_loop: EngineLoop
     model_name: str
     compile_timeout: float = COMPILE_TIMEOUT
+    tool_call_parser: str | None = None  # a tool-call format by name; None: chosen from the chat template
 
     @property
     def tokenizer(self):

@@ -9,6 +9,7 @@ loop sees the request; the loop then only copies the cached matcher.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from nanoserve.structured.spec import StructuredOutputError, StructuredOutputs
 # JSON is emitted compact: no optional whitespace, so a model cannot pad a reply with blanks
 # until max_tokens runs out, and a field's value is the next thing after its key.
 JSON_OPTIONS = {"whitespace_flexible": False}
+GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.M)  # `root ::= ...`: GBNF (llama.cpp), else Lark
 CACHE_SIZE = 64  # compiled grammars kept (agents resend the same schema with every turn)
 
 
@@ -39,7 +41,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
-    lark = gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
+    lark = gbnf_to_lark(spec.grammar) if GBNF_RULE.search(spec.grammar) else spec.grammar
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
