@@ -126,3 +126,63 @@ def test_bad_tools_or_tool_choice_is_a_400_naming_the_field(client, fields, para
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, extra_body=fields)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+# A ChatML template that takes tools and writes calls the Hermes/Qwen way (as Qwen2.5's does).
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call functions. <tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+For each call, return <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes_client(smollm2_path):
+    from nanoserve.model.tokenizer import ChatTemplate
+
+    engine = build_engine(str(smollm2_path), max_batch_size=8, max_model_len=1024, compile=False)
+    engine.tokenizer.chat_template = ChatTemplate(HERMES_TEMPLATE)
+    with served(engine, MODEL, None) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def test_a_template_that_takes_tools_renders_them_and_its_calls_are_parsed(hermes_client):
+    first = hermes_client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
+                                                  tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    calls = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    check_call(calls[0])
+    history = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature": 18}'}]
+    stream = hermes_client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0,
+                                                   max_tokens=40, stream=True)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    finish = next(c.finish_reason for c in reversed(chunks) if c.finish_reason)
+    streamed_calls = [d for c in chunks for d in (c.delta.tool_calls or [])]
+    if streamed_calls:
+        assert finish == "tool_calls"
+        for delta in streamed_calls:
+            jsonschema.validate(json.loads(delta.function.arguments), SCHEMAS[delta.function.name])
+    else:
+        assert "".join(c.delta.content or "" for c in chunks) and finish in ("stop", "length")
