@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import jinja2
 from starlette.requests import Request
@@ -18,6 +18,14 @@ from nanoserve.serve.serving import ServeState
 from nanoserve.serve.structured_fields import compile_structure, structure_for
 from nanoserve.serve.tool_calling import ToolPlan, plan_tools, prompt_messages, reply_message
 from nanoserve.structured import StructuredOutputs
+from nanoserve.structured.reasoning import (
+    THINK_END,
+    ReasoningStream,
+    closed_in_prompt,
+    opened_in_prompt,
+    split_reasoning,
+    template_thinks,
+)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
 # "tool" only where the template names that role itself (a generic template would render it
@@ -38,8 +46,10 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
     plan = plan_tools(body, template_source(state), state.tool_call_parser)
-    params = replace(params, structured=await _reply_structure(state, body, plan))
-    prompt_ids = await serving.encode(state, await render_chat(state, body.messages, plan=plan), "messages")
+    prompt = await render_chat(state, body.messages, plan=plan)
+    shape = ReplyShape(plan, reasoning_mode(template_source(state), prompt))
+    params = replace(params, structured=await _reply_structure(state, body, shape))
+    prompt_ids = await serving.encode(state, prompt, "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)
     request_id, created = serving.new_id("chatcmpl")
@@ -47,18 +57,59 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     head = {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name}
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage, plan)
+        chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage, shape)
         return serving.sse_response(state, chunks, request_id)
     output, = await serving.collect(state, request, [(queue, request_id)])
-    message, finish_reason = reply_message(plan, output.text, output.finish_reason)
+    message, finish_reason = shape.message(output.text, output.finish_reason)
     choice = {"index": 0, "message": message, "logprobs": chat_logprobs(state, output.logprobs),
               "finish_reason": finish_reason}
     return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}
 
 
-async def _reply_structure(state: ServeState, body: ChatCompletionRequest, plan: ToolPlan | None
+@dataclass
+class ReplyShape:
+    """How a reply is read back: its tool plan, and whether it opens with reasoning
+    (reasoning_mode: None, "may" think, or "opened" in the prompt)."""
+
+    plan: ToolPlan | None
+    reasoning: str | None
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The whole reply as OpenAI's message (reasoning_content apart) and its finish reason."""
+        thought, answer = None, text
+        if self.reasoning is not None:
+            thought, answer = split_reasoning(text, opened=self.reasoning == "opened")
+        if answer is None:  # cut inside its reasoning
+            message = {"role": "assistant", "content": None}
+        else:
+            message, finish_reason = reply_message(self.plan, answer, finish_reason)
+        if thought is not None:
+            message["reasoning_content"] = thought
+        return message, finish_reason
+
+
+def reasoning_mode(template: str, prompt: str) -> str | None:
+    """None for a model that does not think (or whose prompt closed the block: thinking off),
+    "opened" when the prompt opened the block, else "may"."""
+    if not template_thinks(template) or closed_in_prompt(prompt):
+        return None
+    return "opened" if opened_in_prompt(prompt) else "may"
+
+
+async def _reply_structure(state: ServeState, body: ChatCompletionRequest, shape: ReplyShape
                            ) -> StructuredOutputs | None:
-    """What the reply is constrained to: response_format / guided_*, or the tools' grammar."""
+    """What the reply is constrained to: response_format / guided_*, or the tools' grammar; for
+    a thinking model, from the end of its reasoning on."""
+    structure = await _answer_structure(state, body, shape.plan)
+    if structure is None or shape.reasoning is None:
+        return structure
+    structure = replace(structure, after=THINK_END)
+    await compile_structure(state.engine_loop.engine, structure, "messages", state.compile_timeout)
+    return structure
+
+
+async def _answer_structure(state: ServeState, body: ChatCompletionRequest, plan: ToolPlan | None
+                            ) -> StructuredOutputs | None:
     requested = await structure_for(state, body)
     if plan is not None and plan.choice != "none":  # every parameters schema must be one we can enforce
         for index, function in enumerate(plan.functions):
@@ -115,20 +166,32 @@ def check_roles(messages: list[ChatMessage], roles: tuple[str, ...]) -> None:
 
 
 async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_len: int,
-                  include_usage: bool, plan: ToolPlan | None = None) -> AsyncIterator[dict]:
+                  include_usage: bool, shape: ReplyShape) -> AsyncIterator[dict]:
     extra = {"usage": None} if include_usage else {}
     yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}], **extra}
     completion_tokens = 0
+    thinking = ReasoningStream(shape.reasoning == "opened") if shape.reasoning is not None else None
+    answer = ""
     async for delta in serving.deltas(state, queue, head["id"]):
         completion_tokens = len(delta.output.token_ids)
-        if plan is not None:  # a reply that may be a call is read whole, then sent as deltas
-            for choice in _tool_reply_choices(state, plan, delta):
+        text = delta.text
+        if thinking is not None:
+            thought, text = thinking.feed(text)
+            if delta.output.finished:
+                more_thought, more_text = thinking.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought:
+                yield {**head, "choices": [{"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
+                                            "finish_reason": None}], **extra}
+        if shape.plan is not None:  # a reply that may be a call is read whole, then sent as deltas
+            answer += text
+            for choice in _tool_reply_choices(state, shape.plan, delta, answer):
                 yield {**head, "choices": [choice], **extra}
             continue
-        if not delta.text and not delta.output.finished and not delta.logprobs:
+        if not text and not delta.output.finished and not delta.logprobs:
             continue  # tokens whose text is still held back (a partial character, a possible stop)
-        choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+        choice = {"index": 0, "delta": {"content": text} if text else {},
                   "logprobs": chat_logprobs(state, delta.logprobs),
                   "finish_reason": serving.finish_reason(delta.output)}
         yield {**head, "choices": [choice], **extra}
@@ -136,13 +199,13 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
         yield {**head, "choices": [], "usage": serving.usage(prompt_len, completion_tokens)}
 
 
-def _tool_reply_choices(state: ServeState, plan: ToolPlan, delta: serving.Delta) -> list[dict]:
+def _tool_reply_choices(state: ServeState, plan: ToolPlan, delta: serving.Delta, answer: str) -> list[dict]:
     """Stream choices of a tool-enabled reply: logprobs as they come, then at the end its
     content and one tool_calls delta per call (OpenAI's shape: index, id, name, arguments)."""
     logprobs = chat_logprobs(state, delta.logprobs)
     if not delta.output.finished:
         return [{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": None}] if logprobs else []
-    message, finish_reason = reply_message(plan, delta.output.text, delta.output.finish_reason)
+    message, finish_reason = reply_message(plan, answer, delta.output.finish_reason)
     choices = []
     if message.get("content"):
         choices.append({"index": 0, "delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None})

@@ -92,8 +92,8 @@ class GrammarCompiler:
         with self._lock:
             return template.deep_copy()
 
-    def encode(self, text: str) -> list[int]:
-        return self.vocabulary.tokenize_str(text, parse_special=True)
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.vocabulary.decode_bytes([token_id])
 
 
 def _one_line(message: str) -> str:

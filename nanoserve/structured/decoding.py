@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -25,22 +25,24 @@ class GrammarViolation(RuntimeError):
 
 
 class RequestGrammar:
-    """One request's matcher. With ``after_ids`` the constraint starts only once the reply has
-    produced those tokens (a thinking model's end of reasoning); until then decoding is free."""
+    """One request's matcher. With ``after`` the constraint starts only once the reply's bytes
+    contain it (a thinking model's ``</think>``, however it was tokenized); until then decoding
+    is free. ``token_bytes`` gives a token's bytes."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, after_ids: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, after: bytes = b"",
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.matcher = matcher
-        self.after_ids = tuple(after_ids)
-        self.started = not self.after_ids
-        self._recent: list[int] = []
+        self.after, self.token_bytes = after, token_bytes
+        self.started = not after
+        self._tail = b""
 
     def accept(self, token_id: int, ends_reply: bool) -> bool:
         """Advance on a sampled token; True when the grammar is complete (nothing can follow).
         A token that ends the reply (EOS, a stop token) is not fed: the mask allowed it only
         where the grammar accepts. Raises GrammarViolation for a token outside the grammar."""
         if not self.started:
-            self._recent = (self._recent + [token_id])[-len(self.after_ids):]
-            self.started = tuple(self._recent) == self.after_ids
+            self._tail = (self._tail + self.token_bytes(token_id))[-4 * len(self.after):]
+            self.started = self.after in self._tail
             return False
         if ends_reply:
             return False
@@ -73,8 +75,8 @@ class StructuredDecoding:
         (no tokenizer to compile against)."""
         if self.compiler is None:
             raise ValueError("structured outputs need the model's tokenizer; this engine has none")
-        after_ids = self.compiler.encode(spec.after) if spec.after else ()
-        grammar = RequestGrammar(self.compiler.matcher(spec), after_ids)
+        after = spec.after.encode() if spec.after else b""
+        grammar = RequestGrammar(self.compiler.matcher(spec), after, self.compiler.token_bytes)
         self.requests += 1
         return grammar
 
