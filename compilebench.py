@@ -17,6 +17,7 @@ from compile import (
     linear_bench,
     serve_bench,
     slotbench,
+    structured_bench,
     tp_bench,
     ttft,
 )
@@ -32,6 +33,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "ttft": ttft.main,
     "linear": linear_bench.main,
     "tp": tp_bench.main,
+    "structured": structured_bench.main,
 }
 DEFAULT_SUITE = "headline"
 

@@ -39,8 +39,9 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[Samplin
     batch raises, every row is sampled alone (a seeded row's generator rewound first), so only
     a row that fails on its own fails."""
     states = [None if g is None else g.get_state() for g in generators]
+    masked = {} if masks is None else {"masks": masks}  # a batch with no constrained row calls as before
     try:
-        sampled = sampler(logits, params, generators, histories, masks)
+        sampled = sampler(logits, params, generators, histories, **masked)
         return sampled.token_ids, sampled.logprobs, {}
     except Exception:  # find the rows at fault below
         pass
@@ -51,8 +52,9 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[Samplin
         if generator is not None:
             generator.set_state(state)
         try:
+            row_mask = {} if masks is None else {"masks": masks.select(row)}
             one = sampler(logits[row:row + 1], [p], [generator], None if histories is None else [histories[row]],
-                          None if masks is None else masks.select(row))
+                          **row_mask)
         except Exception as exc:
             failed[row] = f"sampling failed: {type(exc).__name__}: {exc}"
             continue

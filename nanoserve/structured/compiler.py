@@ -65,8 +65,12 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary, built on first use (a fraction of a second)."""
         with self._lock:
             if self._vocabulary is None:
-                self._vocabulary = llguidance.LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
-                                                          eos_token=self._eos)
+                try:
+                    self._vocabulary = llguidance.LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
+                                                              eos_token=self._eos)
+                except ValueError as exc:  # e.g. a tokenizer.json without a decoder
+                    raise StructuredOutputError("structured", "this model's tokenizer cannot be read by the "
+                                                f"grammar engine ({exc})") from exc
             return self._vocabulary
 
     def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
