@@ -16,6 +16,8 @@ pydantic = pytest.importorskip("pydantic")
 jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import served  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from structured_schemas import json_schemas  # noqa: E402
 
 from nanoserve import build_engine  # noqa: E402
 
@@ -52,6 +54,18 @@ def test_chat_parse_with_a_pydantic_model_returns_an_instance(client):
     message = completion.choices[0].message
     assert isinstance(message.parsed, City)
     assert completion.choices[0].finish_reason == "stop"
+
+
+@settings(max_examples=max(3, settings().max_examples // 10), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=json_schemas())
+def test_generated_schemas_through_the_client_always_validate_greedy_and_sampled(client, schema):
+    response_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=11)):
+        reply = client.chat.completions.create(model=MODEL, messages=ask("Reply in JSON: " + json.dumps(schema)),
+                                               response_format=response_format, max_tokens=200, **sampling)
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
 
 def test_json_schema_and_json_object_replies_parse_on_both_endpoints(client):
