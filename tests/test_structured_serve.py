@@ -101,6 +101,9 @@ def test_guided_fields_are_enforced_streamed_and_not(client):
     completion = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=10, temperature=0,
                                            extra_body={"guided_grammar": 'root ::= "A" | "B" | "C"'})
     assert completion.choices[0].text in ("A", "B", "C")
+    completion = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=10, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": ["up", "down"]}})
+    assert completion.choices[0].text in ("up", "down")
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
     completion = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=20, temperature=0,
@@ -118,6 +121,8 @@ def test_guided_fields_are_enforced_streamed_and_not(client):
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs"),
 ])
 def test_a_structure_that_cannot_be_enforced_is_a_400_naming_its_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -57,6 +57,16 @@ class ResponseFormat(StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputsField(StrictModel):
+    """vLLM's newer `structured_outputs` body field: one of its kinds, as StructuredOutputs names them."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")  # `json` is a BaseModel method
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(StrictModel):
     """Fields both endpoints share. ``None`` means "the OpenAI default"."""
 
@@ -77,8 +87,9 @@ class _SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Structured output: OpenAI's response_format, or vLLM's guided_* extensions (one of them).
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None

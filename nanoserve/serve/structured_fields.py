@@ -11,8 +11,9 @@ from nanoserve.serve.errors import ApiError
 from nanoserve.serve.protocol import _SamplingFields
 from nanoserve.serve.serving import COMPILE_TIMEOUT
 from nanoserve.structured import StructuredOutputError, StructuredOutputs
+from nanoserve.structured.spec import KINDS
 
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def requested_structure(body: _SamplingFields) -> tuple[StructuredOutputs, str] | None:
@@ -48,19 +49,27 @@ def _spec(body: _SamplingFields, field: str) -> StructuredOutputs:
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise ValueError("a json_schema response_format needs json_schema.schema")
         return StructuredOutputs(json=fmt.json_schema.schema_)
+    if field == "structured_outputs":
+        fields = body.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        if "json" in fields:
+            fields["json"] = _schema(fields["json"])
+        return StructuredOutputs(**{k: v for k, v in fields.items() if k in KINDS})
     if field == "guided_json":
-        schema = body.guided_json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not valid JSON ({exc})") from exc
-        return StructuredOutputs(json=schema)
+        return StructuredOutputs(json=_schema(body.guided_json))
     if field == "guided_regex":
         return StructuredOutputs(regex=body.guided_regex)
     if field == "guided_choice":
         return StructuredOutputs(choice=body.guided_choice)
     return StructuredOutputs(grammar=body.guided_grammar)
+
+
+def _schema(schema: dict | str) -> dict:
+    if isinstance(schema, str):
+        try:
+            return json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc})") from exc
+    return schema
 
 
 async def structure_for(state, body: _SamplingFields) -> StructuredOutputs | None:
