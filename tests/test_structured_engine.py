@@ -136,3 +136,21 @@ def test_masks_leave_unconstrained_rows_bit_for_bit():
     masked = apply_token_masks(logits, TokenMasks([1], bitmask))
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     assert masked[1].argmax() == 37 and torch.isinf(masked[1]).sum() == 69
+
+
+def test_a_compiled_engine_decodes_constrained_rows_as_eager_does_without_recompiling(tmp_path):
+    from conftest import tiny_text_engine
+
+    options = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=128)
+    compiled = tiny_text_engine(tmp_path, compile=True, row_buckets=(4,), width_buckets=(64, 128), **options)
+    eager = tiny_text_engine(tmp_path, **options)
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["k"], "additionalProperties": False}
+    params = [constrained(json=schema, max_tokens=30), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              constrained(1.0, seed=9, regex="[ab]{3,12}", max_tokens=30)]
+    prompts = ["hello there", "a plain row", "and a third"]
+    got = compiled.generate(prompts, params, use_tqdm=False)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch("[ab]{3,12}", got[2].text) and json.loads(got[0].text)["k"] <= 999
+    assert compiled.stats().recompiles_after_warmup == 0 and compiled.stats().mask_steps > 0
