@@ -90,3 +90,45 @@ def test_each_formats_call_grammar_only_lets_out_valid_calls(smollm2_path):
         call = reply.tool_calls[0]
         schema = {"get_weather": WEATHER, "get_time": CLOCK}[call.name].parameters
         jsonschema.validate(json.loads(call.arguments), schema)
+
+
+REPLIES = {
+    "hermes": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]',
+    "gemma": 'Sure.\n```tool_code\n[get_weather(city="Oslo", days=2)]\n```',
+    "generic": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]}',
+}
+PLAIN = "Oslo is usually mild in spring, with rain < 3 days a week."
+
+
+@pytest.mark.parametrize("name", sorted(REPLIES))
+@pytest.mark.parametrize("calls", [True, False])
+def test_a_streamed_auto_reply_gives_what_the_whole_reply_gives_wherever_it_is_cut(name, calls):
+    pytest.importorskip("fastapi")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from nanoserve.serve.tool_calling import ToolPlan, ToolReplyStream, reply_message
+
+    plan = ToolPlan(FORMATS[name], [WEATHER, CLOCK], [WEATHER, CLOCK], "auto", parallel=True)
+    text = REPLIES[name] if calls else (json.dumps({"content": PLAIN}) if name == "generic" else PLAIN)
+    whole, whole_reason = reply_message(plan, text, "stop")
+
+    @settings(max_examples=20, deadline=None)
+    @given(cuts=st.lists(st.integers(0, len(text)), max_size=6))
+    def check(cuts):
+        stream, content = ToolReplyStream(plan), ""
+        bounds = [0, *sorted(cuts), len(text)]
+        for start, end in zip(bounds, bounds[1:]):
+            content += stream.feed(text[start:end])
+        rest, streamed_calls, reason = stream.finish("stop")
+        content += rest
+        assert reason == whole_reason == ("tool_calls" if calls else "stop")
+        assert content.strip() == (whole["content"] or "").strip()
+        assert [c["function"] for c in streamed_calls] == [c["function"] for c in whole.get("tool_calls", [])]
+
+    check()
+    if not calls and name != "generic":  # plain text streams before the reply ends
+        stream = ToolReplyStream(plan)
+        assert stream.feed(PLAIN[:20]) == PLAIN[:20]

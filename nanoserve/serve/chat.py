@@ -16,7 +16,7 @@ from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.structured_fields import compile_structure, structure_for
-from nanoserve.serve.tool_calling import ToolPlan, plan_tools, prompt_messages, reply_message
+from nanoserve.serve.tool_calling import ToolPlan, ToolReplyStream, plan_tools, prompt_messages, reply_message
 from nanoserve.structured import StructuredOutputs
 from nanoserve.structured.reasoning import (
     THINK_END,
@@ -172,7 +172,7 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
                                 "logprobs": None, "finish_reason": None}], **extra}
     completion_tokens = 0
     thinking = ReasoningStream(shape.reasoning == "opened") if shape.reasoning is not None else None
-    answer = ""
+    tools = ToolReplyStream(shape.plan) if shape.plan is not None else None
     async for delta in serving.deltas(state, queue, head["id"]):
         completion_tokens = len(delta.output.token_ids)
         text = delta.text
@@ -184,9 +184,8 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
             if thought:
                 yield {**head, "choices": [{"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
                                             "finish_reason": None}], **extra}
-        if shape.plan is not None:  # a reply that may be a call is read whole, then sent as deltas
-            answer += text
-            for choice in _tool_reply_choices(state, shape.plan, delta, answer):
+        if tools is not None:  # content while it surely is content; calls once the reply is whole
+            for choice in _tool_reply_choices(state, tools, delta, text):
                 yield {**head, "choices": [choice], **extra}
             continue
         if not text and not delta.output.finished and not delta.logprobs:
@@ -199,17 +198,22 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
         yield {**head, "choices": [], "usage": serving.usage(prompt_len, completion_tokens)}
 
 
-def _tool_reply_choices(state: ServeState, plan: ToolPlan, delta: serving.Delta, answer: str) -> list[dict]:
-    """Stream choices of a tool-enabled reply: logprobs as they come, then at the end its
-    content and one tool_calls delta per call (OpenAI's shape: index, id, name, arguments)."""
+def _tool_reply_choices(state: ServeState, tools: ToolReplyStream, delta: serving.Delta, text: str) -> list[dict]:
+    """Stream choices of a tool-enabled reply: content and logprobs as they come, then at the
+    end the rest and one tool_calls delta per call (OpenAI's shape: index, id, name, arguments)."""
     logprobs = chat_logprobs(state, delta.logprobs)
+    content = tools.feed(text)
     if not delta.output.finished:
-        return [{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": None}] if logprobs else []
-    message, finish_reason = reply_message(plan, answer, delta.output.finish_reason)
+        if not content and not logprobs:
+            return []
+        return [{"index": 0, "delta": {"content": content} if content else {}, "logprobs": logprobs,
+                 "finish_reason": None}]
+    rest, calls, finish_reason = tools.finish(delta.output.finish_reason)
+    content += rest
     choices = []
-    if message.get("content"):
-        choices.append({"index": 0, "delta": {"content": message["content"]}, "logprobs": None, "finish_reason": None})
-    for index, call in enumerate(message.get("tool_calls", [])):
+    if content:
+        choices.append({"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
+    for index, call in enumerate(calls):
         choices.append({"index": 0, "delta": {"tool_calls": [{"index": index, **call}]}, "logprobs": None,
                         "finish_reason": None})
     choices.append({"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})

@@ -145,3 +145,37 @@ def reply_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -
     calls = [call.as_openai() for call in reply.tool_calls]
     return ({"role": "assistant", "content": reply.content, "tool_calls": calls},
             "tool_calls" if finish_reason == "stop" else finish_reason)
+
+
+class ToolReplyStream:
+    """A streamed reply under a tool plan: its head streams as content while it surely is
+    content (under "auto", before anything that could start a call); the rest is read whole
+    at the end into content and tool calls."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.answer = ""
+        self.sent = 0  # characters of the answer already streamed as content
+
+    def feed(self, text: str) -> str:
+        """Content that can go out now."""
+        self.answer += text
+        if self.plan.choice == "none":
+            safe = len(self.answer)
+        elif self.plan.choice == "auto":
+            safe = self.plan.format.content_prefix(self.answer)
+        else:
+            safe = 0
+        delta, self.sent = self.answer[self.sent:safe], max(self.sent, safe)
+        return delta
+
+    def finish(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """(the rest of the content, the calls, the finish reason) once the reply has ended."""
+        message, finish_reason = reply_message(self.plan, self.answer, finish_reason)
+        content, calls = message.get("content") or "", message.get("tool_calls", [])
+        if self.sent == 0:
+            return content, calls, finish_reason
+        if not calls:
+            return self.answer[self.sent:], calls, finish_reason
+        streamed = self.answer[:self.sent].strip()
+        return (content[len(streamed):] if content.startswith(streamed) else ""), calls, finish_reason

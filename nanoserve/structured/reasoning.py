@@ -65,7 +65,7 @@ class ReasoningStream:
             if end:
                 reasoning, self._held, self.state = before, after, "answer"
             else:
-                keep = _marker_prefix_length(self._held, THINK_END)
+                keep = marker_prefix_length(self._held, THINK_END)
                 reasoning, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
         if self.state == "answer":
             content, self._held = self._answer(self._held), ""
@@ -87,7 +87,7 @@ class ReasoningStream:
         return "", self._answer(held)
 
 
-def _marker_prefix_length(text: str, marker: str) -> int:
+def marker_prefix_length(text: str, marker: str) -> int:
     """The longest tail of `text` that is a proper prefix of `marker`."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-length:]):

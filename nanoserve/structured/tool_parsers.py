@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Sequence
 
+from nanoserve.structured.reasoning import marker_prefix_length
 from nanoserve.structured.tools import (
     COMPACT,
     Function,
@@ -24,6 +25,13 @@ from nanoserve.structured.tools import (
     generic_tool_prompt,
     parse_envelope,
 )
+
+
+def _before_marker(text: str, marker: str) -> int:
+    """How much of `text` is surely plain content: up to `marker`, or up to a tail that could
+    still grow into it."""
+    index = text.find(marker)
+    return index if index >= 0 else len(text) - marker_prefix_length(text, marker)
 
 
 def _json_rule(schema: dict) -> str:
@@ -39,6 +47,10 @@ class HermesFormat:
 
     name, native = "hermes", True
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def content_prefix(self, text: str) -> int:
+        """The length of the reply's head that is surely content (streamed before a call)."""
+        return _before_marker(text, "<tool_call>")
 
     def parse(self, text: str) -> ParsedReply:
         calls = [as_call(_loads(body)) for body in self._CALL.findall(text)]
@@ -57,6 +69,12 @@ class Llama3JsonFormat:
     on some models), several separated by ``;``."""
 
     name, native = "llama3_json", True
+
+    def content_prefix(self, text: str) -> int:
+        head = text.lstrip()
+        maybe_call = not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]) \
+            or head.startswith("<|python_tag|>")
+        return 0 if maybe_call else len(text)
 
     def parse(self, text: str) -> ParsedReply:
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -77,6 +95,12 @@ class MistralFormat:
     name, native = "mistral", True
     MARKER = "[TOOL_CALLS]"
 
+    def content_prefix(self, text: str) -> int:
+        head = text.lstrip()
+        if not head or head.startswith("["):  # the marker, or a bare array of calls
+            return 0
+        return _before_marker(text, self.MARKER)
+
     def parse(self, text: str) -> ParsedReply:
         head, marker, tail = text.partition(self.MARKER)
         body = tail if marker else text
@@ -96,6 +120,9 @@ class GemmaFormat:
 
     name, native = "gemma", False
     _BLOCK = re.compile(r"```tool_code\s*(.*?)\s*```", re.S)
+
+    def content_prefix(self, text: str) -> int:
+        return _before_marker(text, "```tool_code")
     _LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
     def parse(self, text: str) -> ParsedReply:
@@ -154,6 +181,9 @@ class GenericFormat:
     """Any model: tools in a system message, the reply a JSON envelope enforced by a grammar."""
 
     name, native = "generic", False
+
+    def content_prefix(self, text: str) -> int:
+        return 0  # the whole reply is one JSON envelope
 
     def parse(self, text: str) -> ParsedReply:
         return parse_envelope(text)
