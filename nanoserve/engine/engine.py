@@ -254,7 +254,6 @@ class Engine:
             raise AssertionError("engine not drained: " + "; ".join(problems))
 
 
-
 def structured_compiler(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler | None:
     """The grammar compiler for this model's vocabulary (None without a `tokenizers` backend)."""
     backend = getattr(tokenizer, "backend", None)
