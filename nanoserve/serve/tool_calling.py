@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from nanoserve.structured import StructuredOutputs
-from nanoserve.structured.tool_parsers import FORMATS, GenericFormat, format_for_template
+from nanoserve.structured.tool_parsers import FORMATS, GenericFormat, ToolFormat, format_for_template
 from nanoserve.structured.tools import Function, ParsedReply
 
 _TAKES_TOOLS = re.compile(r"\btools\b")  # a template that reads the `tools` variable
@@ -27,7 +26,7 @@ _TAKES_TOOLS = re.compile(r"\btools\b")  # a template that reads the `tools` var
 class ToolPlan:
     """How one request's tools are offered and read back."""
 
-    format: Any  # a tool_parsers format
+    format: ToolFormat
     functions: list[Function]  # every declared function (what the prompt lists)
     allowed: list[Function]  # what the reply may call (one, for a named choice)
     choice: str  # "none" (tools declared, no call: only the history is rendered), "auto", "required", "named"

@@ -12,6 +12,7 @@ import ast
 import json
 import re
 from collections.abc import Sequence
+from typing import Protocol
 
 from nanoserve.structured.reasoning import marker_prefix_length
 from nanoserve.structured.tools import (
@@ -25,6 +26,18 @@ from nanoserve.structured.tools import (
     generic_tool_prompt,
     parse_envelope,
 )
+
+
+class ToolFormat(Protocol):
+    """What every format offers. Native formats also build ``call_grammar(functions, parallel)``;
+    the others write ``prompt(functions, calls_required)``, the system message describing the tools."""
+
+    name: str
+    native: bool  # the chat template renders the tools
+
+    def parse(self, text: str) -> ParsedReply: ...
+
+    def content_prefix(self, text: str) -> int: ...
 
 
 def _before_marker(text: str, marker: str) -> int:
@@ -195,10 +208,10 @@ class GenericFormat:
         return generic_tool_prompt(functions, calls_required)
 
 
-FORMATS = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), GemmaFormat(), GenericFormat())}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), GemmaFormat(), GenericFormat())}
 
 
-def format_for_template(source: str) -> HermesFormat | Llama3JsonFormat | MistralFormat | GemmaFormat | GenericFormat:
+def format_for_template(source: str) -> ToolFormat:
     """The tool-call format a chat template's model was trained on; the generic form where the
     template says nothing about tools."""
     if "<tool_call>" in source:
