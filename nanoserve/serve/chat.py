@@ -12,7 +12,13 @@ from starlette.requests import Request
 
 from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
-from nanoserve.serve.chat_reply import ReplyShape, reasoning_mode, reply_structure, template_source
+from nanoserve.serve.chat_reply import (
+    ReplyShape,
+    marker_token_id,
+    reasoning_mode,
+    reply_structure,
+    template_source,
+)
 from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
@@ -37,7 +43,7 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     # Validate every field before the template and tokenizer run; the budget is settled after.
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
-    plan = plan_tools(body, template_source(state), state.tool_call_parser)
+    plan = plan_tools(body, template_source(state), state.tool_call_parser, marker_token_id(state))
     prompt = await render_chat(state, body.messages, plan=plan)
     shape = ReplyShape(plan, reasoning_mode(template_source(state), prompt))
     params = replace(params, structured=await reply_structure(state, body, shape))

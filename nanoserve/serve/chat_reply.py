@@ -82,3 +82,9 @@ async def _answer_structure(state: ServeState, body: ChatCompletionRequest, plan
 
 def template_source(state: ServeState) -> str:
     return getattr(getattr(state.tokenizer, "chat_template", None), "source", "")
+
+
+def marker_token_id(state: ServeState):
+    """A tool format's marker (Mistral's [TOOL_CALLS]) -> its token id in this model's vocabulary."""
+    backend = getattr(state.tokenizer, "backend", None)
+    return (lambda token: None) if backend is None else backend.token_to_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoserve.serve.errors import ApiError, quoted
@@ -31,6 +32,7 @@ class ToolPlan:
     allowed: list[Function]  # what the reply may call (one, for a named choice)
     choice: str  # "none" (tools declared, no call: only the history is rendered), "auto", "required", "named"
     parallel: bool  # more than one call per reply
+    marker_id: int | None = None  # the vocabulary's own call marker token, where the format has one (Mistral)
 
     @property
     def native(self) -> bool:
@@ -49,7 +51,8 @@ class ToolPlan:
             return StructuredOutputs(json=self.format.reply_schema(self.allowed, self.calls_required, self.parallel))
         if not self.calls_required:
             return None
-        return StructuredOutputs(grammar=self.format.call_grammar(self.allowed, self.parallel))
+        marker = {"marker_id": self.marker_id} if self.marker_id is not None else {}
+        return StructuredOutputs(grammar=self.format.call_grammar(self.allowed, self.parallel, **marker))
 
     def template_tools(self) -> list[dict] | None:
         return [f.as_tool() for f in self.functions] if self.native and self.choice != "none" else None
@@ -63,8 +66,10 @@ class ToolPlan:
         return reply
 
 
-def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | None) -> ToolPlan | None:
-    """The request's tool plan (None: no tools declared). 400s name `tools` or `tool_choice`."""
+def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | None,
+               token_id: Callable[[str], int | None] = lambda token: None) -> ToolPlan | None:
+    """The request's tool plan (None: no tools declared); `token_id` finds a marker token in the
+    vocabulary. 400s name `tools` or `tool_choice`."""
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if body.tools else "none"
@@ -88,8 +93,10 @@ def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | 
     if fmt.native and not _TAKES_TOOLS.search(template_source):
         fmt = FORMATS["generic"]  # its template cannot show the tools: the generic form instead
     named = isinstance(choice, NamedToolChoice)  # one call of that function, as OpenAI's named choice
+    marker = getattr(fmt, "MARKER", None)
     return ToolPlan(fmt, functions, allowed, "named" if named else choice,
-                    parallel=not named and body.parallel_tool_calls is not False)
+                    parallel=not named and body.parallel_tool_calls is not False,
+                    marker_id=token_id(marker) if marker else None)
 
 
 def _choice_name(choice) -> str:

@@ -122,9 +122,12 @@ class MistralFormat:
             return ParsedReply(_content(head) if marker else None, [as_call(c) for c in calls])
         return ParsedReply(text, [])
 
-    def call_grammar(self, functions: Sequence[Function], parallel: bool = True) -> str:
+    def call_grammar(self, functions: Sequence[Function], parallel: bool = True, marker_id: int | None = None) -> str:
+        """``marker_id``: the vocabulary's [TOOL_CALLS] token, which the grammar then requires as
+        that token (a special token is no text); without it, the marker is written as text."""
         calls = {"type": "array", "items": call_schema(functions), "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        return f'start: "{self.MARKER}" calls\ncalls: {_json_rule(calls)}'
+        marker = f"<[{marker_id}]>" if marker_id is not None else f'"{self.MARKER}"'
+        return f"start: {marker} calls\ncalls: {_json_rule(calls)}"
 
 
 class GemmaFormat:
