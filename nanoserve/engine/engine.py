@@ -1,7 +1,8 @@
 """The engine: requests in, tokens out, many requests sharing each decode step.
 
 Follow a token: ``add_request`` tokenizes and validates (inputs.py); ``step`` asks the scheduler
-for a plan, the runner to execute it, the sampler for one token per sampled row, and hands
+for a plan, the runner to execute it (while a worker fills the token masks of the rows a grammar
+constrains: structured/decoding.py), the sampler for one token per sampled row, and hands
 each token to output processing (outputs.py: detokenize, stop conditions). ``generate`` and
 ``stream`` loop over ``step``.
 """
