@@ -112,6 +112,20 @@ def test_a_bad_grammar_fails_its_request_alone(engine):
     engine.check_drained()
 
 
+def test_a_matcher_that_fails_mid_reply_fails_its_request_alone(engine):
+    broken = engine.add_request(chat(engine, "A number."), constrained(regex="[0-9]{4}"))
+    plain = engine.add_request(chat(engine, "A word."), SamplingParams(temperature=0, max_tokens=3))
+    grammar = engine.requests[broken].grammar
+    grammar.matcher.consume_token(engine.tokenizer.encode("x", add_special_tokens=False)[0])  # outside it
+    assert grammar.matcher.is_error()
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outputs[broken].finish_reason == "error" and "structured output" in outputs[broken].error
+    assert outputs[plain].finish_reason == "length"
+    engine.check_drained()
+
+
 def test_stats_count_constrained_requests_and_mask_time(engine):
     before = engine.stats()
     engine.generate([chat(engine, "Yes or no?")], constrained(choice=["yes", "no"]), use_tqdm=False)

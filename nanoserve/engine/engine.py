@@ -105,10 +105,12 @@ class Engine:
             return outputs
         sampled = [self.requests[request_id] for request_id in plan.sampled]
         # Masks depend only on tokens already accepted: filled on a worker while the forward runs.
-        pending_masks = self.structured.start_masks([r.grammar for r in sampled])
+        grammars = [r.grammar for r in sampled]
+        pending_masks = self.structured.start_masks(grammars)
         result = self.runner.execute(plan)
-        masks = self.structured.finish_masks(pending_masks)
+        masks, broken = self.structured.finish_masks(pending_masks, grammars)
         failed = self._score_prompts(plan, result.hidden)  # request -> why it failed
+        failed.update((sampled[row], message) for row, message in broken.items())
         if sampled:
             histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampled] \
                 if any(r.params.uses_penalties for r in sampled) else None

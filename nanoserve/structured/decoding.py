@@ -91,13 +91,18 @@ class StructuredDecoding:
         matchers = [grammars[row].matcher for row in rows]
         return PendingMasks(rows, self._worker.submit(self._fill, matchers))
 
-    def finish_masks(self, pending: PendingMasks | None) -> TokenMasks | None:
+    def finish_masks(self, pending: PendingMasks | None, grammars: Sequence[RequestGrammar | None]
+                     ) -> tuple[TokenMasks | None, dict[int, str]]:
+        """The step's masks, and the rows whose matcher has failed (row -> why): a grammar that
+        ran out of its parser's limits fails its request rather than end it as if complete."""
         if pending is None:
-            return None
+            return None, {}
         bitmask, seconds = pending.future.result()
         self.mask_steps += 1
         self.mask_seconds += seconds
-        return TokenMasks(pending.rows, bitmask)
+        failed = {row: f"structured output: {grammars[row].matcher.get_error()}"
+                  for row in pending.rows if grammars[row].matcher.is_error()}
+        return TokenMasks(pending.rows, bitmask), failed
 
     def _fill(self, matchers: list[llguidance.LLMatcher]):
         start = time.perf_counter()
