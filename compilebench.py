@@ -18,6 +18,7 @@ from compile import (
     scale,
     serve_bench,
     slotbench,
+    structured_bench,
     tp_bench,
     ttft,
 )
@@ -34,6 +35,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "linear": linear_bench.main,
     "tp": tp_bench.main,
     "scale": scale.main,
+    "structured": structured_bench.main,
 }
 DEFAULT_SUITE = "headline"
 

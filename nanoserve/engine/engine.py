@@ -1,7 +1,8 @@
 """The engine: requests in, tokens out, many requests sharing each decode step.
 
 Follow a token: ``add_request`` tokenizes and validates (inputs.py); ``step`` asks the scheduler
-for a plan, the runner to execute it, the sampler for one token per sampled row, and hands
+for a plan, the runner to execute it (while a worker fills the token masks of the rows a grammar
+constrains: structured/decoding.py), the sampler for one token per sampled row, and hands
 each token to output processing (outputs.py: detokenize, stop conditions). ``generate`` and
 ``stream`` loop over ``step``.
 """
@@ -27,6 +28,8 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
 from nanoserve.model.quant import tensor_bytes
+from nanoserve.structured.compiler import GrammarCompiler
+from nanoserve.structured.decoding import GrammarViolation, StructuredDecoding
 
 
 class Engine:
@@ -50,6 +53,7 @@ class Engine:
         self.inputs = InputProcessor(tokenizer, self.vocab_size, config.max_model_len, config.device)
         self.outputs = OutputProcessor(self.eos_token_ids, config.max_model_len)
         self.sampler = Sampler()
+        self.structured = StructuredDecoding(structured_compiler(tokenizer, self.vocab_size, self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
@@ -67,6 +71,11 @@ class Engine:
         request = self.inputs.request(request_id, prompt, params or SamplingParams())
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if request.params.structured is not None:
+            try:
+                request.grammar = self.structured.grammar_for(request.params.structured)
+            except ValueError as exc:  # a bad grammar, or no tokenizer: this request only
+                raise RequestError(str(exc)) from exc
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -95,26 +104,44 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return outputs
-        result = self.runner.execute(plan)
-        failed = self._score_prompts(plan, result.hidden)  # request -> why it failed
         sampled = [self.requests[request_id] for request_id in plan.sampled]
+        # Masks depend only on tokens already accepted: filled on a worker while the forward runs.
+        grammars = [r.grammar for r in sampled]
+        pending_masks = self.structured.start_masks(grammars)
+        result = self.runner.execute(plan)
+        masks, broken = self.structured.finish_masks(pending_masks, grammars)
+        failed = self._score_prompts(plan, result.hidden)  # request -> why it failed
+        failed.update((sampled[row], message) for row, message in broken.items())
         if sampled:
             histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampled] \
                 if any(r.params.uses_penalties for r in sampled) else None
             token_ids, logprobs, bad = sample_isolated(self.sampler, result.logits, [r.params for r in sampled],
-                                                       [r.generator for r in sampled], histories)
+                                                       [r.generator for r in sampled], histories, masks)
             failed.update((sampled[row], message) for row, message in bad.items())
             for request, token_id, logprob in zip(sampled, token_ids.tolist(), logprobs):
                 if request in failed:
                     self._finish(request, "error", failed.pop(request))
                 elif request.params.max_tokens == 0:
                     self._finish(request, "length")  # prefill only: the prompt was the work
-                elif (end := self.outputs.append_token(request, token_id, logprob)) is not None:
+                elif (end := self._append(request, token_id, logprob)) is not None:
                     self._finish(request, *end)
         for request, message in failed.items():  # a chunk that failed before its last one
             self._finish(request, "error", message)
             sampled.append(request)
         return outputs + [self.outputs.output(r) for r in sampled]
+
+    def _append(self, request: Request, token_id: int, logprob) -> tuple[str, str | None] | None:
+        """The token joins the request; its grammar (if any) advances first, and a token that
+        completes the grammar ends the reply."""
+        complete = False
+        if request.grammar is not None:
+            ends = (token_id in self.eos_token_ids and not request.params.ignore_eos) \
+                or token_id in request.params.stop_token_ids
+            try:
+                complete = request.grammar.accept(token_id, ends)
+            except GrammarViolation as exc:
+                return "error", str(exc)
+        return self.outputs.append_token(request, token_id, logprob, complete)
 
     def _score_prompts(self, plan: StepPlan, hidden: dict[int, torch.Tensor]) -> dict[Request, str]:
         failed = {}
@@ -184,7 +211,8 @@ class Engine:
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Release what the engine started (a tensor-parallel engine's worker processes);
-        idempotent. A one-process engine holds nothing to release."""
+        idempotent. A one-process engine holds nothing else to release."""
+        self.structured.close()
         self.runner.close()
 
     def __enter__(self) -> Engine:
@@ -212,7 +240,9 @@ class Engine:
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             prefill_only_budget=self.scheduler.prefill_only_budget, prefix_caching=cache.enable_prefix_caching,
             prefix_cache_queries=cache.prefix_queries, prefix_cache_hits=cache.prefix_hits,
-            prefix_cache_blocks=cache.pool.num_registered, prefix_cache_evictions=cache.pool.evictions)
+            prefix_cache_blocks=cache.pool.num_registered, prefix_cache_evictions=cache.pool.evictions,
+            structured_requests=self.structured.requests, mask_steps=self.structured.mask_steps,
+            mask_seconds=self.structured.mask_seconds)
 
     def check_drained(self) -> None:
         """vLLM's 'scheduler is empty' check: nothing queued or running, every block and row
@@ -228,3 +258,10 @@ class Engine:
         if problems:
             raise AssertionError("engine not drained: " + "; ".join(problems))
 
+
+def structured_compiler(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler | None:
+    """The grammar compiler for this model's vocabulary (None without a `tokenizers` backend)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return None
+    return GrammarCompiler(backend, vocab_size, eos_token_ids)

@@ -14,10 +14,12 @@ class OutputProcessor:
     def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
 
-    def append_token(self, request: Request, token_id: int, logprob) -> tuple[str, str | None] | None:
+    def append_token(self, request: Request, token_id: int, logprob,
+                     complete: bool = False) -> tuple[str, str | None] | None:
         """Add a sampled token (and its logprob) to the request's output and text. Returns
         (finish reason, error) when the request ends here ("stop", "length", or "error" when its
-        detokenizer raised: that fails this request alone), else None."""
+        detokenizer raised: that fails this request alone), else None. ``complete``: the token
+        completes the request's grammar, so nothing may follow it ("stop", the token kept)."""
         request.output_token_ids.append(token_id)
         if logprob is not None:
             request.logprobs.append(logprob)
@@ -30,10 +32,11 @@ class OutputProcessor:
                 return "error", error
         if not ends and _hit_stop_string(request):
             return "stop", None  # the text is cut before the stop string; nothing held back matters
-        if ends or len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if ends or complete or len(request.output_token_ids) >= params.max_tokens \
+                or request.num_tokens >= self.max_model_len:
             if request.detokenizer is not None and (error := _detokenize(request, request.detokenizer.flush)):
                 return "error", error
-            return ("stop" if ends else "length"), None
+            return ("stop" if ends or complete else "length"), None
         return None
 
     @staticmethod

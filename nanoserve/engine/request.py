@@ -53,6 +53,7 @@ class Request:
     emitted_tokens: int = 0
     detokenizer: object | None = None
     block_hashes: BlockHashes | None = None  # its full blocks' prefix hashes, grown as it grows
+    grammar: object | None = None  # its RequestGrammar when its params ask for structured output
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.structured.masks import TokenMasks, apply_token_masks
 
 
 @dataclass
@@ -31,14 +32,16 @@ class SamplerOutput:
 
 
 def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
-                    generators: list[torch.Generator | None], histories: list | None
+                    generators: list[torch.Generator | None], histories: list | None,
+                    masks: TokenMasks | None = None
                     ) -> tuple[torch.Tensor, list[TokenLogprobs | None], dict[int, str]]:
     """One token per row, and the rows whose sampling failed (row -> message). If sampling the
     batch raises, every row is sampled alone (a seeded row's generator rewound first), so only
     a row that fails on its own fails."""
     states = [None if g is None else g.get_state() for g in generators]
+    masked = {} if masks is None else {"masks": masks}  # a batch with no constrained row calls as before
     try:
-        sampled = sampler(logits, params, generators, histories)
+        sampled = sampler(logits, params, generators, histories, **masked)
         return sampled.token_ids, sampled.logprobs, {}
     except Exception:  # find the rows at fault below
         pass
@@ -49,7 +52,9 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[Samplin
         if generator is not None:
             generator.set_state(state)
         try:
-            one = sampler(logits[row:row + 1], [p], [generator], None if histories is None else [histories[row]])
+            row_mask = {} if masks is None else {"masks": masks.select(row)}
+            one = sampler(logits[row:row + 1], [p], [generator], None if histories is None else [histories[row]],
+                          **row_mask)
         except Exception as exc:
             failed[row] = f"sampling failed: {type(exc).__name__}: {exc}"
             continue
@@ -59,15 +64,18 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[Samplin
 
 class Sampler:
     """Samples one token per row. ``histories[i]`` is row i's (prompt ids, output ids),
-    read only when a row asks for penalties."""
+    read only when a row asks for penalties. ``masks`` hold the constrained rows' allowed
+    tokens: applied after the logprobs are taken and before every filter, greedy included."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
-                 histories: list[tuple[list[int], list[int]]] | None = None) -> SamplerOutput:
+                 histories: list[tuple[list[int], list[int]]] | None = None,
+                 masks: TokenMasks | None = None) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_token_masks(logits, masks)
         if any(p.uses_penalties for p in params):
             if histories is None:
                 raise ValueError("penalties need each row's token history")

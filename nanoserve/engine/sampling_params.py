@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from nanoserve.structured.spec import StructuredOutputs
+
 INT64_MAX = 2**63 - 1  # every integer field must fit the int64 tensors the sampler builds
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a uint64
 # A reply's length when none is asked for: the command line's default too, so that a library
@@ -22,7 +24,9 @@ class SamplingParams:
     and the top ``k`` alternatives at each step. ``prompt_logprobs=k`` (as vLLM) returns each
     prompt token's logprob given the tokens before it (``None`` for the first) and the top
     ``k`` alternatives there. ``max_tokens=0`` only prefills: the request finishes after its
-    prompt (with ``prompt_logprobs``, that scores the prompt).
+    prompt (with ``prompt_logprobs``, that scores the prompt). ``structured`` constrains the
+    reply to a JSON schema, regex, choice or grammar, token by token (the logprobs stay the
+    model's own, before the constraint).
 
     Raises ``ValueError`` naming the field and its allowed range.
     """
@@ -41,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string for convenience; store tuples (frozen, hashable).
@@ -67,6 +72,8 @@ class SamplingParams:
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, what="a list of ints in [0, 2**63)")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise ValueError(f"structured: must be a StructuredOutputs or None, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -52,3 +52,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_blocks: int = 0
     prefix_cache_evictions: int = 0
+    # constrained decoding: requests with a grammar, steps that filled masks, time filling them
+    structured_requests: int = 0
+    mask_steps: int = 0
+    mask_seconds: float = 0.0
+
+    @property
+    def mean_mask_seconds(self) -> float:
+        """Time filling a step's masks, on average over the steps that had any."""
+        return self.mask_seconds / max(self.mask_steps, 1)

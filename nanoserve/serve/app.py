@@ -31,13 +31,14 @@ logger = logging.getLogger("nanoserve.serve")
 
 def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, tool_call_parser: str | None = None) -> FastAPI:
     """An app serving `engine_loop`'s engine as `model_name`. The app starts the loop when it
     starts and stops it when it stops. With `api_key`, every route needs
     `Authorization: Bearer <api_key>` (the API, /tokenize, /docs, /openapi.json) except
     /health and /metrics (probes, scrapers). A body larger than `max_request_bytes` is a 413,
-    one that stalls for `body_timeout` seconds a 408. `await app.state.drain(timeout)` drains it."""
-    state = ServeState(engine_loop, model_name)
+    one that stalls for `body_timeout` seconds a 408. `tool_call_parser` names the tool-call
+    format (structured/tool_parsers.py; None: chosen from the chat template). `await app.state.drain(timeout)` drains it."""
+    state = ServeState(engine_loop, model_name, tool_call_parser=tool_call_parser)
     created = int(time.time())
 
     @asynccontextmanager

@@ -22,6 +22,7 @@ from nanoserve.serve.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     SHUTDOWN_GRACE,
 )
+from nanoserve.structured.tool_parsers import FORMATS as TOOL_CALL_FORMATS
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -55,6 +56,9 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
                              "they are ended (default %(default)s); the process exits about 2 s after")
     add_engine_args(parser, max_batch_size=32, kv_cache_bytes=None,
                     kv_cache_default="what the rows need at the model's context, at most 16,384 tokens' worth")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_FORMATS),
+                        help="the format tool calls are prompted and parsed in (default: chosen from the "
+                             "chat template; 'generic' for any model: a JSON reply enforced by a grammar)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="default %(default)s")
     parser.set_defaults(func=run_serve)
@@ -132,7 +136,7 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
         log.info("%s", line)
     name = args.served_model_name or served_name(model)
     app = create_app(EngineLoop(engine), name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     body_timeout=args.body_timeout)
+                     body_timeout=args.body_timeout, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 
@@ -13,6 +14,7 @@ from nanoserve.serve import serving
 from nanoserve.serve.errors import ApiError
 from nanoserve.serve.protocol import CompletionRequest, sampling_params
 from nanoserve.serve.serving import ServeState
+from nanoserve.serve.structured_fields import structure_for
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -29,6 +31,7 @@ async def create_completion(state: ServeState, body: CompletionRequest, request:
     # With echo, logprobs also scores the prompt's own tokens (evaluation harnesses' loglikelihood).
     params = sampling_params(body, max_tokens=requested, logprobs=body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo else None)  # validate first
+    params = replace(params, structured=await structure_for(state, body))
     if body.echo and not all(isinstance(prompt, str) for prompt in prompts):
         serving.need_tokenizer(state, "echo")  # token ids are echoed as their text
     prompt_ids = [await serving.encode(state, p, "prompt") if isinstance(p, str) else list(p) for p in prompts]

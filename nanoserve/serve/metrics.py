@@ -117,6 +117,10 @@ class ServeMetrics:
              stats.prefix_cache_hits),
             ("nanoserve_prefix_cache_evictions_total", "Cached prefix blocks evicted to make room.",
              stats.prefix_cache_evictions),
+            ("nanoserve_structured_requests_total", "Requests whose output a grammar or schema constrains.",
+             stats.structured_requests),
+            ("nanoserve_mask_steps_total", "Steps that computed token masks for constrained rows.", stats.mask_steps),
+            ("nanoserve_mask_seconds_total", "Time computing token masks (beside the forward).", stats.mask_seconds),
         ]
         with self._lock:
             counters += [

@@ -11,9 +11,10 @@ silently dropped.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from nanoserve.engine import SamplingParams
 from nanoserve.engine.inputs import unicode_problem
@@ -42,6 +43,30 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: "text", "json_object", or "json_schema" with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's newer `structured_outputs` body field: one of its kinds, as StructuredOutputs names them."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")  # `json` is a BaseModel method
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(StrictModel):
     """Fields both endpoints share. ``None`` means "the OpenAI default"."""
 
@@ -62,6 +87,13 @@ class _SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -107,21 +139,76 @@ class ContentPart(StrictModel):
     text: Text | None = None
 
 
+class FunctionCall(StrictModel):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(StrictModel):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Text
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a "tool" turn: the call it answers
+    name: Text | None = None
 
-    def as_template_dict(self) -> dict[str, Any]:
-        """The plain {"role", "content"} dict chat templates expect (text parts joined)."""
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise ApiError(400, "messages: only text content parts are supported", param="messages",
                                code="invalid_value")
             content = "".join(part.text or "" for part in content)
+        return content or ""
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The {"role", "content"} dict chat templates expect (text parts joined), with the tool
+        fields templates read where present (a call's arguments as an object, as they take them)."""
         # "developer" is the newer name for "system"; templates only know the older one.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: Text
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -129,6 +216,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

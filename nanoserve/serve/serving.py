@@ -22,6 +22,7 @@ from nanoserve.serve.errors import ApiError, quoted
 
 logger = logging.getLogger("nanoserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this
+COMPILE_TIMEOUT = 10.0  # seconds a request's grammar may take to compile before it is refused
 
 
 @dataclass
@@ -30,6 +31,8 @@ class ServeState:
 
     engine_loop: EngineLoop
     model_name: str
+    compile_timeout: float = COMPILE_TIMEOUT
+    tool_call_parser: str | None = None  # a tool-call format by name; None: chosen from the chat template
 
     @property
     def tokenizer(self):

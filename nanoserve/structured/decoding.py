@@ -1,0 +1,117 @@
+"""The engine's side of constrained decoding: each request's matcher, the step's masks computed
+on a worker thread while the forward runs, and the matcher advanced on each accepted token.
+
+A step's masks depend only on tokens already accepted, so they are started before the forward
+and collected after it: llguidance fills them with the GIL released, beside the model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.torch as llguidance_torch
+
+from nanoserve.structured.compiler import GrammarCompiler
+from nanoserve.structured.masks import TokenMasks
+from nanoserve.structured.spec import StructuredOutputs
+
+
+class GrammarViolation(RuntimeError):
+    """A token the request's grammar cannot take (its matcher says why); fails that request."""
+
+
+class RequestGrammar:
+    """One request's matcher. With ``after`` the constraint starts only once the reply's bytes
+    contain it (a thinking model's ``</think>``, however it was tokenized); until then decoding
+    is free. ``token_bytes`` gives a token's bytes."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, after: bytes = b"",
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        self.matcher = matcher
+        self.after, self.token_bytes = after, token_bytes
+        self.started = not after
+        self._tail = b""
+
+    def accept(self, token_id: int, ends_reply: bool) -> bool:
+        """Advance on a sampled token; True when the grammar is complete (nothing can follow).
+        A token that ends the reply (EOS, a stop token) is not fed: the mask allowed it only
+        where the grammar accepts. Raises GrammarViolation for a token outside the grammar."""
+        if not self.started:
+            self._tail = (self._tail + self.token_bytes(token_id))[-4 * len(self.after):]
+            self.started = self.after in self._tail
+            return False
+        if ends_reply:
+            return False
+        if not self.matcher.consume_token(token_id):
+            raise GrammarViolation(f"structured output: token {token_id} breaks the grammar "
+                                   f"({self.matcher.get_error() or 'not allowed here'})")
+        return self.matcher.is_stopped()
+
+
+@dataclass
+class PendingMasks:
+    rows: list[int]
+    future: concurrent.futures.Future  # -> (bitmask, seconds spent filling it)
+
+
+class StructuredDecoding:
+    """Per engine: the grammar compiler (None without a tokenizer), the worker that fills masks,
+    and the counters ``EngineStats`` reports."""
+
+    def __init__(self, compiler: GrammarCompiler | None) -> None:
+        self.compiler = compiler
+        self.requests = 0  # constrained requests admitted
+        self.mask_steps = 0  # steps that computed at least one mask
+        self.mask_seconds = 0.0  # time filling masks (on the worker, beside the forward)
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+
+    def grammar_for(self, spec: StructuredOutputs) -> RequestGrammar:
+        """A new request's grammar. Raises StructuredOutputError (bad grammar) or ValueError
+        (no tokenizer to compile against)."""
+        if self.compiler is None:
+            raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+        after = spec.after.encode() if spec.after else b""
+        grammar = RequestGrammar(self.compiler.matcher(spec), after, self.compiler.token_bytes)
+        self.requests += 1
+        return grammar
+
+    def start_masks(self, grammars: Sequence[RequestGrammar | None]) -> PendingMasks | None:
+        """Begin filling the masks of the sampled rows whose constraint applies (None: none does)."""
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.started]
+        if not rows:
+            return None
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
+            self._executor = llguidance.LLExecutor()
+        matchers = [grammars[row].matcher for row in rows]
+        return PendingMasks(rows, self._worker.submit(self._fill, matchers))
+
+    def finish_masks(self, pending: PendingMasks | None, grammars: Sequence[RequestGrammar | None]
+                     ) -> tuple[TokenMasks | None, dict[int, str]]:
+        """The step's masks, and the rows whose matcher has failed (row -> why): a grammar that
+        ran out of its parser's limits fails its request rather than end it as if complete."""
+        if pending is None:
+            return None, {}
+        bitmask, seconds = pending.future.result()
+        self.mask_steps += 1
+        self.mask_seconds += seconds
+        failed = {row: f"structured output: {grammars[row].matcher.get_error()}"
+                  for row in pending.rows if grammars[row].matcher.is_error()}
+        return TokenMasks(pending.rows, bitmask), failed
+
+    def _fill(self, matchers: list[llguidance.LLMatcher]):
+        start = time.perf_counter()
+        bitmask = llguidance_torch.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)
+        llguidance_torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
+                                                     bitmask)
+        return bitmask, time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
