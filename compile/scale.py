@@ -45,6 +45,8 @@ SYSTEMS = ("nanoserve", "llama.cpp")
 NEW_TOKENS = 24  # decode steps timed per batch, after a warm-up run of the same shape
 PROMPT_TOKENS = 32
 TTFT_TOKENS = 512
+TTFT_REPEATS = 2  # after a warm-up prefill of WARMUP_TOKENS (an 8B file's 512-token prefill takes a minute)
+WARMUP_TOKENS = 64
 MAX_MODEL_LEN = 1024
 COLUMNS = ("file", "system", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
            "tok_s_b8", "ttft_512_s", "read_gbps_b1", "of_floor_b1")
@@ -82,8 +84,8 @@ def measure_nanoserve(path: Path, batches: Sequence[int]) -> dict:
             row["step_bytes_b1"] = step_weight_bytes(engine.model, 1)
             row["step_s_b1"] = step
     prompt = text_prompt(engine.tokenizer, TTFT_TOKENS)
-    nanoserve_ttft(engine, prompt)  # warm-up
-    row["ttft_512_s"] = statistics.median(nanoserve_ttft(engine, prompt) for _ in range(2))
+    nanoserve_ttft(engine, prompt[:WARMUP_TOKENS])
+    row["ttft_512_s"] = statistics.median(nanoserve_ttft(engine, prompt) for _ in range(TTFT_REPEATS))
     row["rss_peak_gb"] = _peak_rss_gb()
     stats = engine.stats()
     row.update(weights=stats.weights, kernels=stats.cpu_kernels, dtype=stats.compute_dtype)
@@ -112,8 +114,8 @@ def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
                                        if t.name != "token_embd.weight" or "output.weight" not in names)
             row["step_s_b1"] = step
     prompt = text_prompt(Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)), TTFT_TOKENS)
-    llama_ttft(peer, prompt)
-    row["ttft_512_s"] = statistics.median(llama_ttft(peer, prompt) for _ in range(2))
+    llama_ttft(peer, prompt[:WARMUP_TOKENS])
+    row["ttft_512_s"] = statistics.median(llama_ttft(peer, prompt) for _ in range(TTFT_REPEATS))
     row["rss_peak_gb"] = _peak_rss_gb()
     peer.close()
     return row
