@@ -55,7 +55,7 @@ class EngineSteps:
         self.ids = [engine.add_request(p, params) for p in prompts]
         self.timing = StepTiming()
         self._forward: float | None = None  # the runner's seconds in the step being timed, if pure decode
-        execute = engine.runner.execute
+        execute = engine.worker.execute
 
         def timed(plan):
             started = time.perf_counter()
@@ -64,7 +64,7 @@ class EngineSteps:
                 self._forward = time.perf_counter() - started
             return out
 
-        engine.runner.execute = timed  # this run's engine, timed from outside
+        engine.worker.execute = timed  # this run's engine, timed from outside
         self.durations: list[float] = []
         self.outputs: dict[str, list[int]] = {}
 

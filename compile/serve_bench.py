@@ -85,7 +85,7 @@ def greedy(max_tokens: int, **extra) -> SamplingParams:
 
 
 def _hits(engine) -> int:
-    return engine.cache.prefix_cache_stats()["prefix_cache_hits"]
+    return engine.scheduler.blocks.prefix_cache_stats()["prefix_cache_hits"]
 
 
 def _served(outs: list) -> list:

@@ -78,7 +78,7 @@ def measure(model, size: int, args) -> dict:
         while not all(r.output_token_ids for r in engine.requests.values()):  # every prompt prefilled
             engine.step()
         decode_steps(engine, args.warmup_steps)
-        driver = getattr(engine.runner, "driver", None)
+        driver = getattr(engine.worker, "driver", None)
         timed = None
         if driver is not None:
             timed = driver.send = TimedSend(driver.send)
