@@ -11,6 +11,8 @@ from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
 from nanoserve.cache.pool_plan import clamp_max_model_len
 from nanoserve.cache.prefix_cache import BlockHash, BlockHashes, chain_hashes, root_hash
 
+SCRATCH_BLOCK = 0  # the block a manager reserves: a fresh pool's first allocation
+
 
 class BlockManager:
     """Blocks for up to `max_batch_size` rows. One block is reserved at construction (the null
@@ -28,6 +30,8 @@ class BlockManager:
         self.block_size, self.max_batch_size = block_size, max_batch_size
         self.pool = BlockPool(num_blocks, block_size)
         self.scratch_block = self.pool.allocate(1)[0]
+        if self.scratch_block != SCRATCH_BLOCK:  # the worker is built knowing it
+            raise RuntimeError(f"the pool reserved block {self.scratch_block}, not block {SCRATCH_BLOCK}")
         self.scratch_slot = self.scratch_block * block_size
         self.max_model_len = clamp_max_model_len(max_model_len, num_blocks, block_size)
         self.tables = [BlockTable(block_size) for _ in range(max_batch_size)]

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from nanoserve.cache.block_manager import BlockManager
+from nanoserve.cache.block_manager import SCRATCH_BLOCK, BlockManager
 from nanoserve.cache.pool_plan import PoolPlan, kv_bytes_per_token, plan_pool
 from nanoserve.distributed.launch import build_tensor_parallel
 from nanoserve.engine.config import EngineConfig
@@ -60,31 +60,33 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
     arch = load_config(model) if named else model.config
     pool = _plan_pool(arch, config, dtype)
-    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
-    # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
-    source = model if named else f"{type(model).__name__}@{id(model):x}"
-    blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
-                          enable_prefix_caching=config.enable_prefix_caching,
-                          prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")
     # The tier running the packed weights; with dense bf16 weights the decode attention still
     # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
     tier = weight_plan.tier if weight_plan is not None else None
     if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
         tier = cpu_kernels.resolve_tier()
     kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
-    buckets = _buckets(config, blocks.max_model_len, kernel)
+    buckets = _buckets(config, pool.max_model_len, kernel)
     checks = os.environ.get("NANOSERVE_CHECKS", "") == "1"
     spec = WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
-                      blocks.max_model_len, blocks.scratch_slot, buckets, config.compile, config.compile_mode,
-                      config.compile_backend, tier, config.warmup == "eager", checks)
-    resolved = _resolve(config, pool, blocks, weight_plan, weights_name, dtype, tier, buckets)
-    scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
-                          chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
-                          buckets=buckets)
+                      pool.max_model_len, SCRATCH_BLOCK * config.block_size, buckets, config.compile,
+                      config.compile_mode, config.compile_backend, tier, config.warmup == "eager", checks)
+    # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
+    # returns (under torchrun), so it builds nothing of the host side.
     if config.tensor_parallel_size > 1:
         worker = build_tensor_parallel(model, spec, config.tensor_parallel_size, config.tensor_parallel_timeout)
     else:
         worker = build_worker(model, spec)
+    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
+    # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
+    source = model if named else f"{type(model).__name__}@{id(model):x}"
+    blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")
+    resolved = _resolve(config, pool, blocks, weight_plan, weights_name, dtype, tier, buckets)
+    scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
+                          chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
+                          buckets=buckets)
     if tokenizer is None and named:
         tokenizer = load_tokenizer(model)
     return Engine(worker, scheduler, tokenizer, config, resolved, checks=checks)
