@@ -79,8 +79,27 @@ class PairedCache:
         self.kv.move(src, dst, length)
 
     def adopt_row(self, row: int, table: BlockTable) -> None:
-        self.blocks.adopt_row(row, table)
+        """Hand `table`'s blocks and tokens to the empty `row` (claiming it), leaving `table`
+        empty. The blocks must come from this pool and be held by no other row."""
+        blocks = self.blocks
+        if table.num_tokens > blocks.max_model_len:
+            raise ValueError(f"adopt_row: row {row}: the table holds {table.num_tokens} tokens; "
+                             f"max_model_len is {blocks.max_model_len}")
+        if len(set(table.blocks)) != table.num_blocks:
+            raise ValueError(f"adopt_row: row {row}: the table lists a block twice: {table.blocks}")
+        holder = {block: f"row {r}" for r, held in enumerate(blocks.tables) for block in held.blocks}
+        holder[blocks.scratch_block] = "the scratch block"
+        for block in table.blocks:
+            if block in holder or not (0 <= block < blocks.pool.num_blocks and blocks.pool.ref_count(block)):
+                owner = f"held by {holder[block]}" if block in holder else "free in the pool"
+                raise ValueError(f"adopt_row: row {row} cannot adopt block {block}: it is {owner}")
+        blocks.claim_prefix(row, [])  # claims the empty row (raising if it is not), adopting nothing
+        blocks.tables[row].adopt(table)
         self._adopt(row)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` a new request could adopt now (a pure query)."""
+        return len(self.blocks.cached_prefix(token_ids)) * self.blocks.block_size
 
     def reset_row(self, row: int) -> None:
         self.blocks.reset_row(row)

@@ -376,7 +376,7 @@ def test_adopt_row_takes_a_table_and_resyncs():
 def test_adopt_row_refuses_a_non_empty_row():
     cache = small_cache()
     cache.allocate_prompt(0, 2)
-    with pytest.raises(ValueError, match="adopt refused"):
+    with pytest.raises(ValueError, match="row 0 still holds 2 tokens"):
         cache.adopt_row(0, table_of(cache.pool.allocate(1), 1))
 
 

@@ -44,9 +44,6 @@ class BlockManager:
     def live_rows(self) -> list[int]:
         return [row for row, claimed in enumerate(self._claimed) if claimed]
 
-    def is_live(self, row: int) -> bool:
-        return self._claimed[self._row(row)]
-
     def num_tokens(self, row: int) -> int:
         """Tokens whose K/V the row holds (adopted or computed): the one count of them."""
         return self.tables[self._row(row)].num_tokens
@@ -91,23 +88,6 @@ class BlockManager:
         self.tables[dst].adopt(self.tables[src])
         self._claimed[src] = False
         self._claimed[dst] = True
-
-    def adopt_row(self, row: int, table: BlockTable) -> None:
-        """Hand `table`'s blocks and tokens to the empty `row` (claiming it), leaving `table`
-        empty. The blocks must come from this pool and be held by no other row."""
-        if table.num_tokens > self.max_model_len:
-            raise ValueError(f"adopt_row: row {row}: the table holds {table.num_tokens} tokens; "
-                             f"max_model_len is {self.max_model_len}")
-        if len(set(table.blocks)) != table.num_blocks:
-            raise ValueError(f"adopt_row: row {row}: the table lists a block twice: {table.blocks}")
-        holder = {block: f"row {r}" for r, held in enumerate(self.tables) for block in held.blocks}
-        holder[self.scratch_block] = "the scratch block"
-        for block in table.blocks:
-            if block in holder or not (0 <= block < self.pool.num_blocks and self.pool.ref_count(block)):
-                owner = f"held by {holder[block]}" if block in holder else "free in the pool"
-                raise ValueError(f"adopt_row: row {row} cannot adopt block {block}: it is {owner}")
-        self.tables[self._row(row)].adopt(table)
-        self._claimed[row] = True
 
     def blocks_needed(self, num_tokens: int, row: int | None = None) -> int:
         """Blocks to allocate before `num_tokens` more tokens fit in `row` (or in a fresh row)."""
@@ -161,12 +141,8 @@ class BlockManager:
         """Free blocks a new row holding `token_ids` plus one decode token takes: its blocks,
         less the cached prefix (when it adopts one) that other rows already hold and so are not
         counted free (a cached block no row holds is counted free, so it counts here too)."""
-        prefix = self._cached_prefix(token_ids, hashes) if adopt else []
+        prefix = self.cached_prefix(token_ids, hashes) if adopt else []
         return self.blocks_needed(len(token_ids) + 1) - sum(self.pool.ref_count(b) > 0 for b in prefix)
-
-    def match_prefix(self, token_ids: Sequence[int]) -> int:
-        """Tokens of `token_ids` a new request could adopt now (a pure query)."""
-        return len(self._cached_prefix(token_ids)) * self.block_size
 
     def claim_prefix(self, row: int, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> int:
         """Claim the empty `row` and adopt the longest cached prefix of `token_ids` (each block
@@ -176,7 +152,7 @@ class BlockManager:
         if not table.is_empty:
             raise ValueError(f"claim_prefix: row {row} still holds {table.num_tokens} tokens in {table.blocks}; "
                              "free or reset it first")
-        blocks = self._cached_prefix(token_ids, hashes)
+        blocks = self.cached_prefix(token_ids, hashes)
         self.pool.share(blocks)
         table.add_blocks(blocks)
         table.advance(len(blocks) * self.block_size)
@@ -211,8 +187,10 @@ class BlockManager:
                                    "this row's")
         return registered
 
-    def _cached_prefix(self, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> list[int]:
-        # Whole blocks, at most len(token_ids) - 1 tokens: one is always computed, for the logits.
+    def cached_prefix(self, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> list[int]:
+        """The blocks of the longest cached prefix of `token_ids` a new row would adopt (a pure
+        query): whole blocks, at most len(token_ids) - 1 tokens, since one is always computed
+        for the logits. None with caching off."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return []
         usable = (len(token_ids) - 1) // self.block_size
