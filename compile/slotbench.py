@@ -23,7 +23,7 @@ Cells are exact counts: cells the rebuild built vs cells the table wrote (resync
 The window/rebuild ratio is reported with no target.
 
 Planning (compile/slot_planning.py): per decode step at 1, 8, 32 and 64 rows, the
-runner's addressing (`plan_decode` and the lengths it reads) next to the whole eager decode
+addressing (the block manager's `advance` and the worker cache's `plan_decode`) next to the whole eager decode
 step of the default model, measured in the same run (slots_planning.csv).
 """
 

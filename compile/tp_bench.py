@@ -92,7 +92,7 @@ def measure(model, size: int, args) -> dict:
             decode_steps(engine, args.profile_steps)
         in_collectives = sum(e.cpu_time_total for e in profiler.key_averages() if e.key in COLLECTIVES) / 1e6
         step = elapsed / args.steps
-        weights, compiled = engine.config.weights, engine.config.compile
+        weights, compiled = engine.resolved.weights, engine.config.compile
     collectives = in_collectives / max(args.profile_steps, 1)
     return dict(tp=size, rows=args.rows, weights=weights, compiled=compiled, step_ms=step * 1e3,
                 tokens_per_s=args.rows / step, collectives_ms=collectives * 1e3,
