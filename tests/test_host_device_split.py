@@ -161,3 +161,14 @@ def test_a_plan_that_leaves_out_a_row_change_is_stopped_by_the_worker_gate(monke
     with pytest.raises(GateError, match=r"plan_decode: the decode rows do not follow the slot table.*\n  row 0: "
                                         r"the plan writes position 5, the worker's slot table holds 0 tokens"):
         engine.step()
+
+
+def test_a_compiled_step_refuses_decode_rows_that_are_not_a_window():
+    # The plan names its decode rows, so the capture gate sees the gather a scattered row set reads.
+    engine = engine_for(MODEL, 16, compile=True, compile_backend="eager", row_buckets=(2, 4), width_buckets=(16, 64))
+    for prompt in ([1, 2, 3, 4, 5], [6, 7, 8]):
+        engine.add_request(prompt, greedy(8))
+    engine.step()
+    plant(engine, lambda plan: dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, row_ids=(1, 0))))
+    with pytest.raises(GateError, match=r"plan over rows \[1, 0\] reads a gathered copy, not a window"):
+        engine.step()

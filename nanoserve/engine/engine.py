@@ -10,6 +10,7 @@ output comes back.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -101,6 +102,11 @@ class Engine:
         result = self.worker.execute(plan)
         if self.checks:
             check_applied(self.worker.cache.slot_table, self.scheduler.blocks)
+        return outputs + self._update(plan, result)
+
+    def _update(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:
+        """Sample one token per sampled row and hand each to its request; finish the requests that
+        ended or failed. Returns the outputs of the requests that moved."""
         failed = self._take_prompt_logprobs(plan, result)  # request -> why it failed
         sampled = [self.requests[request_id] for request_id in plan.sampled]
         if sampled:
@@ -119,7 +125,7 @@ class Engine:
         for request, message in failed.items():  # a chunk that failed before its last one
             self._finish(request, "error", message)
             sampled.append(request)
-        return outputs + [self.outputs.output(r) for r in sampled]
+        return [self.outputs.output(r) for r in sampled]
 
     def _take_prompt_logprobs(self, plan: StepPlan, result: StepOutput) -> dict[Request, str]:
         """Each scored chunk's prompt logprobs join its request's (a prefill restarted by
@@ -202,11 +208,9 @@ class Engine:
     def stats(self) -> EngineStats:
         s, d, blocks = self.scheduler.stats, self.worker.decode_step.stats, self.scheduler.blocks
         slot_table, config, resolved = self.worker.cache.slot_table, self.config, self.resolved
+        counts = {k: v for k, v in dataclasses.asdict(s).items() if k != "decode_rows_total"}  # the scheduler's counters
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), steps=s.steps,
-            prefill_steps=s.prefill_steps, decode_steps=s.decode_steps, prefill_tokens=s.prefill_tokens,
-            decode_tokens=s.decode_tokens, preemptions=s.preemptions, compactions=s.compactions,
-            finished=s.finished, aborted=s.aborted, failed=s.failed, max_decode_rows=s.max_decode_rows,
+            **counts, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=slot_table.windows,
             gathers=slot_table.gathers, blocks_free=blocks.pool.num_free, blocks_total=blocks.pool.num_blocks,
             compiled=config.compile, graphs_built=d.graphs_built, recompiles_after_warmup=d.recompiles_after_warmup,
