@@ -106,7 +106,7 @@ def test_a_tensor_parallel_rank_builds_a_worker_and_no_scheduler_tokenizer_or_en
 
 def checked_engine(monkeypatch, checks: bool):
     monkeypatch.setenv("NANOSERVE_CHECKS", "1" if checks else "0")
-    engine = engine_for(MODEL, 16, kv_cache_bytes=24 * BLOCK_BYTES, max_model_len=48)
+    engine = engine_for(MODEL, 16, kv_cache_bytes=32 * BLOCK_BYTES, max_model_len=48)
     assert engine.checks == checks
     for prompt in ([1, 2, 3, 4, 5], [6, 7, 8]):
         engine.add_request(prompt, greedy(8))
@@ -172,3 +172,11 @@ def test_a_compiled_step_refuses_decode_rows_that_are_not_a_window():
     plant(engine, lambda plan: dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, row_ids=(1, 0))))
     with pytest.raises(GateError, match=r"plan over rows \[1, 0\] reads a gathered copy, not a window"):
         engine.step()
+
+
+def test_a_slot_table_too_large_for_its_pool_is_refused_at_build_under_the_checks(monkeypatch):
+    options = dict(kv_cache_bytes=8 * BLOCK_BYTES, max_model_len=28, max_batch_size=16)  # the table: 18%
+    engine_for(MODEL, 32, **options)
+    monkeypatch.setenv("NANOSERVE_CHECKS", "1")
+    with pytest.raises(GateError, match=r"slot table \[16, 28\] int64 reserves 3,584 bytes, 17.9% of resident"):
+        engine_for(MODEL, 32, **options)

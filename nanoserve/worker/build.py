@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from nanoserve.cache.gates import check_table_fits
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_model
 from nanoserve.model.weight_plan import WeightPlan, pack_model
@@ -81,6 +82,8 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier)
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
                       device=spec.device, backend=spec.compile_backend, attention_kernel=kernel)
+    if spec.checks:  # the slot table's reservation against this worker's K/V
+        check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)
     if spec.compile and spec.warmup and spec.buckets is not None:
         step.warmup()
     return Worker(model, cache, step, checks=spec.checks)
