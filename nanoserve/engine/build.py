@@ -14,7 +14,7 @@ from nanoserve.distributed.launch import build_tensor_parallel
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import Scheduler, check_token_budget
 from nanoserve.model import cpu_kernels
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import LlamaModel
@@ -60,51 +60,55 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
     arch = load_config(model) if named else model.config
     pool = _plan_pool(arch, config, dtype)
-    # The tier running the packed weights; with dense bf16 weights the decode attention still
-    # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
-    tier = weight_plan.tier if weight_plan is not None else None
-    if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
-        tier = cpu_kernels.resolve_tier()
-    kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
-    buckets = _buckets(config, pool.max_model_len, kernel)
-    checks = os.environ.get("NANOSERVE_CHECKS", "") == "1"
-    spec = WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
-                      pool.max_model_len, SCRATCH_BLOCK * config.block_size, buckets, config.compile,
-                      config.compile_mode, config.compile_backend, tier, config.warmup == "eager", checks)
+    spec = _worker_spec(config, arch, pool, weight_plan, dtype)
+    resolved = _resolve(config, pool, spec)
+    check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
     # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
     # returns (under torchrun), so it builds nothing of the host side.
     if config.tensor_parallel_size > 1:
         worker = build_tensor_parallel(model, spec, config.tensor_parallel_size, config.tensor_parallel_timeout)
     else:
         worker = build_worker(model, spec)
-    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
     # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
     source = model if named else f"{type(model).__name__}@{id(model):x}"
     blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
                           enable_prefix_caching=config.enable_prefix_caching,
-                          prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")
-    resolved = _resolve(config, pool, blocks, weight_plan, weights_name, dtype, tier, buckets)
+                          prefix_salt=f"{source}|{arch!r}|{dtype}|{resolved.weights}")
     scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
                           chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
-                          buckets=buckets)
+                          buckets=spec.buckets)
     if tokenizer is None and named:
         tokenizer = load_tokenizer(model)
-    return Engine(worker, scheduler, tokenizer, config, resolved, checks=checks)
+    return Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks)
 
 
-def _resolve(config: EngineConfig, pool: PoolPlan, blocks: BlockManager, weight_plan: WeightPlan | None,
-             weights_name: str, dtype: torch.dtype, tier: str | None, buckets: Buckets | None) -> ResolvedConfig:
+def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
+                 dtype: torch.dtype) -> WorkerSpec:
+    """What every rank's worker is built from: the pool's shape, the decode grid, the kernel tier."""
+    # The tier running the packed weights; with dense bf16 weights the decode attention still
+    # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
+    tier = weight_plan.tier if weight_plan is not None else None
+    if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
+        tier = cpu_kernels.resolve_tier()
+    kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
+    return WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
+                      pool.max_model_len, SCRATCH_BLOCK * config.block_size, _buckets(config, pool.max_model_len, kernel),
+                      config.compile, config.compile_mode, config.compile_backend, tier, config.warmup == "eager",
+                      checks=os.environ.get("NANOSERVE_CHECKS", "") == "1")
+
+
+def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerSpec) -> ResolvedConfig:
     chunked, budget = config.enable_chunked_prefill, config.max_num_batched_tokens
     return ResolvedConfig(
-        weights=weights_name, weight_plan=weight_plan, dtype=dtype, cpu_kernels=tier,
-        max_model_len=blocks.max_model_len, kv_cache_bytes=pool.num_blocks * pool.bytes_per_block,
-        num_blocks=pool.num_blocks,
-        max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, blocks.max_model_len,
+        weights=spec.weights.name if spec.weights else _format_name(spec.dtype), weight_plan=spec.weights,
+        dtype=spec.dtype, cpu_kernels=spec.attention_tier, max_model_len=pool.max_model_len,
+        kv_cache_bytes=pool.num_blocks * pool.bytes_per_block, num_blocks=pool.num_blocks,
+        max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, pool.max_model_len,
                                                                config.device),
         # The CPU default budget is sized for the streams a chunk delays; with none decoding it
         # would only slow a lone prompt. A budget the caller sets binds every step.
         prefill_only_budget=config.prefill_only_budget or (None if budget or not chunked else DEFAULT_CHUNKED_BUDGET),
-        buckets=buckets)
+        buckets=spec.buckets)
 
 
 def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:

@@ -51,14 +51,19 @@ class SchedulerStats:
     failed: int = 0
 
 
+def check_token_budget(max_batch_size: int, max_num_batched_tokens: int, chunked: bool) -> None:
+    """Raise ValueError for a step budget the scheduler cannot plan with."""
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if chunked and max_num_batched_tokens <= max_batch_size:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no prefill token once "
+                         f"{max_batch_size} rows decode: with chunked prefill it must exceed max_batch_size")
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int, chunked: bool = True,
                  prefill_only_budget: int | None = None, buckets: Buckets | None = None) -> None:
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if chunked and max_num_batched_tokens <= max_batch_size:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no prefill token once "
-                             f"{max_batch_size} rows decode: with chunked prefill it must exceed max_batch_size")
+        check_token_budget(max_batch_size, max_num_batched_tokens, chunked)
         self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
