@@ -104,9 +104,9 @@ def test_a_tensor_parallel_rank_builds_a_worker_and_no_scheduler_tokenizer_or_en
 
 # -- NANOSERVE_CHECKS=1: a fault planted in a plan stops the step with its gate's message ----------
 
-def checked_engine(monkeypatch, checks: bool):
+def checked_engine(monkeypatch, checks: bool, **options):
     monkeypatch.setenv("NANOSERVE_CHECKS", "1" if checks else "0")
-    engine = engine_for(MODEL, 16, kv_cache_bytes=32 * BLOCK_BYTES, max_model_len=48)
+    engine = engine_for(MODEL, 16, kv_cache_bytes=32 * BLOCK_BYTES, max_model_len=48, **options)
     assert engine.checks == checks
     for prompt in ([1, 2, 3, 4, 5], [6, 7, 8]):
         engine.add_request(prompt, greedy(8))
@@ -126,12 +126,24 @@ def stale_slot(plan):
     return dataclasses.replace(plan, decode=dataclasses.replace(decode, write_slots=stale))
 
 
-def test_every_gate_passes_on_a_healthy_checked_run(monkeypatch):
-    engine = checked_engine(monkeypatch, checks=True)
-    engine.add_request(list(range(1, 30)), greedy(6, prompt_logprobs=1))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_every_gate_passes_on_a_healthy_checked_run(monkeypatch, compiled):
+    # A pool of 7 usable blocks of 4 for requests that need more: preemption, shared prefixes,
+    # a scored prompt, an abort's compaction.
+    monkeypatch.setenv("NANOSERVE_CHECKS", "1")
+    options = dict(compile=True, compile_backend="eager", row_buckets=(2, 4), width_buckets=(16, 28)) if compiled else {}
+    engine = engine_for(MODEL, 16, kv_cache_bytes=16 * BLOCK_BYTES, max_model_len=28, **options)
+    prompts = [[1, 2, 3], list(range(4, 15)), [3], list(range(1, 20)), list(range(1, 10)), list(range(1, 11))]
+    ids = [engine.add_request(p, greedy(20 if i < 5 else 5, prompt_logprobs=2 if i == 5 else None))
+           for i, p in enumerate(prompts)]
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[0])
     while engine.has_unfinished():
         engine.step()
     engine.check_drained()
+    stats = engine.stats()
+    assert stats.preemptions and stats.compactions and stats.prefix_cache_hits  # the gates saw every row change
 
 
 def test_a_stale_decode_slot_runs_unchecked_and_is_stopped_by_the_checks(monkeypatch):

@@ -1,6 +1,6 @@
 """The gates the engine runs on every step under NANOSERVE_CHECKS=1 (README: debug runs): the
-plan against the block manager before the worker applies it, and the worker's slot table
-against the block tables after. Each raises GateError naming the rows at fault."""
+plan against the block manager before the worker applies it, and the worker's addressing and
+slot table against the block tables after. Each raises GateError naming the rows at fault."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from collections import Counter
 
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.cache.gates import check_pool_agrees, fail_if
-from nanoserve.worker.gates import check_slots_agree
+from nanoserve.worker.gates import check_plan_addressing, check_plan_fresh, check_slots_agree
 from nanoserve.worker.plan import StepPlan
 from nanoserve.worker.slot_table import SlotTable
+from nanoserve.worker.worker import StepOutput
 
 
 def check_plan_against_blocks(plan: StepPlan, blocks: BlockManager) -> None:
@@ -46,8 +47,12 @@ def check_step(plan: StepPlan, blocks: BlockManager) -> None:
     check_plan_against_blocks(plan, blocks)
 
 
-def check_applied(slot_table: SlotTable, blocks: BlockManager) -> None:
-    """After the worker ran a plan: its slot table equals the block tables on every live row."""
+def check_applied(result: StepOutput, slot_table: SlotTable, blocks: BlockManager) -> None:
+    """After the worker ran a plan: the decode rows' addressing is their block tables' and
+    fresh, and the slot table equals the block tables on every live row."""
+    if result.decode is not None:
+        check_plan_addressing(result.decode, blocks.tables)
+        check_plan_fresh(result.decode, blocks.tables)
     rows = blocks.live_rows
     if rows:
         check_slots_agree(slot_table, blocks.tables, rows)

@@ -101,7 +101,7 @@ class Engine:
             check_step(plan, self.scheduler.blocks)
         result = self.worker.execute(plan)
         if self.checks:
-            check_applied(self.worker.cache.slot_table, self.scheduler.blocks)
+            check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
         return outputs + self._update(plan, result)
 
     def _update(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:

@@ -31,11 +31,13 @@ from nanoserve.worker.scoring import TokenLogprobs, score_prompt
 @dataclass
 class StepOutput:
     """Logits [len(plan.sampled), vocab], in the plan's ``sampled`` order; each scoring chunk's
-    prompt logprobs (by chunk index: one per ``score_targets``), or why its scoring failed."""
+    prompt logprobs (by chunk index: one per ``score_targets``), or why its scoring failed; and
+    the decode rows' addressing, for the gates that check it against the block tables."""
 
     logits: torch.Tensor
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_errors: dict[int, str] = field(default_factory=dict)
+    decode: DecodePlan | None = None
 
 
 class Worker:
@@ -79,6 +81,7 @@ class Worker:
         if self.checks and decode_plan is not None:
             check_window_intact(decode_plan)
         output.logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        output.decode = decode_plan
         return output
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], decode: DecodePlan | None, output: StepOutput) -> torch.Tensor:
