@@ -61,33 +61,32 @@ class Worker:
                 self.cache.move(change.src, change.dst, change.length)
             else:
                 self.cache.free(change.row)
-        logits, output = [], StepOutput(torch.empty(0))
-        window = None
+        decode = None
         if plan.decode is not None:
             if self.checks:
                 check_decode_follows(plan.decode, self.cache.slot_table)
-            window = self.cache.plan_decode(plan.decode)
-            self.decode_step.load(window, plan.decode.rows)
-        decode_plan = window
-        if window is not None and (self.decode_step.compiled or not plan.prefill):
+            decode = self.cache.plan_decode(plan.decode)
+            self.decode_step.load(decode, plan.decode.rows)
+        logits, scored, errors = [], {}, {}
+        together = decode is not None and not self.decode_step.compiled and plan.prefill  # one eager forward
+        if decode is not None and not together:
             if self.decode_step.compiled:
                 # The capture gate: a graph reads the table's own buffer, so the rows must be a
                 # window of it; anything else is refused, not run.
-                check_mapping_is_window(window, self.cache.slot_table)
-            logits.append(self.decode_step.run(window, plan.decode.rows))
-            window = None
+                check_mapping_is_window(decode, self.cache.slot_table)
+            logits.append(self.decode_step.run(decode, plan.decode.rows))
         if plan.prefill:
-            logits.append(self._prefill(plan.prefill, window, output))
-        if self.checks and decode_plan is not None:
-            check_window_intact(decode_plan)
-        output.logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        output.decode = decode_plan
-        return output
+            logits.append(self._prefill(plan.prefill, decode if together else None, scored, errors))
+        if self.checks and decode is not None:
+            check_window_intact(decode)
+        return StepOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode)
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...], decode: DecodePlan | None, output: StepOutput) -> torch.Tensor:
-        """Write the chunks' K/V and score the chunks that ask for it (into ``output``); return
-        logits at the last token of each chunk that ends its request's prefill (in chunk order).
-        With ``decode`` (eager) the same forward also decodes its rows, whose logits come first."""
+    def _prefill(self, chunks: tuple[PrefillChunk, ...], decode: DecodePlan | None,
+                 scored: dict[int, list[TokenLogprobs]], errors: dict[int, str]) -> torch.Tensor:
+        """Write the chunks' K/V and score the chunks that ask for it (into ``scored``, or why not
+        into ``errors``, by chunk index); return logits at the last token of each chunk that ends
+        its request's prefill (in chunk order). With ``decode`` (eager) the same forward also
+        decodes its rows, whose logits come first."""
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
         positions = torch.cat([torch.arange(c.start, c.end, device=self.device) for c in chunks])
         write_slots, contexts = [], []
@@ -109,14 +108,12 @@ class Worker:
         ends = [rows + end for end in itertools.accumulate(c.length for c in chunks)]
         for i, c in enumerate(chunks):
             if c.score_top is not None:
-                self._score(i, c, hidden[ends[i] - c.length:ends[i]], output)
+                # The request's own work: a failure fails that request alone, so it is reported, not raised.
+                try:
+                    scored[i] = score_prompt(self.model, hidden[ends[i] - c.length:ends[i]], c.score_targets,
+                                             c.score_top)
+                except Exception as exc:
+                    errors[i] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
         last = torch.tensor([*range(rows), *(end - 1 for end, c in zip(ends, chunks) if c.is_last)],
                             dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, last))
-
-    def _score(self, index: int, chunk: PrefillChunk, hidden: torch.Tensor, output: StepOutput) -> None:
-        # The request's own work: a failure fails that request alone, so it is reported, not raised.
-        try:
-            output.prompt_logprobs[index] = score_prompt(self.model, hidden, chunk.score_targets, chunk.score_top)
-        except Exception as exc:
-            output.prompt_errors[index] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
