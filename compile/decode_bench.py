@@ -29,10 +29,11 @@ from compile.common import (
     write_results,
 )
 from compile.floor import matmul_floor_seconds
-from nanoserve.cache.paged_cache import BatchedPagedKVCache
-from nanoserve.engine.bucketing import Buckets
-from nanoserve.engine.decode import DecodeStep
-from nanoserve.engine.plan import DecodeBatch
+from nanoserve.cache.block_manager import BlockManager
+from nanoserve.worker.bucketing import Buckets
+from nanoserve.worker.decode_step import DecodeStep
+from nanoserve.worker.kv_cache import DecodePlan, KVCache
+from nanoserve.worker.plan import DecodeBatch
 
 
 def cpp_wrapper_backend():
@@ -59,19 +60,21 @@ def load(model: str, dtype: torch.dtype, device: str):
     return load_model(model, dtype=dtype, device=device)[0]
 
 
-def fill_rows(cache: BatchedPagedKVCache, rows: int, width: int) -> DecodeBatch:
-    """Rows 0..rows-1 each holding width - 1 tokens of random K/V; returns the step's decode
-    rows, each writing its width-th token, in the [rows, width] window."""
-    for row in cache.live_rows:
+def fill_rows(blocks: BlockManager, cache: KVCache, rows: int, width: int) -> DecodePlan:
+    """Rows 0..rows-1 each holding width - 1 tokens of random K/V; returns the step's addressing,
+    each row writing its width-th token, in the [rows, width] window."""
+    for row in blocks.live_rows:
+        blocks.free(row)
         cache.free(row)
     for row in range(rows):
-        cache.allocate_prompt(row, width - 1)
+        blocks.grow(row, width - 1)
+        cache.adopt(row, torch.tensor(blocks.slots_of(row, width - 1), device=cache.device))
     for k, v in zip(cache.k_caches, cache.v_caches):
         k.normal_()
         v.normal_()
-    _, positions, write_slots = cache.advance(range(rows))
-    return DecodeBatch(tuple(map(str, range(rows))), (0,) * rows, tuple(positions.tolist()),
-                       tuple(write_slots.tolist()), rows, width)
+    positions, write_slots = blocks.advance(range(rows))
+    return cache.plan_decode(DecodeBatch(tuple(map(str, range(rows))), tuple(range(rows)), (0,) * rows,
+                                         tuple(positions), tuple(write_slots), rows, width))
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -80,24 +83,25 @@ def run(args: argparse.Namespace) -> list[dict]:
     model = load(args.model, dtype, args.device)
     config = model.config
     buckets = Buckets(tuple(args.rows), tuple(args.widths))
-    cache = BatchedPagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
-                                num_blocks=max(args.rows) * (max(args.widths) // 16 + 1) + 1, block_size=16,
-                                max_batch_size=max(args.rows), max_model_len=max(args.widths),
-                                dtype=dtype, device=device)
+    num_blocks = max(args.rows) * (max(args.widths) // 16 + 1) + 1
+    blocks = BlockManager(num_blocks, 16, max(args.rows), max(args.widths))
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, 16, max(args.rows),
+                    blocks.max_model_len, blocks.scratch_slot, dtype=dtype, device=device)
     steps = {arm: DecodeStep(model, cache, max(args.rows), buckets, compile=ARMS[arm][0], mode=ARMS[arm][1],
                              backend=_backend(ARMS[arm][2]), device=device) for arm in args.arms}
     results = []
     for rows in args.rows:
         floor = matmul_floor_seconds(model, rows)
         for width in args.widths:
-            batch = fill_rows(cache, rows, width)
+            plan = fill_rows(blocks, cache, rows, width)
             eager_ms = None
             for arm, step in steps.items():
                 skips, hits = _cudagraph_skips(), _fx_cache_hits()
                 started = time.perf_counter()
                 # The first call loads this bucket's addressing and compiles; on a GPU the next
                 # two are cudagraph trees' warm-up run and recording. All of it is warm-up.
-                step.run(step.load(batch), rows)
+                step.load(plan, rows)
+                step.run(plan, rows)
                 for _ in range(2):
                     step._call(rows, width)
                 warmup = time.perf_counter() - started

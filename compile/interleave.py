@@ -33,7 +33,7 @@ class Arm(Protocol):
 
 @dataclass
 class StepTiming:
-    """Wall time of whole pure-decode steps and of the runner's execution inside them (host
+    """Wall time of whole pure-decode steps and of the worker's execution inside them (host
     clock; on a GPU the execution figure includes waiting for the device, since sampling reads
     the tokens back)."""
 
@@ -54,8 +54,8 @@ class EngineSteps:
         self.engine = engine
         self.ids = [engine.add_request(p, params) for p in prompts]
         self.timing = StepTiming()
-        self._forward: float | None = None  # the runner's seconds in the step being timed, if pure decode
-        execute = engine.runner.execute
+        self._forward: float | None = None  # the worker's seconds in the step being timed, if pure decode
+        execute = engine.worker.execute
 
         def timed(plan):
             started = time.perf_counter()
@@ -64,7 +64,7 @@ class EngineSteps:
                 self._forward = time.perf_counter() - started
             return out
 
-        engine.runner.execute = timed  # this run's engine, timed from outside
+        engine.worker.execute = timed  # this run's engine, timed from outside
         self.durations: list[float] = []
         self.outputs: dict[str, list[int]] = {}
 

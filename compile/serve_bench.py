@@ -85,7 +85,7 @@ def greedy(max_tokens: int, **extra) -> SamplingParams:
 
 
 def _hits(engine) -> int:
-    return engine.cache.prefix_cache_stats()["prefix_cache_hits"]
+    return engine.stats().prefix_cache_hits
 
 
 def _served(outs: list) -> list:
@@ -228,7 +228,7 @@ def long_prompt(make: EngineFactory, work: ServeWorkload) -> list[dict]:
             p99 = _quantile(gaps.during, 0.99)
             rows.append(dict(workload="long", chunking=arm, repeat=repeat + 1, streams=work.streams,
                              long_tokens=len(long_ids),
-                             chunk_tokens=engine.config.max_num_batched_tokens if arm == "on" else "",
+                             chunk_tokens=engine.resolved.max_num_batched_tokens if arm == "on" else "",
                              undisturbed_p50_ms=1e3 * undisturbed, itl_p50_ms=1e3 * statistics.median(gaps.during),
                              itl_p99_ms=1e3 * p99, p99_x_undisturbed=p99 / undisturbed,
                              long_ttft_ms=1e3 * gaps.long_ttft, steps_during=len(gaps.during) // work.streams))
@@ -297,7 +297,7 @@ def engine_factory(work: ServeWorkload) -> EngineFactory:
                       kv_cache_bytes=work.kv_cache_bytes, device=work.device, compile=work.compile, **flags)
         if not loaded:
             engine = build_engine(work.model, weights=work.weights, **common)
-            loaded.update(model=engine.model, tokenizer=engine.tokenizer, dtype=engine.config.dtype)
+            loaded.update(model=engine.model, tokenizer=engine.tokenizer, dtype=engine.resolved.dtype)
             return engine
         return build_engine(loaded["model"], tokenizer=loaded["tokenizer"], dtype=loaded["dtype"], **common)
 

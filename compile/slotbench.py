@@ -8,7 +8,7 @@ prompt, and every arm produces the same DecodePlan fields each step:
                per cell) and lists -> tensors for the other fields.
   loop_append  the first append step the table had: the same persistent table, appended
                through a Python loop over rows and four small tensors built from lists.
-  window       BatchedPagedKVCache.plan_decode over rows 0..n-1: appends to the SlotTable
+  window       BlockManager.advance + KVCache.plan_decode over rows 0..n-1: appends to the SlotTable
                and reads a view of it.
   gather       the same over scattered rows: the read is a copy (what a scheduler that does
                not keep its rows a prefix gets).
@@ -23,7 +23,7 @@ Cells are exact counts: cells the rebuild built vs cells the table wrote (resync
 The window/rebuild ratio is reported with no target.
 
 Planning (compile/slot_planning.py): per decode step at 1, 8, 32 and 64 rows, the
-runner's addressing (`plan_decode` and the lengths it reads) next to the whole eager decode
+addressing (the block manager's `advance` and the worker cache's `plan_decode`) next to the whole eager decode
 step of the default model, measured in the same run (slots_planning.csv).
 """
 
@@ -42,10 +42,13 @@ import torch
 
 from compile.common import add_output_options, int_list, pyplot, result_stem, save_figure, write_results
 from compile.slot_planning import PlanningRun, format_planning, measure_planning, planning_verdict
+from nanoserve.cache.block_manager import BlockManager
 from nanoserve.cache.blocks import BlockPool, BlockTable
-from nanoserve.cache.gates import GateError, check_plan_addressing
-from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
-from nanoserve.slots import RowsLike, SlotTable, rebuild_mapping
+from nanoserve.cache.gates import GateError
+from nanoserve.worker.gates import check_plan_addressing
+from nanoserve.worker.kv_cache import DecodePlan, KVCache
+from nanoserve.worker.plan import DecodeBatch
+from nanoserve.worker.slot_table import RowsLike, SlotTable, rebuild_mapping
 
 BLOCK_SIZE = 16
 MAX_BATCH_SIZE = 8
@@ -86,11 +89,12 @@ def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
 
 
 class CellCount:
-    """The cells a SlotTable writes from now on: wraps that one table's `append` and `resync`."""
+    """The cells a SlotTable writes from now on: wraps that one table's `append` and
+    `write_cells` (cells appended) and `adopt` (a row's cells rewritten whole: a resync)."""
 
     def __init__(self, table: SlotTable) -> None:
         self.appended_cells = self.resynced_cells = self.resyncs = 0
-        append, write_cells, resync = table.append, table.write_cells, table.resync
+        append, write_cells, adopt = table.append, table.write_cells, table.adopt
 
         def counted_append(rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
             append(rows, slots)
@@ -100,12 +104,12 @@ class CellCount:
             write_cells(rows, columns, slots)
             self.appended_cells += len(slots)
 
-        def counted_resync(block_table: BlockTable, row: int) -> None:
-            resync(block_table, row)
-            self.resynced_cells += block_table.num_tokens
+        def counted_adopt(row: int, slots: torch.Tensor) -> None:
+            adopt(row, slots)
+            self.resynced_cells += len(slots)
             self.resyncs += 1
 
-        table.append, table.write_cells, table.resync = counted_append, counted_write_cells, counted_resync  # type: ignore[method-assign]
+        table.append, table.write_cells, table.adopt = counted_append, counted_write_cells, counted_adopt  # type: ignore[method-assign]
 
 
 def check_appends_incremental(count: CellCount, rows: int, steps: int) -> None:
@@ -188,7 +192,7 @@ def run_loop_append(work: SlotWorkload) -> ArmRun:
     for row in rows:
         tables[row].add_blocks(pool.allocate(tables[row].blocks_needed(work.prompt)))
         tables[row].advance(work.prompt)
-        table.resync(tables[row], row)
+        table.adopt(row, rebuild_mapping([tables[row]], [0])[0])
     for _ in range(work.steps):
         plan = loop_append_plan(tables, pool, table, rows)
     seconds = time.perf_counter() - start
@@ -197,16 +201,22 @@ def run_loop_append(work: SlotWorkload) -> ArmRun:
 
 
 def run_table(work: SlotWorkload, arm: str) -> ArmRun:
-    cache = BatchedPagedKVCache(1, 1, 1, work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, work.max_model_len)
+    """The engine's split: the block manager advances the rows, the worker's cache addresses the step."""
+    blocks = BlockManager(work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, work.max_model_len)
+    cache = KVCache(1, 1, 1, work.num_blocks, BLOCK_SIZE, MAX_BATCH_SIZE, blocks.max_model_len, blocks.scratch_slot)
     rows = work.row_ids(arm)
     count = CellCount(cache.slot_table)
     start = time.perf_counter()
     for row in rows:
-        cache.allocate_prompt(row, work.prompt)
+        blocks.grow(row, work.prompt)
+        cache.adopt(row, torch.tensor(blocks.slots_of(row, work.prompt)))
+    n = len(rows)
     for _ in range(work.steps):
-        plan = cache.plan_decode(rows)
+        positions, slots = blocks.advance(rows)
+        plan = cache.plan_decode(DecodeBatch(("",) * n, tuple(rows), (0,) * n, tuple(positions), tuple(slots), n,
+                                             max(positions) + 1))
     seconds = time.perf_counter() - start
-    check_plan_addressing(plan, cache.tables)
+    check_plan_addressing(plan, blocks.tables)
     check_appends_incremental(count, work.rows, work.steps)
     return ArmRun(seconds, count.resynced_cells + count.appended_cells, plan)
 
@@ -319,7 +329,7 @@ def run_planning(args: argparse.Namespace) -> list[dict]:
     run = PlanningRun(args.plan_rows, args.context, args.plan_steps)
     engine = build_engine(args.model, max_batch_size=max(run.row_counts), max_model_len=run.max_model_len,
                           device=args.device)
-    print(f"\nplanning per decode step vs the eager step: {args.model} ({engine.config.weights}) on {args.device}, "
+    print(f"\nplanning per decode step vs the eager step: {args.model} ({engine.resolved.weights}) on {args.device}, "
           f"{run.context}-token context, median of {run.steps} of each, interleaved")
     results = measure_planning(engine, run)
     print(format_planning(results))

@@ -78,7 +78,7 @@ def measure(model, size: int, args) -> dict:
         while not all(r.output_token_ids for r in engine.requests.values()):  # every prompt prefilled
             engine.step()
         decode_steps(engine, args.warmup_steps)
-        driver = getattr(engine.runner, "driver", None)
+        driver = getattr(engine.worker, "driver", None)
         timed = None
         if driver is not None:
             timed = driver.send = TimedSend(driver.send)
@@ -92,7 +92,7 @@ def measure(model, size: int, args) -> dict:
             decode_steps(engine, args.profile_steps)
         in_collectives = sum(e.cpu_time_total for e in profiler.key_averages() if e.key in COLLECTIVES) / 1e6
         step = elapsed / args.steps
-        weights, compiled = engine.config.weights, engine.config.compile
+        weights, compiled = engine.resolved.weights, engine.config.compile
     collectives = in_collectives / max(args.profile_steps, 1)
     return dict(tp=size, rows=args.rows, weights=weights, compiled=compiled, step_ms=step * 1e3,
                 tokens_per_s=args.rows / step, collectives_ms=collectives * 1e3,

@@ -140,7 +140,7 @@ def outputs(engine, prompt: str, params) -> Iterator:
 def finish_note(engine, output, params) -> str:
     """Why the reply ended, in words: which limit it reached, or what stopped it."""
     if output.finish_reason == "length":
-        limit = engine.config.max_model_len
+        limit = engine.resolved.max_model_len
         if len(output.prompt_token_ids) + len(output.token_ids) >= limit:
             return f"length (max_model_len {limit} reached; raise --max-model-len)"
         return f"length (max_tokens {params.max_tokens} reached)"

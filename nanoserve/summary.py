@@ -8,13 +8,13 @@ from __future__ import annotations
 def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     """Lines naming the model and load time; the weight format, resident weight bytes, compute
     dtype and CPU kernel tier; the K/V pool's bytes, blocks and tokens; the length and batch limits."""
-    stats, config, cache = engine.stats(), engine.config, engine.cache
-    kv_bytes = sum(t.numel() * t.element_size() for t in (*cache.k_caches, *cache.v_caches))
+    stats, config, resolved, cache = engine.stats(), engine.config, engine.resolved, engine.worker.cache
+    kv_bytes = cache.kv_bytes
     kv_dtype = _dtype_name(cache.k_caches[0].dtype)
-    compute = stats.compute_dtype or _dtype_name(config.dtype)
-    blocks, block_size = cache.pool.num_blocks, config.block_size
+    compute = stats.compute_dtype or _dtype_name(resolved.dtype)
+    blocks, block_size = resolved.num_blocks, config.block_size
     model_limit = engine.model.config.max_position_embeddings
-    limit_note = f" (the model takes up to {model_limit:,})" if config.max_model_len < model_limit else ""
+    limit_note = f" (the model takes up to {model_limit:,})" if resolved.max_model_len < model_limit else ""
     decode = "compiled decode" if config.compile else "eager decode"
     rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stats.load_stages.items())
@@ -25,7 +25,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}",
         f"K/V pool {format_bytes(kv_bytes)} of {kv_dtype}: {blocks:,} blocks of {block_size} tokens "
         f"({(blocks - 1) * block_size:,} tokens for requests, one block is scratch)",
-        f"max_model_len {config.max_model_len:,}{limit_note}; up to {rows} and "
+        f"max_model_len {resolved.max_model_len:,}{limit_note}; up to {rows} and "
         f"{stats.max_num_batched_tokens} tokens per step; {decode}",
     ]
     size = config.tensor_parallel_size

@@ -46,7 +46,7 @@ IDLE_STEP_LIMIT = 200  # steps in a row that schedule nothing while requests are
 
 def describe_stuck(engine, why: str) -> str:
     """What is unfinished and what the pool holds, for a failure message."""
-    scheduler, cache = engine.scheduler, engine.cache
+    scheduler, cache = engine.scheduler, engine.scheduler.blocks
 
     def listed(requests) -> str:
         return ", ".join(f"{r.request_id} ({r.num_tokens} tokens, row {r.row})" for r in requests) or "none"

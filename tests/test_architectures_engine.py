@@ -79,7 +79,7 @@ def test_batched_chunked_prefix_cached_greedy_equals_transformers(arch_models, c
     assert stats.prefix_cache_hits > 0 and stats.prefill_steps > len(batch)
     if compiled:  # the window is a per-layer constant: no graph beyond the buckets, no recompile
         assert stats.recompiles_after_warmup == 0
-        assert stats.graphs_built <= len(engine.runner.decode_step.buckets.grid)
+        assert stats.graphs_built <= len(engine.worker.decode_step.buckets.grid)
     for output, prompt in zip(first + again, batch + batch[1:]):
         assert_matches_transformers(output, hf, prompt)
     engine.check_drained()
@@ -97,7 +97,7 @@ def test_gemma3_windowed_decode_through_inductor_equals_transformers(weights, fr
                         row_buckets=(4,), width_buckets=(64,), warmup="eager")
     # nanoserve's kernel reads bf16 K/V on every tier but torch's (SDPA there)
     kernel_read = weights == "bf16" and cpu_kernels.resolve_tier() != "torch"
-    assert (engine.runner.decode_step.attention_kernel is not None) == kernel_read
+    assert (engine.worker.decode_step.attention_kernel is not None) == kernel_read
     batch = prompts()
     outputs = generate(engine, batch, greedy(MAX_TOKENS, logprobs=2))
     assert engine.stats().recompiles_after_warmup == 0

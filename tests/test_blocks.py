@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from nanoserve.cache.blocks import BlockFreeError, BlockPool, BlockTable, PoolExhaustedError
@@ -123,15 +122,8 @@ def test_clear_returns_blocks_and_empties():
     assert table.is_empty and table.capacity == 0
 
 
-def test_a_bound_table_counts_in_the_shared_array():
-    lengths = np.zeros(3, dtype=np.int64)
-    table = BlockTable(4, lengths, 1)
-    table.add_blocks([0, 1])
-    table.advance(5)
-    assert lengths.tolist() == [0, 5, 0]
-    lengths[1] += 1  # one owner: whoever bumps the array bumps the table
-    assert table.num_tokens == 6
-    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
-        table.advance(3)
-    table.clear()
-    assert lengths.tolist() == [0, 0, 0]
+def test_the_free_list_is_a_stack_freed_blocks_first_the_last_freed_first():
+    pool = BlockPool(6, 4)
+    assert pool.allocate(3) == [0, 1, 2]  # untouched blocks: lowest id first
+    pool.free([2, 0])
+    assert pool.allocate(3) == [0, 2, 3]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanoserve.engine.bucketing import (
+from nanoserve.worker.bucketing import (
     Buckets,
     PaddingWaste,
     bucket_for,

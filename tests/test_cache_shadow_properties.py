@@ -1,7 +1,8 @@
-"""BatchedPagedKVCache against a shadow model the test keeps itself, under random geometry.
+"""PairedCache against a shadow model the test keeps itself, under random geometry.
 
 The shadow knows, without asking the cache, which block ids each row holds (a step-by-step
-allocator hands out the lowest free id first, freed ids included), each row's length, and
+allocator keeps the free ids on a stack: untouched ids lowest first, a freed id on top; a row
+gives its blocks back last block first), each row's length, and
 the K/V values written for every token. Every operation's result, every failed operation's
 "nothing changed", and every read (the slot table, a plan's slot_mapping, the K/V behind it
 and the attention output over it) is compared with the shadow by plain asserts; no `check_*`
@@ -27,10 +28,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from paired_cache import PairedCache
 
-from nanoserve.cache import BatchedPagedKVCache, BlockTable, PoolExhaustedError
-from nanoserve.engine.paged_attention import paged_attention, paged_attention_reference
-from nanoserve.slots import rebuild_mapping
+from nanoserve.cache import BlockTable, PoolExhaustedError
+from nanoserve.worker.attention import paged_attention, paged_attention_reference
+from nanoserve.worker.slot_table import rebuild_mapping
 
 NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 2, 2, 4
 POISON = 1.0e4  # finite, so a masked column times probability 0 stays 0; no token's K/V is near it
@@ -84,21 +86,20 @@ class Shadow:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.free_blocks = set(range(num_blocks))
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: the top is the end
         self.rows: dict[int, Row] = {}  # claimed rows (a reset row stays claimed, empty)
         self.outside: list[int] = []  # blocks the test itself took from the pool
         self.next_value = 1
 
     def take(self, n: int) -> list[int]:
-        """A step-by-step allocator: the lowest free ids, one at a time."""
-        blocks = sorted(self.free_blocks)[:n]
-        assert len(blocks) == n
-        self.free_blocks -= set(blocks)
-        return blocks
+        """A step-by-step allocator: the top of the free stack, one at a time."""
+        assert n <= len(self.free_blocks)
+        return [self.free_blocks.pop() for _ in range(n)]
 
     def give_back(self, blocks: list[int]) -> None:
-        assert not self.free_blocks & set(blocks)
-        self.free_blocks |= set(blocks)
+        """Blocks freed in this order: the last of them is the next taken."""
+        assert not set(self.free_blocks) & set(blocks)
+        self.free_blocks += blocks
 
     def new_values(self, n: int) -> list[int]:
         values = list(range(self.next_value, self.next_value + n))
@@ -133,7 +134,7 @@ class CacheUnderShadow:
         self.device = torch.device(device)
         self.num_layers = num_layers
         self.max_batch_size = max_batch_size
-        self.cache = BatchedPagedKVCache(num_layers, NUM_KV_HEADS, HEAD_DIM, num_blocks, block_size,
+        self.cache = PairedCache(num_layers, NUM_KV_HEADS, HEAD_DIM, num_blocks, block_size,
                                          max_batch_size, max_model_len, device=device)
         self.shadow = Shadow(num_blocks, block_size)
         assert self.shadow.take(1) == [0] and self.cache.scratch_slot == 0  # the reserved block: id 0
@@ -198,7 +199,7 @@ class CacheUnderShadow:
     def release_blocks(self, row: int) -> None:
         blocks = self.shadow.rows[row].blocks
         self.poison(blocks)
-        self.shadow.give_back(blocks)
+        self.shadow.give_back(blocks[::-1])
         self.shadow.rows[row] = Row()
 
     def free_rows(self) -> list[int]:

@@ -155,14 +155,14 @@ def test_abort_mid_prefill_gives_back_blocks_and_row(tiny):
 
 
 def test_a_request_failing_mid_prefill_fails_alone(tiny, monkeypatch):
-    import nanoserve.engine.prompt_logprobs as engine_module
+    import nanoserve.worker.worker as worker_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted")
 
     engine = engine_for(tiny)
     ids = [engine.add_request(list(range(30)), greedy(3, prompt_logprobs=1)), engine.add_request([4, 5, 6], greedy(3))]
-    monkeypatch.setattr(engine_module, "score_prompt", broken)
+    monkeypatch.setattr(worker_module, "score_prompt", broken)
     outputs = {out.request_id: out for out in engine.step()}  # the first chunk of 30 tokens
     monkeypatch.undo()
     assert outputs[ids[0]].finish_reason == "error" and "planted" in outputs[ids[0]].error
@@ -194,7 +194,7 @@ def test_chunked_prefill_interleaved_with_compiled_decode_never_recompiles(tiny,
     stats = engine.stats()
     assert stats.prefill_steps > 10 and stats.decode_steps > 0
     assert stats.recompiles_after_warmup == 0 and stats.gathers == 0
-    assert stats.graphs_built <= len(engine.runner.decode_step.buckets.grid)
+    assert stats.graphs_built <= len(engine.worker.decode_step.buckets.grid)
     engine.check_drained()
 
 
@@ -227,7 +227,7 @@ def test_the_default_budget_leaves_half_a_decode_batch_or_48_tokens_for_chunks_o
     assert default_token_budget(True, 32, 4096, "cuda") == 512
     assert default_token_budget(True, 600, 4096, "cuda") == 601
     assert default_token_budget(False, 32, 4096, "cpu") == 4096
-    assert engine_for(tiny, max_num_batched_tokens=None, max_batch_size=40).config.max_num_batched_tokens == 88
+    assert engine_for(tiny, max_num_batched_tokens=None, max_batch_size=40).resolved.max_num_batched_tokens == 88
 
 
 def test_a_step_with_no_stream_decoding_takes_the_prefill_only_budget_and_one_beside_streams_the_small_one(tiny):

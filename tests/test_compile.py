@@ -61,7 +61,7 @@ def test_compiled_logits_match_eager_within_1e4(tiny):
         for p in PROMPTS:
             e.add_request(p, greedy(8))
         e.step()  # prefill
-        logits.append(e.runner.execute(e.scheduler.schedule()).logits.clone())  # the first decode step
+        logits.append(e.worker.execute(e.scheduler.schedule()).logits.clone())  # the first decode step
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
@@ -76,7 +76,7 @@ def test_zero_recompiles_after_warmup_over_every_bucket(tiny):
     e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(1, 2, 4),
                width_buckets=(32, 64, 128), warmup="eager")
     assert e.stats().warmup_seconds > 0
-    grid = e.runner.decode_step.buckets.grid
+    grid = e.worker.decode_step.buckets.grid
     assert e.stats().graphs_built <= len(grid)
     drive_through_every_bucket(e)
     stats = e.stats()
@@ -96,7 +96,7 @@ def test_without_bucketing_shapes_grow_and_graphs_outnumber_the_grid(tiny):
 def test_a_stray_shape_after_warmup_is_an_error_not_a_rebuild(tiny):
     e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(2,), width_buckets=(32,),
                warmup="eager")
-    step = e.runner.decode_step
+    step = e.worker.decode_step
     step.input_ids = step.input_ids.to(torch.int32)  # a buffer that no longer matches the guards
     with pytest.raises(RuntimeError, match="fail_on_recompile"):
         step._call(2, 32)
@@ -105,8 +105,8 @@ def test_a_stray_shape_after_warmup_is_an_error_not_a_rebuild(tiny):
 def test_padded_rows_write_only_the_scratch_slot(tiny):
     e = engine(tiny, compile=True, compile_backend="eager", row_buckets=(4,), width_buckets=(128,))
     e.generate([[1, 2, 3]], greedy(5), use_tqdm=False)
-    step = e.runner.decode_step
-    assert step.write_slots[1:4].tolist() == [e.cache.scratch_slot] * 3
+    step = e.worker.decode_step
+    assert step.write_slots[1:4].tolist() == [e.scheduler.blocks.scratch_slot] * 3
     assert step.context_lens[1:4].tolist() == [0, 0, 0]
     assert step.stats.waste.padded_cells > 0
 
@@ -146,8 +146,8 @@ def test_the_cpu_decode_kernel_gets_one_width_bucket_and_one_graph_per_row_bucke
     model = random_model(tiny_config(), seed=1)
     eager = engine(model, weights="bf16")
     compiled = engine(random_model(tiny_config(), seed=1), weights="bf16", compile=True, row_buckets=(2, 4))
-    step = compiled.runner.decode_step
-    assert step.attention_kernel is not None and step.buckets.widths == (compiled.cache.max_model_len,)
+    step = compiled.worker.decode_step
+    assert step.attention_kernel is not None and step.buckets.widths == (compiled.scheduler.blocks.max_model_len,)
     prompts = [[1, 2, 3], list(range(10, 40)), [7] * 5]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
     want = eager.generate(prompts, params, use_tqdm=False)
@@ -160,10 +160,10 @@ def test_the_cpu_decode_kernel_gets_one_width_bucket_and_one_graph_per_row_bucke
             (_, first), (_, second) = ref.logprobs[same].top[:2]
             assert first - second < 0.05, f"compiled left eager's tokens at {same} without a tie"
     stats = compiled.stats()
-    assert {shape[1] for shape in stats.bucket_hits} == {compiled.cache.max_model_len}
+    assert {shape[1] for shape in stats.bucket_hits} == {compiled.scheduler.blocks.max_model_len}
     assert stats.graphs_built == len(stats.bucket_hits) <= 2 and stats.recompiles_after_warmup == 0
     padded_rows = sum(hits * (rows - 3) for (rows, _), hits in stats.bucket_hits.items() if rows == 4)
     assert step.stats.waste.padded_cells <= padded_rows  # 3 rows in the 4-row bucket, then fewer in 2
     # Asked for, width buckets still apply.
-    assert engine(model, weights="bf16", compile=True, width_buckets=(32, 64, 128)).runner.decode_step.buckets.widths \
+    assert engine(model, weights="bf16", compile=True, width_buckets=(32, 64, 128)).worker.decode_step.buckets.widths \
         == (32, 64, 128)

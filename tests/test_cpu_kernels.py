@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.engine.paged_attention import paged_attention_reference
 from nanoserve.model import cpu_kernels
 from nanoserve.model.group_codes import SuperScales
 from nanoserve.model.quant import GROUP_SIZE
+from nanoserve.worker.attention import paged_attention_reference
 
 # Every tier of ours this host runs, the reference included: each is tested here, none skipped.
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]

@@ -1,5 +1,6 @@
 """One configuration object: build_engine's keywords, the command line's flags and the README's
-options table all come from EngineConfig's fields, and Engine.config is that record resolved."""
+options table all come from EngineConfig's fields; Engine.config is that record as asked (it
+builds the same engine again) and Engine.resolved what it resolved to."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_gguf
 
-from nanoserve.engine import EngineConfig, build_engine
+from nanoserve.engine import EngineConfig, SamplingParams, build_engine
 from nanoserve.engine.config import cli_flag, options_table
 from nanoserve.launch import build_parser
+from nanoserve.model.llama import unfuse_hf_weights
 from nanoserve.model.synthetic import random_model, tiny_config
 
 
@@ -40,11 +43,36 @@ def test_build_engine_takes_the_fields_and_refuses_anything_else():
         build_engine(model, max_rows=2)
     base = EngineConfig(max_batch_size=2, block_size=4)
     engine = build_engine(model, config=base, max_model_len=48, kv_cache_bytes=1 << 20)
-    config = engine.config
-    assert (config.max_batch_size, config.block_size, config.max_model_len) == (2, 4, 48)
-    # Resolved: the unset budget, the dtype and the weight format's name.
-    assert config.max_num_batched_tokens == 2 + 48 and config.dtype == torch.float32 and config.weights == "fp32"
-    assert config.kv_cache_bytes == engine.cache.pool.num_blocks * 2 * 2 * 2 * 16 * 4 * 4
+    assert engine.config == dataclasses.replace(base, max_model_len=48, kv_cache_bytes=1 << 20)  # as asked
+    resolved = engine.resolved
+    # Resolved: the unset budget, the dtype, the weight format's name, the pool's bytes.
+    assert resolved.max_model_len == 48 and resolved.max_num_batched_tokens == 2 + 48
+    assert resolved.dtype == torch.float32 and resolved.weights == "fp32" and resolved.weight_plan is None
+    assert resolved.kv_cache_bytes == engine.scheduler.blocks.pool.num_blocks * 2 * 2 * 2 * 16 * 4 * 4
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
+    return str(write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", config,
+                          unfuse_hf_weights(random_model(config, seed=0))))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4", "auto", None])
+def test_the_engines_config_builds_the_same_engine_again(weights, tiny_gguf):
+    first = build_engine(tiny_gguf, weights=weights, max_batch_size=2, max_model_len=64, kv_cache_bytes=1 << 20)
+    again = build_engine(tiny_gguf, config=first.config)
+    assert again.config == first.config and again.resolved == first.resolved
+    prompt, params = [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = [engine.generate([prompt], params, use_tqdm=False)[0].token_ids for engine in (first, again)]
+    assert outputs[0] == outputs[1]
+
+
+def test_the_default_models_cpu_default_config_builds_it_again(smollm2_path):
+    first = build_engine(str(smollm2_path), max_batch_size=2, max_model_len=64, kv_cache_bytes=1 << 22)
+    assert first.config.weights is None and first.resolved.weight_plan is not None  # asked: nothing; resolved: auto
+    again = build_engine(str(smollm2_path), config=first.config)
+    assert again.resolved == first.resolved
 
 
 def test_the_readmes_options_table_is_the_one_the_config_makes():

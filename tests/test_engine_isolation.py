@@ -90,7 +90,7 @@ def test_an_engine_fault_propagates_out_of_step(tiny):
     def broken_advance(rows):
         raise AssertionError("planted: slot table out of step with the pool")
 
-    engine.cache.advance = broken_advance
+    engine.scheduler.blocks.advance = broken_advance
     with pytest.raises(AssertionError, match="planted"):
         engine.step()
 

@@ -138,7 +138,7 @@ def test_preemption_and_aborts_with_shared_prefixes_give_everything_back(tiny):
     assert stats.preemptions > 0 and stats.aborted > 0 and stats.prefix_cache_hits > 0
     assert stats.gathers == 0
     engine.check_drained()
-    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # all but the scratch block
+    assert engine.scheduler.blocks.pool.num_free == engine.scheduler.blocks.pool.num_blocks - 1  # all but the scratch block
 
 
 def test_prompt_logprobs_requests_score_every_token_beside_a_cached_prefix(tiny):
@@ -157,12 +157,12 @@ def test_a_request_sharing_a_running_rows_prefix_is_admitted_for_the_blocks_it_a
     # 16 blocks of 4. A holds its 40-token prompt (10 blocks, all cached) and decodes; B shares
     # those 40 tokens and adds 4: it needs 2 blocks of its own, not 12, so it runs beside A.
     engine = engine_for(tiny, kv_cache_bytes=16 * BLOCK_BYTES, max_model_len=48, max_num_batched_tokens=64)
-    assert engine.cache.pool.num_blocks == 16
+    assert engine.scheduler.blocks.pool.num_blocks == 16
     prefix = [random.Random(5).randrange(256) for _ in range(40)]
     first = engine.add_request(prefix, greedy(8))
     engine.step()  # A's whole prompt
-    assert engine.cache.blocks_to_admit(prefix + [1, 2, 3, 4]) == 12 - 10
-    assert engine.cache.blocks_to_admit(prefix + [1, 2, 3, 4], adopt=False) == 12
+    assert engine.scheduler.blocks.blocks_to_admit(prefix + [1, 2, 3, 4]) == 12 - 10
+    assert engine.scheduler.blocks.blocks_to_admit(prefix + [1, 2, 3, 4], adopt=False) == 12
     second = engine.add_request(prefix + [1, 2, 3, 4], greedy(4))
     engine.step()  # A decodes, B is admitted and prefills its 4 tokens
     assert [r.request_id for r in engine.scheduler.running] == [first, second]

@@ -12,10 +12,10 @@ import pytest
 from conftest import DEVICES, while_unfinished
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from nanoserve.cache.gates import check_slots_agree
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.request import RequestStatus
 from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.worker.gates import check_slots_agree
 
 MODEL = random_model(tiny_config(num_layers=1, vocab_size=64), seed=0)
 
@@ -29,17 +29,17 @@ class CompactionMachine(RuleBasedStateMachine):
                                    kv_cache_bytes=20 * 4 * 2 * 16 * 2 * 4, device=device,
                                    enable_chunked_prefill=chunked, max_num_batched_tokens=7 if chunked else None)
         self.live: list[str] = []
-        execute = self.engine.runner.execute
+        execute = self.engine.worker.execute
 
         def execute_then_check(plan):
             # Between steps the table may wait on moves the next plan carries; once a plan is
             # applied, every running row's cells are its block table's.
             out = execute(plan)
             running = len(self.engine.scheduler.running)
-            check_slots_agree(self.engine.cache.slot_table, self.engine.cache.tables, range(running))
+            check_slots_agree(self.engine.worker.cache.slot_table, self.engine.scheduler.blocks.tables, range(running))
             return out
 
-        self.engine.runner.execute = execute_then_check
+        self.engine.worker.execute = execute_then_check
 
     @rule(stem=st.integers(0, 2), shared=st.integers(0, 12), own=st.lists(st.integers(0, 63), max_size=8),
           max_tokens=st.integers(1, 10))
@@ -62,7 +62,7 @@ class CompactionMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_read_is_a_window(self):
-        assert self.engine.cache.slot_table.gathers == 0
+        assert self.engine.worker.cache.slot_table.gathers == 0
 
     @invariant()
     def running_rows_are_a_prefix(self):
@@ -70,11 +70,11 @@ class CompactionMachine(RuleBasedStateMachine):
         assert [r.row for r in running] == list(range(len(running)))
         decoding = [r.status is RequestStatus.RUNNING for r in running]
         assert decoding == sorted(decoding, reverse=True)  # decoding rows first, then prefilling
-        assert sorted(self.engine.cache.live_rows) == list(range(len(running)))
+        assert sorted(self.engine.scheduler.blocks.live_rows) == list(range(len(running)))
 
     @invariant()
     def pool_accounting_holds(self):
-        cache, pool = self.engine.cache, self.engine.cache.pool
+        cache, pool = self.engine.scheduler.blocks, self.engine.scheduler.blocks.pool
         holders = Counter(block for t in cache.tables for block in t.blocks)
         assert len(holders) + 1 == pool.num_used  # + the scratch block
         assert all(pool.ref_count(block) == n for block, n in holders.items())

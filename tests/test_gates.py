@@ -6,22 +6,22 @@ import dataclasses
 
 import pytest
 import torch
+from paired_cache import PairedCache, resync
 
 from compile.slotbench import CellCount, check_appends_incremental
-from nanoserve.cache import BatchedPagedKVCache, BlockTable
-from nanoserve.cache.gates import (
-    GateError,
+from nanoserve.cache import BlockTable
+from nanoserve.cache.gates import GateError, check_table_fits
+from nanoserve.worker.gates import (
     check_mapping_is_window,
     check_plan_addressing,
     check_plan_fresh,
     check_slots_agree,
-    check_table_fits,
     check_window_intact,
 )
 
 
-def counted_cache() -> tuple[BatchedPagedKVCache, CellCount]:
-    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=40, block_size=4,
+def counted_cache() -> tuple[PairedCache, CellCount]:
+    cache = PairedCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=40, block_size=4,
                                 max_batch_size=4, max_model_len=64)
     count = CellCount(cache.slot_table)
     cache.allocate_prompt(0, 8)
@@ -30,11 +30,11 @@ def counted_cache() -> tuple[BatchedPagedKVCache, CellCount]:
 
 
 @pytest.fixture
-def cache() -> BatchedPagedKVCache:
+def cache() -> PairedCache:
     return counted_cache()[0]
 
 
-def adopt_fresh(cache: BatchedPagedKVCache, row: int, length: int) -> None:
+def adopt_fresh(cache: PairedCache, row: int, length: int) -> None:
     cache.pool.allocate(2)  # so the new tenant's blocks differ from the ones just given back
     table = BlockTable(cache.block_size)
     table.add_blocks(cache.pool.allocate(table.blocks_needed(length)))
@@ -156,7 +156,7 @@ def test_appends_incremental_holds_for_a_decode_run():
 def test_appends_incremental_fails_when_a_row_is_rebuilt_mid_run():
     cache, count = counted_cache()
     cache.plan_decode([0, 1])
-    cache.slot_table.resync(cache.tables[1], 1)  # a row rebuilt instead of appended to
+    resync(cache.slot_table, cache.tables[1], 1)  # a row rebuilt instead of appended to
     cache.plan_decode([0, 1])
     with pytest.raises(GateError, match=r"appended 4 cells with 3 resyncs; an incremental table appends exactly 4 "
                                         r"with 2"):

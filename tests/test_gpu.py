@@ -52,7 +52,7 @@ def test_reduce_overhead_records_once_per_bucket_and_replays_every_step(graph_ca
     model = random_model(tiny_config(), seed=0)
     compiled = cuda_engine(model, compile=True, row_buckets=(1, 2, 4), width_buckets=(32, 64, 128),
                            warmup="eager")
-    grid = compiled.runner.decode_step.buckets.grid
+    grid = compiled.worker.decode_step.buckets.grid
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     captured_at_warmup = graph_calls["captures"]
     assert 0 < captured_at_warmup <= len(grid)
@@ -71,8 +71,8 @@ def test_window_is_the_table_buffer_for_every_bucket():
     model = random_model(tiny_config(), seed=0)
     engine = cuda_engine(model, compile=True, compile_backend="eager", row_buckets=(1, 2, 4),
                          width_buckets=(32, 64, 128))
-    buffer = engine.cache.slot_table.slots
-    for rows, width in engine.runner.decode_step.buckets.grid:
+    buffer = engine.worker.cache.slot_table.slots
+    for rows, width in engine.worker.decode_step.buckets.grid:
         window = buffer[:rows, :width]
         assert window.data_ptr() == buffer.data_ptr() and window.stride(0) == buffer.stride(0)
     engine.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -82,6 +82,6 @@ def test_window_is_the_table_buffer_for_every_bucket():
 def test_bf16_is_the_cuda_default_and_decodes():
     model = random_model(tiny_config(), seed=0)
     engine = cuda_engine(model, dtype=None)
-    assert engine.cache.k_caches[0].dtype == torch.bfloat16
+    assert engine.worker.cache.k_caches[0].dtype == torch.bfloat16
     out = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == 40 for o in out)

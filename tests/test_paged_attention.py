@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paired_cache import PairedCache
 
-from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.engine.paged_attention import (
+from nanoserve.worker.attention import (
     attend_window,
     paged_attention,
     paged_attention_reference,
@@ -30,7 +30,7 @@ def dense_attention(q, keys, values, scale=None):
 def test_paged_read_equals_dense_attention(device, num_heads, num_kv_heads):
     torch.manual_seed(0)
     head_dim, lengths = 8, [5, 1, 13, 9]
-    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=24,
+    cache = PairedCache(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=24,
                                 block_size=4, max_batch_size=4, max_model_len=32, device=device)
     keys, values = [], []
     for row, n in enumerate(lengths):  # interleaved prompts: each row's blocks are scattered in the pool
@@ -137,10 +137,10 @@ def test_a_head_size_the_kernel_cannot_take_decodes_through_sdpa(head_dim):
     # K/V with a head_dim that is not a multiple of 16: the engine keeps SDPA instead of
     # handing the kernel a shape it refuses (which failed every decode step), eager and compiled.
     from nanoserve.engine import SamplingParams, build_engine
-    from nanoserve.engine.paged_attention import decode_attention_kernel
     from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.worker.attention import decode_attention_kernel
 
-    assert decode_attention_kernel(torch.zeros(4, 2, head_dim, dtype=torch.bfloat16), "scalar") is None
+    assert decode_attention_kernel("cpu", torch.bfloat16, head_dim, "scalar") is None
     config = tiny_config(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=head_dim)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[3, 9, 27, 81, 243 % 256], [5, 7]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paired_cache import PairedCache
 
-from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.cache.pool_plan import (
     block_table_bytes,
     kv_bytes_per_token,
@@ -16,8 +16,8 @@ from nanoserve.cache.pool_plan import (
 
 
 def test_kv_bytes_per_token_counts_k_and_v_in_every_layer():
-    assert kv_bytes_per_token(30, 3, 64, torch.float32) == 2 * 30 * 3 * 64 * 4
-    assert kv_bytes_per_token(2, 1, 8, torch.bfloat16) == 2 * 2 * 1 * 8 * 2
+    assert kv_bytes_per_token(30, 3, 64, torch.float32.itemsize) == 2 * 30 * 3 * 64 * 4
+    assert kv_bytes_per_token(2, 1, 8, torch.bfloat16.itemsize) == 2 * 2 * 1 * 8 * 2
 
 
 def test_table_arithmetic_matches_the_seed():
@@ -33,8 +33,8 @@ def test_resident_share():
 
 
 def test_plan_turns_a_budget_into_blocks_and_clamps_max_model_len():
-    per_block = 16 * kv_bytes_per_token(2, 2, 8, torch.float32)
-    plan = plan_pool(10 * per_block + 5, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=4096)
+    per_block = 16 * kv_bytes_per_token(2, 2, 8, 4)
+    plan = plan_pool(10 * per_block + 5, 2, 2, 8, 4, 16, max_batch_size=4, max_model_len=4096)
     assert (plan.num_blocks, plan.bytes_per_block) == (10, per_block)
     assert plan.max_model_len == 9 * 16 and plan.requested_max_model_len == 4096  # one block is scratch
     assert plan.num_blocks * plan.block_size == 160 and table_bytes(4, plan.max_model_len) == 4 * 144 * 8
@@ -43,17 +43,17 @@ def test_plan_turns_a_budget_into_blocks_and_clamps_max_model_len():
 
 
 def test_plan_keeps_a_max_model_len_the_pool_can_hold():
-    plan = plan_pool(1 << 30, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=100)
+    plan = plan_pool(1 << 30, 2, 2, 8, 4, 16, max_batch_size=4, max_model_len=100)
     assert plan.max_model_len == 100
 
 
 def test_a_budget_below_two_blocks_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"holds 1 blocks of 4096 bytes; the cache needs 2"):
-        plan_pool(5000, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=100)
+        plan_pool(5000, 2, 2, 8, 4, 16, max_batch_size=4, max_model_len=100)
 
 
 def test_a_cache_built_from_the_plan_agrees_with_it():
-    plan = plan_pool(1 << 20, 2, 2, 8, torch.float32, 16, max_batch_size=4, max_model_len=1 << 20)
-    cache = BatchedPagedKVCache(2, 2, 8, plan.num_blocks, plan.block_size, 4, plan.requested_max_model_len)
+    plan = plan_pool(1 << 20, 2, 2, 8, 4, 16, max_batch_size=4, max_model_len=1 << 20)
+    cache = PairedCache(2, 2, 8, plan.num_blocks, plan.block_size, 4, plan.requested_max_model_len)
     assert cache.max_model_len == plan.max_model_len
     assert sum(t.numel() * t.element_size() for t in cache.k_caches + cache.v_caches) == plan.num_blocks * plan.bytes_per_block

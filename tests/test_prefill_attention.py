@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.engine.attention import grouped_causal_attention, grouped_causal_mask
+from nanoserve.worker.attention import grouped_causal_attention, grouped_causal_mask
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None) -> torch.Tensor:

@@ -98,4 +98,4 @@ def test_without_registration_no_block_is_ever_cached():
     pool = held_pool(5)
     pool.free([3, 1, 4])
     assert pool.num_cached == 0 and pool.num_free == 3
-    assert pool.allocate(3) == [1, 3, 4] and pool.evictions == 0
+    assert pool.allocate(3) == [4, 1, 3] and pool.evictions == 0  # the free list is a stack

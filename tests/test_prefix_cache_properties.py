@@ -1,6 +1,6 @@
 """Prefix caching under random traffic, against a shadow model of what every row should read.
 
-A hypothesis RuleBasedStateMachine plays a scheduler over one small BatchedPagedKVCache:
+A hypothesis RuleBasedStateMachine plays a scheduler over one small PairedCache:
 requests whose token ids share prefixes (drawn from a few stems) arrive, are admitted
 (admit_prefix, allocate_prompt, K/V written, cache_full_blocks), decode, finish, abort and
 are preempted (freed, then admitted again with everything they hold), with rows kept a
@@ -29,10 +29,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from paired_cache import PairedCache
 
-from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.cache.prefix_cache import chain_hashes, root_hash
-from nanoserve.slots import rebuild_mapping
+from nanoserve.worker.slot_table import rebuild_mapping
 
 BS = 4
 MAX_ROWS = 4
@@ -51,7 +51,7 @@ def kv_value(prefix: list[int]) -> float:
 class PrefixCacheMachine(RuleBasedStateMachine):
     def __init__(self, device: str) -> None:
         super().__init__()
-        self.cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=NUM_BLOCKS,
+        self.cache = PairedCache(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=NUM_BLOCKS,
                                          block_size=BS, max_batch_size=MAX_ROWS, max_model_len=MAX_LEN,
                                          device=device, enable_prefix_caching=True, prefix_salt=SALT)
         self.running: list[list[int]] = []  # running[row]: the tokens whose K/V the row holds

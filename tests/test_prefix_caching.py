@@ -4,20 +4,21 @@ pool's three-way accounting, and eviction when the pool runs short."""
 from __future__ import annotations
 
 import pytest
+from paired_cache import PairedCache
 
-from nanoserve.cache import BatchedPagedKVCache, BlockFreeError, PoolExhaustedError
-from nanoserve.cache.gates import check_slots_agree
+from nanoserve.cache import BlockFreeError, PoolExhaustedError
+from nanoserve.worker.gates import check_slots_agree
 
 BS = 4
 
 
-def make_cache(num_blocks: int = 12, caching: bool = True, salt: str = "") -> BatchedPagedKVCache:
-    return BatchedPagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BS,
+def make_cache(num_blocks: int = 12, caching: bool = True, salt: str = "") -> PairedCache:
+    return PairedCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BS,
                                max_batch_size=4, max_model_len=32, enable_prefix_caching=caching,
                                prefix_salt=salt)
 
 
-def prefill(cache: BatchedPagedKVCache, row: int, tokens: list[int]) -> int:
+def prefill(cache: PairedCache, row: int, tokens: list[int]) -> int:
     """What an engine does for a new request: adopt, allocate the rest, (write K/V), register."""
     adopted = cache.admit_prefix(row, tokens)
     cache.allocate_prompt(row, len(tokens) - adopted)
@@ -25,7 +26,7 @@ def prefill(cache: BatchedPagedKVCache, row: int, tokens: list[int]) -> int:
     return adopted
 
 
-def accounting(cache: BatchedPagedKVCache) -> tuple[int, int, int]:
+def accounting(cache: PairedCache) -> tuple[int, int, int]:
     pool = cache.pool
     num_empty = sum(not pool.ref_count(b) and not pool.is_cached(b) for b in range(pool.num_blocks))  # neither held nor cached
     assert num_empty + pool.num_cached + pool.num_used == pool.num_blocks

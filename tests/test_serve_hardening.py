@@ -207,7 +207,7 @@ def test_an_engine_fault_fails_work_in_flight_and_the_server_refuses_more(tmp_pa
         def broken_advance(rows):
             raise AssertionError("planted: the slot table disagrees with the pool")
 
-        engine.cache.advance = broken_advance
+        engine.scheduler.blocks.advance = broken_advance
         error = assert_error(client.post("/v1/completions", json=GREEDY), 503)
         assert "planted" in error["message"]
         assert_error(client.get("/health"), 503)

@@ -20,8 +20,8 @@ from compile.slotbench import (
     run_table,
 )
 from nanoserve import build_engine
-from nanoserve.cache.gates import check_slots_agree
 from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.worker.gates import check_slots_agree
 
 
 @pytest.mark.parametrize("steps,rebuilt,written", [(8, 656, 96), (64, 12_416, 320), (128, 41_216, 576),
@@ -92,8 +92,8 @@ def test_planning_table_has_one_row_per_row_count_and_leaves_the_addressing_righ
     assert all(r["plan_us"] > 0 and r["plan_hot_us"] > 0 and r["step_ms"] > 0 and r["plan_share_pct"] > 0
                for r in results)
     # The last row count's rows took the warm-up, then two planning steps and a decode step per timed round.
-    assert [engine.cache.num_tokens(row) for row in range(4)] == [5 + 1 + 3 * 3] * 2 + [0, 0]
-    check_slots_agree(engine.cache.slot_table, engine.cache.tables, range(2))
+    assert [engine.scheduler.blocks.num_tokens(row) for row in range(4)] == [5 + 1 + 3 * 3] * 2 + [0, 0]
+    check_slots_agree(engine.worker.cache.slot_table, engine.scheduler.blocks.tables, range(2))
     table = format_planning(results).splitlines()
     assert table[0].split() == ["rows", "context", "planning", "hot", "eager", "step", "share"] and len(table) == 4
 

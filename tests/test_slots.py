@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paired_cache import PairedCache, resync, sync
 
 from compile.slotbench import CellCount
-from nanoserve.cache import BatchedPagedKVCache, BlockTable, PoolExhaustedError
-from nanoserve.cache.gates import check_plan_addressing, check_slots_agree
-from nanoserve.slots import SlotTable, rebuild_mapping
+from nanoserve.cache import BlockTable, PoolExhaustedError
+from nanoserve.worker.gates import check_plan_addressing, check_slots_agree
+from nanoserve.worker.slot_table import SlotTable, rebuild_mapping
 
 
 def table_of(blocks, num_tokens, block_size=4) -> BlockTable:
@@ -18,11 +19,11 @@ def table_of(blocks, num_tokens, block_size=4) -> BlockTable:
     return table
 
 
-def small_cache(device="cpu", **overrides) -> BatchedPagedKVCache:
+def small_cache(device="cpu", **overrides) -> PairedCache:
     options = dict(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=32, block_size=4,
                    max_batch_size=4, max_model_len=64, device=device)
     options.update(overrides)
-    return BatchedPagedKVCache(**options)
+    return PairedCache(**options)
 
 
 # -- rebuild_mapping -----------------------------------------------------------------------
@@ -48,7 +49,7 @@ def test_rebuild_mapping_of_empty_rows_is_zero_wide():
 
 def test_append_and_read(device):
     table = SlotTable(4, 8, device)
-    table.resync(table_of([1], 3), 2)
+    resync(table, table_of([1], 3), 2)
     table.append([0, 2], torch.tensor([11, 12], device=device))
     table.append([0, 1, 2], torch.tensor([13, 14, 15], device=device))
     rect, lens = table.read([0, 1, 2], 5)
@@ -66,7 +67,7 @@ def test_table_allocates_once_on_device(device):
     address = table.slots.data_ptr()
     for _ in range(12):
         table.append([0, 1], torch.tensor([3, 4], device=device))
-    table.resync(table_of([1], 2), 2)
+    resync(table, table_of([1], 2), 2)
     table.lengths_array[0] = 0
     assert table.slots.data_ptr() == address
 
@@ -74,7 +75,7 @@ def test_table_allocates_once_on_device(device):
 def test_append_writes_each_row_at_its_own_next_column(device):
     table = SlotTable(4, 8, device)
     count = CellCount(table)
-    table.resync(table_of([1], 3), 2)
+    resync(table, table_of([1], 3), 2)
     table.append([0, 2], torch.tensor([11, 12], device=device))
     assert table.slots[0, 0].item() == 11 and table.slots[2, 3].item() == 12
     assert table.lengths_array.tolist() == [1, 0, 4, 0]
@@ -157,14 +158,14 @@ def test_sync_resyncs_exactly_the_rows_whose_length_disagrees(device):
     table = SlotTable(3, 8, device)
     tables = [table_of([2], 3), table_of([1], 2), table_of([4, 5], 6)]
     for row in range(3):
-        table.resync(tables[row], row)
+        resync(table, tables[row], row)
     tables[1].advance(1)  # row 1 grew in its block table only
     table.reset(2)  # row 2 lost its length
     count = CellCount(table)
-    assert table.sync(tables, range(3)) == [1, 2]
+    assert sync(table, tables, range(3)) == [1, 2]
     assert (count.resyncs, count.resynced_cells) == (2, 3 + 6)
     check_slots_agree(table, tables, range(3))
-    assert table.sync(tables, [0, 1, 2]) == []
+    assert sync(table, tables, [0, 1, 2]) == []
 
 
 @pytest.mark.parametrize("rows, window", [(3, True), (range(2), True), ([0, 1], True), ([1, 0], False),
@@ -179,14 +180,14 @@ def test_is_window_is_the_prefix_condition_and_read_follows_it(rows, window):
 def test_resync_copies_the_row_and_counts(device):
     table = SlotTable(2, 8, device)
     count = CellCount(table)
-    table.resync(table_of([3, 0], 6), 1)
+    resync(table, table_of([3, 0], 6), 1)
     assert table.slots[1, :6].tolist() == [12, 13, 14, 15, 0, 1]
     assert (count.resyncs, count.resynced_cells) == (1, 6)
 
 
-def test_resync_of_a_row_longer_than_the_table_raises():
-    with pytest.raises(ValueError, match="row 0: table holds 9 tokens"):
-        SlotTable(2, 8).resync(table_of([0, 1, 2], 9), 0)
+def test_adopting_a_row_longer_than_the_table_raises_naming_adopt():
+    with pytest.raises(ValueError, match="adopt: row 0 would hold 9 tokens"):
+        resync(SlotTable(2, 8), table_of([0, 1, 2], 9), 0)
 
 
 # -- the cache -----------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def test_plan_decode_without_blocks_raises_and_changes_nothing():
     assert cache.num_tokens(0) == 4 and cache.slot_table.lengths_array[0] == 4
 
 
-def blocks_held_exactly(cache: BatchedPagedKVCache, rows) -> bool:
+def blocks_held_exactly(cache: PairedCache, rows) -> bool:
     """No row holds a block before a token needs it."""
     return all(cache.tables[r].num_blocks == -(-cache.num_tokens(r) // cache.block_size) for r in rows)
 
@@ -375,7 +376,7 @@ def test_adopt_row_takes_a_table_and_resyncs():
 def test_adopt_row_refuses_a_non_empty_row():
     cache = small_cache()
     cache.allocate_prompt(0, 2)
-    with pytest.raises(ValueError, match="adopt refused"):
+    with pytest.raises(ValueError, match="row 0 still holds 2 tokens"):
         cache.adopt_row(0, table_of(cache.pool.allocate(1), 1))
 
 

@@ -1,7 +1,7 @@
 """The slot table against rebuild_mapping, under random sequences of what a scheduler does.
 
 A hypothesis RuleBasedStateMachine adopts, prefills, decodes, resets, re-tenants, frees,
-compacts and reads rows of one BatchedPagedKVCache. After every rule: the table
+compacts and reads rows of one PairedCache. After every rule: the table
 equals rebuild_mapping for every live row; held plans keep their copies; a held window's
 longest row is untouched by later appends; and the pool's accounting adds up.
 Run on every device of the `device` fixture; NANOSERVE_HYPOTHESIS=long explores further.
@@ -21,9 +21,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from paired_cache import PairedCache
 
-from nanoserve.cache import BatchedPagedKVCache, BlockTable, DecodePlan, PoolExhaustedError
-from nanoserve.cache.gates import check_plan_addressing, check_slots_agree
+from nanoserve.cache import BlockTable, PoolExhaustedError
+from nanoserve.worker.gates import check_plan_addressing, check_slots_agree
+from nanoserve.worker.kv_cache import DecodePlan
 
 BLOCK_SIZE = 4
 MAX_ROWS = 5
@@ -48,7 +50,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     def __init__(self, device: str) -> None:
         super().__init__()
         self.device = device
-        self.cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=NUM_BLOCKS,
+        self.cache = PairedCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=NUM_BLOCKS,
                                          block_size=BLOCK_SIZE, max_batch_size=MAX_ROWS,
                                          max_model_len=MAX_MODEL_LEN, device=device)
         self.tenant = [0] * MAX_ROWS

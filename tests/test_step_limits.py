@@ -14,7 +14,7 @@ def leaking_engine():
     """An engine whose rows keep their blocks when freed: admission starves once they are gone."""
     engine = build_engine(random_model(tiny_config(num_layers=1), seed=0), max_batch_size=2, block_size=4,
                           max_model_len=16, kv_cache_bytes=12 * 4 * 2 * 16 * 2 * 4, enable_prefix_caching=False)
-    engine.cache.reset_row = lambda row: engine.cache.tables[row].clear()
+    engine.scheduler.blocks.reset_row = lambda row: engine.scheduler.blocks.tables[row].clear()
     return engine
 
 

@@ -29,27 +29,27 @@ PROMPTS = [SHARED + [1, 2, 3], SHARED + [4, 5], list(range(40, 61)), [7, 8, 9], 
 
 
 class Recording:
-    """The engine's runner, keeping each step's logits."""
+    """The engine's worker, keeping each step's logits."""
 
-    def __init__(self, runner) -> None:
-        self.runner, self.logits = runner, []
+    def __init__(self, worker) -> None:
+        self.worker, self.logits = worker, []
 
     def execute(self, plan):
-        out = self.runner.execute(plan)
+        out = self.worker.execute(plan)
         self.logits.append(out.logits.clone())
         return out
 
     def __getattr__(self, name):
-        return getattr(self.runner, name)
+        return getattr(self.worker, name)
 
 
 def run_recorded(engine, prompts, params):
-    engine.runner = Recording(engine.runner)
+    engine.worker = Recording(engine.worker)
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     done = {}
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [done[i] for i in ids], engine.runner.logits, engine.stats()
+    return [done[i] for i in ids], engine.worker.logits, engine.stats()
 
 
 def assert_close(got: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> None:
@@ -155,7 +155,7 @@ def test_a_killed_worker_ends_the_engine_loudly(tiny):
     p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine = build_engine(tiny, tensor_parallel_size=2, **OPTIONS)
     engine.generate([[1, 2, 3]], p, use_tqdm=False)
-    (worker,) = engine.runner.driver.workers
+    (worker,) = engine.worker.driver.workers
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(10)
     with pytest.raises(RuntimeError, match=r"nanoserve-tp1 \(pid \d+\) exited with code -9"):
@@ -167,7 +167,7 @@ def test_a_killed_worker_ends_the_engine_loudly(tiny):
 def test_a_hung_worker_times_out_and_every_process_ends(tiny):
     p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine = build_engine(tiny, tensor_parallel_size=2, tensor_parallel_timeout=3.0, **OPTIONS)
-    (worker,) = engine.runner.driver.workers
+    (worker,) = engine.worker.driver.workers
     os.kill(worker.pid, signal.SIGSTOP)
     start = time.monotonic()
     with pytest.raises(RuntimeError):

@@ -52,7 +52,7 @@ def test_a_lost_worker_turns_the_server_to_503_and_every_rank_ends(tmp_path):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     with served(engine, "tiny", None) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         assert client.post("/v1/completions", json=body).status_code == 200
-        (worker,) = engine.runner.driver.workers
+        (worker,) = engine.worker.driver.workers
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         failed = client.post("/v1/completions", json=body)
@@ -67,12 +67,12 @@ def test_a_fault_on_rank_0_alone_stops_the_other_ranks(tmp_path):
     engine = tiny_text_engine(tmp_path, tensor_parallel_size=2, **ENGINE)
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     with served(engine, "tiny", None) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-        (worker,) = engine.runner.driver.workers
+        (worker,) = engine.worker.driver.workers
 
         def broken_advance(rows):
             raise AssertionError("planted: the slot table disagrees with the pool")
 
-        engine.cache.advance = broken_advance
+        engine.scheduler.blocks.advance = broken_advance
         assert client.post("/v1/completions", json=body).status_code == 503
         worker.join(30)
         assert worker.exitcode == 0  # told to stop, not killed

@@ -1,6 +1,7 @@
-"""The paged KV cache: blocks, block tables, the pool plan and the cache that owns the slot table."""
+"""The host side of the paged KV cache: blocks, block tables, prefix hashes, the pool plan and
+the block manager that holds them. Imports no torch: the scheduler's bookkeeping is plain numbers."""
 
+from nanoserve.cache.block_manager import BlockManager
 from nanoserve.cache.blocks import BlockFreeError, BlockPool, BlockTable, PoolExhaustedError
-from nanoserve.cache.paged_cache import BatchedPagedKVCache, DecodePlan
 
-__all__ = ["BatchedPagedKVCache", "BlockFreeError", "BlockPool", "BlockTable", "DecodePlan", "PoolExhaustedError"]
+__all__ = ["BlockFreeError", "BlockManager", "BlockPool", "BlockTable", "PoolExhaustedError"]

@@ -26,8 +26,9 @@ class BlockPool:
 
     A block is empty (on the free list), used (count positive) or cached (count zero, its K/V
     registered under a prefix hash, kept until an allocation finds the free list short and
-    evicts it, least recently freed first). `num_free` = empty + cached. Empty blocks go out
-    lowest id first; only prefix caching registers blocks, so without it none is ever cached.
+    evicts it, least recently freed first). `num_free` = empty + cached. The free list is a
+    stack (O(1) both ways): untouched blocks go out lowest id first, and freed blocks before
+    them, the last freed first. Only prefix caching registers blocks, so without it none is ever cached.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -116,8 +117,7 @@ class BlockPool:
                 self._cached[block] = None  # the most recently freed
             else:
                 emptied.append(block)
-        if emptied:  # freed blocks are reused before untouched ones
-            self._free = sorted(self._free + emptied, reverse=True)
+        self._free.extend(emptied)  # the last freed is the first reused
 
     def register(self, block: int, block_hash: BlockHash) -> bool:
         """Name a held block by `block_hash` unless the hash names a block already (kept);
@@ -143,19 +143,17 @@ class BlockPool:
 
 
 class BlockTable:
-    """One request's blocks and token count. The count is one cell of an int64 array: the
-    table's own, or `lengths[row]` (a view: a cache binds each row's table to the slot table's
-    lengths), so a row's length has one owner."""
+    """One request's blocks and token count: the one record of a row's length (the block
+    manager is its only writer)."""
 
-    __slots__ = ("block_size", "_blocks", "_count")
+    __slots__ = ("block_size", "_blocks", "num_tokens")
 
-    def __init__(self, block_size: int, lengths: np.ndarray | None = None, row: int = 0) -> None:
+    def __init__(self, block_size: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._blocks: list[int] = []
-        self._count = np.zeros(1, dtype=np.int64) if lengths is None else lengths[row : row + 1]
-        self._count[0] = 0
+        self.num_tokens = 0
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -164,10 +162,6 @@ class BlockTable:
     @property
     def num_blocks(self) -> int:
         return len(self._blocks)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self._count[0])
 
     @property
     def capacity(self) -> int:
@@ -196,7 +190,7 @@ class BlockTable:
         total = self.num_tokens + num_tokens
         if num_tokens < 0 or total > self.capacity:
             raise ValueError(f"cannot hold {total} tokens in {len(self._blocks)} blocks of {self.block_size}")
-        self._count[0] = total
+        self.num_tokens = total
 
     def adopt(self, other: BlockTable) -> None:
         """Take over `other`'s blocks and tokens, leaving it empty. Refuses a non-empty table: a
@@ -206,10 +200,10 @@ class BlockTable:
                              f"{self._blocks}; reset the row (giving its blocks back) before handing it on")
         if other.block_size != self.block_size:
             raise ValueError(f"block_size mismatch: {other.block_size} adopted into {self.block_size}")
-        self._blocks, self._count[0] = other._blocks, other.num_tokens
-        other._blocks, other._count[0] = [], 0
+        self._blocks, self.num_tokens = other._blocks, other.num_tokens
+        other._blocks, other.num_tokens = [], 0
 
     def clear(self) -> list[int]:
         blocks, self._blocks = self._blocks, []
-        self._count[0] = 0
+        self.num_tokens = 0
         return blocks

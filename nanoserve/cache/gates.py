@@ -1,104 +1,49 @@
-"""Gates: invariants of the addressing layer, checked at run time. The runner applies the
-capture gate (`check_mapping_is_window`) before every compiled decode step; the tests and
-`compile/slotbench.py` apply the rest after the operations they drive.
+"""Gates of the host side: invariants of the block manager, checked at run time (on the engine
+path under NANOSERVE_CHECKS=1, and by the tests after the operations they drive).
 
-Each `check_*` returns None when its invariant holds and raises GateError naming the rows,
-columns or slots at fault and which side owns the fix. A gate comparing live state with live
-state cannot fail, so the window gates compare against the plan's own copies.
+Each `check_*` returns None when its invariant holds and raises GateError naming the rows or
+blocks at fault and which side owns the fix. The device side's gates are nanoserve.worker.gates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
 
-from nanoserve.cache.blocks import BlockTable
-from nanoserve.cache.paged_cache import DecodePlan
+from nanoserve.cache.block_manager import BlockManager
 from nanoserve.cache.pool_plan import block_table_bytes, resident_share, table_bytes
-from nanoserve.slots import SlotTable, rebuild_mapping
 
 
 class GateError(AssertionError):
     """An addressing invariant does not hold."""
 
 
-def _fail_if(faults: list[str], why: str, fix: str = "") -> None:
+def fail_if(faults: list[str], why: str, fix: str = "") -> None:
+    """Raise GateError listing the first faults (none: return)."""
     if faults:
         more = f"\n  ... and {len(faults) - 8} more" if len(faults) > 8 else ""
         raise GateError(why + "\n  " + "\n  ".join(faults[:8]) + more + fix)
 
 
-def check_slots_agree(slot_table: SlotTable, tables: Sequence[BlockTable], rows: Sequence[int]) -> None:
-    """Every listed row of the slot table equals rebuild_mapping: same length, same slot in every cell."""
-    rows = list(rows)
-    expected = rebuild_mapping(tables, rows).cpu()
-    held = slot_table.slots[rows, : expected.shape[1]].cpu()
+def check_pool_agrees(manager: BlockManager) -> None:
+    """Every block's reference count is the number of rows holding it (the scratch block: one),
+    and no row lists a block twice: a block freed while a row still holds it, or freed twice,
+    would be handed out again under that row's K/V."""
+    holders = Counter(block for table in manager.tables for block in table.blocks)
+    holders[manager.scratch_block] += 1
+    pool = manager.pool
     faults = []
-    for i, row in enumerate(rows):
-        want, have = tables[row].num_tokens, int(slot_table.lengths_array[row])
-        wrong = (held[i, :want] != expected[i, :want]).nonzero().flatten().tolist()
-        if have != want:
-            faults.append(f"row {row}: slot table length {have}, block table holds {want}")
-        elif wrong:
-            faults.append(f"row {row} col {wrong[0]}: slot table says {int(held[i, wrong[0]])}, block table "
-                          f"says {int(expected[i, wrong[0]])} ({len(wrong)} cells differ)")
-    _fail_if(faults, "slot table disagrees with the block tables (cache side: a table changed without a resync, "
-             "or a tenant change skipped reset_row):")
-
-
-def check_mapping_is_window(plan: DecodePlan, slot_table: SlotTable) -> None:
-    """The plan's slot_mapping is a view of the table's buffer (a capture gate, not a correctness gate)."""
-    mapping, buffer = plan.slot_mapping, slot_table.slots
-    same_storage = mapping.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    if not (same_storage and mapping.storage_offset() == 0 and mapping.stride(0) == buffer.stride(0)):
-        raise GateError(
-            f"plan over rows {list(plan.rows)} reads a gathered copy, not a window of the slot table: a captured "
-            f"graph replays the addresses it recorded, so its rows must be the prefix 0..{len(plan.rows) - 1}. "
-            "Fix on the scheduler side: admit into the lowest free row and compact (move_row) when a row "
-            "in the middle finishes.")
-
-
-def check_window_intact(plan: DecodePlan) -> None:
-    """Each row's last real cell in the (live) window still holds the slot the plan wrote there."""
-    if plan.slot_mapping.shape[1] == 0:
-        return
-    lens = plan.context_lens
-    last = plan.slot_mapping.gather(1, (lens - 1).clamp(min=0).view(-1, 1)).view(-1)
-    bad = ((lens > 0) & (last != plan.write_slots)).nonzero().flatten().tolist()
-    lens, last, written = lens.tolist(), last.tolist(), plan.write_slots.tolist()
-    _fail_if([f"row {plan.rows[i]} col {lens[i] - 1}: window now says slot {last[i]}, the plan wrote {written[i]}"
-              for i in bad], "a held window was rewritten under its plan:",
-             "\nA row was reset or re-tenanted while a plan over it was still in use. Fix on the engine side: "
-             "finish the step before reset_row / adopt_row / move_row on its rows.")
-
-
-def check_plan_addressing(plan: DecodePlan, tables: Sequence[BlockTable]) -> None:
-    """Each row's cells are its block table's slots, and the write slot is its last real cell."""
-    lens, mapping = plan.context_lens.tolist(), plan.slot_mapping.cpu().tolist()
-    written, positions = plan.write_slots.tolist(), plan.positions.tolist()
-    faults = []
-    for i, row in enumerate(plan.rows):
-        n, table = lens[i], tables[row]
-        if not 1 <= n <= min(len(mapping[i]), table.num_tokens):
-            faults.append(f"row {row}: context_len {n} outside the rectangle ({len(mapping[i])} wide) "
-                          f"or the table ({table.num_tokens} tokens)")
-            continue
-        wrong = [t for t in range(n) if mapping[i][t] != table.slot(t)]
-        if wrong:
-            faults.append(f"row {row} col {wrong[0]}: mapping says {mapping[i][wrong[0]]}, "
-                          f"block table says {table.slot(wrong[0])}")
-        if written[i] != mapping[i][n - 1] or positions[i] != n - 1:
-            faults.append(f"row {row}: writes slot {written[i]} at position {positions[i]}, but its last real "
-                          f"cell is col {n - 1} = slot {mapping[i][n - 1]}")
-    _fail_if(faults, "plan addressing is wrong (cache side: plan_decode):")
-
-
-def check_plan_fresh(plan: DecodePlan, tables: Sequence[BlockTable]) -> None:
-    """The plan's context_lens (a copy) still match the block tables."""
-    lens = plan.context_lens.tolist()
-    _fail_if([f"row {row}: plan says {lens[i]} tokens, block table now holds {tables[row].num_tokens}"
-              for i, row in enumerate(plan.rows) if lens[i] != tables[row].num_tokens], "plan is stale:",
-             "\nA plan is good for the one step it was made for. Fix on the engine side: call plan_decode "
-             "again instead of reusing a plan.")
+    for block in range(pool.num_blocks):
+        refs, held = pool.ref_count(block), holders.get(block, 0)
+        if refs != held:
+            rows = [row for row, table in enumerate(manager.tables) if block in table.blocks]
+            state = "free in the pool" if refs == 0 else f"counted {refs} times"
+            faults.append(f"block {block}: {state}, but held by rows {rows}" if rows else
+                          f"block {block}: {state}, held by no row")
+    for row, table in enumerate(manager.tables):
+        if len(set(table.blocks)) != table.num_blocks:
+            faults.append(f"row {row} lists a block twice: {table.blocks}")
+    fail_if(faults, "the pool disagrees with the block tables (scheduler side: a block freed while held, "
+            "freed twice, or shared without a reference):")
 
 
 def check_table_fits(max_batch_size: int, max_model_len: int, block_size: int, kv_bytes: int,

@@ -1,15 +1,18 @@
-"""Starting the ranks of a tensor-parallel engine and driving them, one plan per step.
+"""Starting the ranks of a tensor-parallel worker and driving them, one plan per step.
 
-Rank 0 holds the engine (scheduler, tokenizer, sampler, the server); every rank holds its
-shard of the weights and the cache of its K/V heads, built by the same ``build_rank`` from the
-same config. Each step rank 0 broadcasts the plan (pickled, over a gloo group of its own) and
-every rank runs ``runner.execute(plan)``; the forward's collectives run on the compute group
-(gloo on the CPU, NCCL on CUDA) whose timeout bounds how long a missing rank can stall a step.
+Rank 0 holds the engine (scheduler, tokenizer, sampler, the server) around a ``DrivingWorker``;
+every rank holds a ``Worker`` and nothing else: its shard of the weights and the cache of its
+K/V heads, built by the same ``build_worker`` from the same ``WorkerSpec``. Each step rank 0
+broadcasts the plan (pickled, over a gloo group of its own) and every rank runs
+``worker.execute(plan)``, prompt scoring included (its LM head gathers over every rank); the
+forward's collectives run on the compute group (gloo on the CPU, NCCL on CUDA) whose timeout
+bounds how long a missing rank can stall a step.
 
-Two launches: on one host ``build_engine(..., tensor_parallel_size=N)`` spawns ranks 1..N-1
-itself and joins them over a free loopback port; under torchrun (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set) the same call joins the launched ranks through env://, and on
-every rank but 0 it serves plans until rank 0 closes, then exits the process.
+Two launches: on one host ``build_tensor_parallel`` (``build_engine(...,
+tensor_parallel_size=N)``) spawns ranks 1..N-1 itself and joins them over a free loopback port;
+under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the same call joins the
+launched ranks through env://, and on every rank but 0 it serves plans until rank 0 closes,
+then exits the process.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.distributed.shard import check_float_model, check_tensor_parallel, parallelize, shard_weights
-from nanoserve.engine.build import build_rank, resolve_weights
-from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.plan import StepPlan
 from nanoserve.model.loader import load_config
+from nanoserve.worker.build import WorkerSpec, build_worker
+from nanoserve.worker.plan import StepPlan
+from nanoserve.worker.worker import StepOutput, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +68,6 @@ class Rank:
 
 
 @dataclass(frozen=True)
-class ComputeLogits:
-    """Rank 0 scores prompt positions: every rank runs the LM head on these hidden states."""
-
-    hidden: torch.Tensor
-
-
-@dataclass(frozen=True)
 class Stop:
     """Rank 0 is closing: leave the loop."""
 
@@ -85,12 +81,11 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, int(os.environ.get("LOCAL_RANK", rank))
 
 
-def build_tensor_parallel(model, tokenizer, config: EngineConfig):
-    """build_engine with tensor_parallel_size > 1 (module docstring: the two launches)."""
-    size = config.tensor_parallel_size
-    weight_plan, _ = resolve_weights(config.weights, config.dtype, config.device, named_model=isinstance(model, str))
+def build_tensor_parallel(model, spec: WorkerSpec, size: int, timeout: float) -> DrivingWorker:
+    """Rank 0's worker over ``size`` ranks (module docstring: the two launches); ``timeout`` is
+    how long, in seconds, a collective may wait for a rank."""
     arch = load_config(model) if isinstance(model, str) else model.config
-    check_tensor_parallel(arch, size, weight_plan)  # before any process starts
+    check_tensor_parallel(arch, size, spec.weights)  # before any process starts
     if not isinstance(model, str):
         check_float_model(model)
     if dist.is_initialized():
@@ -101,14 +96,13 @@ def build_tensor_parallel(model, tokenizer, config: EngineConfig):
         rank, world, local_rank = launched
         if world != size:
             raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={world} ranks")
-        config = _rank_device(config, local_rank)
-        joined = _join(rank, size, "env://", config)
+        spec = _rank_device(spec, local_rank)
+        joined = _join(rank, size, "env://", spec.device, timeout)
         if rank > 0:
-            code = serve_plans(model, tokenizer, config, joined)
-            raise SystemExit(code)
-        return _driven_engine(model, tokenizer, config, joined, workers=[])
+            raise SystemExit(serve_plans(model, spec, joined))
+        return _driving_worker(model, spec, joined, workers=[])
     port = free_port()
-    if not str(config.device).startswith("cuda"):
+    if not spec.device.startswith("cuda"):
         # The ranks share this host's cores: each takes its part (the workers get the same count).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // size)))
@@ -116,13 +110,15 @@ def build_tensor_parallel(model, tokenizer, config: EngineConfig):
     context = mp.get_context("spawn")
     workers = []
     for rank in range(1, size):
-        process = context.Process(target=_worker_main, args=(rank, size, port, model, config, os.getpid(), threads),
+        process = context.Process(target=_worker_main,
+                                  args=(rank, size, port, model, spec, timeout, os.getpid(), threads),
                                   name=f"nanoserve-tp{rank}")
         process.start()
         workers.append(process)
     try:
-        joined = _join(0, size, f"tcp://127.0.0.1:{port}", _rank_device(config, 0))
-        return _driven_engine(model, tokenizer, _rank_device(config, 0), joined, workers)
+        spec = _rank_device(spec, 0)
+        joined = _join(0, size, f"tcp://127.0.0.1:{port}", spec.device, timeout)
+        return _driving_worker(model, spec, joined, workers)
     except BaseException:
         _kill(workers)
         if dist.is_initialized():
@@ -136,17 +132,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_device(config: EngineConfig, local_rank: int) -> EngineConfig:
+def _rank_device(spec: WorkerSpec, local_rank: int) -> WorkerSpec:
     """Each rank on its own GPU (cuda or cuda:k -> cuda:<local rank>); the CPU is shared."""
-    if str(config.device).startswith("cuda"):
+    if spec.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
-        return dataclasses.replace(config, device=f"cuda:{local_rank}")
-    return config
+        return dataclasses.replace(spec, device=f"cuda:{local_rank}")
+    return spec
 
 
-def _join(rank: int, size: int, init_method: str, config: EngineConfig) -> Rank:
-    cuda = str(config.device).startswith("cuda")
-    timeout = timedelta(seconds=config.tensor_parallel_timeout)
+def _join(rank: int, size: int, init_method: str, device: str, timeout_seconds: float) -> Rank:
+    cuda = device.startswith("cuda")
+    timeout = timedelta(seconds=timeout_seconds)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
@@ -154,14 +150,14 @@ def _join(rank: int, size: int, init_method: str, config: EngineConfig) -> Rank:
     return Rank(rank, size, dist.group.WORLD, control, startup)
 
 
-def _worker_main(rank: int, size: int, port: int, model, config: EngineConfig, parent: int, threads: int) -> None:
-    """A spawned rank's process: join, build the shard, serve plans; leave when rank 0 does.
-    (No tokenizer: only rank 0 reads or writes text.)"""
+def _worker_main(rank: int, size: int, port: int, model, spec: WorkerSpec, timeout: float, parent: int,
+                 threads: int) -> None:
+    """A spawned rank's process: join, build its worker, serve plans; leave when rank 0 does."""
     torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    config = _rank_device(config, rank)
-    joined = _join(rank, size, f"tcp://127.0.0.1:{port}", config)
-    raise SystemExit(serve_plans(model, None, config, joined))
+    spec = _rank_device(spec, rank)
+    joined = _join(rank, size, f"tcp://127.0.0.1:{port}", spec.device, timeout)
+    raise SystemExit(serve_plans(model, spec, joined))
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -171,20 +167,16 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def serve_plans(model, tokenizer, config: EngineConfig, joined: Rank) -> int:
-    """A rank > 0: build its shard, then apply each message of rank 0 until Stop. Returns the
+def serve_plans(model, spec: WorkerSpec, joined: Rank) -> int:
+    """A rank > 0: build its worker, then apply each plan of rank 0 until Stop. Returns the
     process's exit code (a fault is logged and leaves the process group)."""
     try:
-        engine = build_rank(model, tokenizer, config, joined)
+        worker = build_worker(model, spec, joined)
         joined.ready()
-        runner, network = engine.runner, engine.model
         while True:
             message = _receive(joined)
             if isinstance(message, StepPlan):
-                runner.execute(message)
-            elif isinstance(message, ComputeLogits):
-                with torch.inference_mode():
-                    network.compute_logits(message.hidden.to(runner.device))
+                worker.execute(message)
             elif isinstance(message, Stop):
                 return 0
             else:
@@ -245,20 +237,18 @@ def _kill(workers: list) -> None:
         w.join()
 
 
-class DrivingRunner:
-    """Rank 0's runner: each plan goes to every rank, then runs here on rank 0's shard."""
+class DrivingWorker:
+    """Rank 0's worker: each plan goes to every rank, then runs here on rank 0's shard. The
+    same interface as a ``Worker`` (``execute``, ``close``), and rank 0's parts to report."""
 
-    def __init__(self, runner, driver: Driver) -> None:
-        self.runner, self.driver = runner, driver
-        self.decode_step, self.device = runner.decode_step, runner.device
+    def __init__(self, worker: Worker, driver: Driver) -> None:
+        self.worker, self.driver = worker, driver
+        self.model, self.cache, self.decode_step, self.device = worker.model, worker.cache, worker.decode_step, worker.device
 
-    def execute(self, plan: StepPlan):
-        return self.driver_call(lambda: self.runner.execute(plan), plan)
-
-    def driver_call(self, work, message):
+    def execute(self, plan: StepPlan) -> StepOutput:
         try:
-            self.driver.send(message)
-            return work()
+            self.driver.send(plan)
+            return self.worker.execute(plan)
         except Exception:
             self.driver.close(healthy=False)
             raise
@@ -267,21 +257,10 @@ class DrivingRunner:
         self.driver.close()
 
 
-class DrivingLogits:
-    """Rank 0's scoring model: the LM head's gather needs every rank, so each call is sent."""
-
-    def __init__(self, model, runner: DrivingRunner) -> None:
-        self.model, self.runner = model, runner
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.driver_call(lambda: self.model.compute_logits(hidden), ComputeLogits(hidden.cpu()))
-
-
-def _driven_engine(model, tokenizer, config: EngineConfig, joined: Rank, workers: list):
-    engine = build_rank(model, tokenizer, config, joined)
+def _driving_worker(model, spec: WorkerSpec, joined: Rank, workers: list) -> DrivingWorker:
+    worker = build_worker(model, spec, joined)
     joined.ready()  # the first plan's bounded broadcast must not wait on a rank still loading
     driver = Driver(joined, workers)
-    engine.runner = DrivingRunner(engine.runner, driver)
-    engine.scoring_model = DrivingLogits(engine.model, engine.runner)
-    weakref.finalize(engine, driver.close)  # an engine dropped unclosed still stops its ranks
-    return engine
+    driving = DrivingWorker(worker, driver)
+    weakref.finalize(driving, driver.close)  # a worker dropped unclosed still stops its ranks
+    return driving

@@ -1,4 +1,4 @@
-"""The engine layer: scheduling, sampling, bucketing, the decode step and Engine itself."""
+"""The engine layer, the host side: configuration, requests, the scheduler, sampling and Engine itself."""
 
 from __future__ import annotations
 

@@ -1,28 +1,29 @@
-"""build_engine: load a model, turn a memory budget into a pool plan, and wire the engine."""
+"""build_engine: resolve what was asked into a pool, a block manager and a worker spec; build
+the worker (here, or over tensor-parallel ranks) and wire the engine around it."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from typing import TYPE_CHECKING
+import os
 
 import torch
 
-from nanoserve.cache.paged_cache import BatchedPagedKVCache
+from nanoserve.cache.block_manager import SCRATCH_BLOCK, BlockManager
 from nanoserve.cache.pool_plan import PoolPlan, kv_bytes_per_token, plan_pool
-from nanoserve.engine.bucketing import Buckets
+from nanoserve.distributed.launch import build_tensor_parallel
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.engine import Engine
-from nanoserve.engine.paged_attention import decode_attention_kernel
+from nanoserve.engine.resolved import ResolvedConfig
+from nanoserve.engine.scheduler import Scheduler, check_token_budget
 from nanoserve.model import cpu_kernels
+from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.loader import load_model
+from nanoserve.model.loader import load_config, load_tokenizer
 from nanoserve.model.quant import DENSE_FROM_ROWS
-from nanoserve.model.weight_plan import WeightPlan, pack_model
-
-if TYPE_CHECKING:
-    from nanoserve.distributed.launch import Rank
+from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.worker.attention import decode_attention_kernel
+from nanoserve.worker.bucketing import Buckets
+from nanoserve.worker.build import WorkerSpec, build_worker
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
 # K/V heads and head size): a 135M model's 16k tokens are ~0.75 GB in fp32, an 8B's ~2 GB in bf16.
@@ -43,87 +44,86 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     ``model`` is "smollm2" (the default GGUF), a path to a .gguf file or a Hugging Face
     directory, or an already built ``LlamaModel`` (then pass ``tokenizer`` for text prompts).
     The options are ``EngineConfig``'s fields (README: the options table), given as ``config``,
-    as keywords, or both (the keywords win); ``Engine.config`` holds them resolved.
+    as keywords, or both (the keywords win). ``Engine.config`` holds them as asked (so
+    ``build_engine(model, config=engine.config)`` builds the same engine again) and
+    ``Engine.resolved`` what they resolved to.
 
     ``kv_cache_bytes`` is the K/V budget; the pool plan turns it into blocks and clamps
     ``max_model_len`` to what the pool can hold. Asking for a ``max_model_len`` the pool cannot
     hold for even one request raises ValueError with the arithmetic. ``weights`` "auto" is
     ``auto_cpu_plan()`` on the CPU and bf16 on CUDA; unset, a model named by a string loads as
     "auto" unless ``dtype`` is given (then dense in that dtype), and a ``LlamaModel`` is used in
-    its own dtype (given with ``weights``, it is converted in place).
+    its own dtype (given with ``weights``, it is converted in place). With
+    ``tensor_parallel_size`` > 1 the worker spans that many ranks (nanoserve.distributed.launch).
+    NANOSERVE_CHECKS=1 in the environment runs the gates on every step (README: debug runs).
     """
     config = dataclasses.replace(config or EngineConfig(), **options)
+    named = isinstance(model, str)
+    weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
+    arch = load_config(model) if named else model.config
+    pool = _plan_pool(arch, config, dtype)
+    spec = _worker_spec(config, arch, pool, weight_plan, dtype)
+    resolved = _resolve(config, pool, spec)
+    check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
+    # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
+    # returns (under torchrun), so it builds nothing of the host side.
     if config.tensor_parallel_size > 1:
-        from nanoserve.distributed.launch import build_tensor_parallel  # torch.distributed only when asked
-        return build_tensor_parallel(model, tokenizer, config)
-    return build_rank(model, tokenizer, config)
-
-
-def build_rank(model: str | LlamaModel, tokenizer, config: EngineConfig, rank: Rank | None = None) -> Engine:
-    """``build_engine`` for one process: the whole model, or with ``rank`` (tensor parallelism,
-    its process group joined) that rank's shard and its K/V heads' cache. Every rank builds
-    the same pool, buckets and engine from the same config, so one plan drives them all."""
-    weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=isinstance(model, str))
-    # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
-    source = model if isinstance(model, str) else f"{type(model).__name__}@{id(model):x}"
-    if isinstance(model, str):
-        model, tokenizer = load_model(model, dtype=dtype, device=config.device, weights=weight_plan,
-                                      shard=None if rank is None else rank.shard)
+        worker = build_tensor_parallel(model, spec, config.tensor_parallel_size, config.tensor_parallel_timeout)
     else:
-        if rank is not None:
-            model = copy.deepcopy(model)  # the caller's model stays whole
-            rank.shard(model, {})
-        if weight_plan is not None:
-            pack_model(model, weight_plan)
-        model = model.to(device=config.device, dtype=dtype)
-    if rank is not None:
-        rank.parallelize(model)
-    model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
-    arch = model.config
-    # The pool is planned for the whole model's K/V heads (kv_cache_bytes is the budget over
-    # every rank); each rank's cache holds its heads of every block.
-    plan = _plan_pool(arch, config, dtype)
-    kv_heads = arch.num_kv_heads // (rank.size if rank is not None else 1)
-    weights_name = weight_plan.name if weight_plan else _format_name(dtype)
-    cache = BatchedPagedKVCache(arch.num_layers, kv_heads, arch.head_dim, plan.num_blocks,
-                                config.block_size, config.max_batch_size, plan.max_model_len, dtype=dtype,
-                                device=config.device, enable_prefix_caching=config.enable_prefix_caching,
-                                prefix_salt=f"{source}|{arch!r}|{dtype}|{weights_name}")
+        worker = build_worker(model, spec)
+    # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
+    source = model if named else f"{type(model).__name__}@{id(model):x}"
+    blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          prefix_salt=f"{source}|{arch!r}|{dtype}|{resolved.weights}")
+    scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
+                          chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
+                          buckets=spec.buckets)
+    if tokenizer is None and named:
+        tokenizer = load_tokenizer(model)
+    return Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks)
+
+
+def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
+                 dtype: torch.dtype) -> WorkerSpec:
+    """What every rank's worker is built from: the pool's shape, the decode grid, the kernel tier."""
     # The tier running the packed weights; with dense bf16 weights the decode attention still
     # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
     tier = weight_plan.tier if weight_plan is not None else None
     if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
         tier = cpu_kernels.resolve_tier()
-    attention_kernel = decode_attention_kernel(cache.k_caches[0], tier)
-    buckets = _buckets(config, cache.max_model_len, attention_kernel is not None)
-    step = DecodeStep(model, cache, config.max_batch_size, buckets, compile=config.compile, mode=config.compile_mode,
-                      device=config.device, backend=config.compile_backend, attention_kernel=attention_kernel)
+    kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
+    return WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
+                      pool.max_model_len, SCRATCH_BLOCK * config.block_size, _buckets(config, pool.max_model_len, kernel),
+                      config.compile, config.compile_mode, config.compile_backend, tier, config.warmup == "eager",
+                      checks=os.environ.get("NANOSERVE_CHECKS", "") == "1")
+
+
+def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerSpec) -> ResolvedConfig:
     chunked, budget = config.enable_chunked_prefill, config.max_num_batched_tokens
-    resolved = dataclasses.replace(
-        config, max_model_len=cache.max_model_len, kv_cache_bytes=plan.num_blocks * plan.bytes_per_block,
-        max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, cache.max_model_len,
+    return ResolvedConfig(
+        weights=spec.weights.name if spec.weights else _format_name(spec.dtype), weight_plan=spec.weights,
+        dtype=spec.dtype, cpu_kernels=spec.attention_tier, max_model_len=pool.max_model_len,
+        kv_cache_bytes=pool.num_blocks * pool.bytes_per_block, num_blocks=pool.num_blocks,
+        max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, pool.max_model_len,
                                                                config.device),
         # The CPU default budget is sized for the streams a chunk delays; with none decoding it
         # would only slow a lone prompt. A budget the caller sets binds every step.
         prefill_only_budget=config.prefill_only_budget or (None if budget or not chunked else DEFAULT_CHUNKED_BUDGET),
-        dtype=dtype, weights=weights_name, bucketing=buckets is not None,
-        row_buckets=buckets.rows if buckets else None, width_buckets=buckets.widths if buckets else None)
-    engine = Engine(model, tokenizer, cache, resolved, step, cpu_kernels=tier)
-    if config.compile and config.warmup == "eager" and buckets is not None:
-        step.warmup()
-    return engine
+        buckets=spec.buckets)
 
 
-def _plan_pool(arch, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
+def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
     """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
     block, at most DEFAULT_KV_TOKENS tokens' worth)."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype.itemsize)
     blocks = min(rows * -(-limit // block_size), -(-DEFAULT_KV_TOKENS // block_size)) + 1
     budget = config.kv_cache_bytes or blocks * per_block
     try:
-        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, block_size, rows, limit)
+        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype.itemsize, block_size, rows,
+                         limit)
     except ValueError as exc:
         raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
     wanted = config.max_model_len

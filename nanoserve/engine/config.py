@@ -1,8 +1,7 @@
 """The engine's options: one dataclass, each field with its default and its help. ``build_engine``
 takes them as keywords, the command line's flags (options.py) and the README's table
-(``options_table``) are made from them, and ``Engine.config`` is the same record with every
-unset value resolved (the clamped ``max_model_len``, the token budgets, the dtype, the weight
-format's name).
+(``options_table``) are made from them, and ``Engine.config`` is the record as it was asked
+(what it resolved to is ``Engine.resolved``, nanoserve.engine.resolved).
 
 Imports nothing heavy: the command line reads these before torch is loaded.
 """
@@ -11,7 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanoserve.model.weight_plan import WeightPlan
 
 
 def option(default: Any, help: str, cli: bool = True, flag: str | None = None, choices: tuple | None = None,
@@ -39,12 +43,13 @@ class EngineConfig:
     prefill_only_budget: int | None = option(
         None, "tokens a step with no row decoding may prefill (default: 512 where max_num_batched_tokens "
               "is left to its default, else max_num_batched_tokens)", cli=False)
-    dtype: Any = option(None, "activations and K/V: float32, float16, bfloat16 or a torch.dtype "
+    dtype: str | torch.dtype | None = option(None, "activations and K/V: float32, float16, bfloat16 or a torch.dtype "
                               "(default: float32 on cpu, bfloat16 on cuda; the weight format's dtype)",
                         choices=("float32", "float16", "bfloat16"))
-    weights: Any = option(None, "weight format: auto, auto+dense (with a dense copy for steps of many rows), fp32, "
-                                "bf16, int8, int4, a plan name or a WeightPlan (default: auto, or dense in dtype when "
-                                "that is given)", choices=("auto", "auto+dense", "fp32", "bf16", "int8", "int4"))
+    weights: str | WeightPlan | None = option(
+        None, "weight format: auto, auto+dense (with a dense copy for steps of many rows), fp32, bf16, int8, int4, "
+              "a plan name or a WeightPlan (default: auto, or dense in dtype when that is given)",
+        choices=("auto", "auto+dense", "fp32", "bf16", "int8", "int4"))
     device: str = option("cpu", "torch device, e.g. cpu or cuda")
     compile: bool = option(False, "torch.compile the decode step (reduce-overhead, bucketed static shapes)")
     compile_mode: str | None = option("reduce-overhead", "torch.compile mode of the decode step", cli=False)

@@ -1,28 +1,28 @@
 """The engine: requests in, tokens out, many requests sharing each decode step.
 
 Follow a token: ``add_request`` tokenizes and validates (inputs.py); ``step`` asks the scheduler
-for a plan, the runner to execute it (while a worker fills the token masks of the rows a grammar
+for a plan, the worker to execute it (while a thread fills the token masks of the rows a grammar
 constrains: structured/decoding.py), the sampler for one token per sampled row, and hands
 each token to output processing (outputs.py: detokenize, stop conditions). ``generate`` and
-``stream`` loop over ``step``.
+``stream`` loop over ``step``. The host side (scheduler, block manager, requests) and the
+device side (the worker: model, K/V, slot table) share nothing: the plan goes down, the step
+output comes back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
+from nanoserve.engine.checks import check_applied, check_step
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.decode import DecodeStep
 from nanoserve.engine.inputs import InputProcessor, Prompt, RequestError, as_prompt_list
 from nanoserve.engine.outputs import OutputProcessor
-from nanoserve.engine.plan import StepPlan
-from nanoserve.engine.prompt_logprobs import score_chunk
 from nanoserve.engine.request import Request, RequestOutput
-from nanoserve.engine.runner import ModelRunner
+from nanoserve.engine.resolved import ResolvedConfig
 from nanoserve.engine.sampler import Sampler, sample_isolated
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
@@ -30,38 +30,43 @@ from nanoserve.engine.stats import EngineStats
 from nanoserve.model.quant import tensor_bytes
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.decoding import GrammarViolation, StructuredDecoding
+from nanoserve.worker.plan import StepPlan
+from nanoserve.worker.worker import StepOutput, Worker
 
 
 class Engine:
-    """Built by ``build_engine``; ``config`` is its options, resolved."""
+    """Built by ``build_engine``: ``config`` is what was asked, ``resolved`` what it resolved
+    to. ``checks`` runs the gates on every step (NANOSERVE_CHECKS=1)."""
 
-    def __init__(self, model, tokenizer, cache, config: EngineConfig, decode_step: DecodeStep,
-                 cpu_kernels: str | None = None) -> None:
-        self.model = model
+    def __init__(self, worker: Worker, scheduler: Scheduler, tokenizer, config: EngineConfig,
+                 resolved: ResolvedConfig, checks: bool = False) -> None:
+        self.worker = worker
+        self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.cache = cache
         self.config = config
-        self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = frozenset(model.config.eos_token_ids)
-        self.runner = ModelRunner(model, cache, decode_step, config.device)
-        # What scores prompt positions (its compute_logits); under tensor parallelism the
-        # driver's, which has the other ranks join the LM head's gather.
-        self.scoring_model = model
-        self.scheduler = Scheduler(cache, config.max_batch_size, config.max_num_batched_tokens,
-                                   chunked=config.enable_chunked_prefill,
-                                   prefill_only_budget=config.prefill_only_budget, buckets=decode_step.buckets)
-        self.inputs = InputProcessor(tokenizer, self.vocab_size, config.max_model_len, config.device)
-        self.outputs = OutputProcessor(self.eos_token_ids, config.max_model_len)
+        self.resolved = resolved
+        self.checks = checks
+        model_config = worker.model.config
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.inputs = InputProcessor(tokenizer, self.vocab_size, resolved.max_model_len, config.device)
+        self.outputs = OutputProcessor(self.eos_token_ids, resolved.max_model_len)
         self.sampler = Sampler()
         self.structured = StructuredDecoding(structured_compiler(tokenizer, self.vocab_size, self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._aborted_outputs: list[RequestOutput] = []
-        self.weight_bytes = tensor_bytes(model)  # resident weights, packed codes and any dense copy
-        self.cpu_kernels = cpu_kernels  # the kernel tier running packed weights (cpu_kernels), if any
+        self.weight_bytes = tensor_bytes(worker.model)  # resident weights, packed codes and any dense copy
         # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: weight_plan.weight_types).
-        self.weight_types = dict(getattr(model, "weight_types", {}))
-        self.file_bytes, self.load_stages = getattr(model, "file_bytes", 0), dict(getattr(model, "load_stages", {}))
+        self.weight_types = dict(getattr(worker.model, "weight_types", {}))
+        # The model file's size and how long each stage of loading it took (model/loader.py).
+        self.file_bytes = getattr(worker.model, "file_bytes", 0)
+        self.load_stages = dict(getattr(worker.model, "load_stages", {}))
+
+    @property
+    def model(self):
+        """The worker's model (under tensor parallelism, rank 0's shard)."""
+        return self.worker.model
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -98,19 +103,29 @@ class Engine:
 
         What belongs to one request (its sampling, its prompt scoring, its detokenizing) fails
         that request alone, with ``finish_reason="error"``. Anything else raising (the model,
-        the cache, the scheduler) is an engine fault: it propagates, since the engine's state
-        can no longer be trusted."""
+        the worker, the scheduler, a gate) is an engine fault: it propagates, since the engine's
+        state can no longer be trusted."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         plan = self.scheduler.schedule()
         if plan is None:
             return outputs
-        sampled = [self.requests[request_id] for request_id in plan.sampled]
-        # Masks depend only on tokens already accepted: filled on a worker while the forward runs.
-        grammars = [r.grammar for r in sampled]
+        if self.checks:
+            check_step(plan, self.scheduler.blocks)
+        # Masks depend only on tokens already accepted: filled on a thread while the forward runs.
+        grammars = [self.requests[request_id].grammar for request_id in plan.sampled]
         pending_masks = self.structured.start_masks(grammars)
-        result = self.runner.execute(plan)
+        result = self.worker.execute(plan)
         masks, broken = self.structured.finish_masks(pending_masks, grammars)
-        failed = self._score_prompts(plan, result.hidden)  # request -> why it failed
+        if self.checks:
+            check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
+        return outputs + self._update(plan, result, masks, broken)
+
+    def _update(self, plan: StepPlan, result: StepOutput, masks, broken: dict[int, str]) -> list[RequestOutput]:
+        """Sample one token per sampled row (within its grammar's mask) and hand each to its
+        request; finish the requests that ended or failed. Returns the outputs of the requests
+        that moved."""
+        failed = self._take_prompt_logprobs(plan, result)  # request -> why it failed
+        sampled = [self.requests[request_id] for request_id in plan.sampled]
         failed.update((sampled[row], message) for row, message in broken.items())
         if sampled:
             histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampled] \
@@ -128,7 +143,7 @@ class Engine:
         for request, message in failed.items():  # a chunk that failed before its last one
             self._finish(request, "error", message)
             sampled.append(request)
-        return outputs + [self.outputs.output(r) for r in sampled]
+        return [self.outputs.output(r) for r in sampled]
 
     def _append(self, request: Request, token_id: int, logprob) -> tuple[str, str | None] | None:
         """The token joins the request; its grammar (if any) advances first, and a token that
@@ -143,14 +158,14 @@ class Engine:
                 return "error", str(exc)
         return self.outputs.append_token(request, token_id, logprob, complete)
 
-    def _score_prompts(self, plan: StepPlan, hidden: dict[int, torch.Tensor]) -> dict[Request, str]:
-        failed = {}
-        for index, states in hidden.items():
+    def _take_prompt_logprobs(self, plan: StepPlan, result: StepOutput) -> dict[Request, str]:
+        """Each scored chunk's prompt logprobs join its request's (a prefill restarted by
+        preemption rescores from its start: the same positions, the same values)."""
+        for index, scored in result.prompt_logprobs.items():
             chunk = plan.prefill[index]
             request = self.requests[chunk.request_id]
-            if (error := score_chunk(self.scoring_model, request, chunk, states)) is not None:
-                failed[request] = error
-        return failed
+            request.prompt_logprobs = (request.prompt_logprobs or [None])[:chunk.start + 1] + scored
+        return {self.requests[plan.prefill[index].request_id]: error for index, error in result.prompt_errors.items()}
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(request, reason, error=error)
@@ -213,7 +228,7 @@ class Engine:
         """Release what the engine started (a tensor-parallel engine's worker processes);
         idempotent. A one-process engine holds nothing else to release."""
         self.structured.close()
-        self.runner.close()
+        self.worker.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -223,24 +238,23 @@ class Engine:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s, d, cache, config = self.scheduler.stats, self.runner.decode_step.stats, self.cache, self.config
+        s, d, blocks = self.scheduler.stats, self.worker.decode_step.stats, self.scheduler.blocks
+        slot_table, config, resolved = self.worker.cache.slot_table, self.config, self.resolved
+        counts = {k: v for k, v in dataclasses.asdict(s).items() if k != "decode_rows_total"}  # the scheduler's counters
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), steps=s.steps,
-            prefill_steps=s.prefill_steps, decode_steps=s.decode_steps, prefill_tokens=s.prefill_tokens,
-            decode_tokens=s.decode_tokens, preemptions=s.preemptions, compactions=s.compactions,
-            finished=s.finished, aborted=s.aborted, failed=s.failed, max_decode_rows=s.max_decode_rows,
-            mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=cache.slot_table.windows,
-            gathers=cache.slot_table.gathers, blocks_free=cache.pool.num_free, blocks_total=cache.pool.num_blocks,
+            **counts, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=slot_table.windows,
+            gathers=slot_table.gathers, blocks_free=blocks.pool.num_free, blocks_total=blocks.pool.num_blocks,
             compiled=config.compile, graphs_built=d.graphs_built, recompiles_after_warmup=d.recompiles_after_warmup,
             warmup_seconds=d.warmup_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
-            weights=config.weights, weight_bytes=self.weight_bytes, weight_types=dict(self.weight_types),
+            weights=resolved.weights, weight_bytes=self.weight_bytes, weight_types=dict(self.weight_types),
             file_bytes=self.file_bytes, load_stages=dict(self.load_stages),
-            cpu_kernels=self.cpu_kernels,
-            compute_dtype=str(config.dtype).removeprefix("torch."), chunked_prefill=config.enable_chunked_prefill,
+            cpu_kernels=resolved.cpu_kernels,
+            compute_dtype=str(resolved.dtype).removeprefix("torch."), chunked_prefill=config.enable_chunked_prefill,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            prefill_only_budget=self.scheduler.prefill_only_budget, prefix_caching=cache.enable_prefix_caching,
-            prefix_cache_queries=cache.prefix_queries, prefix_cache_hits=cache.prefix_hits,
-            prefix_cache_blocks=cache.pool.num_registered, prefix_cache_evictions=cache.pool.evictions,
+            prefill_only_budget=self.scheduler.prefill_only_budget, prefix_caching=blocks.enable_prefix_caching,
+            prefix_cache_queries=blocks.prefix_queries, prefix_cache_hits=blocks.prefix_hits,
+            prefix_cache_blocks=blocks.pool.num_registered, prefix_cache_evictions=blocks.pool.evictions,
             structured_requests=self.structured.requests, mask_steps=self.structured.mask_steps,
             mask_seconds=self.structured.mask_seconds)
 
@@ -250,13 +264,15 @@ class Engine:
         problems = []
         if self.scheduler.waiting or self.scheduler.running:
             problems.append(f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running")
-        held = self.cache.pool.num_used - 1  # the scratch block is the cache's own, for good
+        blocks = self.scheduler.blocks
+        held = blocks.pool.num_used - 1  # the scratch block is the manager's own, for good
         if held:
             problems.append(f"{held} blocks still allocated")
-        if self.cache.live_rows:
-            problems.append(f"rows {self.cache.live_rows} still claimed")
+        if blocks.live_rows:
+            problems.append(f"rows {blocks.live_rows} still claimed")
         if problems:
             raise AssertionError("engine not drained: " + "; ".join(problems))
+
 
 
 def structured_compiler(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler | None:

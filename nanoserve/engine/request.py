@@ -43,7 +43,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # scored chunk by chunk, at the first prefill
     status: RequestStatus = RequestStatus.WAITING
-    row: int | None = None  # while it holds one, the cache counts its K/V (cache.num_tokens(row))
+    row: int | None = None  # while it holds one, the block manager counts its K/V (blocks.num_tokens(row))
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     generator: torch.Generator | None = None

@@ -14,15 +14,9 @@ import torch
 
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.structured.masks import TokenMasks, apply_token_masks
+from nanoserve.worker.scoring import TokenLogprobs, gather_logprobs
 
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's logprob and the step's top alternatives (token id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "gather_logprobs", "sample_isolated"]
 
 
 @dataclass
@@ -148,24 +142,3 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
     return logits - presence * (counts > 0) - frequency * counts
-
-
-def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-                    widths: list[int | None]) -> list[TokenLogprobs | None]:
-    """Row i's logprob of ``token_ids[i]`` under ``raw`` (log-softmaxed [n, vocab]) and its top
-    ``widths[i]`` alternatives (at most the vocabulary); ``None`` where ``widths[i]`` is None."""
-    vocab = raw.shape[-1]
-    width = min(max(w or 0 for w in widths), vocab)
-    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = raw.topk(width, dim=-1) if width else (None, None)
-    ids = token_ids.tolist()
-    out: list[TokenLogprobs | None] = []
-    for row, row_width in enumerate(widths):
-        if row_width is None:
-            out.append(None)
-            continue
-        top = []
-        if row_width:
-            top = list(zip(top_ids[row, :row_width].tolist(), top_values[row, :row_width].tolist()))
-        out.append(TokenLogprobs(ids[row], chosen[row], top))
-    return out

@@ -16,18 +16,23 @@ decode read is a window), then prefilling rows ``d..n-1``. Chunks are handed out
 order and only the last of them can stop short of its prompt's end, so the rows whose
 prefill completes in a step are exactly ``d..d+c-1``: they join the decode region where
 they stand. A row that leaves is filled by moving rows (compaction): the last decoding row
-into a decode hole, the last row into what is left; the next plan lists the moves.
+into a decode hole, the last row into what is left; the next plan lists the frees and moves.
+
+The scheduler owns the block manager and is its only writer; the worker hears of every change
+through the plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from nanoserve.engine.bucketing import Buckets
-from nanoserve.engine.plan import DecodeBatch, PrefillChunk, RowMove, StepPlan
+from nanoserve.cache.block_manager import BlockManager
 from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.worker.bucketing import Buckets
+from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, StepPlan
 
 
 @dataclass
@@ -46,15 +51,20 @@ class SchedulerStats:
     failed: int = 0
 
 
+def check_token_budget(max_batch_size: int, max_num_batched_tokens: int, chunked: bool) -> None:
+    """Raise ValueError for a step budget the scheduler cannot plan with."""
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if chunked and max_num_batched_tokens <= max_batch_size:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no prefill token once "
+                         f"{max_batch_size} rows decode: with chunked prefill it must exceed max_batch_size")
+
+
 class Scheduler:
-    def __init__(self, cache, max_batch_size: int, max_num_batched_tokens: int, chunked: bool = True,
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_batched_tokens: int, chunked: bool = True,
                  prefill_only_budget: int | None = None, buckets: Buckets | None = None) -> None:
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if chunked and max_num_batched_tokens <= max_batch_size:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no prefill token once "
-                             f"{max_batch_size} rows decode: with chunked prefill it must exceed max_batch_size")
-        self.cache = cache
+        check_token_budget(max_batch_size, max_num_batched_tokens, chunked)
+        self.blocks = blocks
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         # A step with no decode row keeps no stream waiting, so its prefill may take this many
@@ -65,13 +75,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i].row == i; decoding rows first
         self.stats = SchedulerStats()
-        self._moves: list[RowMove] = []  # compactions since the last plan, in order
+        self._row_changes: list[RowFree | RowMove] = []  # frees and compactions since the last plan, in order
         self._registered: list[int] = []
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if self.cache.enable_prefix_caching and request.block_hashes is None:
-            request.block_hashes = self.cache.block_hashes()
+        if self.blocks.enable_prefix_caching and request.block_hashes is None:
+            request.block_hashes = self.blocks.block_hashes()
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -88,8 +98,8 @@ class Scheduler:
         Decode first (preempting by recompute until every decoding row has its next slot, then
         appending that slot), then prefill chunks in what is left of the budget (chunked; a step
         without decode rows uses ``prefill_only_budget``); without chunking, whole prompts
-        first, else one decode step. The runner needs nothing but the plan: it never asks the
-        cache or the scheduler again. None when nothing can run."""
+        first, else one decode step. The worker needs nothing but the plan: it never asks the
+        block manager or the scheduler again. None when nothing can run."""
         self._registered = []
         if self.chunked:
             decode = self._schedule_decode()
@@ -103,31 +113,31 @@ class Scheduler:
             decode = None if prefill else self._schedule_decode()
         if decode is None and not prefill:
             return None
-        plan = StepPlan(tuple(self._moves), decode, tuple(prefill), tuple(self._registered))
-        self._moves.clear()
+        plan = StepPlan(tuple(self._row_changes), decode, tuple(prefill), tuple(self._registered))
+        self._row_changes.clear()
         self._count(plan)
         self._check_regions()
         return plan
 
     def _schedule_decode(self) -> DecodeBatch | None:
         # Preempt by recompute, newest first, until every decoding row can grow by one.
-        while len(self.running) > 1 and self.num_decoding and not self.cache.can_append(range(self.num_decoding)):
+        while len(self.running) > 1 and self.num_decoding and not self.blocks.can_append(range(self.num_decoding)):
             self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
         n = self.num_decoding
         if not n:
             return None
-        _, positions, write_slots = self.cache.advance(n)
-        rows, width = (n, int(positions.max()) + 1)
+        positions, write_slots = self.blocks.advance(range(n))
+        rows, width = (n, max(positions) + 1)
         if self.buckets is not None:
             rows, width = self.buckets.shape_for(rows, width)
         requests = self.running[:n]
-        return DecodeBatch(tuple(r.request_id for r in requests), tuple(r.last_token_id for r in requests),
-                           tuple(positions.tolist()), tuple(write_slots.tolist()), rows, width)
+        return DecodeBatch(tuple(r.request_id for r in requests), tuple(range(n)),
+                           tuple(r.last_token_id for r in requests), tuple(positions), tuple(write_slots), rows, width)
 
     def _schedule_prefill(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
         for request in self.running[self.num_decoding:]:  # rows still prefilling, in row order
-            remaining = request.num_tokens - self.cache.num_tokens(request.row)
+            remaining = request.num_tokens - self.blocks.num_tokens(request.row)
             length = min(remaining, budget, self._tokens_that_fit(request.row))
             if length >= 1:
                 chunks.append(self._chunk(request, length))
@@ -145,7 +155,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(request)
-            remaining = request.num_tokens - self.cache.num_tokens(request.row)
+            remaining = request.num_tokens - self.blocks.num_tokens(request.row)
             length = min(remaining, budget) if self.chunked else remaining
             chunks.append(self._chunk(request, length))
             budget -= length
@@ -157,22 +167,22 @@ class Scheduler:
         # headroom for every running row: admitting into a pool the running rows are about to
         # need only buys a preemption (and a recompute) on a later step. (This step's decode
         # rows already hold their blocks.)
-        reserved = sum(self.cache.blocks_needed(r.num_tokens - self.cache.num_tokens(r.row) + 1, r.row)
+        reserved = sum(self.blocks.blocks_needed(r.num_tokens - self.blocks.num_tokens(r.row) + 1, r.row)
                        for r in self.running[self.num_decoding:])
         tokens = request.all_token_ids
-        admit = self.cache.blocks_to_admit(tokens, adopt=_adopts_prefix(request), hashes=_hashes(request, tokens))
-        return admit + reserved + len(self.running) <= self.cache.pool.num_free
+        admit = self.blocks.blocks_to_admit(tokens, adopt=_adopts_prefix(request), hashes=_hashes(request, tokens))
+        return admit + reserved + len(self.running) <= self.blocks.pool.num_free
 
     def _tokens_that_fit(self, row: int) -> int:
         """Tokens the row can grow by now: the rest of its last block, then whole free blocks."""
-        slack = -self.cache.num_tokens(row) % self.cache.block_size
-        return slack + self.cache.pool.num_free * self.cache.block_size
+        slack = -self.blocks.num_tokens(row) % self.blocks.block_size
+        return slack + self.blocks.pool.num_free * self.blocks.block_size
 
     def _admit(self, request: Request) -> None:
         row = len(self.running)
         if _adopts_prefix(request):  # else its first chunk claims the row
             tokens = request.all_token_ids
-            self.cache.claim_prefix(row, tokens, _hashes(request, tokens))
+            self.blocks.claim_prefix(row, tokens, _hashes(request, tokens))
         request.row = row
         request.status = RequestStatus.PREFILLING
         if request.metrics.first_scheduled_time is None:
@@ -180,17 +190,22 @@ class Scheduler:
         self.running.append(request)
 
     def _chunk(self, request: Request, length: int) -> PrefillChunk:
-        start = self.cache.num_tokens(request.row)  # the row's K/V: adopted or computed
+        start = self.blocks.num_tokens(request.row)  # the row's K/V: adopted or computed
         end = start + length
-        self.cache.grow(request.row, length)
+        self.blocks.grow(request.row, length)
         tokens = request.all_token_ids
         # Findable from now on: this step's forward writes them before anything reads them.
-        self._registered += self.cache.cache_full_blocks(request.row, tokens[:end], _hashes(request, tokens))
+        self._registered += self.blocks.cache_full_blocks(request.row, tokens[:end], _hashes(request, tokens))
         is_last = end == request.num_tokens
         if is_last:  # it decodes from the next step on; its row is the first prefilling one
             request.status = RequestStatus.RUNNING
-        return PrefillChunk(request.request_id, request.row, start, tuple(tokens[start:end]),
-                            tuple(self.cache.slots_of(request.row, end)), is_last, _scores(request, start))
+        chunk = PrefillChunk(request.request_id, request.row, start, tuple(tokens[start:end]),
+                             tuple(self.blocks.slots_of(request.row, end)), is_last)
+        if _scores(request, start):  # position p's logits score prompt token p + 1
+            prompt = request.prompt_token_ids
+            targets = tuple(prompt[start + 1:min(end, len(prompt) - 1) + 1])
+            chunk = dataclasses.replace(chunk, score_top=request.params.prompt_logprobs, score_targets=targets)
+        return chunk
 
     def _count(self, plan: StepPlan) -> None:
         s = self.stats
@@ -228,8 +243,8 @@ class Scheduler:
         if len(self.running) == 1:
             only = self.running[0]
             raise RuntimeError(f"request {only.request_id} alone on the pool cannot prefill its next chunk "
-                               f"({self.cache.num_tokens(only.row)}/{only.num_tokens} tokens computed, "
-                               f"{self.cache.pool.num_free} blocks free)")
+                               f"({self.blocks.num_tokens(only.row)}/{only.num_tokens} tokens computed, "
+                               f"{self.blocks.pool.num_free} blocks free)")
         self._preempt(max(self.running, key=lambda r: r.metrics.arrival_time))
 
     # -- leaving -----------------------------------------------------------------------------
@@ -252,8 +267,9 @@ class Scheduler:
         row, decoding = request.row, self.num_decoding
         # Its K/V stays findable (with prefix caching): a later turn or a recompute adopts it.
         tokens = request.all_token_ids
-        self.cache.cache_full_blocks(row, tokens[:self.cache.num_tokens(row)], _hashes(request, tokens))
-        self.cache.free(row)
+        self.blocks.cache_full_blocks(row, tokens[:self.blocks.num_tokens(row)], _hashes(request, tokens))
+        self.blocks.free(row)
+        self._row_changes.append(RowFree(row))
         hole = row
         if row < decoding - 1:  # the last decoding row fills a decode hole
             self._move(decoding - 1, hole)
@@ -266,8 +282,8 @@ class Scheduler:
 
     def _move(self, src: int, dst: int) -> None:
         mover = self.running[src]
-        self._moves.append(RowMove(src, dst, self.cache.num_tokens(src)))
-        self.cache.move(src, dst)
+        self._row_changes.append(RowMove(src, dst, self.blocks.num_tokens(src)))
+        self.blocks.move(src, dst)
         mover.row = dst
         self.running[dst] = mover
         self.stats.compactions += 1

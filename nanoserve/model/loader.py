@@ -84,10 +84,18 @@ def load_config(model: str) -> ModelConfig:
     return read_hf_config(path) if path.is_dir() else GGUFCheckpoint.open(path).config()
 
 
+def load_tokenizer(model: str) -> Tokenizer:
+    """Only the tokenizer of a model argument (no weights are read)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf_metadata(GGUFCheckpoint.open(path).metadata, source=str(path))
+
+
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", weights: WeightPlan | None = None,
                shard: Callable[[LlamaModel, dict[str, GroupCodes]], dict[str, GroupCodes]] | None = None,
-               ) -> tuple[LlamaModel, Tokenizer]:
+               with_tokenizer: bool = True) -> tuple[LlamaModel, Tokenizer | None]:
     """Load weights and tokenizer. Raises FileNotFoundError or ModelLoadError naming the file at fault.
 
     With ``weights`` the model is held in that plan's format and dtype (``dtype`` is then
@@ -96,18 +104,19 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     The file is read one tensor at a time (``fill_model``): no float copy of the whole model is
     ever made. ``shard`` (tensor parallelism) cuts the float model and its block groups to one
     rank's part before they are packed, and returns the groups it kept: that path builds the
-    whole float model first.
+    whole float model first. ``with_tokenizer=False`` (a tensor-parallel rank's worker) reads no
+    tokenizer and returns None for it.
     """
     path = resolve_model_path(model)
     timer = LoadTimer()
     if path.is_dir():
         config = read_hf_config(path)
-        tokenizer = Tokenizer.from_hf_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
         weights_file: WeightFile = HFWeights(SafetensorsWeights(path))
     else:
         ckpt = GGUFCheckpoint.open(path)
         config = ckpt.config()
-        tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path))
+        tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)) if with_tokenizer else None
         weights_file = GGUFWeights(ckpt, config)
     timer.lap("metadata")
     if shard is not None:

@@ -40,7 +40,7 @@ class ServeState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine_loop.engine.config.max_model_len
+        return self.engine_loop.engine.resolved.max_model_len
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -1,9 +1,11 @@
 """The persistent slot table: where every row's tokens live, kept on the device.
 
-One `[max_batch_size, max_model_len]` int64 buffer, allocated once, and the rows' lengths in
-one host array, their only owner (the cache's block tables count their tokens in it). A
-decode step appends one cell per row and reads a rectangle: a *window* (a view) when the rows
-are the prefix `0..n-1`, else a *gather* (a copy). `rebuild_mapping` is the oracle.
+One `[max_batch_size, max_model_len]` int64 buffer, allocated once, and the rows' lengths as
+the worker last applied them (a host array). The host's block tables own a row's length; this
+table is written only by the worker's operations that a step plan drives (`adopt`, `move`,
+`reset`, and a decode step's `write_cells`), and the gates pit it against `rebuild_mapping`
+over the block tables, the oracle. A decode step reads a rectangle: a *window* (a view) when
+the rows are the prefix `0..n-1`, else a *gather* (a copy).
 """
 
 from __future__ import annotations
@@ -39,13 +41,10 @@ def rebuild_mapping(tables: Sequence[BlockTable], rows: Sequence[int], width: in
 
 
 class SlotTable:
-    """Rows change only by `append`, `resync` and `reset` (a zeroed length: cells past it go unread);
-    `windows`/`gathers` count the reads. Lengths are handed out as copies: a later append writes
-    at column `length`, inside a rectangle somebody may still hold, and only a length that did
-    not move masks that cell.
-
-    A runner applying a step plan writes cells alone (`write_row`, `write_cells`, `copy_row`):
-    the plan was made against the host lengths, which the cache's host operations have moved."""
+    """Rows change only by `adopt`, `move`, `append`/`write_cells` and `reset` (a zeroed length:
+    cells past it go unread); `windows`/`gathers` count the reads. Lengths are handed out as
+    copies: a later append writes at column `length`, inside a rectangle somebody may still hold,
+    and only a length that did not move masks that cell."""
 
     def __init__(self, max_batch_size: int, max_model_len: int, device: str | torch.device = "cpu") -> None:
         if max_batch_size < 1 or max_model_len < 1:
@@ -90,41 +89,35 @@ class SlotTable:
         self.slots.view(-1).index_copy_(0, cells, torch.as_tensor(slots, dtype=torch.int64).to(self.device))
         self.lengths_array[ids] = cols + 1
 
-    def resync(self, table: BlockTable, row: int) -> None:
-        """Copy a whole row in from its block table (rebuild_mapping for one row)."""
-        n = table.num_tokens
+    def adopt(self, row: int, slots: torch.Tensor) -> None:
+        """Row `row` now holds len(slots) tokens at `slots` (a prefill chunk's context and write
+        slots, or a row rebuilt). Raises ValueError (changing nothing) past max_model_len."""
+        n = slots.shape[0]
         if n > self.max_model_len:
-            raise ValueError(f"row {row}: table holds {n} tokens, the slot table is {self.max_model_len} wide")
-        self.slots[self.row_ids([row])[0], :n] = rebuild_mapping([table], [0], device=self.device)[0]
+            raise ValueError(f"adopt: row {row} would hold {n} tokens; the slot table is {self.max_model_len} wide")
+        self.slots[self.row_ids([row])[0], :n] = slots
         self.lengths_array[row] = n
 
-    def write_row(self, row: int, slots: torch.Tensor) -> None:
-        """Cells [0, len(slots)) of `row` (a prefill chunk's context and write slots)."""
-        self.slots[row, : slots.shape[0]] = slots
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Row `dst` takes `src`'s first `length` cells (a compaction); `src` ends reset."""
+        if not 0 <= length <= self.max_model_len:
+            raise ValueError(f"move: length {length} outside 0..{self.max_model_len}")
+        src, dst = self.row_ids([src, dst])
+        self.slots[dst, :length] = self.slots[src, :length]
+        self.lengths_array[dst], self.lengths_array[src] = length, 0
 
     def write_cells(self, rows: RowsLike, columns: torch.Tensor, slots: torch.Tensor) -> None:
-        """`slots[i]` at row `rows[i]`, column `columns[i]` (a decode step's write slots): one indexed write."""
+        """`slots[i]` at row `rows[i]`, column `columns[i]` (a decode step's write slots): one
+        indexed write. The lengths are the caller's to set (it holds the columns on the host)."""
         if isinstance(rows, int):  # the prefix 0..rows-1
             starts = self._row_starts[:rows]
         else:
             starts = self._row_starts[torch.tensor(self.row_ids(rows), device=self.device)]
         self.slots.view(-1).index_copy_(0, starts + columns, slots)
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Cells [0, length) of `src` into `dst` (a compaction)."""
-        self.slots[dst, :length] = self.slots[src, :length]
-
     def reset(self, row: int) -> None:
-        """Set the row's length to zero and clear nothing: cells past a length go unread. (A
-        cache resets a row through `reset_row`, which gives its blocks back too.)"""
+        """Set the row's length to zero and clear nothing: cells past a length go unread."""
         self.lengths_array[self.row_ids([row])[0]] = 0
-
-    def sync(self, tables: Sequence[BlockTable], rows: RowsLike) -> list[int]:
-        """Resync every listed row whose length is not its table's; returns those rows."""
-        stale = [row for row in self.row_ids(rows) if self.lengths_array[row] != tables[row].num_tokens]
-        for row in stale:
-            self.resync(tables[row], row)
-        return stale
 
     def read(self, rows: RowsLike, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' `[n, width]` rectangle (`rect`) and a copy of their lengths on the device."""

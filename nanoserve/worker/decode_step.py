@@ -5,7 +5,7 @@ per-row input tokens, positions, write slots, context lengths, the slot table's 
 the per-layer K/V caches. Its only other inputs are two Python ints, the bucketed
 ``rows`` and ``width``, so under ``torch.compile`` each bucket is one specialised graph
 and, on a GPU with ``mode="reduce-overhead"``, one CUDA graph replayed at fixed addresses.
-``DecodeStep.load`` fills those buffers from a plan's ``DecodeBatch``.
+``DecodeStep.load`` fills those buffers from a step's ``DecodePlan``.
 """
 
 from __future__ import annotations
@@ -16,38 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.cache.paged_cache import DecodePlan
-from nanoserve.engine.bucketing import Buckets, PaddingWaste
-from nanoserve.engine.paged_attention import attend_window, window_mask
-from nanoserve.engine.plan import DecodeBatch
-
-
-class WindowAttention:
-    """Write each row's new K/V at its slot, then attend over the row's window of the slot
-    table, masked by ``context_lens``. A padded row (length 0) writes to the scratch slot and
-    its output is never read. With ``kernel`` (a tier handle, ``decode_attention_kernel``) each
-    row's cells are read in one pass of nanoserve's ``decode_attention`` (no gathered copy, no
-    mask); else a gather and torch's SDPA, with the mask built once per step for every layer
-    of one window (sliding-window layers read the same row of slots, masked to their window)."""
-
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
-                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
-        self.k_caches, self.v_caches = k_caches, v_caches
-        self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
-        self.kernel = kernel  # decided outside any graph
-        self.masks: dict[int | None, torch.Tensor] = {}  # by window, built at the first layer of each
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None) -> torch.Tensor:
-        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-        k_cache.index_copy_(0, self.write_slots, k)
-        v_cache.index_copy_(0, self.write_slots, v)
-        if self.kernel is not None:
-            return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
-                                                        q.shape[-1] ** -0.5, self.kernel, window or 0)
-        if window not in self.masks:
-            self.masks[window] = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
-        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window])
+from nanoserve.worker.attention import WindowAttention
+from nanoserve.worker.bucketing import Buckets, PaddingWaste
+from nanoserve.worker.kv_cache import DecodePlan, KVCache
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
@@ -81,7 +52,7 @@ class DecodeStep:
     backend (a callable: a benchmark's own inductor options).
     """
 
-    def __init__(self, model, cache, max_batch_size: int, buckets: Buckets | None,
+    def __init__(self, model, cache: KVCache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
                  device: torch.device | str = "cpu", backend="inductor",
                  attention_kernel: int | None = None) -> None:
@@ -147,26 +118,18 @@ class DecodeStep:
         self.stats.warmup_seconds += elapsed
         return elapsed
 
-    def load(self, batch: DecodeBatch) -> DecodePlan:
-        """Apply a plan's decode rows: their input tokens, positions, write slots and lengths go
-        to the buffers (rows past them to the bucket are padding: length 0, the scratch slot),
-        and their write slots to their cells in the slot table. Returns the step's addressing,
-        whose slot_mapping is the window [num_rows, width] that the graph reads of the table."""
-        n, rows = batch.num_rows, batch.rows
-        host = torch.tensor((batch.token_ids, batch.positions, batch.write_slots), dtype=torch.long)
-        token_ids, positions, write_slots = host.to(self.device).unbind()
-        context_lens = positions + 1
-        for buffer, values in ((self.input_ids, token_ids), (self.positions, positions),
-                               (self.write_slots, write_slots), (self.context_lens, context_lens)):
+    def load(self, plan: DecodePlan, rows: int) -> None:
+        """Put a step's decode rows in the buffers: their input tokens, positions, write slots
+        and lengths; the rows past them to the bucket's ``rows`` are padding (length 0, the
+        scratch slot)."""
+        n = len(plan.rows)
+        for buffer, values in ((self.input_ids, plan.token_ids), (self.positions, plan.positions),
+                               (self.write_slots, plan.write_slots), (self.context_lens, plan.context_lens)):
             buffer[:n].copy_(values)
         if rows > n:
             self.write_slots[n:rows].fill_(self.cache.scratch_slot)
             self.positions[n:rows].zero_()
             self.context_lens[n:rows].zero_()
-        slot_table = self.cache.slot_table
-        slot_table.write_cells(n, positions, write_slots)
-        return DecodePlan(tuple(range(n)), slot_table.rect(n, batch.width), context_lens,
-                          sum(batch.positions) + n, write_slots, positions, True)
 
     @torch.inference_mode()
     def run(self, plan: DecodePlan, rows: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The step plan: everything one step does, decided and allocated by the scheduler, as plain data.
 
 A plan holds ints, strings and tuples only (no tensors, no cache, no requests), so it can be
-copied, pickled and sent to another process. The runner applies it in one direction: row moves,
-then each chunk's slots, then the decode rows' write cells, then the forward.
+copied, pickled and sent to another process. It is the only thing the scheduler tells the
+worker, which applies it in one direction: row changes (frees, moves), then the decode rows'
+write cells, then each chunk's slots, then the forward.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ class RowMove:
 
 
 @dataclass(frozen=True)
+class RowFree:
+    """The request on ``row`` left (finished, aborted or preempted): the row holds nothing."""
+
+    row: int
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """Tokens [start, end) of the request on ``row``. ``slots`` address the row's tokens
     [0, end): the first ``start`` are already in the cache (computed or adopted) and are its
@@ -31,7 +39,10 @@ class PrefillChunk:
     token_ids: tuple[int, ...]
     slots: tuple[int, ...]
     is_last: bool  # the request's prefill ends here: its logits give its next token
-    keep_hidden: bool = False  # the engine scores these prompt positions (prompt_logprobs)
+    # prompt_logprobs: the worker scores position start + i against score_targets[i], with
+    # score_top alternatives each (None: no scoring)
+    score_top: int | None = None
+    score_targets: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:
@@ -48,12 +59,14 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """Rows 0..n-1 decode one token each: row i feeds ``token_ids[i]`` at ``positions[i]``
-    and writes its K/V to ``write_slots[i]`` (already appended to its block table). The
-    forward reads the slot table's window ``[rows, width]`` (the bucketed shape a compiled
-    graph was built for; exact without buckets); rows past n are padding."""
+    """Rows ``row_ids`` decode one token each: row ``row_ids[i]`` feeds ``token_ids[i]`` at
+    ``positions[i]`` and writes its K/V to ``write_slots[i]`` (already appended to its block
+    table). The scheduler keeps them the prefix 0..n-1, so the forward reads the slot table's
+    window ``[rows, width]`` (the bucketed shape a compiled graph was built for; exact without
+    buckets); rows past n are padding."""
 
     request_ids: tuple[str, ...]
+    row_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
     write_slots: tuple[int, ...]
@@ -72,13 +85,14 @@ class DecodeBatch:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step. ``moves`` happened since the last plan (finishes, preemptions), in order;
+    """One step. ``row_changes`` happened since the last plan (rows freed by finishes and
+    preemptions, rows moved to fill them), in order;
     ``prefill`` chunks sit on rows after the decode rows, in row order. ``registered`` names the
     blocks this step's forward fills that the prefix cache now lists (a later request in the
     same step may already adopt them: the forward writes every chunk's K/V of a layer before
     any chunk reads its context there)."""
 
-    moves: tuple[RowMove, ...]
+    row_changes: tuple[RowFree | RowMove, ...]
     decode: DecodeBatch | None
     prefill: tuple[PrefillChunk, ...]
     registered: tuple[int, ...] = ()

@@ -1,0 +1,288 @@
+"""Attention over the paged cache, every backend the model is handed: one interface,
+``backend(layer, q, k, v, *, window=None) -> out``, where the backend writes this step's K/V
+into the cache before it reads.
+
+- ``WindowAttention``: decode rows, one query each over the row's window of the slot table,
+  read by nanoserve's ``decode_attention`` kernel where ``decode_attention_kernel`` names a
+  tier for it, else by torch's fused SDPA (``window_mask``, ``attend_window``);
+  ``paged_attention_reference`` is the oracle both are tested against.
+- ``PackedPrefillAttention``: prefill chunks packed into one token list, each causal over its
+  sequence (``grouped_causal_attention``).
+- ``DecodeThenPrefill``: one eager forward holding both.
+
+Padding in ``slot_mapping`` only has to be a legal slot index: the gather reads it and the mask
+(``column >= context_lens[row]``) throws it away.
+
+A sliding-window layer (``window``) reads the same row of slots, restricted to its last
+``window`` cells: column c of a row of length L is visible when L - window <= c < L.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model import cpu_kernels
+
+if TYPE_CHECKING:
+    from nanoserve.worker.kv_cache import KVCache
+
+
+def decode_attention_kernel(device: str | torch.device, dtype: torch.dtype, head_dim: int,
+                            tier: str | None) -> int | None:
+    """The handle of the kernel tier (cpu_kernels) whose decode_attention reads K/V cells of
+    ``dtype`` and ``head_dim`` on ``device`` in decode steps, or None for SDPA: on the CPU, with
+    a tier of nanoserve's (the dense fp32 format keeps torch's path as the reference), bf16 or
+    fp32 cells, and a head_dim the kernels' 16-lane loads cover."""
+    if tier is None or torch.device(device).type != "cpu" or head_dim % 16:
+        return None
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return cpu_kernels.handle(tier)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over that row's cached tokens (its last ``window``
+    ones only, when given).
+
+    q [n, H, D]; k_cache, v_cache [num_slots, KV, D] with H a multiple of KV (grouped-query
+    heads share a K/V head); slot_mapping [n, W]; context_lens [n] (<= W). Returns [n, H, D]
+    in q's dtype. A row with context_len 0 (padding) returns zeros.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    width = slot_mapping.shape[1]
+    if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or slot_mapping.shape[0] != n:
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)}"
+        )
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    # The grouping below reads each K/V head once per group through a reshape of q instead
+    # of copying K/V `group` times (repeat_interleave).
+    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
+    queries = q.view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [n, KV, group, W]
+    masked = hidden_columns(context_lens.view(n, 1), width, window)  # [n, W]
+    scores.masked_fill_(masked.view(n, 1, 1, width), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A row with nothing to attend to softmaxes all -inf into NaN; it attends to nothing instead.
+    probs = probs.masked_fill(masked.view(n, 1, 1, width), 0.0).to(values.dtype)
+    out = torch.matmul(probs, values)  # [n, KV, group, D]
+    return out.reshape(n, num_heads, head_dim).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The same read as `paged_attention_reference`, through torch's fused SDPA kernel.
+
+    The reference stays the oracle (tests pit this against it). A row with context_len 0
+    returns zeros, as there.
+    """
+    mask = window_mask(context_lens, slot_mapping.shape[1], q.dtype, window)
+    out = attend_window(q, k_cache, v_cache, slot_mapping, mask, scale)
+    return out * (context_lens > 0).view(-1, 1, 1).to(q.dtype)
+
+
+def window_mask(context_lens: torch.Tensor, width: int, dtype: torch.dtype,
+                window: int | None = None) -> torch.Tensor:
+    """The additive mask [n, 1, 1, W] every layer of a decode step with this ``window`` shares:
+    0 over each row's visible cells, -inf elsewhere. Built once per step, in q's dtype: a bool
+    mask would be converted by SDPA in every layer. A row of length 0 (padding) may see column
+    0, so the kernel never softmaxes an empty row."""
+    n = context_lens.shape[0]
+    hidden = hidden_columns(context_lens.clamp(min=1).view(n, 1), width, window)
+    mask = torch.zeros(n, width, dtype=dtype, device=context_lens.device).masked_fill_(hidden, float("-inf"))
+    return mask.view(n, 1, 1, width)
+
+
+def hidden_columns(lengths: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    """[n, W] True where a row of length ``lengths[row]`` ([n, 1]) does not look: past its
+    length, and before its last ``window`` cells."""
+    columns = torch.arange(width, device=lengths.device)
+    hidden = columns >= lengths
+    return hidden if window is None else hidden | (columns < lengths - window)
+
+
+def attend_window(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q [n, H, D] over each row's window through `window_mask`'s mask; [n, H, D].
+
+    One gather per K and V, then SDPA reads the [n, KV, W, D] view of it by its strides. The
+    query heads that share a K/V head are handed to SDPA as that head's query rows
+    ([n, KV, group, D]): one small matrix product per K/V head instead of a GQA expansion
+    per query head. A padded row's output is finite garbage.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
+    queries = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(n, num_heads, head_dim)
+
+
+def gather_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Each row's cached K (or V) through its slots: [n, W] slots -> [n, KV, W, D], one copy
+    (the gather) and a transposed view of it."""
+    n, width = slot_mapping.shape
+    return cache.index_select(0, slot_mapping.reshape(-1)).view(n, width, *cache.shape[1:]).transpose(1, 2)
+
+
+class WindowAttention:
+    """Write each row's new K/V at its slot, then attend over the row's window of the slot
+    table, masked by ``context_lens``. A padded row (length 0) writes to the scratch slot and
+    its output is never read. With ``kernel`` (a tier handle, ``decode_attention_kernel``) each
+    row's cells are read in one pass of nanoserve's ``decode_attention`` (no gathered copy, no
+    mask); else a gather and torch's SDPA, with the mask built once per step for every layer
+    of one window (sliding-window layers read the same row of slots, masked to their window)."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
+                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
+        self.kernel = kernel  # decided outside any graph
+        self.masks: dict[int | None, torch.Tensor] = {}  # by window, built at the first layer of each
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        k_cache.index_copy_(0, self.write_slots, k)
+        v_cache.index_copy_(0, self.write_slots, v)
+        if self.kernel is not None:
+            return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
+                                                        q.shape[-1] ** -0.5, self.kernel, window or 0)
+        if window not in self.masks:
+            self.masks[window] = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
+        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window])
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    """One chunk's place in its sequence: it holds tokens [start, start + length), and
+    ``context_slots`` are the slots of tokens [0, start + length) (None when start is 0)."""
+
+    start: int
+    length: int
+    context_slots: torch.Tensor | None = None
+
+
+class PackedPrefillAttention:
+    """Several chunks packed into one flat token list; each attends causally to its sequence.
+
+    A chunk that starts a sequence has all its keys in this step's k and v, so it attends to
+    them directly (no gather). A chunk after cached tokens (an earlier chunk, an adopted
+    prefix) reads its keys back through the row's slots once its own K/V are written; query
+    ``i`` (position ``start + i``) sees columns ``<= start + i``.
+
+    A sliding-window layer's query ``i`` sees only columns ``start + i - window + 1 ..
+    start + i``: a chunk after cached tokens reads back only the cells from its first query's
+    window on, and a banded mask does the rest.
+
+    Each chunk runs through ``grouped_causal_attention``: torch's fused CPU kernel, where
+    ``enable_gqa`` or a 3-d input would send SDPA down its unfused math path (several times
+    slower, and slower still as the context grows).
+    """
+
+    def __init__(self, cache: KVCache, write_slots: torch.Tensor, chunks: list[ChunkContext]) -> None:
+        self.cache = cache
+        self.write_slots = write_slots
+        self.chunks = chunks
+        self.lengths = [c.length for c in chunks]
+        # Per window: built at the first layer of each, shared by the layers with that window.
+        self.masks: dict[int | None, list[torch.Tensor]] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
+        self.cache.write_kv(layer, self.write_slots, k, v)
+        if window not in self.masks:
+            group = q.shape[1] // k.shape[1]
+            self.masks[window] = [
+                grouped_causal_mask(c.start - first_key(c, window), c.length, group, q.dtype, q.device, window)
+                for c in self.chunks]
+        k_cache, v_cache = self.cache.k_caches[layer], self.cache.v_caches[layer]
+        outputs = []
+        for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks[window], q.split(self.lengths),
+                                              k.split(self.lengths), v.split(self.lengths)):
+            if chunk.context_slots is not None:
+                slots = chunk.context_slots[first_key(chunk, window):]
+                k_i, v_i = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+            outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask))
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def first_key(chunk: ChunkContext, window: int | None) -> int:
+    """The first position any of the chunk's queries sees: 0, or its first query's window's
+    start for a chunk after cached tokens (a chunk without them holds every key it sees)."""
+    if window is None or chunk.context_slots is None:
+        return 0
+    return max(chunk.start - window + 1, 0)
+
+
+def grouped_causal_mask(start: int, length: int, group: int, dtype: torch.dtype,
+                        device: torch.device, window: int | None = None) -> torch.Tensor:
+    """The additive mask [group * length, start + length] of ``grouped_causal_attention``:
+    query row ``g * length + i`` (position ``start + i``) sees columns ``0..start + i`` (0), not
+    the rest (-inf); with ``window``, only columns from ``start + i - window + 1``. In the
+    activations' dtype: a bool mask would be converted in every layer."""
+    columns = torch.arange(start + length, device=device).view(1, -1)
+    positions = torch.arange(start, start + length, device=device).view(-1, 1)
+    hidden = columns > positions
+    if window is not None:
+        hidden |= columns <= positions - window
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return mask.repeat(group, 1)
+
+
+def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One chunk's causal attention: q [T, H, D] over its sequence's keys k, v [C, KV, D]
+    (H a multiple of KV; the last T keys are the chunk's own), with ``grouped_causal_mask``'s
+    mask; returns [T, H, D].
+
+    The ``group`` query heads that share a K/V head become ``group * T`` query rows of that
+    head (``[1, KV, group * T, D]``), so K/V are read as they are, without a copy per query
+    head, and SDPA gets the 4-d, mask-only input its fused CPU kernel takes."""
+    length, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    queries = q.view(length, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask)
+    return out.view(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, num_heads, head_dim)
+
+
+class DecodeThenPrefill:
+    """One forward's attention when its first ``rows`` tokens are decode rows (one token each,
+    attending through their slot-table window) and the rest prefill chunks. Each part writes its
+    own K/V before reading; the parts hold different rows and share only full, read-only blocks."""
+
+    def __init__(self, rows: int, decode: WindowAttention, prefill: PackedPrefillAttention) -> None:
+        self.rows, self.decode, self.prefill = rows, decode, prefill
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None) -> torch.Tensor:
+        n = self.rows
+        return torch.cat([self.decode(layer, q[:n], k[:n], v[:n], window=window),
+                          self.prefill(layer, q[n:], k[n:], v[n:], window=window)])

@@ -1,0 +1,89 @@
+"""build_worker: a model (loaded here when named) and a resolved ``WorkerSpec`` in, a Worker out.
+
+The spec is plain, picklable data that the engine's build resolves once from what was asked;
+every tensor-parallel rank builds its worker from the same spec, with its shard.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nanoserve.cache.gates import check_table_fits
+from nanoserve.model.llama import LlamaModel
+from nanoserve.model.loader import load_model
+from nanoserve.model.weight_plan import WeightPlan, pack_model
+from nanoserve.worker.attention import decode_attention_kernel
+from nanoserve.worker.bucketing import Buckets
+from nanoserve.worker.decode_step import DecodeStep
+from nanoserve.worker.kv_cache import KVCache
+from nanoserve.worker.worker import Worker
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is built from, resolved: the weights' plan (None: dense in ``dtype``), the
+    activations' and K/V dtype, the device, the pool's shape (``num_kv_heads`` is the whole
+    model's; a rank holds its share), the decode grid and compile options, the kernel tier that
+    reads K/V in decode steps (None: SDPA), whether the graphs are built up front and whether
+    the device-side gates run."""
+
+    weights: WeightPlan | None
+    dtype: torch.dtype
+    device: str
+    num_blocks: int
+    block_size: int
+    max_batch_size: int
+    max_model_len: int
+    scratch_slot: int
+    buckets: Buckets | None = None
+    compile: bool = False
+    compile_mode: str | None = "reduce-overhead"
+    compile_backend: str = "inductor"
+    attention_tier: str | None = None
+    warmup: bool = False  # compile every bucket's graph at build (every rank at once: the graphs hold collectives)
+    checks: bool = False
+
+
+class Shard(Protocol):
+    """A tensor-parallel rank's part of the model (nanoserve.distributed.launch.Rank)."""
+
+    size: int
+
+    def shard(self, model: LlamaModel, sources: dict) -> dict: ...
+
+    def parallelize(self, model: LlamaModel) -> None: ...
+
+
+def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None = None) -> Worker:
+    """A worker over ``model`` (a name or path loaded here without its tokenizer, or a built
+    ``LlamaModel``: packed per ``spec.weights`` in place, or copied first when ``shard`` cuts
+    it), and a K/V cache of its K/V heads."""
+    if isinstance(model, str):
+        model, _ = load_model(model, dtype=spec.dtype, device=spec.device, weights=spec.weights,
+                              shard=None if shard is None else shard.shard, with_tokenizer=False)
+    else:
+        if shard is not None:
+            model = copy.deepcopy(model)  # the caller's model stays whole
+            shard.shard(model, {})
+        if spec.weights is not None:
+            pack_model(model, spec.weights)
+        model = model.to(device=spec.device, dtype=spec.dtype)
+    if shard is not None:
+        shard.parallelize(model)
+    model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
+    arch = model.config
+    kv_heads = arch.num_kv_heads // (shard.size if shard is not None else 1)
+    cache = KVCache(arch.num_layers, kv_heads, arch.head_dim, spec.num_blocks, spec.block_size, spec.max_batch_size,
+                    spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device)
+    kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier)
+    step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
+                      device=spec.device, backend=spec.compile_backend, attention_kernel=kernel)
+    if spec.checks:  # the slot table's reservation against this worker's K/V
+        check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)
+    if spec.compile and spec.warmup and spec.buckets is not None:
+        step.warmup()
+    return Worker(model, cache, step, checks=spec.checks)

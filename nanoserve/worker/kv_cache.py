@@ -1,0 +1,94 @@
+"""The device side of the paged KV cache: the K/V tensors and the slot table, changed only by
+the operations a step plan drives (`adopt`, `move`, `free`, `plan_decode`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.worker.plan import DecodeBatch
+from nanoserve.worker.slot_table import SlotTable, is_prefix
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode step's addressing; good for that step only.
+
+    slot_mapping [n, width]: a window of the slot table when rows are a prefix, else a copy;
+        width is the bucketed width. Live storage: later appends land past each row's length.
+    context_lens [n]: lengths counting this step's token, a copy (the staleness gates rely on it);
+        total_context is their sum, from the host.
+    write_slots [n], positions [n], token_ids [n]: where this step's K/V goes, its position
+        and the token fed.
+    """
+
+    rows: tuple[int, ...]
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    total_context: int
+    write_slots: torch.Tensor
+    positions: torch.Tensor
+    is_window: bool
+    token_ids: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.slot_mapping.shape[1]
+
+
+class KVCache:
+    """Per-layer K/V tensors [num_blocks * block_size, kv_heads, head_dim] and the slot table of
+    `max_batch_size` rows of `max_model_len` cells. `scratch_slot` is the host's reserved block's
+    first slot: padded rows write there and no row reads it."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 max_batch_size: int, max_model_len: int, scratch_slot: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        if min(num_layers, num_kv_heads, head_dim, num_blocks, block_size) < 1:
+            raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
+                             f"head_dim {head_dim}, {num_blocks} blocks of {block_size}")
+        self.device = torch.device(device)
+        self.block_size, self.num_blocks, self.scratch_slot = block_size, num_blocks, scratch_slot
+        # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
+        # place, inductor copies the whole stack every step.
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.slot_table = SlotTable(max_batch_size, max_model_len, self.device)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+
+    def adopt(self, row: int, slots: torch.Tensor) -> None:
+        """The row holds tokens at `slots` (a prefill chunk's context and write slots)."""
+        self.slot_table.adopt(row, slots)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """The request on `src` (`length` tokens) now lives on `dst`; `src` holds nothing."""
+        self.slot_table.move(src, dst, length)
+
+    def free(self, row: int) -> None:
+        """The row's request left: it holds nothing (its blocks are the host's to reuse)."""
+        self.slot_table.reset(row)
+
+    def plan_decode(self, batch: DecodeBatch) -> DecodePlan:
+        """Address a decode step: one indexed write puts each row's write slot at its position in
+        the slot table, the lengths move to the positions + 1, and the slot_mapping is read out
+        of the table ([num_rows, batch.width]: a window when the rows are a prefix)."""
+        ids, n = batch.row_ids, batch.num_rows
+        host = torch.tensor((batch.token_ids, batch.positions, batch.write_slots), dtype=torch.long)
+        token_ids, positions, write_slots = host.to(self.device).unbind()
+        is_window = is_prefix(ids)
+        rows = n if is_window else ids  # a prefix is passed by its size: a window of the buffer
+        table = self.slot_table
+        table.write_cells(rows, positions, write_slots)
+        table.lengths_array[slice(n) if is_window else list(ids)] = host[1].numpy() + 1
+        return DecodePlan(ids, table.rect(rows, batch.width), positions + 1, sum(batch.positions) + n,
+                          write_slots, positions, is_window, token_ids)
+
+    def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""
+        self.k_caches[layer].index_copy_(0, write_slots, k)
+        self.v_caches[layer].index_copy_(0, write_slots, v)

@@ -1,0 +1,119 @@
+"""The worker: a model, its K/V cache and its decode step, applying step plans on the device.
+
+``execute(plan)`` is the whole interface: the plan is all the worker is told (it never reads
+the scheduler or its block manager), and ``StepOutput`` all it answers. An eager step with both
+decode rows and prefill chunks runs them as one forward (the decode rows' tokens first, then
+the chunks'), so every layer's weights are read once a step; each part keeps its own attention.
+A compiled decode step runs its fixed-shape graph and the chunks in an eager forward beside it.
+A tensor-parallel rank is one worker applying the same plans.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.worker.attention import (
+    ChunkContext,
+    DecodeThenPrefill,
+    PackedPrefillAttention,
+    WindowAttention,
+)
+from nanoserve.worker.decode_step import DecodeStep
+from nanoserve.worker.gates import check_decode_follows, check_mapping_is_window, check_window_intact
+from nanoserve.worker.kv_cache import DecodePlan, KVCache
+from nanoserve.worker.plan import PrefillChunk, RowMove, StepPlan
+from nanoserve.worker.scoring import TokenLogprobs, score_prompt
+
+
+@dataclass
+class StepOutput:
+    """Logits [len(plan.sampled), vocab], in the plan's ``sampled`` order; each scoring chunk's
+    prompt logprobs (by chunk index: one per ``score_targets``), or why its scoring failed; and
+    the decode rows' addressing, for the gates that check it against the block tables."""
+
+    logits: torch.Tensor
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_errors: dict[int, str] = field(default_factory=dict)
+    decode: DecodePlan | None = None
+
+
+class Worker:
+    """Built from a model, its ``KVCache`` and its ``DecodeStep`` (``build_worker``). With
+    ``checks`` the device-side gates run on every plan (nanoserve.worker.gates)."""
+
+    def __init__(self, model, cache: KVCache, decode_step: DecodeStep, checks: bool = False) -> None:
+        self.model, self.cache, self.decode_step = model, cache, decode_step
+        self.device = cache.device
+        self.checks = checks
+
+    def close(self) -> None:
+        """Nothing to release in one process (a tensor-parallel worker stops its ranks)."""
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Apply the plan in order (row changes, the decode rows' cells and buffers, the chunks'
+        cells) and run its forward(s)."""
+        for change in plan.row_changes:
+            if isinstance(change, RowMove):
+                self.cache.move(change.src, change.dst, change.length)
+            else:
+                self.cache.free(change.row)
+        decode = None
+        if plan.decode is not None:
+            if self.checks:
+                check_decode_follows(plan.decode, self.cache.slot_table)
+            decode = self.cache.plan_decode(plan.decode)
+            self.decode_step.load(decode, plan.decode.rows)
+        logits, scored, errors = [], {}, {}
+        together = decode is not None and not self.decode_step.compiled and plan.prefill  # one eager forward
+        if decode is not None and not together:
+            if self.decode_step.compiled:
+                # The capture gate: a graph reads the table's own buffer, so the rows must be a
+                # window of it; anything else is refused, not run.
+                check_mapping_is_window(decode, self.cache.slot_table)
+            logits.append(self.decode_step.run(decode, plan.decode.rows))
+        if plan.prefill:
+            logits.append(self._prefill(plan.prefill, decode if together else None, scored, errors))
+        if self.checks and decode is not None:
+            check_window_intact(decode)
+        return StepOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode)
+
+    def _prefill(self, chunks: tuple[PrefillChunk, ...], decode: DecodePlan | None,
+                 scored: dict[int, list[TokenLogprobs]], errors: dict[int, str]) -> torch.Tensor:
+        """Write the chunks' K/V and score the chunks that ask for it (into ``scored``, or why not
+        into ``errors``, by chunk index); return logits at the last token of each chunk that ends
+        its request's prefill (in chunk order). With ``decode`` (eager) the same forward also
+        decodes its rows, whose logits come first."""
+        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+        positions = torch.cat([torch.arange(c.start, c.end, device=self.device) for c in chunks])
+        write_slots, contexts = [], []
+        for c in chunks:
+            slots = torch.tensor(c.slots, dtype=torch.long, device=self.device)
+            self.cache.adopt(c.row, slots)
+            write_slots.append(slots[c.start:])
+            contexts.append(ChunkContext(c.start, c.length, slots if c.start else None))
+        attention = PackedPrefillAttention(self.cache, torch.cat(write_slots), contexts)
+        rows = 0
+        if decode is not None:
+            rows = len(decode.rows)
+            window = WindowAttention(self.cache.k_caches, self.cache.v_caches, decode.write_slots,
+                                     decode.slot_mapping, decode.context_lens, self.decode_step.attention_kernel)
+            attention = DecodeThenPrefill(rows, window, attention)
+            token_ids = torch.cat([decode.token_ids, token_ids])
+            positions = torch.cat([decode.positions, positions])
+        hidden = self.model(token_ids, positions, attention)
+        ends = [rows + end for end in itertools.accumulate(c.length for c in chunks)]
+        for i, c in enumerate(chunks):
+            if c.score_top is not None:
+                # The request's own work: a failure fails that request alone, so it is reported, not raised.
+                try:
+                    scored[i] = score_prompt(self.model, hidden[ends[i] - c.length:ends[i]], c.score_targets,
+                                             c.score_top)
+                except Exception as exc:
+                    errors[i] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
+        last = torch.tensor([*range(rows), *(end - 1 for end, c in zip(ends, chunks) if c.is_last)],
+                            dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, last))

@@ -1,0 +1,194 @@
+"""The host side and the device side share nothing but the plan: the block manager imports no
+torch, a tensor-parallel rank builds a worker and nothing of the host side, the packages import
+only downward, and NANOSERVE_CHECKS=1 stops a step whose plan carries a planted fault with the
+gate's message."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from engine_oracle_helpers import BLOCK_BYTES, engine_for, greedy
+
+from nanoserve.cache.gates import GateError
+from nanoserve.model.llama import unfuse_hf_weights
+from nanoserve.model.synthetic import random_model, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = random_model(tiny_config(), seed=5)
+# Lower layers first: a module may import its own package and the packages before it.
+LAYERS = ["model", "cache", "worker", "distributed", "engine", "serve"]
+
+
+def test_the_block_manager_and_its_package_import_no_torch():
+    code = ("import sys, nanoserve.cache, nanoserve.cache.gates; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The nanoserve packages a module imports (at any depth of the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        found.update(name.split(".")[1] for name in names if name.startswith("nanoserve.") and name.count("."))
+    return found
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_a_package_imports_only_the_layers_below_it(package):
+    allowed = set(LAYERS[:LAYERS.index(package) + 1])
+    upward = {str(path.relative_to(ROOT)): sorted(imported_packages(path) & set(LAYERS) - allowed)
+              for path in (ROOT / "nanoserve" / package).glob("*.py")}
+    assert not {path: names for path, names in upward.items() if names}
+
+
+RANK_SCRIPT = """
+import sys
+from nanoserve.engine import SamplingParams, build_engine
+from nanoserve.engine.engine import Engine
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.model.tokenizer import Tokenizer
+
+built = []
+for owner, name in ((Scheduler, "__init__"), (Engine, "__init__")):
+    def counted(self, *args, _build=getattr(owner, name), _name=owner.__name__, **kwargs):
+        built.append(_name)
+        return _build(self, *args, **kwargs)
+    setattr(owner, name, counted)
+for name in ("from_gguf_metadata", "from_hf_dir"):
+    def counted(*args, _build=getattr(Tokenizer, name), **kwargs):
+        built.append("Tokenizer")
+        return _build(*args, **kwargs)
+    setattr(Tokenizer, name, staticmethod(counted))
+try:
+    engine = build_engine(sys.argv[1], tensor_parallel_size=2, weights="fp32", max_batch_size=2,
+                          max_model_len=32, kv_cache_bytes=1 << 20, block_size=4)
+    out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    print("tokens", out[0].token_ids)
+    engine.close()
+finally:
+    print("built", sorted(set(built)), flush=True)
+"""
+
+
+def test_a_tensor_parallel_rank_builds_a_worker_and_no_scheduler_tokenizer_or_engine(tmp_path, gguf_writer):
+    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
+    path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    master = free_port()
+    processes = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        processes.append(subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT))
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert "built ['Engine', 'Scheduler', 'Tokenizer']" in outputs[0] and "tokens [" in outputs[0], outputs[0]
+    assert "built []" in outputs[1] and "tokens" not in outputs[1], outputs[1]
+
+
+# -- NANOSERVE_CHECKS=1: a fault planted in a plan stops the step with its gate's message ----------
+
+def checked_engine(monkeypatch, checks: bool, **options):
+    monkeypatch.setenv("NANOSERVE_CHECKS", "1" if checks else "0")
+    engine = engine_for(MODEL, 16, kv_cache_bytes=32 * BLOCK_BYTES, max_model_len=48, **options)
+    assert engine.checks == checks
+    for prompt in ([1, 2, 3, 4, 5], [6, 7, 8]):
+        engine.add_request(prompt, greedy(8))
+    engine.step()  # both prompts prefilled: the next plan decodes rows 0 and 1
+    return engine
+
+
+def plant(engine, fault) -> None:
+    """The scheduler's next plan passes through `fault` before the worker gets it."""
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: fault(schedule())
+
+
+def stale_slot(plan):
+    decode = plan.decode
+    stale = (decode.write_slots[0] - 1,) + decode.write_slots[1:]  # the slot of the token before
+    return dataclasses.replace(plan, decode=dataclasses.replace(decode, write_slots=stale))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_every_gate_passes_on_a_healthy_checked_run(monkeypatch, compiled):
+    # A pool of 7 usable blocks of 4 for requests that need more: preemption, shared prefixes,
+    # a scored prompt, an abort's compaction.
+    monkeypatch.setenv("NANOSERVE_CHECKS", "1")
+    options = dict(compile=True, compile_backend="eager", row_buckets=(2, 4), width_buckets=(16, 28)) if compiled else {}
+    engine = engine_for(MODEL, 16, kv_cache_bytes=16 * BLOCK_BYTES, max_model_len=28, **options)
+    prompts = [[1, 2, 3], list(range(4, 15)), [3], list(range(1, 20)), list(range(1, 10)), list(range(1, 11))]
+    ids = [engine.add_request(p, greedy(20 if i < 5 else 5, prompt_logprobs=2 if i == 5 else None))
+           for i, p in enumerate(prompts)]
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[0])
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_drained()
+    stats = engine.stats()
+    assert stats.preemptions and stats.compactions and stats.prefix_cache_hits  # the gates saw every row change
+
+
+def test_a_stale_decode_slot_runs_unchecked_and_is_stopped_by_the_checks(monkeypatch):
+    unchecked = checked_engine(monkeypatch, checks=False)
+    plant(unchecked, stale_slot)
+    unchecked.step()  # a silent corruption: nothing on the engine path looks
+    engine = checked_engine(monkeypatch, checks=True)
+    plant(engine, stale_slot)
+    with pytest.raises(GateError, match=r"the step plan disagrees with the block manager.*\n  decode row 0: writes "
+                                        r"slot \d+ at position \d+; its block table"):
+        engine.step()
+
+
+def test_a_block_freed_twice_is_stopped_by_the_checks(monkeypatch):
+    engine = checked_engine(monkeypatch, checks=True)
+    blocks = engine.scheduler.blocks
+    held = blocks.tables[1].blocks[-1]
+    blocks.pool.free([held])  # the first free, behind row 1's back: the row's finish would be the second
+    with pytest.raises(GateError, match=rf"the pool disagrees with the block tables.*\n  block {held}: free in "
+                                        r"the pool, but held by rows \[1\]"):
+        engine.step()
+
+
+def test_a_plan_that_leaves_out_a_row_change_is_stopped_by_the_worker_gate(monkeypatch):
+    engine = checked_engine(monkeypatch, checks=True)
+    engine.worker.cache.free(0)  # the worker thinks row 0 left; no plan said so
+    with pytest.raises(GateError, match=r"plan_decode: the decode rows do not follow the slot table.*\n  row 0: "
+                                        r"the plan writes position 5, the worker's slot table holds 0 tokens"):
+        engine.step()
+
+
+def test_a_compiled_step_refuses_decode_rows_that_are_not_a_window():
+    # The plan names its decode rows, so the capture gate sees the gather a scattered row set reads.
+    engine = engine_for(MODEL, 16, compile=True, compile_backend="eager", row_buckets=(2, 4), width_buckets=(16, 64))
+    for prompt in ([1, 2, 3, 4, 5], [6, 7, 8]):
+        engine.add_request(prompt, greedy(8))
+    engine.step()
+    plant(engine, lambda plan: dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, row_ids=(1, 0))))
+    with pytest.raises(GateError, match=r"plan over rows \[1, 0\] reads a gathered copy, not a window"):
+        engine.step()
+
+
+def test_a_slot_table_too_large_for_its_pool_is_refused_at_build_under_the_checks(monkeypatch):
+    options = dict(kv_cache_bytes=8 * BLOCK_BYTES, max_model_len=28, max_batch_size=16)  # the table: 18%
+    engine_for(MODEL, 32, **options)
+    monkeypatch.setenv("NANOSERVE_CHECKS", "1")
+    with pytest.raises(GateError, match=r"slot table \[16, 28\] int64 reserves 3,584 bytes, 17.9% of resident"):
+        engine_for(MODEL, 32, **options)
