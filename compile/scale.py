@@ -53,7 +53,13 @@ COLUMNS = ("file", "system", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", 
 
 
 def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+    """This process's peak resident size: /proc's VmHWM where there is one (getrusage's maxrss of a
+    forked child starts at its parent's), else getrusage (KiB on Linux, bytes on macOS)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        return int(fields["VmHWM"].split()[0]) * 1024 / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9
 
 
 def _median_step(steps) -> float:

@@ -86,7 +86,8 @@ def test_the_closing_line_counts_the_new_tokens_and_says_why_the_reply_ended(tin
 def test_generate_says_what_it_loaded(tiny_gguf, capsys):
     assert main(["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "1", "hi"]) == 0
     err = capsys.readouterr().err
-    assert re.search(rf"^nanoserve: model {re.escape(str(tiny_gguf))}: loaded in [0-9.]+ s on cpu$", err, re.M), err
+    assert re.search(rf"^nanoserve: model {re.escape(str(tiny_gguf))}: loaded in [0-9.]+ s on cpu "
+                     r"\(metadata [0-9.]+ s, weights [0-9.]+ s\)$", err, re.M), err
     assert "nanoserve: weights fp32, " in err and "compute dtype float32" in err and "CPU kernels: " in err, err
     # One row at the model's full length (1,024 tokens = 64 blocks of 16) plus the scratch block,
     # float32 K/V at 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 bytes a token.
