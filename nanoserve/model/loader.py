@@ -12,9 +12,10 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.group_codes import GroupCodes
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
+from nanoserve.model.hf_loader import load_hf_state_dict
 from nanoserve.model.llama import LlamaModel
 from nanoserve.model.tokenizer import Tokenizer
+from nanoserve.model.validate import checked_gguf_config, checked_hf_config
 from nanoserve.model.weight_plan import WeightPlan, pack_model, weight_types
 
 DEFAULT_MODEL = "smollm2"
@@ -69,7 +70,7 @@ def build_model(config: ModelConfig, hf_weights: Mapping[str, torch.Tensor],
 def load_config(model: str) -> ModelConfig:
     """Only the ModelConfig of a model argument (no weights are read)."""
     path = resolve_model_path(model)
-    return read_hf_config(path) if path.is_dir() else GGUFCheckpoint.open(path).config()
+    return checked_hf_config(path) if path.is_dir() else checked_gguf_config(GGUFCheckpoint.open(path))
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
@@ -89,12 +90,12 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     types: dict[str, str] | None = None
     load_dtype = dtype if weights is None else torch.float32
     if path.is_dir():
-        config = read_hf_config(path)
+        config = checked_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         state = load_hf_state_dict(path, load_dtype)
     else:
         ckpt = GGUFCheckpoint.open(path)
-        config = ckpt.config()
+        config = checked_gguf_config(ckpt)
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path))
         state = ckpt.state_dict(config, load_dtype)
         types = ckpt.tensor_types()
