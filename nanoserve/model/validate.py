@@ -100,6 +100,10 @@ _HF_KEYS: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "pad_token_id": ((_INT,), 0, MAX_VOCAB),
     "eos_token_id": ((_INT, _INT_LIST), 0, MAX_VOCAB),
 }
+# Settings that may be absent (a default applies) but not null.
+_HF_NOT_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_local_base_freq",
+                "query_pre_attn_scalar", "sliding_window_pattern")
 # Numbers inside rope_scaling / rope_parameters.
 _ROPE_NUMBERS = ("factor", "rope_theta", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
                  "attention_factor", "beta_fast", "beta_slow")
@@ -132,14 +136,15 @@ def checked_gguf_config(ckpt: Any) -> ModelConfig:
     """The ModelConfig of an opened GGUFCheckpoint, once its file passes check_gguf."""
     check_gguf(ckpt.path, ckpt.metadata, ckpt.reader.tensors)
     config = ckpt.config()  # names a missing key; the tensors are checked against what is there
-    check_gguf_tensors(ckpt.path, ckpt.metadata, ckpt.reader.tensors)
+    check_gguf_tensors(ckpt.path, ckpt.metadata, ckpt.reader.tensors, config)
     return config
 
 
-def check_gguf_tensors(path: Path, metadata: Mapping[str, Any], tensors: Sequence[Any]) -> None:
-    """Refuse a GGUF file whose layer tensors disagree with its block count, whose vocabulary
-    disagrees with its embedding and output rows, or whose merges name tokens it does not
-    have. `tensors` are GGUFReader's."""
+def check_gguf_tensors(path: Path, metadata: Mapping[str, Any], tensors: Sequence[Any], config: ModelConfig) -> None:
+    """Refuse a GGUF file whose layer tensors disagree with its block count, whose tensors'
+    shapes disagree with the config its metadata gives, whose vocabulary disagrees with its
+    embedding and output rows, or whose merges name tokens it does not have. `tensors` are
+    GGUFReader's."""
     arch = metadata.get("general.architecture")
     _check_layers(path, metadata, tensors, arch)
     tokens = metadata.get("tokenizer.ggml.tokens")
@@ -147,6 +152,28 @@ def check_gguf_tensors(path: Path, metadata: Mapping[str, Any], tensors: Sequenc
         _check_rows(path, metadata, tensors, arch, len(tokens))
         if metadata.get("tokenizer.ggml.model") == "gpt2":
             _check_merges(path, metadata.get("tokenizer.ggml.merges", []), tokens)
+    expected = _gguf_shapes(config)
+    for t in tensors:
+        m = _LAYER.match(t.name)
+        kind = t.name[m.end():] if m else t.name
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if kind in expected and shape != expected[kind]:
+            raise ModelLoadError(path, f"tensor {t.name} has shape {list(shape)} but the metadata makes it "
+                                       f"{list(expected[kind])}")
+
+
+def _gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape (outermost first) by GGUF name, within a layer or global."""
+    hidden, q, kv, ffn = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    rows = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": ffn, "ffn_up": ffn}
+    shapes: dict[str, tuple[int, ...]] = {f"{name}.weight": (n, hidden) for name, n in rows.items()}
+    shapes.update({f"{name}.bias": (n,) for name, n in rows.items()})
+    shapes.update({"attn_output.weight": (hidden, q), "attn_output.bias": (hidden,), "ffn_down.weight": (hidden, ffn),
+                   "attn_q_norm.weight": (config.head_dim,), "attn_k_norm.weight": (config.head_dim,),
+                   "token_embd.weight": (config.vocab_size, hidden), "output.weight": (config.vocab_size, hidden)})
+    for norm in ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "output_norm"):
+        shapes[f"{norm}.weight"] = (hidden,)
+    return shapes
 
 
 def check_chat_template(path: Path | str, field: str, source: str, specials: Mapping[str, str | None]) -> None:
@@ -289,7 +316,7 @@ def check_hf_config_values(path: Path) -> None:
     the right type and in range."""
     raw = _json_object(path)
     text = raw.get("text_config")
-    if text is not None and not isinstance(text, dict):
+    if "text_config" in raw and not isinstance(text, dict):
         raise ModelLoadError(path, f"text_config must be an object, got {_shown(text)}")
     for where, values in (("", raw), ("text_config.", text or {})):
         for key, (kinds, low, high) in _HF_KEYS.items():
@@ -306,6 +333,10 @@ def check_hf_config_values(path: Path) -> None:
                         raise ModelLoadError(path, f"{where}{key} must be in [{low}, {high}], got {_shown(value)}")
         for key in ("rope_scaling", "rope_parameters"):
             _check_rope(path, f"{where}{key}", values.get(key))
+    merged = {**raw, **(text or {})}  # as read_hf_config reads a multimodal checkpoint's text model
+    for key in _HF_NOT_NULL:
+        if key in merged and merged[key] is None:
+            raise ModelLoadError(path, f"{key} must be {' or '.join(_HF_KEYS[key][0])}, got None")
 
 
 def _check_rope(path: Path, field: str, rope: Any) -> None:
@@ -446,7 +477,7 @@ def _check_tensor_entry(path: Path, name: str, entry: Any, data_size: int) -> No
     if not isinstance(entry, dict):
         raise ModelLoadError(path, f"safetensors tensor {name!r}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_ITEM_BYTES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEM_BYTES:
         raise ModelLoadError(path, f"safetensors tensor {name!r}: unknown dtype {_shown(dtype)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
