@@ -3,8 +3,11 @@ after its first chunk), aborts (a request given up on mid-flight), preemption (a
 small for every row) and shedding (a waiting queue smaller than the clients), on the default
 model (SmolLM2-135M-Instruct) or a tiny random one.
 
-Checks, exit 1 on any failure: every completed greedy reply equals what the same engine
-generated for that prompt before the soak; no 5xx but the shed 503s (each with Retry-After);
+Checks, exit 1 on any failure: every completed reply has its max_tokens tokens and, on the tiny
+fp32 model, equals what the same engine generated for that prompt alone before the soak (the
+default model's "auto" weight plan multiplies through other kernels as the batch grows, so
+there a greedy reply may differ from the one generated alone: the share that matches is
+reported, not required; --strict-tokens requires it); no 5xx but the shed 503s (each with Retry-After);
 every block and row back at the end (`Engine.check_drained`); resident memory flat after
 warm-up (growth under 5% between the middle and the end); preemptions and sheds happened.
 Reports the clients' time to first token and inter-token latency (p50, p99), prints one JSON
@@ -57,8 +60,10 @@ def percentile(values: list[float], q: float) -> float | None:
 class Soak:
     """The clients, their outcomes and their latencies."""
 
-    def __init__(self, url: str, model: str, prompts: list[list[int]], expected: list[list[str]], seed: int) -> None:
+    def __init__(self, url: str, model: str, prompts: list[list[int]], expected: list[list[str]], seed: int,
+                 strict_tokens: bool) -> None:
         self.url, self.model, self.prompts, self.expected = url, model, prompts, expected
+        self.strict_tokens = strict_tokens
         self.rng = random.Random(seed)
         self.outcomes: Counter[str] = Counter()
         self.failures: list[str] = []
@@ -81,9 +86,9 @@ class Soak:
             if kind == "whole":
                 response = await http.post("/v1/completions", json=body)
                 if await self.check_status(response, response.text):
-                    self.check_text("".join(response.json()["choices"][0]["logprobs"]["tokens"]), want, kind)
+                    self.check_reply(response.json()["choices"][0]["logprobs"]["tokens"], want, max_tokens, kind)
             elif kind == "stream":
-                await self.stream(http, body, want)
+                await self.stream(http, body, want, max_tokens)
             elif kind == "hangup":
                 async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
                     if await self.check_status(response, ""):
@@ -99,9 +104,9 @@ class Soak:
         except httpx.HTTPError as exc:
             self.failures.append(f"{kind}: transport error {exc!r}")
 
-    async def stream(self, http: httpx.AsyncClient, body: dict, want: str) -> None:
+    async def stream(self, http: httpx.AsyncClient, body: dict, want: str, max_tokens: int) -> None:
         started = time.perf_counter()
-        last, text = None, ""
+        last, pieces = None, []
         async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             if not await self.check_status(response, ""):
                 return
@@ -113,16 +118,16 @@ class Soak:
                     self.failures.append(f"in-band error: {event}")
                     return
                 choice = event["choices"][0]
-                pieces = (choice.get("logprobs") or {}).get("tokens", [])
-                tokens = len(pieces)
-                text += "".join(pieces)
+                new = (choice.get("logprobs") or {}).get("tokens", [])
+                tokens = len(new)
+                pieces += new
                 now = time.perf_counter()
                 if tokens and last is None:
                     self.ttft.append(now - started)
                 elif tokens:
                     self.itl += [(now - last) / tokens] * tokens
                 last = now if tokens else last
-        self.check_text(text, want, "stream")
+        self.check_reply(pieces, want, max_tokens, "stream")
 
     async def check_status(self, response: httpx.Response, text: str) -> bool:
         """True for a 200; a shed 503 waits its Retry-After; anything else is a failure."""
@@ -137,12 +142,18 @@ class Soak:
         self.failures.append(f"{response.status_code}: {(text or response.text)[:200]}")
         return False
 
-    def check_text(self, got: str, want: str, kind: str) -> None:
-        if got == want:
-            self.outcomes[f"{kind}-correct"] += 1
+    def check_reply(self, pieces: list[str], want: str, max_tokens: int, kind: str) -> None:
+        """The reply's tokens (each as its own text): all max_tokens of them, and the same as
+        the prompt's reply alone (required with strict_tokens, else counted)."""
+        if len(pieces) != max_tokens:
+            self.outcomes[f"{kind}-short"] += 1
+            self.failures.append(f"{kind}: {len(pieces)} tokens, asked for {max_tokens}")
+        elif "".join(pieces) == want:
+            self.outcomes[f"{kind}-same-as-alone"] += 1
         else:
-            self.outcomes[f"{kind}-wrong"] += 1
-            self.failures.append(f"{kind}: {got!r} != {want!r}")
+            self.outcomes[f"{kind}-differs-from-alone"] += 1
+            if self.strict_tokens:
+                self.failures.append(f"{kind}: {''.join(pieces)!r} != {want!r}")
 
 
 def build(model_name: str, rows: int, blocks: int, block_size: int):
@@ -188,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="K/V blocks (fewer than the rows need: preemption)")
     parser.add_argument("--max-waiting", type=int, default=8,
                         help="the waiting queue (smaller than clients - rows: some requests are shed)")
-    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--strict-tokens", action="store_true",
+                        help="fail on a greedy reply that differs from the prompt's reply alone (always on "
+                             "for the tiny fp32 model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="default compile/results/soak-MODEL.csv")
     args = parser.parse_args(argv)
@@ -201,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = EngineLoop(engine, max_waiting=args.max_waiting)
     server = BackgroundServer(create_app(loop, "soak"), log_level="error").start()
     baseline = loop.stats.blocks_free
-    soak = Soak(server.url, "soak", prompts, expected, args.seed)
+    soak = Soak(server.url, "soak", prompts, expected, args.seed, args.strict_tokens or args.model == "tiny")
     samples: dict[str, float] = {"start": rss_mib()}
 
     async def run() -> None:
@@ -223,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             and time.monotonic() < deadline:
         time.sleep(0.05)
     stats = loop.stats
+    same = sum(v for k, v in soak.outcomes.items() if k.endswith("-same-as-alone"))
+    replies = same + sum(v for k, v in soak.outcomes.items() if k.endswith("-differs-from-alone"))
     leak = None
     try:
         engine.check_drained()  # the loop is idle: nothing else touches the engine now
@@ -237,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "max_waiting": args.max_waiting, "seconds": round(elapsed, 1),
         "requests": sum(soak.outcomes.values()), "failures": len(soak.failures),
-        "shed_503": soak.outcomes["shed"], "preemptions": stats.preemptions, "aborted_in_engine": stats.aborted,
+        "shed_503": soak.outcomes["shed"],
+        "same_as_alone": round(same / max(replies, 1), 3), "preemptions": stats.preemptions, "aborted_in_engine": stats.aborted,
         "ttft_p50_ms": ms(percentile(soak.ttft, 0.5)), "ttft_p99_ms": ms(percentile(soak.ttft, 0.99)),
         "itl_p50_ms": ms(percentile(soak.itl, 0.5)), "itl_p99_ms": ms(percentile(soak.itl, 0.99)),
         "rss_start_mib": round(samples["start"], 1), "rss_warm_mib": round(samples["warm"], 1),
