@@ -216,3 +216,23 @@ def test_safetensors_header_longer_than_the_file_is_refused(hf_dir):
     path.write_bytes(struct.pack("<Q", 2 ** 60) + data[8:])
     with pytest.raises(ModelLoadError, match="safetensors header claims"):
         load_model(str(hf_dir))
+
+
+def test_chat_route_without_a_template_is_a_400(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from conftest import served
+
+    from nanoserve.engine import build_engine
+
+    d = tiny_chat_gguf()
+    del d.fields["tokenizer.chat_template"]
+    model, tokenizer = load_model(str(d.write(tmp_path / "plain.gguf")))
+    engine = build_engine(model, tokenizer=tokenizer, max_batch_size=1, max_model_len=32, kv_cache_bytes=1 << 20)
+    with served(engine, "plain", None) as server:
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        completion = httpx.post(f"{server.url}/v1/completions", json={"model": "plain", "prompt": "hi",
+                                                                       "max_tokens": 2}, timeout=30)
+    assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
+    assert completion.status_code == 200
