@@ -148,10 +148,11 @@ def check_gguf_tensors(path: Path, metadata: Mapping[str, Any], tensors: Sequenc
     arch = metadata.get("general.architecture")
     _check_layers(path, metadata, tensors, arch)
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        _check_rows(path, metadata, tensors, arch, len(tokens))
-        if metadata.get("tokenizer.ggml.model") == "gpt2":
-            _check_merges(path, metadata.get("tokenizer.ggml.merges", []), tokens)
+    if tokens is None:
+        raise ModelLoadError(path, "missing metadata key 'tokenizer.ggml.tokens' (the vocabulary)")
+    _check_rows(path, metadata, tensors, arch, len(tokens))
+    if metadata.get("tokenizer.ggml.model") == "gpt2":
+        _check_merges(path, metadata.get("tokenizer.ggml.merges", []), tokens)
     expected = _gguf_shapes(config)
     for t in tensors:
         m = _LAYER.match(t.name)
