@@ -156,7 +156,7 @@ class Soak:
                 self.failures.append(f"{kind}: {''.join(pieces)!r} != {want!r}")
 
 
-def build(model_name: str, rows: int, blocks: int, block_size: int):
+def build(model_name: str, rows: int, blocks: int, block_size: int, weights: str):
     """The engine under test and its vocabulary size: the default model (or a path) with its
     tokenizer, or a tiny random model without one."""
     options = dict(max_batch_size=rows, block_size=block_size, max_model_len=128)
@@ -166,11 +166,11 @@ def build(model_name: str, rows: int, blocks: int, block_size: int):
         per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * 4
         return build_engine(model, kv_cache_bytes=blocks * per_block, **options), config.vocab_size
     probe = build_engine(model_name, max_batch_size=1, max_model_len=32, kv_cache_bytes=4 << 20,
-                         block_size=block_size)
+                         block_size=block_size, weights=weights)
     per_block = probe.config.kv_cache_bytes // probe.stats().blocks_total  # the pool's block size in bytes
     probe.close()
     del probe
-    engine = build_engine(model_name, kv_cache_bytes=blocks * per_block, **options)
+    engine = build_engine(model_name, kv_cache_bytes=blocks * per_block, weights=weights, **options)
     return engine, engine.tokenizer.vocab_size
 
 
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="K/V blocks (fewer than the rows need: preemption)")
     parser.add_argument("--max-waiting", type=int, default=8,
                         help="the waiting queue (smaller than clients - rows: some requests are shed)")
+    parser.add_argument("--weights", default="auto", help="the weight format of a named model (default auto)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--strict-tokens", action="store_true",
                         help="fail on a greedy reply that differs from the prompt's reply alone (always on "
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default=None, help="default compile/results/soak-MODEL.csv")
     args = parser.parse_args(argv)
 
-    engine, vocab = build(args.model, args.rows, args.blocks, args.block_size)
+    engine, vocab = build(args.model, args.rows, args.blocks, args.block_size, args.weights)
     rng = random.Random(args.seed)
     low = 4 if args.model == "tiny" else 100  # the default model: skip its control tokens
     prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(4, 64))] for _ in range(args.prompts)]
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     growth = samples["end"] / samples["middle"] - 1
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     summary = {
-        "model": args.model, "clients": args.clients, "rows": args.rows, "blocks": args.blocks,
+        "model": args.model, "weights": args.weights, "clients": args.clients, "rows": args.rows, "blocks": args.blocks,
         "block_size": args.block_size,
         "max_waiting": args.max_waiting, "seconds": round(elapsed, 1),
         "requests": sum(soak.outcomes.values()), "failures": len(soak.failures),

@@ -15,11 +15,14 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.tokenizer import ChatTemplate, _bytes_to_unicode
+
+if TYPE_CHECKING:
+    from nanoserve.model.gguf_loader import GGUFCheckpoint
 
 # Sanity ceilings: no real model comes near them, and a value past one is a broken or hostile
 # header (a context length of 2^40 would size the rotary tables beyond any memory).
@@ -132,7 +135,7 @@ def check_gguf(path: Path, metadata: Mapping[str, Any], tensors: Sequence[Any]) 
         check_chat_template(path, "tokenizer.chat_template", template, specials)
 
 
-def checked_gguf_config(ckpt: Any) -> ModelConfig:
+def checked_gguf_config(ckpt: GGUFCheckpoint) -> ModelConfig:
     """The ModelConfig of an opened GGUFCheckpoint, once its file passes check_gguf."""
     check_gguf(ckpt.path, ckpt.metadata, ckpt.reader.tensors)
     config = ckpt.config()  # names a missing key; the tensors are checked against what is there
