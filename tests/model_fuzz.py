@@ -1,7 +1,7 @@
 """The model-file fuzzer, run as its own process (tests/test_model_fuzz.py starts it) so that each
 case is bounded in time (SIGALRM) and the whole run in memory (RLIMIT_DATA):
 
-    python tests/model_fuzz.py gguf|hf EXAMPLES [--derandomize]
+    python tests/model_fuzz.py gguf|hf EXAMPLES [--derandomize] [--seed N]
 
 Hypothesis mutates a small valid file â€” a GGUF (metadata values and types, array lengths and
 items, tensor names, shapes, types and offsets, the chat template, raw header bytes) or a
@@ -9,7 +9,8 @@ Hugging Face directory (config.json, tokenizer files, the safetensors header) â€
 must either load and generate two tokens, or be refused with a ModelLoadError (or a
 FileNotFoundError) naming a file of the model: never another exception, a hang or a memory
 blow-up. Prints one JSON line: examples run, distinct mutations tried, outcomes.
---derandomize draws the same cases every run (the suite's quick sample).
+--derandomize draws the same cases every run (the suite's quick sample); --seed N replays the
+run a failure names ("@seed(N)").
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,6 +70,16 @@ def run_case(model_path: Path, owner: Path) -> str:
         return "loaded"
     finally:
         signal.alarm(0)
+
+
+def checked(run, model_path: Path, owner: Path, label: tuple) -> str:
+    """run(model_path, owner), naming the mutation when it fails: a BaseException that is not
+    an Exception (a Rust panic from a library) stops hypothesis before it reports the case."""
+    try:
+        return run(model_path, owner)
+    except BaseException:
+        print(f"failing mutation: {label!r}", file=sys.stderr)
+        raise
 
 
 # -- GGUF mutations ----------------------------------------------------------------------------
@@ -219,7 +230,9 @@ def corrupt_bytes(path: Path, start: int, flips: list[int], cut: int | None) -> 
     path.write_bytes(bytes(data[:cut] if cut is not None else data))
 
 
-def fuzz_gguf(examples: int, workdir: Path, tried: set, outcomes: Counter, derandomize: bool) -> None:
+def fuzz_gguf(examples: int, workdir: Path, tried: set, outcomes: Counter, derandomize: bool,
+              replay: int | None) -> None:
+    @seed(replay)
     @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize,
               suppress_health_check=list(HealthCheck))
     @given(gguf_mutation())
@@ -237,7 +250,7 @@ def fuzz_gguf(examples: int, workdir: Path, tried: set, outcomes: Counter, deran
             return
         if patch is not None:
             patch(path)
-        outcomes[run_case(path, path)] += 1
+        outcomes[checked(run_case, path, path, label)] += 1
 
     case()
 
@@ -368,9 +381,11 @@ def _flip(path: Path, start: int, flips: list[int]) -> None:
     path.write_bytes(bytes(data))
 
 
-def fuzz_hf(examples: int, workdir: Path, tried: set, outcomes: Counter, derandomize: bool) -> None:
+def fuzz_hf(examples: int, workdir: Path, tried: set, outcomes: Counter, derandomize: bool,
+            replay: int | None) -> None:
     base = tiny_hf_dir(workdir / "base")
 
+    @seed(replay)
     @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize,
               suppress_health_check=list(HealthCheck))
     @given(hf_mutation())
@@ -381,7 +396,7 @@ def fuzz_hf(examples: int, workdir: Path, tried: set, outcomes: Counter, derando
         shutil.rmtree(directory, ignore_errors=True)
         shutil.copytree(base, directory)
         edit(directory)
-        outcomes[run_case(directory, directory)] += 1
+        outcomes[checked(run_case, directory, directory, label)] += 1
 
     case()
 
@@ -394,7 +409,8 @@ def main(argv: list[str]) -> int:
     outcomes: Counter = Counter()
     with tempfile.TemporaryDirectory() as tmp:
         fuzz = fuzz_gguf if which == "gguf" else fuzz_hf
-        fuzz(examples, Path(tmp), tried, outcomes, derandomize="--derandomize" in argv)
+        replay = int(argv[argv.index("--seed") + 1]) if "--seed" in argv else None
+        fuzz(examples, Path(tmp), tried, outcomes, derandomize="--derandomize" in argv, replay=replay)
     print(json.dumps({"files": which, "examples": sum(outcomes.values()), "distinct_mutations": len(tried),
                       "outcomes": dict(outcomes)}))
     return 0

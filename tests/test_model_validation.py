@@ -236,3 +236,13 @@ def test_chat_route_without_a_template_is_a_400(tmp_path):
                                                                        "max_tokens": 2}, timeout=30)
     assert response.status_code == 400 and "has no chat template" in response.json()["error"]["message"]
     assert completion.status_code == 200
+
+
+def test_hf_merge_whose_join_is_missing_is_refused_not_a_panic(hf_dir):
+    raw = json.loads((hf_dir / "tokenizer.json").read_text())
+    left, right = raw["model"]["merges"][-1] if isinstance(raw["model"]["merges"][-1], list) \
+        else raw["model"]["merges"][-1].split(" ")
+    del raw["model"]["vocab"][left + right]  # the tokenizers library panics on this
+    (hf_dir / "tokenizer.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=f"tokenizer.json: model.merges\\[{len(raw['model']['merges']) - 1}\\]"):
+        load_model(str(hf_dir))

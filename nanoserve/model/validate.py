@@ -379,9 +379,12 @@ def check_hf_dir(model_dir: Path, config: ModelConfig) -> None:
 
     path = model_dir / "tokenizer.json"
     if path.is_file():
+        _check_bpe_model(path, _json_object(path).get("model"))
         try:
             backend = Backend.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+        except BaseException as e:  # the tokenizers library raises a bare Exception for a bad file
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise  # a Rust panic in the library is a BaseException; anything else is not ours
             raise ModelLoadError(path, f"cannot read tokenizer ({str(e).splitlines()[0][:300]})") from e
         vocab = backend.get_vocab(with_added_tokens=True)
         top = max(vocab.values(), default=-1)
@@ -401,6 +404,32 @@ def check_hf_dir(model_dir: Path, config: ModelConfig) -> None:
     if beyond:
         raise ModelLoadError(model_dir / "config.json", f"num_hidden_layers is {config.num_layers} but the "
                                                         f"safetensors files hold layer {beyond[0]}")
+
+
+def _check_bpe_model(path: Path, model: Any) -> None:
+    """A BPE model's vocabulary (unique non-negative ids) and merges (each side and their join a
+    token of the vocabulary): the tokenizers library panics on a merge whose join is missing."""
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or "merges" not in model:
+        return
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                              for i in vocab.values()):
+        raise ModelLoadError(path, "model.vocab must map tokens to non-negative integer ids")
+    if len(set(vocab.values())) != len(vocab):
+        raise ModelLoadError(path, "model.vocab gives two tokens the same id")
+    if not isinstance(merges, list):
+        raise ModelLoadError(path, "model.merges must be a list")
+    prefix = model.get("continuing_subword_prefix") or ""
+    for index, merge in enumerate(merges):
+        parts = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if not (isinstance(parts, list) and len(parts) == 2 and all(isinstance(p, str) for p in parts)):
+            raise ModelLoadError(path, f"model.merges[{index}] is {_shown(merge)}, not a pair of tokens")
+        left, right = parts
+        joined = left + (right[len(prefix):] if prefix and right.startswith(prefix) else right)
+        missing = next((t for t in (left, right, joined) if t not in vocab), None)
+        if missing is not None:
+            raise ModelLoadError(path, f"model.merges[{index}] ({_shown(merge)}) needs the token {_shown(missing)}, "
+                                       "which is not in model.vocab")
 
 
 def _check_tokenizer_config(model_dir: Path, vocab: Mapping[str, int]) -> dict[str, str | None]:
