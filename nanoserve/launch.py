@@ -83,6 +83,8 @@ def prompt_text(args: argparse.Namespace, tokenizer) -> str:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not args.chat:
         return text
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ValueError(f"{args.model}: the model has no chat template; run without --chat")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)

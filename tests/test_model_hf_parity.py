@@ -96,9 +96,10 @@ def test_hf_config_is_read_faithfully(tiny_pair):
 
 
 def test_load_model_reads_hf_directory_with_tokenizer(tmp_path):
-    hf = make_hf_model(*VARIANTS["llama"])
+    # Rows for every id the tokenizer has (its byte alphabet and two specials: 258 tokens).
+    hf = make_hf_model("LlamaForCausalLM", dict(TINY, vocab_size=264))
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    save_bpe_tokenizer(tmp_path, "hello world", 256, "<s>", "</s>")
+    save_bpe_tokenizer(tmp_path, "hello world", 258, "<s>", "</s>")
     model, tokenizer = load_model(str(tmp_path))
     assert tokenizer.eos_token_id == 1 and tokenizer.bos_token_id == 0
     ids = torch.tensor([tokenizer.encode("hello world")])

@@ -178,11 +178,12 @@ class GGUFCheckpoint:
                 raise ModelLoadError(path, "not a GGUF file (the first 4 bytes are not 'GGUF')")
         try:
             reader = _PlainArrayReader(path, "r")
+            metadata = _read_metadata(reader)  # strings are decoded here: bad UTF-8 fails here
         except _Truncated as e:
             raise ModelLoadError(path, str(e)) from e
         except Exception as e:  # the reader has no error type of its own
             raise ModelLoadError(path, f"corrupt GGUF file, the reader failed: {e}") from e
-        ckpt = cls(path, reader, _read_metadata(reader))
+        ckpt = cls(path, reader, metadata)
         ckpt._check_extents()
         return ckpt
 

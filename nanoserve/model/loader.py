@@ -17,9 +17,10 @@ from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import BlockTensor
 from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.group_codes import GroupCodes
-from nanoserve.model.hf_loader import SafetensorsWeights, read_hf_config, safetensors_files
+from nanoserve.model.hf_loader import SafetensorsWeights, safetensors_files
 from nanoserve.model.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
 from nanoserve.model.tokenizer import Tokenizer
+from nanoserve.model.validate import checked_gguf_config, checked_hf_config
 from nanoserve.model.weight_plan import (
     WeightPlan,
     hf_parts,
@@ -81,7 +82,7 @@ def build_model(config: ModelConfig, hf_weights: Mapping[str, torch.Tensor],
 def load_config(model: str) -> ModelConfig:
     """Only the ModelConfig of a model argument (no weights are read)."""
     path = resolve_model_path(model)
-    return read_hf_config(path) if path.is_dir() else GGUFCheckpoint.open(path).config()
+    return checked_hf_config(path) if path.is_dir() else checked_gguf_config(GGUFCheckpoint.open(path))
 
 
 def load_tokenizer(model: str) -> Tokenizer:
@@ -110,12 +111,12 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     path = resolve_model_path(model)
     timer = LoadTimer()
     if path.is_dir():
-        config = read_hf_config(path)
+        config = checked_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
         weights_file: WeightFile = HFWeights(SafetensorsWeights(path))
     else:
         ckpt = GGUFCheckpoint.open(path)
-        config = ckpt.config()
+        config = checked_gguf_config(ckpt)
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)) if with_tokenizer else None
         weights_file = GGUFWeights(ckpt, config)
     timer.lap("metadata")

@@ -145,12 +145,31 @@ def _sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str], types
     return backend
 
 
+# A chat template may repeat a string or list, or raise to a power, only up to this size: a
+# hostile `{{ 'x' * 10**12 }}` is refused instead of taking the machine's memory.
+MAX_TEMPLATE_PRODUCT = 1 << 20
+
+
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """jinja's immutable sandbox, with `*` and `**` bounded (MAX_TEMPLATE_PRODUCT)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sized = [len(x) for x in (left, right) if isinstance(x, (str, list, tuple))]
+        counts = [abs(x) for x in (left, right) if isinstance(x, int)]
+        if operator == "*" and sized and sized[0] * max(counts, default=1) > MAX_TEMPLATE_PRODUCT:
+            raise jinja2.exceptions.SecurityError("the template repeats a value past the sandbox's size limit")
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise jinja2.exceptions.SecurityError("the template raises to a power past the sandbox's limit")
+        return super().call_binop(context, operator, left, right)
+
+
 class ChatTemplate:
     """A model's jinja2 chat template, rendered the way transformers' `apply_chat_template` does."""
 
     def __init__(self, source: str) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -81,8 +81,9 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine_loop.metrics.render(engine_loop.stats, http_in_flight=admission.in_flight),
-                                 media_type="text/plain; version=0.0.4")
+        text = engine_loop.metrics.render(engine_loop.stats, http_in_flight=admission.in_flight,
+                                          max_waiting=engine_loop.max_waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def list_models():

@@ -54,6 +54,9 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="on SIGTERM/SIGINT: seconds requests in flight may take to finish before "
                              "they are ended (default %(default)s); the process exits about 2 s after")
+    parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=None,
+                        help="requests that may wait for a row; past them a new request gets a 503 with "
+                             "Retry-After instead of waiting without limit (default: --max-batch-size)")
     add_engine_args(parser, max_batch_size=32, kv_cache_bytes=None,
                     kv_cache_default="what the rows need at the model's context, at most 16,384 tokens' worth")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_FORMATS),
@@ -63,6 +66,13 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
                         help="default %(default)s")
     parser.set_defaults(func=run_serve)
     return parser
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def served_name(model: str) -> str:
@@ -135,8 +145,9 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
     for line in describe_engine(engine, model, time.perf_counter() - started):
         log.info("%s", line)
     name = args.served_model_name or served_name(model)
-    app = create_app(EngineLoop(engine), name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     body_timeout=args.body_timeout, tool_call_parser=args.tool_call_parser)
+    app = create_app(EngineLoop(engine, max_waiting=args.max_waiting_requests), name, api_key=args.api_key,
+                     max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
+                     tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -5,6 +5,10 @@ The Engine is not thread-safe, so HTTP handlers never touch it: they post ``add`
 RequestOutput to the request's asyncio.Queue through ``call_soon_threadsafe``. Every request
 posted before a step shares that step: continuous batching needs nothing more. When there is
 no work the thread sleeps on an Event, so an idle server costs nothing.
+
+The waiting queue is bounded: a request that would wait behind more than ``max_waiting``
+others that no free row can take is refused at once (Overloaded: the server answers 503 with
+Retry-After) instead of queueing without limit.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ logger = logging.getLogger("nanoserve.serve")
 
 class EngineStopped(RuntimeError):
     """The engine loop is not running (shut down, or never started)."""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full: the request was refused, not queued; try again later."""
+
+
+def default_max_waiting(max_batch_size: int) -> int:
+    """Requests that may wait for a row: one more full batch. A request further back would wait
+    out at least two whole batches' generations; a client is better told to retry (or go to
+    another replica) than held that long."""
+    return max_batch_size
 
 
 @dataclass
@@ -57,9 +72,12 @@ class EngineLoop:
     commands, so readers on other threads never call into the engine.
     """
 
-    def __init__(self, engine: Engine, metrics: ServeMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServeMetrics | None = None, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServeMetrics()
+        self.max_waiting = default_max_waiting(engine.config.max_batch_size) if max_waiting is None else max_waiting
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         self.stats: EngineStats = engine.stats()
         self._commands: collections.deque = collections.deque()  # append/popleft are thread-safe
         self._wake = threading.Event()
@@ -89,7 +107,8 @@ class EngineLoop:
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
         """Queue a request; return the asyncio.Queue its RequestOutputs will arrive on (an
         exception instance there means the engine failed it). Raises the engine's
-        RequestError if the request cannot be served, EngineStopped if the loop is down."""
+        RequestError if the request cannot be served, Overloaded if the waiting queue is full,
+        EngineStopped if the loop is down."""
         if not self.alive:
             raise EngineStopped(self.stopped_reason)
         stream = _Stream(asyncio.get_running_loop())
@@ -140,24 +159,42 @@ class EngineLoop:
             logger.exception("closing the faulted engine failed")
 
     def _drain_commands(self) -> None:
+        room: int | None = None  # adds the queue takes before the next step; counted lazily
         while self._commands:
             command = self._commands.popleft()
             if isinstance(command, _Add):
-                self._add(command)
+                room = self._room() if room is None else room
+                room -= self._add(command, room)
             else:
                 self._abort(command.request_id)
+                room = None  # an abort may have freed a row or a place in the queue
 
-    def _add(self, command: _Add) -> None:
+    def _room(self) -> int:
+        """How many more requests may be added now: the free rows, plus the places left in the
+        waiting queue."""
+        stats = self.engine.stats()
+        free_rows = max(self.engine.config.max_batch_size - stats.running, 0)
+        return free_rows + self.max_waiting - stats.waiting
+
+    def _add(self, command: _Add, room: int) -> int:
+        """Add one request if there is room; how many requests it added (0 or 1)."""
         if not command.accepted.set_running_or_notify_cancel():
-            return  # cancelled before we got to it; its abort follows in the queue
+            return 0  # cancelled before we got to it; its abort follows in the queue
+        if room <= 0:
+            self.metrics.record_shed()
+            command.accepted.set_exception(Overloaded(
+                f"the server is at capacity: {self.max_waiting} requests are already waiting for a row "
+                "(--max-waiting-requests); retry later"))
+            return 0
         try:
             self.engine.add_request(command.prompt, command.params, command.request_id)
         except Exception as exc:  # RequestError, or anything else: this request fails alone
             command.accepted.set_exception(exc)
-            return
+            return 0
         self._streams[command.request_id] = command.stream
         self.metrics.record_admitted(len(command.prompt) if isinstance(command.prompt, list) else 0)
         command.accepted.set_result(None)
+        return 1
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is None:

@@ -22,18 +22,19 @@ class ApiError(Exception):
     """A request the server refuses or cannot finish; rendered as an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         # Whatever the message quotes (a model name, a field's value) must encode as UTF-8.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def from_validation_error(exc: RequestValidationError) -> ApiError:

@@ -10,3 +10,6 @@ DEFAULT_BODY_TIMEOUT = 20.0
 # process exits within --drain-timeout plus about these two, whatever the clients do.
 ENDING_GRACE = 1.0
 SHUTDOWN_GRACE = 1
+# Seconds a client refused for a full waiting queue is told to wait (Retry-After) before trying
+# again: about one decode batch's turnover on a small model, so a retry finds rows freed.
+RETRY_AFTER_SECONDS = 1

@@ -57,6 +57,7 @@ class ServeMetrics:
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()
         self.disconnects = 0
+        self.shed = 0
 
     def record_admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -85,9 +86,14 @@ class ServeMetrics:
         with self._lock:
             self.disconnects += 1
 
-    def render(self, stats: EngineStats, http_in_flight: int | None = None) -> str:
+    def record_shed(self) -> None:
+        """A request refused because the waiting queue was full (a 503 with Retry-After)."""
+        with self._lock:
+            self.shed += 1
+
+    def render(self, stats: EngineStats, http_in_flight: int | None = None, max_waiting: int | None = None) -> str:
         """Prometheus text exposition (version 0.0.4) of these metrics and an engine stats snapshot
-        (and, from the HTTP side, the requests it is handling)."""
+        (and, from the HTTP side, the requests it is handling and the waiting queue's bound)."""
         gauges = [
             ("nanoserve_requests_running", "Requests holding a row in the engine.", stats.running),
             ("nanoserve_requests_waiting", "Requests queued for admission.", stats.waiting),
@@ -104,6 +110,9 @@ class ServeMetrics:
             gauges.append(("nanoserve_http_requests_in_flight",
                            "HTTP requests being handled (body arriving, queued or generating), probes aside.",
                            http_in_flight))
+        if max_waiting is not None:
+            gauges.append(("nanoserve_requests_waiting_max",
+                           "Requests that may wait for a row; past it new requests get a 503.", max_waiting))
         counters = [
             ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.steps),
             ("nanoserve_decode_steps_total", "Decode steps.", stats.decode_steps),
@@ -129,6 +138,8 @@ class ServeMetrics:
                 ("nanoserve_client_disconnects_total",
                  "Requests whose client hung up before the answer was complete (their work is aborted).",
                  self.disconnects),
+                ("nanoserve_requests_shed_total",
+                 "Requests refused with a 503 because the waiting queue was full.", self.shed),
             ]
             lines = _plain("gauge", gauges) + _plain("counter", counters)
             lines += ["# HELP nanoserve_requests_finished_total Requests finished, by reason.",

@@ -17,8 +17,9 @@ from starlette.responses import StreamingResponse
 
 from nanoserve.engine import RequestError, RequestOutput, SamplingParams
 from nanoserve.engine.sampler import TokenLogprobs
-from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
+from nanoserve.serve.engine_loop import EngineLoop, EngineStopped, Overloaded
 from nanoserve.serve.errors import ApiError, quoted
+from nanoserve.serve.limits import RETRY_AFTER_SECONDS
 
 logger = logging.getLogger("nanoserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this
@@ -100,6 +101,9 @@ async def submit(state: ServeState, prompt_ids: list[int], params: SamplingParam
         raise ApiError(400, message, param=prompt_param, code="invalid_value") from exc
     except EngineStopped as exc:
         raise ApiError(503, str(exc), code="engine_unavailable") from exc
+    except Overloaded as exc:
+        raise ApiError(503, str(exc), code="server_overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from exc
 
 
 def check_output(output: RequestOutput | BaseException) -> RequestOutput:
