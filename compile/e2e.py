@@ -25,7 +25,7 @@ import torch
 from compile import llama_peer
 from compile.common import (
     MODES,
-    WEIGHT_FORMATS,
+    WEIGHT_CHOICES,
     DecodeWorkload,
     add_output_options,
     format_table,
@@ -189,8 +189,8 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorklo
     parser.add_argument("--model", default=defaults.model,
                         help="a .gguf file, a Hugging Face directory, or smollm2 (the default); the result "
                              "files of another model carry its file name")
-    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=None,
-                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)} (default: "
+    parser.add_argument("--weights", type=name_list(WEIGHT_CHOICES), default=None,
+                        help=f"comma-separated, from {','.join(WEIGHT_CHOICES)} (default: "
                              f"{','.join(defaults.weights)} for the default model, auto for another)")
     parser.add_argument("--modes", type=name_list(MODES), default=defaults.modes, help="eager,compile or one of them")
     parser.add_argument("--batches", type=int_list, default=defaults.batches)

@@ -25,7 +25,7 @@ import torch
 from compile import llama_peer
 from compile.common import (
     FIDELITY_TEXT,
-    WEIGHT_FORMATS,
+    WEIGHT_CHOICES,
     add_output_options,
     format_table,
     formats_for,
@@ -110,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="a .gguf file, a Hugging Face directory, or smollm2 (the default); the CSV of "
                              "another model carries its file name")
-    parser.add_argument("--weights", type=name_list(WEIGHT_FORMATS), default=None,
-                        help=f"comma-separated, from {','.join(WEIGHT_FORMATS)} (default: {','.join(FORMATS)} "
+    parser.add_argument("--weights", type=name_list(WEIGHT_CHOICES), default=None,
+                        help=f"comma-separated, from {','.join(WEIGHT_CHOICES)} (default: {','.join(FORMATS)} "
                              "for the default model, auto for another)")
     parser.add_argument("--text", type=Path, default=FIDELITY_TEXT)
     parser.add_argument("--max-tokens", type=int, default=None,
