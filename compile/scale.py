@@ -123,6 +123,11 @@ def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
     llama_ttft(peer, prompt[:WARMUP_TOKENS])
     row["ttft_512_s"] = statistics.median(llama_ttft(peer, prompt) for _ in range(TTFT_REPEATS))
     row["rss_peak_gb"] = _peak_rss_gb()
+    # Which instruction sets this llama.cpp build runs (an AVX2-only build beside a forced tier).
+    info = peer.lib.llama_print_system_info().decode()
+    row["kernels"] = "llama.cpp " + "+".join(name for name in ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")
+                                             if f"{name} = 1" in info)
+    row["dtype"] = ""
     peer.close()
     return row
 
