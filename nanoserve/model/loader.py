@@ -20,7 +20,8 @@ from nanoserve.model.group_codes import GroupCodes
 from nanoserve.model.hf_loader import SafetensorsWeights, safetensors_files
 from nanoserve.model.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
 from nanoserve.model.tokenizer import Tokenizer
-from nanoserve.model.validate import checked_gguf_config, checked_hf_config
+from nanoserve.model.validate import checked_gguf_config
+from nanoserve.model.validate_hf import checked_hf_config
 from nanoserve.model.weight_plan import (
     WeightPlan,
     hf_parts,
