@@ -213,7 +213,7 @@ def load_hf_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32
 
 class SafetensorsWeights:
     """A directory's safetensors files opened (memory-mapped), read one tensor at a time by its
-    text model's HF name."""
+    text model's HF name (loader.WeightFile: float tensors only, so no blocks)."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self._files: dict[str, tuple[Path, Any, str]] = {}  # HF name -> (file, handle, name in file)
@@ -230,7 +230,7 @@ class SafetensorsWeights:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(handle.get_slice(key).get_shape()) for name, (_, handle, key) in self._files.items()}
 
-    def dtypes(self) -> dict[str, str]:
+    def types(self) -> dict[str, str]:
         """Each tensor's dtype as safetensors names it ("F32", "BF16", "F16")."""
         return {name: handle.get_slice(key).get_dtype() for name, (_, handle, key) in self._files.items()}
 
@@ -240,3 +240,9 @@ class SafetensorsWeights:
             return handle.get_tensor(key).to(dtype)
         except Exception as e:
             raise ModelLoadError(path, f"cannot read tensor {key} ({e})") from e
+
+    def blocks(self) -> dict:
+        return {}  # float tensors only
+
+    def release(self) -> None:
+        pass  # a tensor read in the file's dtype is a view of its map: it is the model

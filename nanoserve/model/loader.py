@@ -114,7 +114,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     if path.is_dir():
         config = checked_hf_config(path)
         tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
-        weights_file: WeightFile = HFWeights(SafetensorsWeights(path))
+        weights_file: WeightFile = SafetensorsWeights(path)
     else:
         ckpt = GGUFCheckpoint.open(path)
         config = checked_gguf_config(ckpt)
@@ -146,6 +146,9 @@ class WeightFile(Protocol):
 
 @dataclass
 class GGUFWeights:
+    """A GGUF checkpoint as a WeightFile, its tensors in HF naming and row order for ``config``
+    (a SafetensorsWeights is one as it is)."""
+
     ckpt: GGUFCheckpoint
     config: ModelConfig
 
@@ -163,26 +166,6 @@ class GGUFWeights:
 
     def release(self) -> None:
         self.ckpt.reader.release_pages()
-
-
-@dataclass
-class HFWeights:
-    files: SafetensorsWeights
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.files.shapes()
-
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self.files.read(name, dtype)
-
-    def blocks(self) -> dict[str, BlockTensor]:
-        return {}
-
-    def types(self) -> dict[str, str]:
-        return self.files.dtypes()
-
-    def release(self) -> None:
-        pass  # safetensors' tensors in the file's dtype are views of its map: they are the model
 
 
 class LoadTimer:
