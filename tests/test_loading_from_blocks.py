@@ -177,3 +177,16 @@ def test_random_files_have_the_shapes_and_types_they_name(tmp_path):
     assert types["output.weight"] == "Q6_K" and types["blk.0.ffn_down.weight"] == "Q6_K"
     assert types["blk.2.ffn_down.weight"] == "Q4_K" and types["blk.3.ffn_down.weight"] == "Q6_K"
     assert set(SHAPES) >= {"1b", "3b", "8b"}
+
+
+def test_the_fast_metadata_reader_gives_ggufs_own_fields(smollm2_path):
+    """The reader parses array fields (a vocabulary's strings) in one pass: every field's parts,
+    types and values are those gguf's own reader finds."""
+    from gguf import GGUFReader
+
+    ours, theirs = GGUFCheckpoint.open(smollm2_path).reader.fields, GGUFReader(smollm2_path).fields
+    assert ours.keys() == theirs.keys()
+    for name, field in theirs.items():
+        mine = ours[name]
+        assert (mine.data, mine.types, len(mine.parts)) == (field.data, field.types, len(field.parts)), name
+        assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(mine.parts, field.parts)), name

@@ -112,25 +112,25 @@ class _PlainArrayReader(GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
         itype, count, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+        types = [GGUFValueType.ARRAY, itype][:1 + bool(count)]  # gguf names the item type only when there is one
         nptype = self.gguf_scalar_to_np.get(itype)
         if nptype is not None:
             values = self._get(offs, nptype, count)
-            parts = [raw_itype, alen, *(values[i:i + 1] for i in range(count))]
-        elif itype == GGUFValueType.STRING:
-            data, parts = self._plain_data, [raw_itype, alen]
-            raw = memoryview(data)
-            for _ in range(count):
-                if offs + 8 > data.size:
-                    raise _Truncated(offs + 8, data.size)
-                end = offs + 8 + int.from_bytes(raw[offs:offs + 8], "little")
-                if end > data.size:
-                    raise _Truncated(end, data.size)
-                parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:end])
-                offs = end
-            return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, itype][:1 + bool(count)]
-        else:  # arrays of arrays: gguf's own walk
+            return 12 + values.nbytes, [raw_itype, alen, *(values[i:i + 1] for i in range(count))], \
+                list(range(2, 2 + count)), types
+        if itype != GGUFValueType.STRING:  # arrays of arrays: gguf's own walk
             return super()._get_field_parts(orig_offs, raw_type)
-        return 12 + values.nbytes, parts, list(range(2, 2 + count)), [GGUFValueType.ARRAY, itype][:1 + bool(count)]
+        data, parts = self._plain_data, [raw_itype, alen]
+        raw = memoryview(data)
+        for _ in range(count):
+            if offs + 8 > data.size:
+                raise _Truncated(offs + 8, data.size)
+            end = offs + 8 + int.from_bytes(raw[offs:offs + 8], "little")
+            if end > data.size:
+                raise _Truncated(end, data.size)
+            parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:end])
+            offs = end
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
 
 
 class _Truncated(Exception):
