@@ -223,10 +223,7 @@ def _pack_group_embedding(model: nn.Module, plan: WeightPlan, sources: Mapping[s
     source = group_source("embed_tokens", sources)
     if source is None or plan.tier == "torch" or not int4_kernel_accepts(*source.shape):
         return {}
-    table = GroupLinear(source, None, plan.dtype, kernel=plan.kernel)
-    if table.handle is None:
-        return {}
-    model.embed_tokens = GroupEmbedding(table)
+    model.embed_tokens = GroupEmbedding(GroupLinear(source, None, plan.dtype, kernel=plan.kernel))
     return {"model.embed_tokens.weight": "packed"}
 
 
