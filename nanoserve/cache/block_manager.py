@@ -129,6 +129,24 @@ class BlockManager:
             table.num_tokens = n + 1
         return positions, slots
 
+    def extend(self, row: int, num_tokens: int) -> list[int] | None:
+        """Grow the live `row` by `num_tokens` speculative tokens if the pool and max_model_len
+        allow, returning their slots; None (changing nothing) if they do not fit."""
+        table = self.tables[self._row(row)]
+        start = table.num_tokens
+        if num_tokens < 1 or start + num_tokens > self.max_model_len \
+                or table.blocks_needed(num_tokens) > self.pool.num_free:
+            return None
+        table.add_blocks(self.pool.allocate(table.blocks_needed(num_tokens)))
+        table.advance(num_tokens)
+        return [table.slot(t) for t in range(start, start + num_tokens)]
+
+    def truncate(self, row: int, num_tokens: int) -> None:
+        """The row keeps its first `num_tokens` tokens (a verify step's rejected tokens go); the
+        blocks past them go back to the pool. Those blocks held only speculative tokens, which
+        are never registered in the prefix cache."""
+        self.pool.free(self.tables[self._row(row)].truncate(num_tokens)[::-1])
+
     # The prefix operations take a sequence's tokens and, optionally, its chain of block hashes
     # (`block_hashes()`, kept with a request); without them the chain is hashed from the tokens.
 

@@ -203,6 +203,16 @@ class BlockTable:
         self._blocks, self.num_tokens = other._blocks, other.num_tokens
         other._blocks, other.num_tokens = [], 0
 
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Keep the first `num_tokens` tokens; returns the blocks no longer needed (the caller
+        gives them back). Raises if the table holds fewer."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        keep = -(-num_tokens // self.block_size)
+        dropped, self._blocks = self._blocks[keep:], self._blocks[:keep]
+        self.num_tokens = num_tokens
+        return dropped
+
     def clear(self) -> list[int]:
         blocks, self._blocks = self._blocks, []
         self.num_tokens = 0

@@ -22,7 +22,8 @@ from nanoserve.model.loader import load_config, load_tokenizer
 from nanoserve.model.quant import DENSE_FROM_ROWS
 from nanoserve.model.weight_plan import WeightPlan
 from nanoserve.worker.attention import decode_attention_kernel
-from nanoserve.worker.bucketing import Buckets
+from nanoserve.spec.speculator import NgramProposals, Speculator
+from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets
 from nanoserve.worker.build import WorkerSpec, build_worker
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
@@ -81,7 +82,18 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
                           buckets=spec.buckets)
     if tokenizer is None and named:
         tokenizer = load_tokenizer(model)
-    return Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks)
+    speculator = _speculator(config, model, spec, worker) if config.speculative is not None else None
+    return Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)
+
+
+def _speculator(config: EngineConfig, model, spec: WorkerSpec, worker) -> Speculator:
+    """The proposer the speculative config names, around the built target."""
+    speculative = config.speculative
+    if speculative.method == "ngram":
+        return Speculator(speculative, NgramProposals(speculative))
+    from nanoserve.spec.draft import build_draft  # a second model: only when asked for
+
+    return Speculator(speculative, build_draft(speculative, model, spec, worker.model.config))
 
 
 def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
@@ -96,7 +108,8 @@ def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight
     return WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
                       pool.max_model_len, SCRATCH_BLOCK * config.block_size, _buckets(config, pool.max_model_len, kernel),
                       config.compile, config.compile_mode, config.compile_backend, tier, config.warmup == "eager",
-                      checks=os.environ.get("NANOSERVE_CHECKS", "") == "1")
+                      checks=os.environ.get("NANOSERVE_CHECKS", "") == "1",
+                      max_queries=1 + (config.speculative.num_speculative_tokens if config.speculative else 0))
 
 
 def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerSpec) -> ResolvedConfig:
@@ -146,7 +159,15 @@ def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool) -> B
     # width (the longest) steps as fast as a tight one and compiles one graph per row
     # bucket instead of one per width; SDPA's masked read costs the whole window.
     widths = (max_model_len,) if decode_kernel else default.widths
-    return Buckets(tuple(config.row_buckets or default.rows), tuple(config.width_buckets or widths))
+    rows = tuple(config.row_buckets or default.rows)
+    speculative = config.speculative
+    if speculative is None or speculative.disable_by_batch_size < 2:
+        return Buckets(rows, tuple(config.width_buckets or widths))
+    # Verify graphs for the row buckets a speculating step can land in (fewer rows than
+    # disable_by_batch_size), one per query bucket.
+    verify_rows = bucket_for(min(speculative.disable_by_batch_size - 1, config.max_batch_size), rows)
+    return Buckets(rows, tuple(config.width_buckets or widths), default_query_buckets(speculative.num_speculative_tokens),
+                   verify_rows)
 
 
 def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int, device: str = "cpu") -> int:

@@ -19,13 +19,19 @@ def check_plan_against_blocks(plan: StepPlan, blocks: BlockManager) -> None:
     token, no two writes share a slot, and every written block is held (not free in the pool)."""
     tables, pool, faults, written = blocks.tables, blocks.pool, [], []
     if plan.decode is not None:
-        for row, position, slot in zip(plan.decode.row_ids, plan.decode.positions, plan.decode.write_slots):
-            table = tables[row]
-            if position != table.num_tokens - 1 or slot != table.slot(position):
-                held = table.slot(position) if position < table.capacity else "none"
-                faults.append(f"decode row {row}: writes slot {slot} at position {position}; its block table "
-                              f"holds {table.num_tokens} tokens and puts position {position} at slot {held}")
-            written.append((row, slot))
+        batch = plan.decode
+        for i, (row, position) in enumerate(zip(batch.row_ids, batch.positions)):
+            table, slots = tables[row], batch.row_slots(i)  # the fed token's, then its proposals'
+            last = position + len(slots) - 1
+            if last != table.num_tokens - 1 or any(
+                    slot != table.slot(position + j) for j, slot in enumerate(slots) if position + j < table.capacity):
+                held = [table.slot(p) if p < table.capacity else "none" for p in range(position, last + 1)]
+                wrote, where, put = ((f"slot {slots[0]}", f"position {position}", f"position {position} at slot {held[0]}")
+                                     if len(slots) == 1 else (f"slots {list(slots)}", f"positions {position}..{last}",
+                                                              f"those positions at {held}"))
+                faults.append(f"decode row {row}: writes {wrote} at {where}; its block table holds {table.num_tokens} "
+                              f"tokens and puts {put}")
+            written += [(row, slot) for slot in slots]
     for chunk in plan.prefill:
         table = tables[chunk.row]
         if chunk.end > table.num_tokens or list(chunk.slots) != table.slots(chunk.end):

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nanoserve.spec.config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -67,6 +69,10 @@ class EngineConfig:
               "own, running streams wait)", flag="--no-chunked-prefill")
     enable_prefix_caching: bool = option(
         True, "reuse cached K/V of shared prompt prefixes (off: recompute every prompt)", flag="--no-prefix-caching")
+    speculative: Any = option(
+        None, "speculative decoding, as vLLM's config: a dict or JSON, e.g. '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": PATH}' "
+              "(default: none)", flag="--speculative-config", kind="json")
     tensor_parallel_size: int = option(
         1, "ranks the model is sharded over (tensor parallelism); on one host the engine starts the other "
            "ranks' processes itself, under torchrun it joins the launched ranks", kind="int")
@@ -81,6 +87,7 @@ class EngineConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
 
 
 def options() -> list[dataclasses.Field]:

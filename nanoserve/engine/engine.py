@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -28,8 +29,11 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
 from nanoserve.model.quant import tensor_bytes
+from nanoserve.spec.acceptance import verify
+from nanoserve.spec.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.decoding import GrammarViolation, StructuredDecoding
+from nanoserve.structured.masks import split_masks
 from nanoserve.worker.plan import StepPlan
 from nanoserve.worker.worker import StepOutput, Worker
 
@@ -39,8 +43,10 @@ class Engine:
     to. ``checks`` runs the gates on every step (NANOSERVE_CHECKS=1)."""
 
     def __init__(self, worker: Worker, scheduler: Scheduler, tokenizer, config: EngineConfig,
-                 resolved: ResolvedConfig, checks: bool = False) -> None:
+                 resolved: ResolvedConfig, checks: bool = False, speculator: Speculator | None = None) -> None:
         self.worker = worker
+        self.speculator = speculator  # None: no speculation
+        self._left: set[str] = set()  # requests finished since the speculator last heard
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.config = config
@@ -91,6 +97,8 @@ class Engine:
         if request is None or request.finished:
             return
         self.scheduler.finish(request, "abort")
+        if self.speculator is not None:
+            self._left.add(request_id)
         self._aborted_outputs.append(self.outputs.output(request))
 
     def has_unfinished(self) -> bool:
@@ -114,11 +122,26 @@ class Engine:
         # Masks depend only on tokens already accepted: filled on a thread while the forward runs.
         grammars = [self.requests[request_id].grammar for request_id in plan.sampled]
         pending_masks = self.structured.start_masks(grammars)
+        start = time.perf_counter()
         result = self.worker.execute(plan)
         masks, broken = self.structured.finish_masks(pending_masks, grammars)
+        verifying = plan.decode is not None and plan.decode.queries > 1
+        if verifying:
+            self.speculator.record_step(time.perf_counter() - start)
         if self.checks:
             check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
-        return outputs + self._update(plan, result, masks, broken)
+        outputs += self._update(plan, result, masks, broken)
+        if self.speculator is not None:
+            self._propose()
+        return outputs
+
+    def _propose(self) -> None:
+        """The rows decoding next step propose their tokens (after this step's tokens joined
+        them); what the proposer kept for finished requests goes."""
+        if self._left:
+            self.speculator.forget(self._left)
+            self._left = set()
+        self.speculator.propose(self.scheduler.running[:self.scheduler.num_decoding])
 
     def _update(self, plan: StepPlan, result: StepOutput, masks, broken: dict[int, str]) -> list[RequestOutput]:
         """Sample one token per sampled row (within its grammar's mask) and hand each to its
@@ -127,13 +150,21 @@ class Engine:
         failed = self._take_prompt_logprobs(plan, result)  # request -> why it failed
         sampled = [self.requests[request_id] for request_id in plan.sampled]
         failed.update((sampled[row], message) for row, message in broken.items())
-        if sampled:
-            histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampled] \
-                if any(r.params.uses_penalties for r in sampled) else None
-            token_ids, logprobs, bad = sample_isolated(self.sampler, result.logits, [r.params for r in sampled],
-                                                       [r.generator for r in sampled], histories, masks)
-            failed.update((sampled[row], message) for row, message in bad.items())
-            for request, token_id, logprob in zip(sampled, token_ids.tolist(), logprobs):
+        logits, done = result.logits, 0
+        if plan.decode is not None and plan.decode.queries > 1:
+            done = plan.decode.num_rows
+            split = plan.decode.num_tokens
+            head, masks = split_masks(masks, done)
+            self._verify(plan, logits[:split], sampled[:done], head, failed)
+            logits = logits[split:]
+        rest = sampled[done:]
+        if rest:
+            histories = [(r.prompt_token_ids, r.output_token_ids) for r in rest] \
+                if any(r.params.uses_penalties for r in rest) else None
+            token_ids, logprobs, bad = sample_isolated(self.sampler, logits, [r.params for r in rest],
+                                                       [r.generator for r in rest], histories, masks)
+            failed.update((rest[row], message) for row, message in bad.items())
+            for request, token_id, logprob in zip(rest, token_ids.tolist(), logprobs):
                 if request in failed:
                     self._finish(request, "error", failed.pop(request))
                 elif request.params.max_tokens == 0:
@@ -144,6 +175,34 @@ class Engine:
             self._finish(request, "error", message)
             sampled.append(request)
         return [self.outputs.output(r) for r in sampled]
+
+    def _verify(self, plan: StepPlan, logits, requests: list[Request], masks, failed: dict[Request, str]) -> None:
+        """A verify step's decode rows: accept a prefix of each row's proposals and one token of
+        the target's (nanoserve.spec.acceptance), trim the row to the K/V of what it accepted,
+        then hand the tokens to the request one at a time (a stop ends it there)."""
+        decode = plan.decode
+        proposals = [list(p) for p in decode.proposals]
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests] \
+            if any(r.params.uses_penalties for r in requests) else None
+        draft_probs = [r.spec_probs if p else None for r, p in zip(requests, proposals)]
+        verdicts, bad = verify(self.sampler, logits, proposals, [r.params for r in requests],
+                               [r.generator for r in requests], histories, masks,
+                               draft_probs if any(q is not None for q in draft_probs) else None)
+        failed.update((requests[row], message) for row, message in bad.items())
+        for i, (request, verdict) in enumerate(zip(requests, verdicts)):
+            request.spec_probs = None
+            if request in failed or verdict is None:
+                self.scheduler.keep(request, decode.positions[i] + 1)  # nothing past its fed token is kept
+                self._finish(request, "error", failed.pop(request, "verification failed"))
+                continue
+            if proposals[i]:
+                self.speculator.record(request, len(proposals[i]), verdict.accepted)
+            # The fed token and the accepted proposals have their K/V; the rest of the row goes.
+            self.scheduler.keep(request, decode.positions[i] + 1 + verdict.accepted)
+            for token_id, logprob in zip(verdict.token_ids, verdict.logprobs):
+                if (end := self._append(request, token_id, logprob)) is not None:
+                    self._finish(request, *end)
+                    break
 
     def _append(self, request: Request, token_id: int, logprob) -> tuple[str, str | None] | None:
         """The token joins the request; its grammar (if any) advances first, and a token that
@@ -170,6 +229,8 @@ class Engine:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(request, reason, error=error)
         self.requests.pop(request.request_id, None)
+        if self.speculator is not None:
+            self._left.add(request.request_id)
     # -- loops -----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -228,6 +289,8 @@ class Engine:
         """Release what the engine started (a tensor-parallel engine's worker processes);
         idempotent. A one-process engine holds nothing else to release."""
         self.structured.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.worker.close()
 
     def __enter__(self) -> Engine:
@@ -256,7 +319,17 @@ class Engine:
             prefix_cache_queries=blocks.prefix_queries, prefix_cache_hits=blocks.prefix_hits,
             prefix_cache_blocks=blocks.pool.num_registered, prefix_cache_evictions=blocks.pool.evictions,
             structured_requests=self.structured.requests, mask_steps=self.structured.mask_steps,
-            mask_seconds=self.structured.mask_seconds)
+            mask_seconds=self.structured.mask_seconds, verify_bucket_hits=dict(d.verify_bucket_hits),
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return dict(spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
+                    spec_proposed_tokens=s.proposed, spec_accepted_tokens=s.accepted,
+                    spec_acceptance_rate=s.acceptance_rate, spec_mean_accepted_length=s.mean_accepted_length,
+                    spec_draft_seconds=s.draft_seconds, spec_verify_seconds=s.verify_seconds)
 
     def check_drained(self) -> None:
         """vLLM's 'scheduler is empty' check: nothing queued or running, every block and row

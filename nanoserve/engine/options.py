@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_batch_size: int, kv_
         default = defaults.get(option.name, option.default)
         if default is not None:
             help += " (default %(default)s)"
-        kind = {"str": str, "int": int, "bytes": parse_bytes}[option.metadata["kind"]]
+        kind = {"str": str, "int": int, "bytes": parse_bytes, "json": str}[option.metadata["kind"]]
         group.add_argument(cli_flag(option), dest=option.name, type=kind, default=default,
                            choices=option.metadata["choices"], help=help)
 

@@ -54,6 +54,10 @@ class Request:
     detokenizer: object | None = None
     block_hashes: BlockHashes | None = None  # its full blocks' prefix hashes, grown as it grows
     grammar: object | None = None  # its RequestGrammar when its params ask for structured output
+    # Speculation: tokens proposed for the next decode step (the scheduler takes them) and, from
+    # a draft model that sampled them, the draft's distributions [k, vocab] they were drawn from.
+    spec_tokens: list[int] = field(default_factory=list)
+    spec_probs: object | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property

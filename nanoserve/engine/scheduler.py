@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.worker.bucketing import Buckets
-from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, StepPlan
+from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
 
 
 @dataclass
@@ -75,7 +75,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i].row == i; decoding rows first
         self.stats = SchedulerStats()
-        self._row_changes: list[RowFree | RowMove] = []  # frees and compactions since the last plan, in order
+        # trims, frees and compactions since the last plan, in order
+        self._row_changes: list[RowFree | RowMove | RowTrim] = []
         self._registered: list[int] = []
 
     # -- queue -------------------------------------------------------------------------------
@@ -127,12 +128,54 @@ class Scheduler:
         if not n:
             return None
         positions, write_slots = self.blocks.advance(range(n))
-        rows, width = (n, max(positions) + 1)
-        if self.buckets is not None:
-            rows, width = self.buckets.shape_for(rows, width)
         requests = self.running[:n]
+        proposals, proposal_slots = self._place_proposals(requests, positions)
+        width = max(positions) + 1 + max(map(len, proposals), default=0)
+        queries = 1 + max(map(len, proposals), default=0)
+        rows = n
+        if queries == 1:
+            proposals = proposal_slots = ()
+            if self.buckets is not None:
+                rows, width = self.buckets.shape_for(n, width)
+        elif self.buckets is not None:
+            rows, width, queries = self.buckets.verify_shape_for(n, width, queries)
         return DecodeBatch(tuple(r.request_id for r in requests), tuple(range(n)),
-                           tuple(r.last_token_id for r in requests), tuple(positions), tuple(write_slots), rows, width)
+                           tuple(r.last_token_id for r in requests), tuple(positions), tuple(write_slots), rows, width,
+                           tuple(proposals), tuple(proposal_slots), queries)
+
+    def _place_proposals(self, requests: list[Request], positions: list[int]
+                         ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Each decoding row's proposed tokens (``request.spec_tokens``, taken here) and the
+        slots they are written to, cut to what the row may still emit (max_tokens), the step's
+        token budget, the pool and max_model_len. Speculation never preempts: a row the pool
+        cannot extend verifies nothing."""
+        proposals, slots = [], []
+        budget = self.max_num_batched_tokens - len(requests)
+        if self.buckets is not None and len(requests) > self.buckets.verify_rows:
+            budget = 0  # past the verify grid: plain decode
+        for request, position in zip(requests, positions):
+            wanted, request.spec_tokens = request.spec_tokens, []
+            room = request.params.max_tokens - len(request.output_token_ids) - 1  # the verify emits k + 1 at most
+            if self.buckets is not None:
+                room = min(room, self.buckets.queries[-1] - 1)
+            k = max(0, min(len(wanted), room, budget))
+            placed = self.blocks.extend(request.row, k) if k else None
+            if placed is None:
+                proposals.append(())
+                slots.append(())
+                continue
+            budget -= k
+            proposals.append(tuple(wanted[:k]))
+            slots.append(tuple(placed))
+        return proposals, slots
+
+    def keep(self, request: Request, num_tokens: int) -> None:
+        """After a verify step: the request's row keeps the K/V of its first ``num_tokens``
+        tokens (those of the accepted proposals), the rest go, with the blocks they took."""
+        row = request.row
+        if row is not None and num_tokens < self.blocks.num_tokens(row):
+            self.blocks.truncate(row, num_tokens)
+            self._row_changes.append(RowTrim(row, num_tokens))
 
     def _schedule_prefill(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
@@ -233,6 +276,7 @@ class Scheduler:
     # -- giving way --------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
         self._release(victim)
+        victim.spec_tokens = []
         victim.status = RequestStatus.WAITING
         victim.metrics.num_preemptions += 1
         self.waiting.appendleft(victim)

@@ -35,6 +35,7 @@ class EngineStats:
     warmup_seconds: float = 0.0
     bucket_hits: dict[tuple[int, int], int] = field(default_factory=dict)
     padding_waste: float = 0.0  # padded cells read per real cell
+    verify_bucket_hits: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rows, k + 1, width)
     # what runs
     weights: str = ""
     weight_bytes: int = 0
@@ -56,6 +57,16 @@ class EngineStats:
     structured_requests: int = 0
     mask_steps: int = 0
     mask_seconds: float = 0.0
+    # speculative decoding (vLLM's counters): the method, verify steps, tokens proposed and
+    # accepted, tokens a verifying row emits per step, and the proposer's and verify steps' time
+    spec_method: str | None = None
+    spec_verify_steps: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
 
     @property
     def mean_mask_seconds(self) -> float:

@@ -236,8 +236,9 @@ at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_
   return out;
 }
 
-// q [n, H, D]; k_cache, v_cache [slots, KV, D], all bf16 or all fp32; slots [n, W] int64 (unit
-// column stride); lens [n] int64. Row r attends to its first len = min(max(lens[r], 1), W) cells:
+// q [n, H, D]; k_cache, v_cache [slots, KV, D], all bf16 or all fp32; slots [m, W] int64 (unit
+// column stride) with m dividing n: query r reads slot row r / (n / m), so a verify step's
+// queries of one row share its row of slots; lens [n] int64. Row r attends to its first len = min(max(lens[r], 1), W) cells:
 // a padded row of length 0 reads cell 0, finite garbage nobody reads. With window > 0 (a
 // sliding-window layer) only the last `window` of them: cells max(len - window, 0) .. len - 1,
 // which the tier reads as a shorter row of slots. Query heads h * group .. h * group + group - 1
@@ -252,8 +253,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && D % 16 == 0 && H % KV == 0, "head sizes disagree: q ", q.sizes(), ", cache ",
               k_cache.sizes());
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == n && slots.scalar_type() == at::kLong && slots.stride(1) == 1,
-              "slots must be [n, W] int64 with unit column stride");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) >= 1 && n % slots.size(0) == 0 && slots.scalar_type() == at::kLong &&
+              slots.stride(1) == 1, "slots must be [m, W] int64 with unit column stride, m dividing q's ", n, " rows");
+  const int64_t per_row = n / slots.size(0);  // queries sharing one row of slots
   TORCH_CHECK(lens.dim() == 1 && lens.size(0) == n && lens.scalar_type() == at::kLong, "lens must be [n] int64");
   const int64_t W = slots.size(1), group = H / KV;
   TORCH_CHECK(W >= 1, "the window must have a column");
@@ -276,7 +278,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
       const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
       tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_p + h * D * size,
-                  v_p + h * D * size, KV * D, s_p + r * slots.stride(0) + first, len - first, group, D,
+                  v_p + h * D * size, KV * D, s_p + (r / per_row) * slots.stride(0) + first, len - first, group, D,
                   static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
     }
   });

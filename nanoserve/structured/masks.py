@@ -24,6 +24,16 @@ class TokenMasks:
         return TokenMasks([0], self.bitmask[index:index + 1])
 
 
+def split_masks(masks: TokenMasks | None, n: int) -> tuple[TokenMasks | None, TokenMasks | None]:
+    """The masks of rows [0, n) and of the rows after them (renumbered from 0)."""
+    if masks is None:
+        return None, None
+    head = [i for i, row in enumerate(masks.rows) if row < n]
+    tail = [i for i, row in enumerate(masks.rows) if row >= n]
+    return (TokenMasks([masks.rows[i] for i in head], masks.bitmask[head]) if head else None,
+            TokenMasks([masks.rows[i] - n for i in tail], masks.bitmask[tail]) if tail else None)
+
+
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
     """`logits` [n, vocab] with every token a constrained row may not take set to -inf; the
     unconstrained rows are returned as they were (bit for bit)."""

@@ -154,7 +154,9 @@ def gather_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor
 
 class WindowAttention:
     """Write each row's new K/V at its slot, then attend over the row's window of the slot
-    table, masked by ``context_lens``. A padded row (length 0) writes to the scratch slot and
+    table, masked by ``context_lens``. In a verify step a row sends several queries (``q``,
+    ``context_lens`` and ``write_slots`` have ``queries`` entries a row, row-major), each with
+    its own length, so query j sees the row's cells up to its own position and no later. A padded row (length 0) writes to the scratch slot and
     its output is never read. With ``kernel`` (a tier handle, ``decode_attention_kernel``) each
     row's cells are read in one pass of nanoserve's ``decode_attention`` (no gathered copy, no
     mask); else a gather and torch's SDPA, with the mask built once per step for every layer
@@ -163,6 +165,9 @@ class WindowAttention:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
                  slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
         self.k_caches, self.v_caches = k_caches, v_caches
+        queries = context_lens.shape[0] // max(slot_mapping.shape[0], 1)
+        if queries > 1 and kernel is None:  # a verify step: each of a row's queries reads its row
+            slot_mapping = slot_mapping.repeat_interleave(queries, dim=0)
         self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
         self.kernel = kernel  # decided outside any graph
         self.masks: dict[int | None, torch.Tensor] = {}  # by window, built at the first layer of each

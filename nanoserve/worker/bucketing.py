@@ -45,13 +45,30 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     return buckets[index]
 
 
+def default_query_buckets(num_speculative_tokens: int) -> tuple[int, ...]:
+    """A verify step's tokens per row (1 + proposals): 1, 2, 3, 5, 9, ... below 1 + k, and
+    1 + k. A padded query costs its compute, not another read of the weights."""
+    top, buckets, size = num_speculative_tokens + 1, [1], 2
+    while size < top:
+        buckets.append(size)
+        size = 2 * size - 1
+    return tuple(buckets + [top]) if top > 1 else (1,)
+
+
 @dataclass(frozen=True)
 class Buckets:
+    """The decode grid ``rows`` x ``widths``; with speculation, also the verify grid: row
+    buckets up to ``verify_rows`` x ``queries`` past 1 x ``widths``."""
+
     rows: tuple[int, ...]
     widths: tuple[int, ...]
+    queries: tuple[int, ...] = (1,)
+    verify_rows: int = 0  # the largest row bucket a verify step uses (0: none)
 
     def __post_init__(self) -> None:
-        for name, values in (("rows", self.rows), ("widths", self.widths)):
+        if self.queries[0] != 1:
+            raise ValueError(f"query buckets must start at 1 (a plain decode step), got {self.queries}")
+        for name, values in (("rows", self.rows), ("widths", self.widths), ("queries", self.queries)):
             if not values or list(values) != sorted(set(values)) or values[0] < 1:
                 raise ValueError(f"{name} buckets must be distinct, increasing and >= 1, got {values}")
 
@@ -62,9 +79,21 @@ class Buckets:
     def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
         return bucket_for(num_rows, self.rows), bucket_for(max_context, self.widths)
 
+    def verify_shape_for(self, num_rows: int, max_context: int, queries: int) -> tuple[int, int, int]:
+        """(rows, width, queries) of a verify step; ValueError past the verify grid."""
+        rows, width = self.shape_for(num_rows, max_context)
+        if rows > self.verify_rows:
+            raise ValueError(f"{num_rows} rows do not verify: the verify grid ends at {self.verify_rows} rows")
+        return rows, width, bucket_for(queries, self.queries)
+
     @property
     def grid(self) -> list[tuple[int, int]]:
         return [(r, w) for r in self.rows for w in self.widths]
+
+    @property
+    def verify_grid(self) -> list[tuple[int, int, int]]:
+        """Every (rows, queries, width) a verify graph is built for."""
+        return [(r, q, w) for r in self.rows if r <= self.verify_rows for q in self.queries[1:] for w in self.widths]
 
 
 @dataclass

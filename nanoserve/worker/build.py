@@ -46,6 +46,7 @@ class WorkerSpec:
     attention_tier: str | None = None
     warmup: bool = False  # compile every bucket's graph at build (every rank at once: the graphs hold collectives)
     checks: bool = False
+    max_queries: int = 1  # tokens a decode row may feed in one step (1 + the speculative tokens)
 
 
 class Shard(Protocol):
@@ -81,7 +82,8 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
                     spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device)
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier)
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
-                      device=spec.device, backend=spec.compile_backend, attention_kernel=kernel)
+                      device=spec.device, backend=spec.compile_backend, attention_kernel=kernel,
+                      max_queries=spec.max_queries)
     if spec.checks:  # the slot table's reservation against this worker's K/V
         check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)
     if spec.compile and spec.warmup and spec.buckets is not None:

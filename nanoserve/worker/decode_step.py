@@ -23,12 +23,16 @@ from nanoserve.worker.kv_cache import DecodePlan, KVCache
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                    context_lens: torch.Tensor, slot_buffer: torch.Tensor, k_caches: list[torch.Tensor],
-                   v_caches: list[torch.Tensor], rows: int, width: int, kernel: int | None = None) -> torch.Tensor:
-    """Logits [rows, vocab] for the first ``rows`` rows. The rectangle is sliced from the
-    table's own buffer here, inside the graph, so a capture reads the table where it lives."""
+                   v_caches: list[torch.Tensor], rows: int, width: int, kernel: int | None = None,
+                   queries: int = 1) -> torch.Tensor:
+    """Logits [rows * queries, vocab] for the first ``rows`` rows, ``queries`` tokens each (a
+    verify step's row feeds its token and its proposals; the per-query buffers are row-major).
+    The rectangle is sliced from the table's own buffer here, inside the graph, so a capture
+    reads the table where it lives."""
+    n = rows * queries
     slot_mapping = slot_buffer[:rows, :width]
-    attention = WindowAttention(k_caches, v_caches, write_slots[:rows], slot_mapping, context_lens[:rows], kernel)
-    hidden = model(input_ids[:rows], positions[:rows], attention)
+    attention = WindowAttention(k_caches, v_caches, write_slots[:n], slot_mapping, context_lens[:n], kernel)
+    hidden = model(input_ids[:n], positions[:n], attention)
     return model.compute_logits(hidden)
 
 
@@ -37,7 +41,8 @@ class DecodeStats:
     graphs_built: int = 0
     recompiles_after_warmup: int = 0
     warmup_seconds: float = 0.0
-    bucket_hits: Counter = field(default_factory=Counter)
+    bucket_hits: Counter = field(default_factory=Counter)  # (rows, width) -> decode steps
+    verify_bucket_hits: Counter = field(default_factory=Counter)  # (rows, queries, width) -> verify steps
     waste: PaddingWaste = field(default_factory=PaddingWaste)
 
 
@@ -55,10 +60,10 @@ class DecodeStep:
     def __init__(self, model, cache: KVCache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
                  device: torch.device | str = "cpu", backend="inductor",
-                 attention_kernel: int | None = None) -> None:
+                 attention_kernel: int | None = None, max_queries: int = 1) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.device = torch.device(device)
-        size = max_batch_size
+        size = max_batch_size * max(max_queries, buckets.queries[-1] if buckets is not None else 1)
         long = dict(dtype=torch.long, device=self.device)
         self.input_ids = torch.zeros(size, **long)
         self.positions = torch.zeros(size, **long)
@@ -67,7 +72,7 @@ class DecodeStep:
         self.attention_kernel = attention_kernel  # decode_attention_kernel's handle, or None: SDPA
         self.stats = DecodeStats()
         self.compiled = compile
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: set[tuple[int, int, int]] = set()
         self._graphs_compiled = 0  # graphs this step's backend has compiled
         self._forward = decode_forward
         if compile:
@@ -78,7 +83,7 @@ class DecodeStep:
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
                        self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
             torch._dynamo.mark_static_address(tensor)
-        grid = len(self.buckets.grid) if self.buckets is not None else 0
+        grid = len(self.buckets.grid) + len(self.buckets.verify_grid) if self.buckets is not None else 0
         # Process-wide, because dynamo keeps it per code object: every bucket is a specialisation
         # of decode_forward, and the default limit (8) would silently send the rest of the grid to eager.
         config = torch._dynamo.config
@@ -111,33 +116,39 @@ class DecodeStep:
         start = time.perf_counter()
         self.write_slots.fill_(self.cache.scratch_slot)
         self.context_lens.zero_()
-        for rows, width in self.buckets.grid:
+        shapes = [(rows, width, 1) for rows, width in self.buckets.grid] + [
+            (rows, width, queries) for rows, queries, width in self.buckets.verify_grid]
+        for rows, width, queries in shapes:
             for _ in range(3):  # cudagraph trees: warm-up run, record, first replay
-                self._call(rows, width)
+                self._call(rows, width, queries)
         elapsed = time.perf_counter() - start
         self.stats.warmup_seconds += elapsed
         return elapsed
 
     def load(self, plan: DecodePlan, rows: int) -> None:
         """Put a step's decode rows in the buffers: their input tokens, positions, write slots
-        and lengths; the rows past them to the bucket's ``rows`` are padding (length 0, the
-        scratch slot)."""
-        n = len(plan.rows)
-        for buffer, values in ((self.input_ids, plan.token_ids), (self.positions, plan.positions),
-                               (self.write_slots, plan.write_slots), (self.context_lens, plan.context_lens)):
-            buffer[:n].copy_(values)
-        if rows > n:
-            self.write_slots[n:rows].fill_(self.cache.scratch_slot)
-            self.positions[n:rows].zero_()
-            self.context_lens[n:rows].zero_()
+        and lengths (per query in a verify step); the rows past them to the bucket's ``rows``
+        are padding (length 0, the scratch slot)."""
+        real = len(plan.rows) * plan.queries
+        values = plan.query_inputs or (plan.token_ids, plan.positions, plan.write_slots, plan.context_lens)
+        for buffer, value in zip((self.input_ids, self.positions, self.write_slots, self.context_lens), values):
+            buffer[:real].copy_(value)
+        padded = rows * plan.queries
+        if padded > real:
+            self.write_slots[real:padded].fill_(self.cache.scratch_slot)
+            self.positions[real:padded].zero_()
+            self.context_lens[real:padded].zero_()
 
     @torch.inference_mode()
     def run(self, plan: DecodePlan, rows: int) -> torch.Tensor:
         """Run the forward over the loaded buffers in the window [rows, plan.width] (rows >= the
-        plan's, padded). Returns logits [plan's rows, vocab]; on a GPU graph they are
-        overwritten by the next replay, so the caller consumes them (the sampler does) before
-        the next step."""
-        num_rows, width = len(plan.rows), plan.width
+        plan's, padded). Returns logits [plan's rows, vocab] (a verify step: one per real query,
+        row-major); on a GPU graph they are overwritten by the next replay, so the caller
+        consumes them (the sampler does) before the next step."""
+        num_rows, width, queries = len(plan.rows), plan.width, plan.queries
+        if queries > 1:
+            self.stats.verify_bucket_hits[(rows, queries, width)] += 1
+            return self._call(rows, width, queries).index_select(0, plan.real_queries)
         self.stats.bucket_hits[(rows, width)] += 1
         # The masked read covers the whole window; the decode kernel each row's own cells (a
         # padded row's one).
@@ -146,20 +157,21 @@ class DecodeStep:
         return self._call(rows, width)[:num_rows]
 
     @torch.inference_mode()  # the same dispatch keys on every call, or the guards would differ
-    def _call(self, rows: int, width: int) -> torch.Tensor:
+    def _call(self, rows: int, width: int, queries: int = 1) -> torch.Tensor:
         args = (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
                 self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width,
-                self.attention_kernel)
+                self.attention_kernel, queries)
         if not self.compiled:
             return self._forward(*args)
         before = self._graphs_compiled
-        if (rows, width) in self._seen:
+        shape = (rows, width, queries)
+        if shape in self._seen:
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._forward(*args)
             finally:
                 self.stats.recompiles_after_warmup += self._graphs_compiled - before
-        self._seen.add((rows, width))
+        self._seen.add(shape)
         # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager
         # rounds; rounding alike makes a compiled bf16 step choose eager's tokens.
         with torch._inductor.config.patch(emulate_precision_casts=True):

@@ -20,7 +20,11 @@ class DecodePlan:
     context_lens [n]: lengths counting this step's token, a copy (the staleness gates rely on it);
         total_context is their sum, from the host.
     write_slots [n], positions [n], token_ids [n]: where this step's K/V goes, its position
-        and the token fed.
+        and the token fed (a verifying row: its last token's).
+    queries: tokens each row feeds in the forward (1, or a verify step's bucketed 1 + k).
+    query_inputs: with queries > 1, the forward's per-query (tokens, positions, write slots,
+        lengths), each [n * queries], row-major; a padded query feeds token 0 at position 0,
+        writes the scratch slot and has length 0. ``real_queries`` index the rest.
     """
 
     rows: tuple[int, ...]
@@ -31,6 +35,9 @@ class DecodePlan:
     positions: torch.Tensor
     is_window: bool
     token_ids: torch.Tensor | None = None
+    queries: int = 1
+    query_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    real_queries: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -73,10 +80,17 @@ class KVCache:
         """The row's request left: it holds nothing (its blocks are the host's to reuse)."""
         self.slot_table.reset(row)
 
+    def trim(self, row: int, length: int) -> None:
+        """The row keeps its first `length` cells (a verify step's rejected tokens fall off)."""
+        self.slot_table.trim(row, length)
+
     def plan_decode(self, batch: DecodeBatch) -> DecodePlan:
-        """Address a decode step: one indexed write puts each row's write slot at its position in
-        the slot table, the lengths move to the positions + 1, and the slot_mapping is read out
-        of the table ([num_rows, batch.width]: a window when the rows are a prefix)."""
+        """Address a decode step: one indexed write puts each row's write slots at their
+        positions in the slot table, the lengths move past the last of them, and the
+        slot_mapping is read out of the table ([num_rows, batch.width]: a window when the rows
+        are a prefix)."""
+        if batch.proposals:
+            return self._plan_verify(batch)
         ids, n = batch.row_ids, batch.num_rows
         host = torch.tensor((batch.token_ids, batch.positions, batch.write_slots), dtype=torch.long)
         token_ids, positions, write_slots = host.to(self.device).unbind()
@@ -87,6 +101,36 @@ class KVCache:
         table.lengths_array[slice(n) if is_window else list(ids)] = host[1].numpy() + 1
         return DecodePlan(ids, table.rect(rows, batch.width), positions + 1, sum(batch.positions) + n,
                           write_slots, positions, is_window, token_ids)
+
+    def _plan_verify(self, batch: DecodeBatch) -> DecodePlan:
+        """A verify step: each row's fed token and proposals, one query each, padded to
+        ``batch.queries`` a row; every cell they write joins the table first."""
+        ids, n, q = batch.row_ids, batch.num_rows, batch.queries
+        tokens, positions, slots, lens = ([0] * (n * q) for _ in range(4))
+        slots[:] = [self.scratch_slot] * (n * q)
+        cell_rows, real = [], []
+        for i, row in enumerate(ids):
+            fed = (batch.token_ids[i], *batch.proposals[i])
+            for j, (token, slot) in enumerate(zip(fed, batch.row_slots(i))):
+                at = i * q + j
+                tokens[at], positions[at], slots[at], lens[at] = token, batch.positions[i] + j, slot, batch.positions[i] + j + 1
+                cell_rows.append(row)
+                real.append(at)
+        if len(real) != batch.num_tokens or max(map(len, ((0,) + p for p in batch.proposals))) > q:
+            raise ValueError(f"verify batch: {batch.num_tokens} tokens do not fit {n} rows of {q} queries")
+        host = torch.tensor((tokens, positions, slots, lens), dtype=torch.long)
+        real_queries = torch.tensor(real, dtype=torch.long)
+        table = self.slot_table
+        table.write_spans(cell_rows, host[1][real_queries], host[2][real_queries])
+        is_window = is_prefix(ids)
+        lengths = torch.tensor(batch.context_lens, dtype=torch.long)
+        table.lengths_array[slice(n) if is_window else list(ids)] = lengths.numpy()
+        last = torch.tensor([i * q + k for i, k in enumerate(batch.num_proposed)], dtype=torch.long)
+        device = host.to(self.device)
+        return DecodePlan(ids, table.rect(n if is_window else ids, batch.width), lengths.to(self.device),
+                          int(lengths.sum()), device[2][last.to(self.device)], device[1][last.to(self.device)],
+                          is_window, device[0][last.to(self.device)], q, tuple(device.unbind()),
+                          real_queries.to(self.device))
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""

@@ -21,6 +21,15 @@ class RowMove:
 
 
 @dataclass(frozen=True)
+class RowTrim:
+    """The request on ``row`` keeps its first ``length`` cells: speculative tokens past them
+    were rejected, so their K/V (written, never to be read) fall outside the row."""
+
+    row: int
+    length: int
+
+
+@dataclass(frozen=True)
 class RowFree:
     """The request on ``row`` left (finished, aborted or preempted): the row holds nothing."""
 
@@ -63,7 +72,12 @@ class DecodeBatch:
     ``positions[i]`` and writes its K/V to ``write_slots[i]`` (already appended to its block
     table). The scheduler keeps them the prefix 0..n-1, so the forward reads the slot table's
     window ``[rows, width]`` (the bucketed shape a compiled graph was built for; exact without
-    buckets); rows past n are padding."""
+    buckets); rows past n are padding.
+
+    Speculation (a verify step): row i also feeds its ``proposals[i]`` at the positions after
+    ``positions[i]``, writing their K/V to ``proposal_slots[i]`` (appended too), so it sends
+    ``1 + len(proposals[i])`` queries; every row is padded to ``queries`` (the bucketed most) and
+    each query attends to the row's cells up to its own. Without proposals ``queries`` is 1."""
 
     request_ids: tuple[str, ...]
     row_ids: tuple[int, ...]
@@ -72,34 +86,51 @@ class DecodeBatch:
     write_slots: tuple[int, ...]
     rows: int
     width: int
+    proposals: tuple[tuple[int, ...], ...] = ()  # per row, or () when no row speculates
+    proposal_slots: tuple[tuple[int, ...], ...] = ()
+    queries: int = 1
 
     @property
     def num_rows(self) -> int:
         return len(self.request_ids)
 
     @property
+    def num_proposed(self) -> tuple[int, ...]:
+        """Proposed tokens per row (zeros without speculation)."""
+        return tuple(map(len, self.proposals)) if self.proposals else (0,) * self.num_rows
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the decode rows feed this step, proposals included."""
+        return self.num_rows + sum(self.num_proposed)
+
+    @property
     def context_lens(self) -> tuple[int, ...]:
-        """Tokens each row attends to, this step's included."""
-        return tuple(p + 1 for p in self.positions)
+        """Tokens each row holds after this step's writes (its proposals included)."""
+        return tuple(p + 1 + k for p, k in zip(self.positions, self.num_proposed))
+
+    def row_slots(self, i: int) -> tuple[int, ...]:
+        """The slots row i writes this step, in position order."""
+        return (self.write_slots[i], *(self.proposal_slots[i] if self.proposals else ()))
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step. ``row_changes`` happened since the last plan (rows freed by finishes and
-    preemptions, rows moved to fill them), in order;
+    """One step. ``row_changes`` happened since the last plan (rows trimmed to their accepted
+    tokens, rows freed by finishes and preemptions, rows moved to fill them), in order;
     ``prefill`` chunks sit on rows after the decode rows, in row order. ``registered`` names the
     blocks this step's forward fills that the prefix cache now lists (a later request in the
     same step may already adopt them: the forward writes every chunk's K/V of a layer before
     any chunk reads its context there)."""
 
-    row_changes: tuple[RowFree | RowMove, ...]
+    row_changes: tuple[RowFree | RowMove | RowTrim, ...]
     decode: DecodeBatch | None
     prefill: tuple[PrefillChunk, ...]
     registered: tuple[int, ...] = ()
 
     @property
     def sampled(self) -> tuple[str, ...]:
-        """The requests that get a token this step, in logits order: the decode rows, then
-        each request whose prefill ends here."""
+        """The requests that get a token this step, in logits order: the decode rows (a
+        verifying row's 1 + k logits in a run), then each request whose prefill ends here."""
         decoding = self.decode.request_ids if self.decode is not None else ()
         return decoding + tuple(c.request_id for c in self.prefill if c.is_last)

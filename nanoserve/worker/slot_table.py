@@ -115,6 +115,23 @@ class SlotTable:
             starts = self._row_starts[torch.tensor(self.row_ids(rows), device=self.device)]
         self.slots.view(-1).index_copy_(0, starts + columns, slots)
 
+    def write_spans(self, rows: Sequence[int], columns: torch.Tensor, slots: torch.Tensor) -> None:
+        """`slots[i]` at row `rows[i]`, column `columns[i]`, a row appearing once per cell (a
+        verify step's runs of cells): one indexed write. The lengths are the caller's to set."""
+        ids = torch.tensor(rows, dtype=torch.long)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.max_batch_size
+                         or int(columns.max()) >= self.max_model_len):
+            raise ValueError(f"write_spans: rows {sorted(set(rows))} or columns past the table")
+        flat = (ids * self.max_model_len + columns.cpu()).to(self.device)
+        self.slots.view(-1).index_copy_(0, flat, slots.to(self.device, torch.int64))
+
+    def trim(self, row: int, length: int) -> None:
+        """The row keeps its first `length` cells (no longer than it is); nothing is cleared."""
+        row = self.row_ids([row])[0]
+        if not 0 <= length <= self.lengths_array[row]:
+            raise ValueError(f"trim: row {row} holds {int(self.lengths_array[row])} cells, cannot keep {length}")
+        self.lengths_array[row] = length
+
     def reset(self, row: int) -> None:
         """Set the row's length to zero and clear nothing: cells past a length go unread."""
         self.lengths_array[self.row_ids([row])[0]] = 0

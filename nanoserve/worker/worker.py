@@ -24,7 +24,7 @@ from nanoserve.worker.attention import (
 from nanoserve.worker.decode_step import DecodeStep
 from nanoserve.worker.gates import check_decode_follows, check_mapping_is_window, check_window_intact
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
-from nanoserve.worker.plan import PrefillChunk, RowMove, StepPlan
+from nanoserve.worker.plan import PrefillChunk, RowFree, RowMove, StepPlan
 from nanoserve.worker.scoring import TokenLogprobs, score_prompt
 
 
@@ -59,8 +59,10 @@ class Worker:
         for change in plan.row_changes:
             if isinstance(change, RowMove):
                 self.cache.move(change.src, change.dst, change.length)
-            else:
+            elif isinstance(change, RowFree):
                 self.cache.free(change.row)
+            else:
+                self.cache.trim(change.row, change.length)
         decode = None
         if plan.decode is not None:
             if self.checks:
@@ -97,13 +99,17 @@ class Worker:
             contexts.append(ChunkContext(c.start, c.length, slots if c.start else None))
         attention = PackedPrefillAttention(self.cache, torch.cat(write_slots), contexts)
         rows = 0
+        decode_logits = None
         if decode is not None:
-            rows = len(decode.rows)
-            window = WindowAttention(self.cache.k_caches, self.cache.v_caches, decode.write_slots,
-                                     decode.slot_mapping, decode.context_lens, self.decode_step.attention_kernel)
+            fed, at, slots, lens = decode.query_inputs or (decode.token_ids, decode.positions, decode.write_slots,
+                                                           decode.context_lens)
+            rows = fed.shape[0]
+            window = WindowAttention(self.cache.k_caches, self.cache.v_caches, slots, decode.slot_mapping, lens,
+                                     self.decode_step.attention_kernel)
             attention = DecodeThenPrefill(rows, window, attention)
-            token_ids = torch.cat([decode.token_ids, token_ids])
-            positions = torch.cat([decode.positions, positions])
+            token_ids = torch.cat([fed, token_ids])
+            positions = torch.cat([at, positions])
+            decode_logits = decode.real_queries if decode.real_queries is not None else torch.arange(rows)
         hidden = self.model(token_ids, positions, attention)
         ends = [rows + end for end in itertools.accumulate(c.length for c in chunks)]
         for i, c in enumerate(chunks):
@@ -114,6 +120,8 @@ class Worker:
                                              c.score_top)
                 except Exception as exc:
                     errors[i] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
-        last = torch.tensor([*range(rows), *(end - 1 for end, c in zip(ends, chunks) if c.is_last)],
-                            dtype=torch.long, device=self.device)
+        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.is_last], dtype=torch.long)
+        if decode_logits is not None:
+            last = torch.cat([decode_logits.cpu(), last])
+        last = last.to(self.device)
         return self.model.compute_logits(hidden.index_select(0, last))

@@ -1,0 +1,128 @@
+"""The engine's side of speculation: after each step, what every decoding row proposes for
+the next (a proposer's tokens, as many as the row's adaptive length allows), and the counts.
+
+The scheduler takes a row's ``spec_tokens`` into the next plan (cutting them to what fits);
+the worker writes K/V for all of them in one verify forward; the engine accepts a prefix
+(nanoserve.spec.acceptance) and trims the row to it. Which rows speculate is decided here:
+none in a step of ``disable_by_batch_size`` rows or more, none under a grammar (this engine
+does not check proposals against a grammar: a constrained row decodes one token a step), none
+with fewer than two tokens left to emit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nanoserve.engine.request import Request
+from nanoserve.spec.adaptive import SpeculationLength
+from nanoserve.spec.config import SpeculativeConfig
+from nanoserve.spec.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    """Proposes up to ``ks[i]`` tokens for each request (fewer is fine), and for a proposer that
+    samples, the distributions [k, vocab] it sampled them from (None: deterministic)."""
+
+    def propose(self, requests: list[Request], ks: list[int]
+                ) -> tuple[list[list[int]], list[torch.Tensor | None]]: ...
+
+    def forget(self, request_ids: set[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NgramProposals:
+    """Prompt lookup over each row's own history: no model, no state."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.lookup = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        return [self.lookup.propose(r.all_token_ids, k) if k else [] for r, k in zip(requests, ks)], [None] * len(ks)
+
+    def forget(self, request_ids: set[str]) -> None:
+        """Nothing is kept per request."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+@dataclass
+class SpecStats:
+    """vLLM's counters: tokens proposed and accepted, rows that verified (``verify_rows``: each
+    emits its accepted tokens and one of the target's), and the time the proposer and the
+    verify steps took."""
+
+    verify_steps: int = 0
+    verify_rows: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying row emits per step: its accepted proposals and the target's own."""
+        return (self.accepted + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config, self.proposer = config, proposer
+        self.stats = SpecStats()
+        self._lengths: dict[str, SpeculationLength] = {}
+
+    def propose(self, requests: list[Request]) -> None:
+        """Set ``spec_tokens`` (and ``spec_probs``) of the rows that decode next, in row order."""
+        for request in requests:
+            request.spec_tokens, request.spec_probs = [], None
+        if not requests or len(requests) >= self.config.disable_by_batch_size:
+            return
+        ks = [self._k(r) for r in requests]
+        if not any(ks):
+            return
+        start = time.perf_counter()
+        proposals, probs = self.proposer.propose(requests, ks)
+        self.stats.draft_seconds += time.perf_counter() - start
+        for request, k, tokens, q in zip(requests, ks, proposals, probs):
+            request.spec_tokens = list(tokens[:k])
+            request.spec_probs = None if q is None or not request.spec_tokens else q[:len(request.spec_tokens)]
+
+    def _k(self, request: Request) -> int:
+        left = request.params.max_tokens - len(request.output_token_ids)
+        if request.grammar is not None or left < 2:
+            return 0
+        k = self.config.num_speculative_tokens
+        if self.config.adaptive:
+            k = self._lengths.setdefault(request.request_id, SpeculationLength(k)).next_k()
+        return min(k, left - 1)
+
+    def record(self, request: Request, proposed: int, accepted: int) -> None:
+        """A verify step's outcome for one row (its adaptive length learns from it)."""
+        self.stats.verify_rows += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        if self.config.adaptive:
+            self._lengths.setdefault(request.request_id, SpeculationLength(self.config.num_speculative_tokens)
+                                     ).record(proposed, accepted)
+
+    def record_step(self, seconds: float) -> None:
+        self.stats.verify_steps += 1
+        self.stats.verify_seconds += seconds
+
+    def forget(self, request_ids: set[str]) -> None:
+        """The requests left: their adaptive lengths and the proposer's state for them go."""
+        for request_id in request_ids:
+            self._lengths.pop(request_id, None)
+        self.proposer.forget(request_ids)
+
+    def close(self) -> None:
+        self.proposer.close()
