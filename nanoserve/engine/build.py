@@ -21,8 +21,8 @@ from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_config, load_tokenizer
 from nanoserve.model.quant import DENSE_FROM_ROWS
 from nanoserve.model.weight_plan import WeightPlan
-from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.spec.speculator import NgramProposals, Speculator
+from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets
 from nanoserve.worker.build import WorkerSpec, build_worker
 

@@ -129,7 +129,7 @@ class Scheduler:
             return None
         positions, write_slots = self.blocks.advance(range(n))
         requests = self.running[:n]
-        proposals, proposal_slots = self._place_proposals(requests, positions)
+        proposals, proposal_slots = self._place_proposals(requests)
         width = max(positions) + 1 + max(map(len, proposals), default=0)
         queries = 1 + max(map(len, proposals), default=0)
         rows = n
@@ -143,8 +143,7 @@ class Scheduler:
                            tuple(r.last_token_id for r in requests), tuple(positions), tuple(write_slots), rows, width,
                            tuple(proposals), tuple(proposal_slots), queries)
 
-    def _place_proposals(self, requests: list[Request], positions: list[int]
-                         ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    def _place_proposals(self, requests: list[Request]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """Each decoding row's proposed tokens (``request.spec_tokens``, taken here) and the
         slots they are written to, cut to what the row may still emit (max_tokens), the step's
         token budget, the pool and max_model_len. Speculation never preempts: a row the pool
@@ -153,7 +152,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(requests)
         if self.buckets is not None and len(requests) > self.buckets.verify_rows:
             budget = 0  # past the verify grid: plain decode
-        for request, position in zip(requests, positions):
+        for request in requests:
             wanted, request.spec_tokens = request.spec_tokens, []
             room = request.params.max_tokens - len(request.output_token_ids) - 1  # the verify emits k + 1 at most
             if self.buckets is not None:
