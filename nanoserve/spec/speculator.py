@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from nanoserve.engine.request import Request
@@ -36,16 +37,36 @@ class Proposer(Protocol):
 
 
 class NgramProposals:
-    """Prompt lookup over each row's own history: no model, no state."""
+    """Prompt lookup over each row's own history (no model). Each request's tokens are kept in
+    a growing array, appended to as the request grows: turning the whole history into an
+    array every step would cost more than the lookup itself."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.lookup = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
 
     def propose(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        return [self.lookup.propose(r.all_token_ids, k) if k else [] for r, k in zip(requests, ks)], [None] * len(ks)
+        return [self.lookup.propose(self._history(r), k) if k else [] for r, k in zip(requests, ks)], [None] * len(ks)
+
+    def _history(self, request: Request) -> np.ndarray:
+        buffer, held = self._histories.get(request.request_id, (None, 0))
+        total = request.num_tokens
+        if buffer is None or total > len(buffer):
+            grown = np.empty(max(2 * total, 256), dtype=np.int64)
+            grown[:held] = buffer[:held] if buffer is not None else []
+            buffer = grown
+        if held < total:  # a request only grows: prompt first, then outputs
+            prompt = len(request.prompt_token_ids)
+            if held < prompt:
+                buffer[held:prompt] = request.prompt_token_ids[held:]
+                held = prompt
+            buffer[held:total] = request.output_token_ids[held - prompt:]
+        self._histories[request.request_id] = (buffer, total)
+        return buffer[:total]
 
     def forget(self, request_ids: set[str]) -> None:
-        """Nothing is kept per request."""
+        for request_id in request_ids:
+            self._histories.pop(request_id, None)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -88,6 +109,8 @@ class Speculator:
             return
         ks = [self._k(r) for r in requests]
         if not any(ks):
+            for request in requests:
+                self._idle(request)
             return
         start = time.perf_counter()
         proposals, probs = self.proposer.propose(requests, ks)
@@ -95,6 +118,8 @@ class Speculator:
         for request, k, tokens, q in zip(requests, ks, proposals, probs):
             request.spec_tokens = list(tokens[:k])
             request.spec_probs = None if q is None or not request.spec_tokens else q[:len(request.spec_tokens)]
+            if not request.spec_tokens:
+                self._idle(request)
 
     def _k(self, request: Request) -> int:
         left = request.params.max_tokens - len(request.output_token_ids)
@@ -104,6 +129,11 @@ class Speculator:
         if self.config.adaptive:
             k = self._lengths.setdefault(request.request_id, SpeculationLength(k)).next_k()
         return min(k, left - 1)
+
+    def _idle(self, request: Request) -> None:
+        """The row's next step verifies nothing: the wait before its next probe counts it."""
+        if request.request_id in self._lengths:
+            self._lengths[request.request_id].record(0, 0)
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """A verify step's outcome for one row (its adaptive length learns from it)."""
