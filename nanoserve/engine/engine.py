@@ -184,7 +184,8 @@ class Engine:
         proposals = [list(p) for p in decode.proposals]
         histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests] \
             if any(r.params.uses_penalties for r in requests) else None
-        draft_probs = [r.spec_probs if p else None for r, p in zip(requests, proposals)]
+        draft_probs = [r.spec_probs[:len(p)] if p and r.spec_probs is not None else None
+                       for r, p in zip(requests, proposals)]
         verdicts, bad = verify(self.sampler, logits, proposals, [r.params for r in requests],
                                [r.generator for r in requests], histories, masks,
                                draft_probs if any(q is not None for q in draft_probs) else None)
