@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposals, verified against the target model's logits."""
