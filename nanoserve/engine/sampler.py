@@ -80,10 +80,11 @@ class Sampler:
                      masks: TokenMasks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(processed logits, probs) [n, vocab] float32: the logits greedy argmaxes (masks and
         penalties applied) and the law a sampling row draws from (temperature, top-k/top-p, min-p
-        applied; not renormalised after min-p, as the race needs no normalising). A greedy row's
-        probs are those at temperature 1 and mean nothing."""
+        applied, rows summing to 1). A greedy row's probs are those at temperature 1 and mean
+        nothing. ``__call__`` draws from exactly this law."""
         processed = self.process(logits.float(), params, histories, masks)
-        return processed, self.probabilities(processed, params)
+        probs = self.probabilities(processed, params)
+        return processed, probs / probs.sum(dim=-1, keepdim=True)
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams],
                 histories: list[tuple[list[int], list[int]]] | None = None,
@@ -97,7 +98,9 @@ class Sampler:
         return logits
 
     def probabilities(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Processed logits -> each row's sampling law (greedy rows: temperature 1, meaningless)."""
+        """Processed logits -> each row's sampling law (greedy rows: temperature 1, meaningless),
+        not renormalised after min-p: the race needs no normalising, and skipping it keeps draws
+        bit-identical to before ``distribution`` existed."""
         device = logits.device
         # Greedy rows get temperature 1 here and are overridden by argmax by every caller.
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
