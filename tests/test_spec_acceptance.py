@@ -168,6 +168,10 @@ P = torch.tensor([[0.30, 0.05, 0.10, 0.02, 0.15, 0.08, 0.05, 0.10, 0.10, 0.05], 
                   [0.02, 0.08, 0.20, 0.13, 0.11, 0.09, 0.12, 0.07, 0.10, 0.08]])  # whatever came before
 Q = torch.tensor([[0.0125, 0.30, 0.0125, 0.60, 0.0125, 0.0125, 0.0125, 0.0125, 0.0125, 0.0125],  # a bad draft:
                   [0.70] + [0.3 / 9] * 9])  # its mass where the target's is least
+# How often a deterministic proposer guesses each token (verify is not told): skewed, since with
+# guesses spread evenly, redrawing a rejection from p instead of p without x keeps the law.
+GUESSES = torch.tensor([[0.40, 0.0375, 0.0375, 0.0375, 0.30, 0.0375, 0.0375, 0.0375, 0.0375, 0.0375],
+                        [0.04, 0.64, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04]])
 
 
 def _processed(law, params):
@@ -201,13 +205,10 @@ def _check_law(tokens, law):
 def test_emitted_tokens_follow_the_targets_law(draft, params):
     torch.manual_seed(7)
     proposer = _gen(8)
-    if draft == "bad":  # proposals drawn from Q, which verify is told
-        proposals = torch.stack([torch.multinomial(Q[j], TRIALS, replacement=True, generator=proposer)
-                                 for j in range(2)], 1).tolist()
-        drafts = [Q] * TRIALS
-    else:  # a deterministic proposer's guesses, all over the vocabulary
-        proposals = torch.randint(0, 10, (TRIALS, 2), generator=proposer).tolist()
-        drafts = None
+    guesses = Q if draft == "bad" else GUESSES
+    proposals = torch.stack([torch.multinomial(guesses[j], TRIALS, replacement=True, generator=proposer)
+                             for j in range(2)], 1).tolist()
+    drafts = [Q] * TRIALS if draft == "bad" else None  # told the law of Q; a deterministic proposer's is one-hot
     logits = P.log().repeat(TRIALS, 1)
     verdicts, failed = verify(Sampler(), logits, proposals, [params] * TRIALS, [None] * TRIALS,
                               draft_probs=drafts)
@@ -223,3 +224,15 @@ def test_emitted_tokens_follow_the_targets_law(draft, params):
             _check_law(seconds, law[1])
     _check_law([v.token_ids[2] for v in verdicts if v.accepted == 2], law[2])
     assert 0 < sum(v.accepted for v in verdicts) < 2 * TRIALS
+
+
+def test_greedy_rows_ignore_sampling_companions_and_drafts():
+    torch.manual_seed(9)
+    logits = torch.randn(3 + 4, VOCAB)
+    chain = logits[:3].argmax(-1).tolist()
+    proposals = [chain[:2], [5, 6, 7]]
+    drafts = [torch.full((1, VOCAB), 1.0 / VOCAB), torch.softmax(torch.randn(3, VOCAB), -1)]  # row 0's: ignored
+    alone, _ = verify(Sampler(), logits[:3], proposals[:1], [GREEDY], [None])
+    mixed, failed = verify(Sampler(), logits, proposals, [GREEDY, SamplingParams(top_p=0.9)], [None, _gen(1)],
+                           draft_probs=drafts)
+    assert failed == {} and mixed[0] == alone[0] == RowVerdict(chain, [None] * 3, 2)
