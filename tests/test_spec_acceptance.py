@@ -44,7 +44,7 @@ def test_greedy_rows_emit_the_plain_samplers_tokens(params):
     if params.uses_penalties:
         assert any(chain != logits.argmax(-1).tolist() for chain, logits in zip(chains, row_logits))
     right, first_wrong, middle_wrong, none = chains
-    proposals = [right[:4], [_wrong(first_wrong[0])] + first_wrong[1:4],
+    proposals = [tuple(right[:4]), [_wrong(first_wrong[0])] + first_wrong[1:4],
                  middle_wrong[:2] + [_wrong(middle_wrong[2]), middle_wrong[3]], []]
     logits = torch.cat([row_logits[0], row_logits[1], row_logits[2], row_logits[3][:1]])
     verdicts, failed = verify(Sampler(), logits, proposals, [params] * 4, [None] * 4, [history] * 4)

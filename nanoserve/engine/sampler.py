@@ -84,7 +84,9 @@ class Sampler:
         nothing. ``__call__`` draws from exactly this law."""
         processed = self.process(logits.float(), params, histories, masks)
         probs = self.probabilities(processed, params)
-        return processed, probs / probs.sum(dim=-1, keepdim=True)
+        if any(p.min_p > 0 for p in params):  # min-p's cut is the one step after the softmax
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return processed, probs
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams],
                 histories: list[tuple[list[int], list[int]]] | None = None,

@@ -48,6 +48,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, proposals: list[list[int]], p
     generator rewound first), so only a row that fails on its own fails.
     """
     n = len(params)
+    proposals = [list(row) for row in proposals]  # tuples welcome; sliced and joined below
     if not (len(proposals) == len(generators) == n) or (histories is not None and len(histories) != n) \
             or (draft_probs is not None and len(draft_probs) != n):
         raise ValueError("proposals, params, generators (and histories, draft_probs) need one entry per row")
@@ -102,13 +103,14 @@ def _verify_rows(sampler: Sampler, logits: torch.Tensor, proposals: list[list[in
                          for (prompt, output), row in zip(histories, proposals) for j in range(len(row) + 1)]
     pos_masks = None if masks is None else TokenMasks([offsets[r] for r in masks.rows], masks.bitmask)
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     sampling = [r for r, p in enumerate(params) if not p.greedy]
     if sampling:
         processed, probs = sampler.distribution(logits, pos_params, pos_histories, pos_masks)
     else:
         processed, probs = sampler.process(logits, pos_params, pos_histories, pos_masks), None
-    greedy_ids = processed.argmax(dim=-1)  # [positions]
+    # [positions]; a batch with no greedy row needs none (sampling rows overwrite theirs below).
+    greedy_ids = processed.argmax(dim=-1) if len(sampling) < len(params) \
+        else torch.zeros(processed.shape[0], dtype=torch.long, device=device)
 
     accepted = _count_accepted(proposals, params, generators, draft_probs, offsets, greedy_ids, probs)
     final_pos = torch.tensor([offsets[r] + a for r, a in enumerate(accepted)], device=device)
@@ -122,10 +124,13 @@ def _verify_rows(sampler: Sampler, logits: torch.Tensor, proposals: list[list[in
 
     tokens = [row[:a] + [t] for row, a, t in zip(proposals, accepted, final_ids)]
     logprobs: list[list[TokenLogprobs | None]] = [[None] * len(t) for t in tokens]
-    if raw is not None:  # one gather over every emitted token: position offsets[r] + i scored token i
+    if any(p.logprobs is not None for p in params):
+        # The model's own logprobs (before masks and penalties), as the plain sampler gives them:
+        # one gather over every emitted token, token i of row r scored at position offsets[r] + i.
         at = torch.tensor([offsets[r] + i for r, t in enumerate(tokens) for i in range(len(t))], device=device)
         flat = torch.tensor([x for t in tokens for x in t], device=device)
-        gathered = iter(gather_logprobs(raw[at], flat, [p.logprobs for p, t in zip(params, tokens) for _ in t]))
+        raw = torch.log_softmax(logits[at], dim=-1)
+        gathered = iter(gather_logprobs(raw, flat, [p.logprobs for p, t in zip(params, tokens) for _ in t]))
         logprobs = [[next(gathered) for _ in t] for t in tokens]
     return [RowVerdict(t, lp, a) for t, lp, a in zip(tokens, logprobs, accepted)]
 
