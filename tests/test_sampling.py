@@ -128,3 +128,29 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives():
     ref = torch.log_softmax(logits, -1)[0]
     assert lp.token_id == 1 and lp.logprob == pytest.approx(ref[1].item())
     assert [t for t, _ in lp.top] == [1, 2]
+
+
+def test_seeded_and_global_draws_are_pinned():
+    # Recorded before Sampler.distribution was split out of __call__: the refactor (and any
+    # later one) must draw the same tokens from the same generator states (torch's CPU RNG).
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    params = [SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=0.8, seed=11),
+              SamplingParams(top_p=0.9, min_p=0.05)]
+    gen = _gen(11)
+    torch.manual_seed(3)
+    draws = [Sampler()(logits, params, [None, gen, None]).token_ids.tolist() for _ in range(5)]
+    assert draws == [[62, 98, 46], [23, 16, 60], [59, 10, 37], [96, 24, 44], [62, 82, 70]]
+
+
+def test_distribution_is_what_call_argmaxes_and_samples_from():
+    logits = torch.randn(2, 30)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.7, top_k=5)]
+    histories = [([1, 2], [3]), ([], [])]
+    processed, probs = Sampler().distribution(logits, params, histories)
+    out = Sampler()(logits, params, [None, None], histories)
+    assert out.token_ids[0] == processed[0].argmax()
+    assert (probs[1] > 0).sum() == 5 and probs[1, out.token_ids[1]] > 0
+    top = logits[1].topk(5).indices
+    expected = torch.zeros(30).index_put_((top,), torch.softmax(logits[1, top] / 0.7, -1))
+    assert torch.allclose(probs[1], expected)

@@ -16,7 +16,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.structured.masks import TokenMasks, apply_token_masks
 from nanoserve.worker.scoring import TokenLogprobs, gather_logprobs
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "gather_logprobs", "sample_isolated"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "exponential_race", "gather_logprobs", "sample_isolated"]
 
 
 @dataclass
@@ -69,23 +69,42 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_token_masks(logits, masks)
-        if any(p.uses_penalties for p in params):
-            if histories is None:
-                raise ValueError("penalties need each row's token history")
-            logits = apply_penalties(logits, params, histories)
+        logits = self.process(logits, params, histories, masks)
         token_ids = self._choose(logits, params, generators)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, [None] * len(params))
         return SamplerOutput(token_ids, gather_logprobs(raw_logprobs, token_ids, [p.logprobs for p in params]))
 
-    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy_ids
+    def distribution(self, logits: torch.Tensor, params: list[SamplingParams],
+                     histories: list[tuple[list[int], list[int]]] | None = None,
+                     masks: TokenMasks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(processed logits, probs) [n, vocab] float32: the logits greedy argmaxes (masks and
+        penalties applied) and the law a sampling row draws from (temperature, top-k/top-p, min-p
+        applied, rows summing to 1). A greedy row's probs are those at temperature 1 and mean
+        nothing. ``__call__`` draws from exactly this law."""
+        processed = self.process(logits.float(), params, histories, masks)
+        probs = self.probabilities(processed, params)
+        if any(p.min_p > 0 for p in params):  # min-p's cut is the one step after the softmax
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return processed, probs
+
+    def process(self, logits: torch.Tensor, params: list[SamplingParams],
+                histories: list[tuple[list[int], list[int]]] | None = None,
+                masks: TokenMasks | None = None) -> torch.Tensor:
+        """Float logits with each constrained row's mask, then each row's penalties, applied."""
+        logits = apply_token_masks(logits, masks)
+        if any(p.uses_penalties for p in params):
+            if histories is None:
+                raise ValueError("penalties need each row's token history")
+            logits = apply_penalties(logits, params, histories)
+        return logits
+
+    def probabilities(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Processed logits -> each row's sampling law (greedy rows: temperature 1, meaningless),
+        not renormalised after min-p: the race needs no normalising, and skipping it keeps draws
+        bit-identical to before ``distribution`` existed."""
         device = logits.device
-        # Greedy rows get temperature 1 here and are overridden by argmax at the end.
+        # Greedy rows get temperature 1 here and are overridden by argmax by every caller.
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         scaled = logits / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -98,13 +117,27 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], device=device)
             floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < floor, 0.0)
-        race = torch.empty_like(probs).exponential_()
-        for row, gen in enumerate(generators):
-            if gen is not None:
-                race[row].exponential_(generator=gen)
-        sampled = (probs / race).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return probs
+
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_ids
+        sampled = exponential_race(self.probabilities(logits, params), generators)
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row from ``probs`` [n, vocab] (any non-negative scale: the argmax ignores
+    it). Every row's race is first drawn from the global RNG, then a seeded row's is redrawn
+    from its own generator, so a seeded row's draw depends only on its generator."""
+    race = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            race[row].exponential_(generator=gen)
+    return (probs / race).argmax(dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
