@@ -65,9 +65,7 @@ class DraftProposer:
         probs: list[torch.Tensor | None] = [None] * len(requests)
         if not kept:
             return proposals, probs
-        rows = [requests[i] for i, _ in kept]
-        steps = max(k for _, k in kept)
-        drafted, dists = self._draft(rows, steps)
+        drafted, dists = self._draft([requests[i] for i, _ in kept], [k for _, k in kept])
         for (i, k), tokens, q in zip(kept, drafted, dists):
             proposals[i] = tokens[:k]
             probs[i] = None if q is None else q[:k]
@@ -118,7 +116,7 @@ class DraftProposer:
 
     # -- running the draft -------------------------------------------------------------------
     @torch.inference_mode()
-    def _draft(self, requests: list[Request], steps: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def _draft(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         states = [self.states[r.request_id] for r in requests]
         histories = [r.all_token_ids for r in requests]
         self._prefill(requests, states, histories)
@@ -134,8 +132,9 @@ class DraftProposer:
                                        for (token, position, slots), tokens in zip(batch, histories)])
         drafted: list[list[int]] = [[] for _ in requests]
         dists: list[list[torch.Tensor]] = [[] for _ in requests]
+        steps = max(ks)
         for step in range(steps):
-            tokens, q = self._choose(logits, requests, drafted)
+            tokens, q = self._choose(logits, requests, drafted, [step < k for k in ks])
             for i, token in enumerate(tokens):
                 drafted[i].append(token)
                 if q is not None and q[i] is not None:
@@ -188,10 +187,12 @@ class DraftProposer:
         last = torch.tensor([len(more) for more in extra]).add(1).cumsum(0).sub(1)
         return logits.index_select(0, last.to(logits.device))
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request], drafted: list[list[int]]
+    def _choose(self, logits: torch.Tensor, requests: list[Request], drafted: list[list[int]], wanted: list[bool]
                 ) -> tuple[list[int], list[torch.Tensor | None] | None]:
         """The draft's next token per row: the argmax for a greedy row, else a draw from its own
-        distribution (returned as q: what acceptance divides by)."""
+        distribution (returned as q: what acceptance divides by). A row past its own k (another
+        row drafts further) takes the argmax: it draws nothing, so a seeded row's generator
+        advances by its own proposals alone, whatever shares the batch."""
         logits = logits.float()
         if all(r.params.greedy for r in requests):
             return logits.argmax(dim=-1).tolist(), None
@@ -201,7 +202,7 @@ class DraftProposer:
         _, probs = self.sampler.distribution(logits, params, histories)
         tokens, q = [], []
         for i, request in enumerate(requests):
-            if request.params.greedy:
+            if request.params.greedy or not wanted[i]:
                 tokens.append(int(logits[i].argmax()))
                 q.append(None)
                 continue
