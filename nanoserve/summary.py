@@ -28,11 +28,32 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         f"max_model_len {resolved.max_model_len:,}{limit_note}; up to {rows} and "
         f"{stats.max_num_batched_tokens} tokens per step; {decode}",
     ]
+    if engine.speculator is not None:
+        lines.append(describe_speculation(engine.speculator))
     size = config.tensor_parallel_size
     if size > 1:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
                      f"(each rank holds 1/{size} of the heads, the MLP and the vocabulary)")
     return lines
+
+
+def describe_speculation(speculator) -> str:
+    """One line: the proposer, how many tokens a row proposes, and when it does not."""
+    config = speculator.config
+    k = config.num_speculative_tokens
+    how = "adapting per row from its acceptance" if config.adaptive else "every step"
+    if config.method == "ngram":
+        source = f"n-gram lookup of the last {config.prompt_lookup_max}..{config.prompt_lookup_min} tokens"
+    else:
+        draft = speculator.proposer.worker
+        from nanoserve.model.quant import tensor_bytes  # torch: only once a draft is built
+
+        name = config.model if isinstance(config.model, str) else "the target's file" if config.model is None \
+            else type(config.model).__name__
+        source = (f"draft model {name} ({config.draft_weights}, {format_bytes(tensor_bytes(draft.model))} resident, "
+                  f"K/V {format_bytes(draft.cache.kv_bytes)})")
+    return (f"speculative decoding: {source}; up to {k} token{'s' if k != 1 else ''} a row, {how}; "
+            f"off in steps of {config.disable_by_batch_size}+ rows and for rows under a grammar")
 
 
 def kernel_tier(tier: str | None) -> str:

@@ -106,6 +106,14 @@ class ServeMetrics:
             ("nanoserve_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or evictable).",
              stats.prefix_cache_blocks),
         ]
+        if stats.spec_method is not None:
+            gauges += [
+                ("nanoserve_spec_acceptance_rate", "Proposed tokens accepted, of those verified.",
+                 stats.spec_acceptance_rate),
+                ("nanoserve_spec_mean_accepted_length",
+                 "Tokens a verifying row emits per step (accepted proposals and the target's own).",
+                 stats.spec_mean_accepted_length),
+            ]
         if http_in_flight is not None:
             gauges.append(("nanoserve_http_requests_in_flight",
                            "HTTP requests being handled (body arriving, queued or generating), probes aside.",
@@ -131,6 +139,17 @@ class ServeMetrics:
             ("nanoserve_mask_steps_total", "Steps that computed token masks for constrained rows.", stats.mask_steps),
             ("nanoserve_mask_seconds_total", "Time computing token masks (beside the forward).", stats.mask_seconds),
         ]
+        if stats.spec_method is not None:  # vLLM's spec_decode counters
+            counters += [
+                ("nanoserve_spec_verify_steps_total", "Decode steps that verified proposed tokens.",
+                 stats.spec_verify_steps),
+                ("nanoserve_spec_proposed_tokens_total", "Tokens proposed and verified.", stats.spec_proposed_tokens),
+                ("nanoserve_spec_accepted_tokens_total", "Proposed tokens accepted.", stats.spec_accepted_tokens),
+                ("nanoserve_spec_draft_seconds_total", "Time proposing tokens (the draft model or the n-gram lookup).",
+                 stats.spec_draft_seconds),
+                ("nanoserve_spec_verify_seconds_total", "Time in the forwards of verify steps.",
+                 stats.spec_verify_seconds),
+            ]
         with self._lock:
             counters += [
                 ("nanoserve_prompt_tokens_total", "Prompt tokens admitted.", self.prompt_tokens),
