@@ -4,9 +4,9 @@ the target's law (chi-square over many trials), seeded rows reproduce, failures 
 import pytest
 import torch
 
+from nanoserve.engine.acceptance import RowVerdict, verify
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.spec.acceptance import RowVerdict, verify
 from nanoserve.structured.masks import TokenMasks
 
 GREEDY = SamplingParams(temperature=0.0)

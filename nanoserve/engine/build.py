@@ -14,6 +14,7 @@ from nanoserve.distributed.launch import build_tensor_parallel
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
+from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.scheduler import Scheduler, check_token_budget
 from nanoserve.model import cpu_kernels
 from nanoserve.model.config import ModelConfig
@@ -82,18 +83,26 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
                           buckets=spec.buckets)
     if tokenizer is None and named:
         tokenizer = load_tokenizer(model)
-    speculator = _speculator(config, model, spec, worker) if config.speculative is not None else None
+    speculator = _speculator(config, model, spec, arch.vocab_size) if config.speculative is not None else None
     return Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)
 
 
-def _speculator(config: EngineConfig, model, spec: WorkerSpec, worker) -> Speculator:
-    """The proposer the speculative config names, around the built target."""
+def _speculator(config: EngineConfig, target, spec: WorkerSpec, vocab_size: int) -> Speculator:
+    """The proposer the speculative config names: an n-gram lookup, or a draft model (its own
+    ``model``, else the target's file or model object) in ``draft_weights``. A model object
+    drafts as it is unless draft weights other than "auto" are asked for."""
     speculative = config.speculative
     if speculative.method == "ngram":
         return Speculator(speculative, NgramProposals(speculative))
     from nanoserve.spec.draft import build_draft  # a second model: only when asked for
 
-    return Speculator(speculative, build_draft(speculative, model, spec, worker.model.config))
+    source = speculative.model if speculative.model is not None else target
+    if isinstance(source, str) or speculative.draft_weights != "auto":
+        plan, dtype = resolve_weights(speculative.draft_weights, None, config.device, named_model=True)
+    else:
+        plan, dtype = None, next(source.parameters()).dtype
+    return Speculator(speculative, build_draft(speculative, source, plan, dtype, spec, vocab_size,
+                                               Sampler().distribution))
 
 
 def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from nanoserve.engine.acceptance import verify
 from nanoserve.engine.checks import check_applied, check_step
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.inputs import InputProcessor, Prompt, RequestError, as_prompt_list
@@ -29,7 +30,6 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
 from nanoserve.model.quant import tensor_bytes
-from nanoserve.spec.acceptance import verify
 from nanoserve.spec.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.decoding import GrammarViolation, StructuredDecoding
@@ -178,7 +178,7 @@ class Engine:
 
     def _verify(self, plan: StepPlan, logits, requests: list[Request], masks, failed: dict[Request, str]) -> None:
         """A verify step's decode rows: accept a prefix of each row's proposals and one token of
-        the target's (nanoserve.spec.acceptance), trim the row to the K/V of what it accepted,
+        the target's (nanoserve.engine.acceptance), trim the row to the K/V of what it accepted,
         then hand the tokens to the request one at a time (a stop ends it there)."""
         decode = plan.decode
         proposals = [list(p) for p in decode.proposals]

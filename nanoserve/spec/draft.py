@@ -18,18 +18,25 @@ distribution, which it hands to the acceptance step as q.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable
-from nanoserve.engine.request import Request
-from nanoserve.engine.sampler import Sampler
 from nanoserve.spec.config import SpeculativeConfig
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets
 from nanoserve.worker.build import WorkerSpec, build_worker
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, StepPlan
 from nanoserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from nanoserve.engine.request import Request
+    from nanoserve.model.weight_plan import WeightPlan
+
+# The engine's sampler's processed distribution: (logits, params, histories) -> (logits, probs).
+Distribution = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 PREFILL_CHUNK = 512  # tokens of a catch-up prefill per row and step: a prompt's K/V, chunk by chunk
 
@@ -45,12 +52,12 @@ class DraftState:
 
 class DraftProposer:
     def __init__(self, worker: Worker, num_blocks: int, block_size: int, max_rows: int, max_model_len: int,
-                 buckets: Buckets | None) -> None:
+                 buckets: Buckets | None, distribution: Distribution) -> None:
         self.worker, self.block_size, self.max_rows = worker, block_size, max_rows
         self.max_model_len, self.buckets = max_model_len, buckets
         self.pool = BlockPool(num_blocks, block_size)
         self.scratch_slot = self.pool.allocate(1)[0] * block_size  # padded rows write here
-        self.sampler = Sampler()
+        self.distribution = distribution
         self.states: dict[str, DraftState] = {}
 
     # -- the proposer interface --------------------------------------------------------------
@@ -199,7 +206,7 @@ class DraftProposer:
         histories = [(r.prompt_token_ids, r.output_token_ids + d) for r, d in zip(requests, drafted)] \
             if any(r.params.uses_penalties for r in requests) else None
         params = [r.params for r in requests]
-        _, probs = self.sampler.distribution(logits, params, histories)
+        _, probs = self.distribution(logits, params, histories)
         tokens, q = [], []
         for i, request in enumerate(requests):
             if request.params.greedy or not wanted[i]:
@@ -211,35 +218,32 @@ class DraftProposer:
         return tokens, q
 
 
-def build_draft(config: SpeculativeConfig, target, target_spec: WorkerSpec, target_arch) -> DraftProposer:
-    """A draft proposer for the speculative ``config`` beside a target built from ``target`` (a
-    path or a LlamaModel) with ``target_spec``: ``config.model`` (None: the target's own file, or
-    the target model itself) in ``config.draft_weights``, with a pool of the target's size in
-    tokens, rows for the steps that speculate, and a grid of 1- and 2-token steps."""
-    from nanoserve.engine.build import resolve_weights  # the engine's own weight resolution
-
-    source = config.model if config.model is not None else target
-    named = isinstance(source, str)
-    if named or config.draft_weights != "auto":
-        plan, dtype = resolve_weights(config.draft_weights, None, target_spec.device, named_model=True)
-    else:  # a model object drafts as it is
-        plan, dtype = None, next(source.parameters()).dtype
+def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtype: torch.dtype,
+                target_spec: WorkerSpec, target_vocab: int, distribution: Distribution) -> DraftProposer:
+    """A draft proposer for the speculative ``config``: ``source`` (a path, or a LlamaModel used
+    as it is where ``plan`` is None) held in ``plan`` / ``dtype``, beside a target built with
+    ``target_spec``: a pool of the target's size in tokens, rows for the steps that speculate,
+    and a grid of 1- and 2-token steps."""
     rows = max(1, min(target_spec.max_batch_size, config.disable_by_batch_size - 1))
     buckets = None
     if target_spec.buckets is not None:
         row_buckets = tuple(r for r in target_spec.buckets.rows if r < rows) + (rows,)
         widths = target_spec.buckets.widths
-        arch = target_arch
         tier = plan.tier if plan is not None else None
-        if decode_attention_kernel(target_spec.device, dtype, arch.head_dim, tier) is not None:
+        head_dim = source.config.head_dim if not isinstance(source, str) else None
+        if head_dim is None:
+            from nanoserve.model.loader import load_config  # the file's header only
+
+            head_dim = load_config(source).head_dim
+        if decode_attention_kernel(target_spec.device, dtype, head_dim, tier) is not None:
             widths = (target_spec.max_model_len,)  # the kernel reads each row's own cells: one width
         buckets = Buckets(tuple(sorted(set(row_buckets))), widths, (1, 2), rows)
     spec = dataclasses.replace(target_spec, weights=plan, dtype=dtype, max_batch_size=rows, buckets=buckets,
                                attention_tier=plan.tier if plan is not None else None, max_queries=2)
     worker = build_worker(source, spec)
-    vocab, want = worker.model.config.vocab_size, target_arch.vocab_size
-    if vocab != want:
-        raise ValueError(f"speculative draft model has a vocabulary of {vocab} tokens, the target {want}: "
+    vocab = worker.model.config.vocab_size
+    if vocab != target_vocab:
+        raise ValueError(f"speculative draft model has a vocabulary of {vocab} tokens, the target {target_vocab}: "
                          "a draft must share the target's tokenizer")
     return DraftProposer(worker, target_spec.num_blocks, target_spec.block_size, rows, target_spec.max_model_len,
-                         buckets)
+                         buckets, distribution)

@@ -3,7 +3,7 @@ the next (a proposer's tokens, as many as the row's adaptive length allows), and
 
 The scheduler takes a row's ``spec_tokens`` into the next plan (cutting them to what fits);
 the worker writes K/V for all of them in one verify forward; the engine accepts a prefix
-(nanoserve.spec.acceptance) and trims the row to it. Which rows speculate is decided here:
+(nanoserve.engine.acceptance) and trims the row to it. Which rows speculate is decided here:
 none in a step of ``disable_by_batch_size`` rows or more, none under a grammar (this engine
 does not check proposals against a grammar: a constrained row decodes one token a step), none
 with fewer than two tokens left to emit.
@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
 from nanoserve.spec.adaptive import SpeculationLength
 from nanoserve.spec.config import SpeculativeConfig
 from nanoserve.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from nanoserve.engine.request import Request
 
 
 class Proposer(Protocol):
