@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from nanoserve.engine.request import Request
 
 
+# One more verified token's price in decode steps: a small-batch CPU step is bound by reading the
+# weights, which a verify reads once for all its tokens.
+VERIFY_COST = 0.1
+DRAFT_COST = 0.25  # a draft step's price until one is measured (an int4 draft of an fp32 target)
+
+
 class Proposer(Protocol):
     """Proposes up to ``ks[i]`` tokens for each request (fewer is fine), and for a proposer that
     samples, the distributions [k, vocab] it sampled them from (None: deterministic)."""
@@ -82,6 +88,7 @@ class SpecStats:
 
     verify_steps: int = 0
     verify_rows: int = 0
+    drafted: int = 0  # tokens the proposer returned (some are cut before the verify)
     proposed: int = 0
     accepted: int = 0
     draft_seconds: float = 0.0
@@ -117,6 +124,7 @@ class Speculator:
         start = time.perf_counter()
         proposals, probs = self.proposer.propose(requests, ks)
         self.stats.draft_seconds += time.perf_counter() - start
+        self.stats.drafted += sum(min(len(tokens), k) for tokens, k in zip(proposals, ks))
         for request, k, tokens, q in zip(requests, ks, proposals, probs):
             request.spec_tokens = list(tokens[:k])
             request.spec_probs = None if q is None or not request.spec_tokens else q[:len(request.spec_tokens)]
@@ -129,8 +137,25 @@ class Speculator:
             return 0
         k = self.config.num_speculative_tokens
         if self.config.adaptive:
-            k = self._lengths.setdefault(request.request_id, SpeculationLength(k)).next_k()
+            k = self._length(request.request_id).next_k()
         return min(k, left - 1)
+
+    def _length(self, request_id: str) -> SpeculationLength:
+        """The request's adaptive length, made with the price of one more proposed token as
+        measured so far (in verify steps): verifying it (VERIFY_COST) and, for a draft model,
+        drafting it."""
+        length = self._lengths.get(request_id)
+        if length is None:
+            s = self.stats
+            if self.config.method == "ngram":
+                draft = 0.0
+            elif s.drafted and s.verify_steps:
+                draft = (s.draft_seconds / s.drafted) / (s.verify_seconds / s.verify_steps)
+            else:
+                draft = DRAFT_COST
+            length = self._lengths[request_id] = SpeculationLength(self.config.num_speculative_tokens,
+                                                                   VERIFY_COST + min(draft, 1.0))
+        return length
 
     def _idle(self, request: Request) -> None:
         """The row's next step verifies nothing: the wait before its next probe counts it."""
@@ -143,8 +168,7 @@ class Speculator:
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         if self.config.adaptive:
-            self._lengths.setdefault(request.request_id, SpeculationLength(self.config.num_speculative_tokens)
-                                     ).record(proposed, accepted)
+            self._length(request.request_id).record(proposed, accepted)
 
     def record_step(self, seconds: float) -> None:
         self.stats.verify_steps += 1
