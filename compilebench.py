@@ -18,6 +18,7 @@ from compile import (
     scale,
     serve_bench,
     slotbench,
+    spec_bench,
     structured_bench,
     tp_bench,
     ttft,
@@ -36,6 +37,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "tp": tp_bench.main,
     "scale": scale.main,
     "structured": structured_bench.main,
+    "spec": spec_bench.main,
 }
 DEFAULT_SUITE = "headline"
 
