@@ -95,8 +95,11 @@ def test_compilebench_spec_on_a_tiny_model_writes_every_row_with_its_counters(ti
 
 @pytest.mark.skipif(not HAS_DRAFT, reason="nanoserve.spec.draft has not landed")
 def test_compilebench_spec_draft_rows_say_whether_the_tokens_are_the_targets(tiny_llama_dir, tmp_path):
+    # The tiny model's draft costs as much as its target, so an adaptive row would rightly not
+    # speculate once that is measured: a fixed k keeps the draft rows drafting.
     argv = ["spec", "--model", str(tiny_llama_dir), "--rows", "draft", "--mode", "eager", "--new-tokens", "8",
-            "--repeats", "1", "--text-chars", "80", "--out", str(tmp_path), "--no-plot"]
+            "--repeats", "1", "--text-chars", "80", "--out", str(tmp_path), "--no-plot",
+            "--draft-options", '{"adaptive": false}']
     assert compilebench.main(argv) == 0
     rows = read_rows(tmp_path / f"spec-{tiny_llama_dir.name}.csv")
     assert [(r["weights"], r["method"]) for r in rows] == [("fp32", "none")] * 2 + [("fp32", "draft")] * 2

@@ -18,6 +18,7 @@ distribution, which it hands to the acceptance step as q.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,7 @@ class DraftProposer:
         self.scratch_slot = self.pool.allocate(1)[0] * block_size  # padded rows write here
         self.distribution = distribution
         self.states: dict[str, DraftState] = {}
+        self.step_seconds, self.steps = 0.0, 0  # the draft's compiled-shape steps (catch-up prefills aside)
 
     # -- the proposer interface --------------------------------------------------------------
     def propose(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -77,6 +79,11 @@ class DraftProposer:
             proposals[i] = tokens[:k]
             probs[i] = None if q is None else q[:k]
         return proposals, probs
+
+    def seconds_per_token(self) -> float | None:
+        """What drafting one more token of a row costs: a draft step's mean time (a prompt's
+        catch-up prefill aside: it is paid once)."""
+        return self.step_seconds / self.steps if self.steps else None
 
     def forget(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -188,7 +195,10 @@ class DraftProposer:
                             tuple(f[1] for f in fed), tuple(f[2][0] for f in fed), rows, width,
                             tuple(extra) if queries > 1 else (), tuple(tuple(f[2][1:]) for f in fed) if queries > 1 else (),
                             queries)
+        start = time.perf_counter()
         logits = self.worker.execute(StepPlan((), batch, ())).logits
+        self.step_seconds += time.perf_counter() - start
+        self.steps += 1
         if queries == 1:
             return logits
         last = torch.tensor([len(more) for more in extra]).add(1).cumsum(0).sub(1)

@@ -41,6 +41,9 @@ class Proposer(Protocol):
 
     def forget(self, request_ids: set[str]) -> None: ...
 
+    def seconds_per_token(self) -> float | None:
+        """What proposing one more token of a row costs, once measured (None: not yet, or free)."""
+
     def close(self) -> None: ...
 
 
@@ -75,6 +78,10 @@ class NgramProposals:
     def forget(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
             self._histories.pop(request_id, None)
+
+    def seconds_per_token(self) -> float | None:
+        """A lookup is free beside a step."""
+        return None
 
     def close(self) -> None:
         """Nothing to release."""
@@ -146,11 +153,11 @@ class Speculator:
         drafting it."""
         length = self._lengths.get(request_id)
         if length is None:
-            s = self.stats
+            s, per_token = self.stats, self.proposer.seconds_per_token()
             if self.config.method == "ngram":
                 draft = 0.0
-            elif s.drafted and s.verify_steps:
-                draft = (s.draft_seconds / s.drafted) / (s.verify_seconds / s.verify_steps)
+            elif per_token is not None and s.verify_steps:
+                draft = per_token / (s.verify_seconds / s.verify_steps)
             else:
                 draft = DRAFT_COST
             length = self._lengths[request_id] = SpeculationLength(self.config.num_speculative_tokens,
