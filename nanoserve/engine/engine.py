@@ -327,7 +327,10 @@ class Engine:
         if self.speculator is None:
             return {}
         s = self.speculator.stats
-        return dict(spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
+        draft = getattr(self.speculator.proposer, "worker", None)  # a draft model's worker
+        graphs = {} if draft is None else dict(spec_draft_graphs_built=draft.decode_step.stats.graphs_built,
+                                               spec_draft_recompiles=draft.decode_step.stats.recompiles_after_warmup)
+        return dict(**graphs, spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
                     spec_proposed_tokens=s.proposed, spec_accepted_tokens=s.accepted,
                     spec_acceptance_rate=s.acceptance_rate, spec_mean_accepted_length=s.mean_accepted_length,
                     spec_draft_seconds=s.draft_seconds, spec_verify_seconds=s.verify_seconds)

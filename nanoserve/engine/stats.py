@@ -67,6 +67,8 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0
     spec_draft_seconds: float = 0.0
     spec_verify_seconds: float = 0.0
+    spec_draft_graphs_built: int = 0  # the draft model's own decode graphs
+    spec_draft_recompiles: int = 0  # ... and its recompiles after warm-up (0, as the target's)
 
     @property
     def mean_mask_seconds(self) -> float:
