@@ -85,3 +85,22 @@ def test_bf16_is_the_cuda_default_and_decodes():
     assert engine.worker.cache.k_caches[0].dtype == torch.bfloat16
     out = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == 40 for o in out)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_verify_graphs_give_the_plain_greedy_tokens(method):
+    """A verify step is one more recorded shape, [rows, k + 1, width]: its greedy tokens are the
+    plain engine's, with no recompile after warm-up."""
+    model = random_model(tiny_config(), seed=0)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 9, 8, 9, 8], list(range(10, 30))]
+    want = cuda_engine(model, compile=True).generate(prompts, GREEDY, use_tqdm=False)
+    speculative = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    if method == "draft":
+        speculative.pop("prompt_lookup_min")
+    engine = cuda_engine(model, compile=True, speculative=speculative)
+    got = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = engine.stats()
+    assert stats.spec_verify_steps > 0 and stats.spec_accepted_tokens > 0 and stats.verify_bucket_hits
+    assert stats.recompiles_after_warmup == 0 and stats.spec_draft_recompiles == 0
+    engine.check_drained()
