@@ -14,27 +14,7 @@ import functools
 
 import pytest
 from engine_oracle_helpers import BLOCK_BYTES, engine_for, generate, greedy
-
-from nanoserve.model.synthetic import random_model, tiny_config
-
-MODEL = random_model(tiny_config())
-BAD_DRAFT = random_model(tiny_config(), seed=1)
-
-PROPOSERS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-    "draft-perfect": {"method": "draft", "num_speculative_tokens": 3, "model": None},
-    "draft-bad": {"method": "draft", "num_speculative_tokens": 3, "model": BAD_DRAFT},
-}
-
-# Repetitive prompts: the n-gram proposer finds its matches in them from the first step.
-PROMPTS = [
-    [5, 6, 7, 8] * 3 + [5, 6],
-    [1, 2, 3] * 4,
-    [9, 10, 11, 12, 13, 9, 10, 11, 12],
-    list(range(20, 40)),
-    [70, 71, 70, 71, 70, 72, 70, 71],
-    [100, 101, 102, 103, 104, 105, 100, 101, 102],
-]
+from spec_helpers import MODEL, PROMPTS, PROPOSERS, assert_drained, tokens
 
 
 @pytest.fixture(autouse=True)
@@ -68,18 +48,6 @@ def assert_speculated(engine, spec: str) -> None:
         assert s.spec_accepted_tokens >= 0.9 * s.spec_proposed_tokens, s
     else:
         assert s.spec_accepted_tokens < s.spec_proposed_tokens, s
-
-
-def assert_drained(engine) -> None:
-    engine.check_drained()
-    proposer = engine.speculator.proposer
-    if hasattr(proposer, "pool"):  # the draft's own pool: everything but its scratch block is free
-        assert proposer.pool.num_free == proposer.pool.num_blocks - 1
-        assert not proposer.states
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("spec", PROPOSERS)
