@@ -116,6 +116,8 @@ class Engine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         plan = self.scheduler.schedule()
         if plan is None:
+            if self._left:  # requests aborted since the last step: the proposer's state for them goes
+                self._propose()
             return outputs
         if self.checks:
             check_step(plan, self.scheduler.blocks)

@@ -65,11 +65,13 @@ class DraftProposer:
     # -- the proposer interface --------------------------------------------------------------
     def propose(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         chosen = [i for i, (r, k) in enumerate(zip(requests, ks)) if k > 0][:self.max_rows]
-        kept = []
+        kept, reserved = [], 0  # blocks the rows kept so far will take in _draft
         for i in chosen:
             k = min(ks[i], self.max_model_len - requests[i].num_tokens)
-            if k > 0 and self._sync(requests[i], k, keep={requests[j].request_id for j in chosen}):
+            need = self._sync(requests[i], k, {requests[j].request_id for j in chosen}, reserved) if k > 0 else None
+            if need is not None:
                 kept.append((i, k))
+                reserved += need
         proposals: list[list[int]] = [[] for _ in requests]
         probs: list[torch.Tensor | None] = [None] * len(requests)
         if not kept:
@@ -95,9 +97,10 @@ class DraftProposer:
         self.worker.close()
 
     # -- state -------------------------------------------------------------------------------
-    def _sync(self, request: Request, k: int, keep: set[str]) -> bool:
+    def _sync(self, request: Request, k: int, keep: set[str], reserved: int) -> int | None:
         """Trim the request's draft K/V to what still matches its tokens and make room for this
-        proposal (catching up, then k - 1 tokens fed); False if the pool cannot hold it even
+        proposal (catching up, then k - 1 tokens fed) beside the ``reserved`` blocks the rows
+        synced before it will take; the blocks it needs, or None if the pool cannot hold it even
         after dropping the states of requests not proposing now."""
         state = self.states.setdefault(request.request_id, DraftState(BlockTable(self.block_size), []))
         tokens = request.all_token_ids
@@ -112,13 +115,13 @@ class DraftProposer:
         state.confirmed = valid
         need = state.table.blocks_needed(len(tokens) - valid + k - 1)
         for other in [rid for rid in self.states if rid not in keep]:
-            if need <= self.pool.num_free:
+            if need + reserved <= self.pool.num_free:
                 break
             self.forget({other})
-        if need > self.pool.num_free:
+        if need + reserved > self.pool.num_free:
             self.forget({request.request_id})
-            return False
-        return True
+            return None
+        return need
 
     def _grow(self, state: DraftState, tokens: list[int]) -> list[int]:
         """Append ``tokens`` to the state (blocks allocated, as _sync made room); their slots."""
