@@ -275,8 +275,11 @@ def measure_llama_cpp(spec: dict) -> list[dict]:
     threads = torch.get_num_threads()
     lookup = CountedLookup(spec["k"]) if spec["method"] == "ngram" else None
     with _no_repack(llama_cpp):
+        # A draft model's tokens are verified from every position's logits: llama-cpp-python keeps
+        # them only with logits_all (else a prompt past n_batch leaves no room for them).
         llm = llama_cpp.Llama(spec["gguf"], n_ctx=longest + spec["new_tokens"] + spec["k"] + 16, n_batch=512,
-                              n_threads=threads, n_threads_batch=threads, verbose=False, draft_model=lookup)
+                              n_threads=threads, n_threads_batch=threads, verbose=False, draft_model=lookup,
+                              logits_all=lookup is not None)
 
     def run(prompt: list[int]) -> tuple[list[int], float, float]:
         llm.reset()  # no prompt reuse between runs: each one prefills, as nanoserve's does

@@ -183,6 +183,33 @@ def test_decode_attention_equals_the_reference_read(tier, dtype, num_heads, num_
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("queries", [2, 5])
+def test_decode_attention_of_a_verify_row_is_each_query_alone_bit_for_bit(tier, dtype, queries):
+    """A verify step's queries share their row's slots ([rows, W] for rows * queries queries),
+    each with its own length (padding queries: 0): the same bits as one query a row."""
+    torch.manual_seed(queries)
+    rows, slots, width, head_dim = 3, 400, 60, 32
+    k_cache = torch.randn(slots, 2, head_dim).to(dtype)
+    v_cache = torch.randn(slots, 2, head_dim).to(dtype)
+    q = torch.randn(rows * queries, 6, head_dim).to(dtype)
+    table = torch.randint(1, slots, (rows, width))
+    starts = [50, 1, 20]
+    lengths = torch.tensor([start + j + 1 if j < queries - r else 0
+                            for r, start in enumerate(starts) for j in range(queries)])
+    handle = cpu_kernels.handle(tier)
+    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5, handle)
+    alone = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table.repeat_interleave(queries, 0), lengths,
+                                                 head_dim ** -0.5, handle)
+    real = lengths > 0
+    assert torch.equal(got[real], alone[real])
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(),
+                                     table.repeat_interleave(queries, 0), lengths)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got[real].double(), want[real], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("window", [1, 5, 16, 400])
 def test_decode_attention_with_a_window_reads_only_each_rows_last_cells(tier, dtype, window):
     """A sliding-window layer's read: the reference's windowed read, and the cells before the

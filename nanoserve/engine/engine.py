@@ -127,9 +127,8 @@ class Engine:
         start = time.perf_counter()
         result = self.worker.execute(plan)
         masks, broken = self.structured.finish_masks(pending_masks, grammars)
-        verifying = plan.decode is not None and plan.decode.queries > 1
-        if verifying:
-            self.speculator.record_step(time.perf_counter() - start)
+        if self.speculator is not None and plan.decode is not None:
+            self.speculator.record_step(time.perf_counter() - start, plan.decode.queries, bool(plan.prefill))
         if self.checks:
             check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
         outputs += self._update(plan, result, masks, broken)

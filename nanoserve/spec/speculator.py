@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from nanoserve.engine.request import Request
 
 
-# One more verified token's price in decode steps: a small-batch CPU step is bound by reading the
-# weights, which a verify reads once for all its tokens.
+# One more verified token's price in decode steps until one is measured (StepTimes): a step
+# bound by reading the weights reads them once for all its tokens; a small model whose weights
+# sit in the cache is compute-bound, and there a verified token costs a good part of a step.
 VERIFY_COST = 0.1
 DRAFT_COST = 0.25  # a draft step's price until one is measured (an int4 draft of an fp32 target)
 
@@ -111,10 +112,36 @@ class SpecStats:
         return (self.accepted + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
 
 
+class StepTimes:
+    """Recent decode-only step times (no prefill chunk beside them), plain and verifying, and the
+    queries a verifying row sent: what one more verified token costs here, in plain steps."""
+
+    WEIGHT = 0.1  # of the newest step in the running means: the context grows as a reply does
+
+    def __init__(self) -> None:
+        self.plain = self.verify = self.extra = None
+
+    def add(self, seconds: float, queries: int) -> None:
+        def mean(old: float | None, new: float) -> float:
+            return new if old is None else old + self.WEIGHT * (new - old)
+
+        if queries == 1:
+            self.plain = mean(self.plain, seconds)
+        else:
+            self.verify, self.extra = mean(self.verify, seconds), mean(self.extra, queries - 1)
+
+    def token_cost(self) -> float | None:
+        """A verified token's price in plain steps (None until both kinds of step were seen)."""
+        if self.plain is None or self.verify is None:
+            return None
+        return min(max((self.verify / self.plain - 1.0) / self.extra, 0.02), 1.0)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
         self.stats = SpecStats()
+        self.times = StepTimes()
         self._lengths: dict[str, SpeculationLength] = {}
 
     def propose(self, requests: list[Request]) -> None:
@@ -153,15 +180,16 @@ class Speculator:
         drafting it."""
         length = self._lengths.get(request_id)
         if length is None:
-            s, per_token = self.stats, self.proposer.seconds_per_token()
+            per_token, plain = self.proposer.seconds_per_token(), self.times.plain
             if self.config.method == "ngram":
                 draft = 0.0
-            elif per_token is not None and s.verify_steps:
-                draft = per_token / (s.verify_seconds / s.verify_steps)
+            elif per_token is not None and plain is not None:
+                draft = per_token / plain
             else:
                 draft = DRAFT_COST
-            length = self._lengths[request_id] = SpeculationLength(self.config.num_speculative_tokens,
-                                                                   VERIFY_COST + min(draft, 1.0))
+            verify = self.times.token_cost()
+            length = self._lengths[request_id] = SpeculationLength(
+                self.config.num_speculative_tokens, (VERIFY_COST if verify is None else verify) + min(draft, 1.0))
         return length
 
     def _idle(self, request: Request) -> None:
@@ -177,9 +205,14 @@ class Speculator:
         if self.config.adaptive:
             self._length(request.request_id).record(proposed, accepted)
 
-    def record_step(self, seconds: float) -> None:
-        self.stats.verify_steps += 1
-        self.stats.verify_seconds += seconds
+    def record_step(self, seconds: float, queries: int, prefill: bool) -> None:
+        """A decode step's forward time; ``queries`` a row (1: no verify), beside prefill chunks
+        or not (those steps are counted, not timed for the price of a token)."""
+        if queries > 1:
+            self.stats.verify_steps += 1
+            self.stats.verify_seconds += seconds
+        if not prefill:
+            self.times.add(seconds, queries)
 
     def forget(self, request_ids: set[str]) -> None:
         """The requests left: their adaptive lengths and the proposer's state for them go."""

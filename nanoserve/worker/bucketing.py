@@ -46,12 +46,13 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def default_query_buckets(num_speculative_tokens: int) -> tuple[int, ...]:
-    """A verify step's tokens per row (1 + proposals): 1, 2, 3, 5, 9, ... below 1 + k, and
-    1 + k. A padded query costs its compute, not another read of the weights."""
+    """A verify step's tokens per row (1 + proposals): every count to 5, then 7, 9, 13, 17, ...
+    below 1 + k, and 1 + k. Where a small model's verify is compute-bound a padded query costs
+    as much as a real one, so the common small counts are exact."""
     top, buckets, size = num_speculative_tokens + 1, [1], 2
     while size < top:
         buckets.append(size)
-        size = 2 * size - 1
+        size = size + 1 if size < 5 else size + (size - 1) // 2
     return tuple(buckets + [top]) if top > 1 else (1,)
 
 
