@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -272,37 +271,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const char* v_p = static_cast<const char*>(v_cache.data_ptr());
   char* o_p = static_cast<char*>(out.data_ptr());
   const int64_t* s_p = slots.data_ptr<int64_t>();
-  if (per_row > 1 && window == 0) {
-    // A verify step: the queries of one row read its cells once, each head up to its own query's
-    // length (their arithmetic that of one query at a time), copied through small buffers since
-    // a row's queries are not one stride apart from its heads.
-    const int64_t heads = per_row * group, rows = n / per_row;
-    at::parallel_for(0, rows * KV, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(heads * (2 * D + W + 16));
-      std::vector<char> q_buf(heads * D * size), o_buf(heads * D * size);
-      std::vector<int64_t> head_lens(heads);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t m = task / KV, h = task % KV;
-        int64_t most = 1;
-        for (int64_t j = 0; j < per_row; ++j) {
-          const int64_t r = m * per_row + j, len = std::min(std::max<int64_t>(len_p[r], 1), W);
-          most = std::max(most, len);
-          for (int64_t i = 0; i < group; ++i) {
-            head_lens[j * group + i] = len;
-            std::memcpy(q_buf.data() + (j * group + i) * D * size,
-                        q_p + (r * q.stride(0) + (h * group + i) * q.stride(1)) * size, D * size);
-          }
-        }
-        tier.attend(q_buf.data(), D, k_p + h * D * size, v_p + h * D * size, KV * D, s_p + m * slots.stride(0), most,
-                    head_lens.data(), heads, D, static_cast<float>(scale), o_buf.data(), D, bf16, scratch.data());
-        for (int64_t j = 0; j < per_row; ++j) {
-          std::memcpy(o_p + ((m * per_row + j) * H + h * group) * D * size, o_buf.data() + j * group * D * size,
-                      group * D * size);
-        }
-      }
-    });
-    return out;
-  }
   at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * (2 * D + W + 16));
     for (int64_t task = begin; task < end; ++task) {
@@ -310,8 +278,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
       const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
       tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_p + h * D * size,
-                  v_p + h * D * size, KV * D, s_p + (r / per_row) * slots.stride(0) + first, len - first, nullptr,
-                  group, D, static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
+                  v_p + h * D * size, KV * D, s_p + (r / per_row) * slots.stride(0) + first, len - first, group, D,
+                  static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
     }
   });
   return out;

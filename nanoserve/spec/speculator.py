@@ -205,13 +205,13 @@ class Speculator:
         if self.config.adaptive:
             self._length(request.request_id).record(proposed, accepted)
 
-    def record_step(self, seconds: float, queries: int, prefill: bool) -> None:
-        """A decode step's forward time; ``queries`` a row (1: no verify), beside prefill chunks
-        or not (those steps are counted, not timed for the price of a token)."""
+    def record_step(self, seconds: float, queries: int, typical: bool) -> None:
+        """A decode step's forward time, ``queries`` a row (1: no verify); only a ``typical``
+        one (no prefill chunk beside it, no graph built in it) prices a verified token."""
         if queries > 1:
             self.stats.verify_steps += 1
             self.stats.verify_seconds += seconds
-        if not prefill:
+        if typical:
             self.times.add(seconds, queries)
 
     def forget(self, request_ids: set[str]) -> None:

@@ -27,7 +27,7 @@
 
 #include <cmath>
 
-#define NANOSERVE_KERNEL_ABI 5
+#define NANOSERVE_KERNEL_ABI 4
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -58,13 +58,10 @@ struct nanoserve_kernel_table {
   void (*group_dots)(nanoserve_format format, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
   // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
   // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
-  // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. head_lens (may be null):
-  // head g reads only its first head_lens[g] cells (1 <= head_lens[g] <= len), exactly as a call
-  // with that len would (a verify step's queries share a row's cells, each up to its position).
-  // scratch: group * (2 * D + len + 16) floats.
+  // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. scratch: attend_scratch floats.
   void (*attend)(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
-                 const int64_t* slots, int64_t len, const int64_t* head_lens, int64_t group, int64_t D, float scale,
-                 void* out, int64_t out_stride, int32_t bf16, float* scratch);
+                 const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out,
+                 int64_t out_stride, int32_t bf16, float* scratch);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
   void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,

@@ -111,12 +111,11 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
 }
 
 void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
-            const int64_t* slots, int64_t most, const int64_t* head_lens, int64_t group, int64_t D, float scale,
-            void* out, int64_t out_stride, int32_t bf16, float* scratch) {
-  float* scores = scratch;             // [most]
-  float* acc = scratch + most;         // [D]
+            const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
+            int32_t bf16, float* scratch) {
+  float* scores = scratch;             // [len]
+  float* acc = scratch + len;          // [D]
   for (int64_t g = 0; g < group; ++g) {
-    const int64_t len = head_lens ? head_lens[g] : most;
     float top = -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
       float s = 0.f;

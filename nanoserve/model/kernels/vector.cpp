@@ -370,8 +370,8 @@ inline V::F exp_nonpositive(V::F x) {
 
 template <typename E>
 void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base, int64_t cache_stride,
-                  const int64_t* slots, int64_t len, const int64_t* head_lens, int64_t group, int64_t D, float scale,
-                  E* out, int64_t out_stride, float* scratch) {
+                  const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, E* out,
+                  int64_t out_stride, float* scratch) {
   constexpr bool BF16 = sizeof(E) == 2;
   const int64_t C = D / V::LANES, padded = (len + V::LANES - 1) / V::LANES * V::LANES;
   float* qf = scratch;                  // [group, D], q * scale
@@ -384,13 +384,10 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
     }
   }
   constexpr int64_t AHEAD = 8;  // cells are scattered over the cache: fetch a few ahead
-  // Each head's own count of cells (its arithmetic is that of a call with that len alone).
-  auto cells = [&](int64_t g) { return head_lens ? head_lens[g] : len; };
   for (int64_t t = 0; t < len; ++t) {
     if (t + AHEAD < len) __builtin_prefetch(k_base + slots[t + AHEAD] * cache_stride);
     const E* k = k_base + slots[t] * cache_stride;
     for (int64_t g = 0; g < group; ++g) {
-      if (t >= cells(g)) continue;
       V::F sum = V::fzero();
       for (int64_t c = 0; c < C; ++c) sum = V::fma(V::load(qf + g * D + V::LANES * c), V::load(k + V::LANES * c), sum);
       scores[g * padded + t] = V::hsum(sum);
@@ -398,7 +395,6 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
   }
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * padded;
-    const int64_t len = cells(g);
     const float top = *std::max_element(row, row + len);
     const int64_t whole = len / V::LANES * V::LANES;
     V::F sum = V::fzero();
@@ -418,7 +414,6 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
     for (int64_t c = 0; c < C; ++c) {
       const V::F vc = V::load(v + V::LANES * c);
       for (int64_t g = 0; g < group; ++g) {
-        if (t >= cells(g)) continue;
         float* a = acc + g * D + V::LANES * c;
         V::store(a, V::fma(V::set1(scores[g * padded + t]), vc, V::load(a)));
       }
@@ -433,15 +428,15 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
 }
 
 void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
-            const int64_t* slots, int64_t len, const int64_t* head_lens, int64_t group, int64_t D, float scale,
-            void* out, int64_t out_stride, int32_t bf16, float* scratch) {
+            const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
+            int32_t bf16, float* scratch) {
   if (bf16) {
     attend_typed(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_base),
-                 static_cast<const uint16_t*>(v_base), cache_stride, slots, len, head_lens, group, D, scale,
+                 static_cast<const uint16_t*>(v_base), cache_stride, slots, len, group, D, scale,
                  static_cast<uint16_t*>(out), out_stride, scratch);
   } else {
     attend_typed(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_base),
-                 static_cast<const float*>(v_base), cache_stride, slots, len, head_lens, group, D, scale,
+                 static_cast<const float*>(v_base), cache_stride, slots, len, group, D, scale,
                  static_cast<float*>(out), out_stride, scratch);
   }
 }
