@@ -7,6 +7,7 @@ import torch
 from paired_cache import PairedCache
 
 from nanoserve.worker.attention import (
+    WindowAttention,
     attend_window,
     paged_attention,
     paged_attention_reference,
@@ -174,3 +175,20 @@ def test_a_sliding_window_read_is_the_read_of_each_rows_last_window_cells(window
 def test_window_mask_with_a_window_hides_the_columns_before_it():
     hidden = torch.isinf(window_mask(torch.tensor([5, 2, 0]), 6, torch.float32, window=3).view(3, 6))
     assert hidden.int().tolist() == [[1, 1, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("queries", [2, 5])
+def test_a_verify_steps_sdpa_read_is_each_query_over_its_own_cells(queries):
+    """A verify step through SDPA: each row's cells gathered once for its queries, query j of a
+    row seeing its cells up to its own length, as the reference reads one query at a time."""
+    torch.manual_seed(queries)
+    rows, slots, width, kv, group, head_dim = 3, 200, 24, 2, 3, 16
+    k_cache, v_cache = torch.randn(slots, kv, head_dim), torch.randn(slots, kv, head_dim)
+    q = torch.randn(rows * queries, kv * group, head_dim)
+    mapping = torch.randint(1, slots, (rows, width))
+    lengths = torch.tensor([start + j + 1 for start in (5, 0, 18) for j in range(queries)])
+    attention = WindowAttention([k_cache], [v_cache], torch.zeros(rows * queries, dtype=torch.long), mapping, lengths)
+    fresh = torch.zeros(rows * queries, kv, head_dim)  # this step's own K/V go to slot 0, which no row reads
+    got = attention(0, q, fresh, fresh)
+    want = paged_attention_reference(q, k_cache, v_cache, mapping.repeat_interleave(queries, 0), lengths)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

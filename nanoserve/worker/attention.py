@@ -145,6 +145,22 @@ def attend_window(
     return out.reshape(n, num_heads, head_dim)
 
 
+def attend_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  mask: torch.Tensor, queries: int) -> torch.Tensor:
+    """A verify step's read through SDPA: q [rows * queries, H, D] (a row's queries in a run),
+    slot_mapping [rows, W], mask [rows, 1, queries * group, W] (each query's own length);
+    [rows * queries, H, D]. Each row's cells are gathered once for all its queries, which SDPA
+    reads as ``queries * group`` query rows of each K/V head."""
+    n, num_heads, head_dim = q.shape
+    rows, num_kv_heads = slot_mapping.shape[0], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
+    grouped = q.view(rows, queries, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
+        rows, num_kv_heads, queries * group, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+    return out.view(rows, num_kv_heads, queries, group, head_dim).transpose(1, 2).reshape(n, num_heads, head_dim)
+
+
 def gather_rows(cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Each row's cached K (or V) through its slots: [n, W] slots -> [n, KV, W, D], one copy
     (the gather) and a transposed view of it."""
@@ -165,9 +181,9 @@ class WindowAttention:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
                  slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
         self.k_caches, self.v_caches = k_caches, v_caches
-        queries = context_lens.shape[0] // max(slot_mapping.shape[0], 1)
-        if queries > 1 and kernel is None:  # a verify step: each of a row's queries reads its row
-            slot_mapping = slot_mapping.repeat_interleave(queries, dim=0)
+        # A verify step: ``queries`` a row, all reading the row's one row of slots (the kernel
+        # takes them so; SDPA gathers the row's cells once for all of them: attend_verify).
+        self.queries = context_lens.shape[0] // max(slot_mapping.shape[0], 1)
         self.write_slots, self.slot_mapping, self.context_lens = write_slots, slot_mapping, context_lens
         self.kernel = kernel  # decided outside any graph
         self.masks: dict[int | None, torch.Tensor] = {}  # by window, built at the first layer of each
@@ -181,7 +197,13 @@ class WindowAttention:
             return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
                                                         q.shape[-1] ** -0.5, self.kernel, window or 0)
         if window not in self.masks:
-            self.masks[window] = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
+            mask = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
+            if self.queries > 1:  # [rows * Q, 1, 1, W] -> [rows, 1, Q * group, W], query-major
+                rows, group = self.slot_mapping.shape[0], q.shape[1] // k.shape[1]
+                mask = mask.view(rows, self.queries, 1, -1).expand(-1, -1, group, -1).reshape(rows, 1, -1, mask.shape[-1])
+            self.masks[window] = mask
+        if self.queries > 1:
+            return attend_verify(q, k_cache, v_cache, self.slot_mapping, self.masks[window], self.queries)
         return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window])
 
 
