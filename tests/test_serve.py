@@ -257,3 +257,23 @@ def _metric(text: str, name: str) -> float:
     match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
+
+
+def test_a_speculating_server_streams_the_engines_greedy_text_and_reports_its_counters(model_and_tokenizer, reference):
+    """`serve --speculative-config`: the same greedy text as the plain engine, streamed and
+    whole, and the spec counters on /metrics."""
+    model, tokenizer = model_and_tokenizer
+    engine = build_engine(model, tokenizer=tokenizer, speculative={"method": "ngram", "prompt_lookup_min": 1},
+                          **ENGINE_OPTIONS)
+    prompt = "one two three one two three one two three one two"
+    want = reference.generate([prompt], greedy(24), use_tqdm=False)[0].text
+    with served(engine, MODEL, API_KEY) as spec_server:
+        with openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+            whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True))
+        with httpx.Client(base_url=spec_server.url) as plain:
+            metrics = plain.get("/metrics").text
+    assert whole.choices[0].text == streamed == want
+    assert _metric(metrics, "nanoserve_spec_verify_steps_total") > 0
+    assert "nanoserve_spec_acceptance_rate" in metrics and "nanoserve_spec_accepted_tokens_total" in metrics
