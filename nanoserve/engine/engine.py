@@ -3,7 +3,10 @@
 Follow a token: ``add_request`` tokenizes and validates (inputs.py); ``step`` asks the scheduler
 for a plan, the worker to execute it (while a thread fills the token masks of the rows a grammar
 constrains: structured/decoding.py), the sampler for one token per sampled row, and hands
-each token to output processing (outputs.py: detokenize, stop conditions). ``generate`` and
+each token to output processing (outputs.py: detokenize, stop conditions). With speculation
+(nanoserve/spec) a decode row also feeds the tokens its proposer guessed, the step verifies them
+(acceptance.py: a prefix accepted, one token of the target's after it), the row is trimmed to
+what it kept, and the rows propose again for the next step. ``generate`` and
 ``stream`` loop over ``step``. The host side (scheduler, block manager, requests) and the
 device side (the worker: model, K/V, slot table) share nothing: the plan goes down, the step
 output comes back.
@@ -147,8 +150,8 @@ class Engine:
         self.speculator.propose(self.scheduler.running[:self.scheduler.num_decoding])
 
     def _update(self, plan: StepPlan, result: StepOutput, masks, broken: dict[int, str]) -> list[RequestOutput]:
-        """Sample one token per sampled row (within its grammar's mask) and hand each to its
-        request; finish the requests that ended or failed. Returns the outputs of the requests
+        """Sample one token per sampled row (within its grammar's mask; a verifying row's tokens
+        come from ``_verify``) and hand each to its request; finish the requests that ended or failed. Returns the outputs of the requests
         that moved."""
         failed = self._take_prompt_logprobs(plan, result)  # request -> why it failed
         sampled = [self.requests[request_id] for request_id in plan.sampled]
