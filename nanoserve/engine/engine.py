@@ -127,10 +127,11 @@ class Engine:
         # Masks depend only on tokens already accepted: filled on a thread while the forward runs.
         grammars = [self.requests[request_id].grammar for request_id in plan.sampled]
         pending_masks = self.structured.start_masks(grammars)
-        built, start = self.worker.decode_step.stats.graphs_built, time.perf_counter()
+        timed = self.speculator is not None and plan.decode is not None  # a speculating engine prices its steps
+        built, start = (self.worker.decode_step.stats.graphs_built, time.perf_counter()) if timed else (0, 0.0)
         result = self.worker.execute(plan)
         masks, broken = self.structured.finish_masks(pending_masks, grammars)
-        if self.speculator is not None and plan.decode is not None:
+        if timed:
             # A step beside prefill chunks, or one that built a graph, says nothing of a step's price.
             typical = not plan.prefill and self.worker.decode_step.stats.graphs_built == built
             self.speculator.record_step(time.perf_counter() - start, plan.decode.queries, typical)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.worker.bucketing import Buckets
+from nanoserve.worker.bucketing import Buckets, step_shape
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
 
 
@@ -130,24 +130,19 @@ class Scheduler:
         positions, write_slots = self.blocks.advance(range(n))
         requests = self.running[:n]
         proposals, proposal_slots = self._place_proposals(requests)
-        width = max(positions) + 1 + max(map(len, proposals), default=0)
-        queries = 1 + max(map(len, proposals), default=0)
-        rows = n
-        if queries == 1:
-            proposals = proposal_slots = ()
-            if self.buckets is not None:
-                rows, width = self.buckets.shape_for(n, width)
-        elif self.buckets is not None:
-            rows, width, queries = self.buckets.verify_shape_for(n, width, queries)
+        most = max(map(len, proposals), default=0)
+        rows, width, queries = step_shape(self.buckets, n, max(positions) + 1 + most, 1 + most)
         return DecodeBatch(tuple(r.request_id for r in requests), tuple(range(n)),
                            tuple(r.last_token_id for r in requests), tuple(positions), tuple(write_slots), rows, width,
-                           tuple(proposals), tuple(proposal_slots), queries)
+                           proposals, proposal_slots, queries)
 
-    def _place_proposals(self, requests: list[Request]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    def _place_proposals(self, requests: list[Request]) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
         """Each decoding row's proposed tokens (``request.spec_tokens``, taken here) and the
         slots they are written to, cut to what the row may still emit (max_tokens), the step's
         token budget, the pool and max_model_len. Speculation never preempts: a row the pool
-        cannot extend verifies nothing."""
+        cannot extend verifies nothing. ((), ()) when no row verifies."""
+        if not any(r.spec_tokens for r in requests):
+            return (), ()
         proposals, slots = [], []
         budget = self.max_num_batched_tokens - len(requests)
         if self.buckets is not None and len(requests) > self.buckets.verify_rows:
@@ -159,14 +154,10 @@ class Scheduler:
                 room = min(room, self.buckets.queries[-1] - 1)
             k = max(0, min(len(wanted), room, budget))
             placed = self.blocks.extend(request.row, k) if k else None
-            if placed is None:
-                proposals.append(())
-                slots.append(())
-                continue
-            budget -= k
-            proposals.append(tuple(wanted[:k]))
-            slots.append(tuple(placed))
-        return proposals, slots
+            budget -= len(placed or ())
+            proposals.append(tuple(wanted[:len(placed or ())]))
+            slots.append(tuple(placed or ()))
+        return (tuple(proposals), tuple(slots)) if any(proposals) else ((), ())
 
     def keep(self, request: Request, num_tokens: int) -> None:
         """After a verify step: the request's row keeps the K/V of its first ``num_tokens``

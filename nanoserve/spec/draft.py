@@ -27,7 +27,7 @@ import torch
 from nanoserve.cache.blocks import BlockPool, BlockTable
 from nanoserve.spec.config import SpeculativeConfig
 from nanoserve.worker.attention import decode_attention_kernel
-from nanoserve.worker.bucketing import Buckets
+from nanoserve.worker.bucketing import Buckets, step_shape
 from nanoserve.worker.build import WorkerSpec, build_worker
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, StepPlan
 from nanoserve.worker.worker import Worker
@@ -186,17 +186,13 @@ class DraftProposer:
         it); returns the logits at each row's last fed token."""
         n = len(fed)
         extra = [tuple(f[3]) for f in fed]
-        queries = 1 + max(map(len, extra))
-        width = max(position + len(more) for _, position, _, more in fed) + 1
-        rows = n
-        if self.buckets is not None:
-            if queries > 1:
-                rows, width, queries = self.buckets.verify_shape_for(n, width, queries)
-            else:
-                rows, width = self.buckets.shape_for(n, width)
+        most = max(map(len, extra))
+        rows, width, queries = step_shape(self.buckets, n, max(position + len(more) for _, position, _, more in fed) + 1,
+                                          1 + most)
+        verify = queries > 1
         batch = DecodeBatch(tuple(r.request_id for r in requests), tuple(range(n)), tuple(f[0] for f in fed),
                             tuple(f[1] for f in fed), tuple(f[2][0] for f in fed), rows, width,
-                            tuple(extra) if queries > 1 else (), tuple(tuple(f[2][1:]) for f in fed) if queries > 1 else (),
+                            tuple(extra) if verify else (), tuple(tuple(f[2][1:]) for f in fed) if verify else (),
                             queries)
         start = time.perf_counter()
         logits = self.worker.execute(StepPlan((), batch, ())).logits

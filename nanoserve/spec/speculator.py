@@ -96,7 +96,6 @@ class SpecStats:
 
     verify_steps: int = 0
     verify_rows: int = 0
-    drafted: int = 0  # tokens the proposer returned (some are cut before the verify)
     proposed: int = 0
     accepted: int = 0
     draft_seconds: float = 0.0
@@ -158,7 +157,6 @@ class Speculator:
         start = time.perf_counter()
         proposals, probs = self.proposer.propose(requests, ks)
         self.stats.draft_seconds += time.perf_counter() - start
-        self.stats.drafted += sum(min(len(tokens), k) for tokens, k in zip(proposals, ks))
         for request, k, tokens, q in zip(requests, ks, proposals, probs):
             request.spec_tokens = list(tokens[:k])
             request.spec_probs = None if q is None or not request.spec_tokens else q[:len(request.spec_tokens)]

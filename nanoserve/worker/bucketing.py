@@ -80,13 +80,6 @@ class Buckets:
     def shape_for(self, num_rows: int, max_context: int) -> tuple[int, int]:
         return bucket_for(num_rows, self.rows), bucket_for(max_context, self.widths)
 
-    def verify_shape_for(self, num_rows: int, max_context: int, queries: int) -> tuple[int, int, int]:
-        """(rows, width, queries) of a verify step; ValueError past the verify grid."""
-        rows, width = self.shape_for(num_rows, max_context)
-        if rows > self.verify_rows:
-            raise ValueError(f"{num_rows} rows do not verify: the verify grid ends at {self.verify_rows} rows")
-        return rows, width, bucket_for(queries, self.queries)
-
     @property
     def grid(self) -> list[tuple[int, int]]:
         return [(r, w) for r in self.rows for w in self.widths]
@@ -95,6 +88,19 @@ class Buckets:
     def verify_grid(self) -> list[tuple[int, int, int]]:
         """Every (rows, queries, width) a verify graph is built for."""
         return [(r, q, w) for r in self.rows if r <= self.verify_rows for q in self.queries[1:] for w in self.widths]
+
+
+def step_shape(buckets: Buckets | None, num_rows: int, max_context: int, queries: int = 1) -> tuple[int, int, int]:
+    """(rows, width, queries) of a decode step (queries > 1: a verify step), bucketed, or
+    exact without buckets. Raises ValueError for a verify past the verify grid's rows."""
+    if buckets is None:
+        return num_rows, max_context, queries
+    rows, width = buckets.shape_for(num_rows, max_context)
+    if queries == 1:
+        return rows, width, 1
+    if rows > buckets.verify_rows:
+        raise ValueError(f"{num_rows} rows do not verify: the verify grid ends at {buckets.verify_rows} rows")
+    return rows, width, bucket_for(queries, buckets.queries)
 
 
 @dataclass

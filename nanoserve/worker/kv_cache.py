@@ -106,18 +106,18 @@ class KVCache:
         """A verify step: each row's fed token and proposals, one query each, padded to
         ``batch.queries`` a row; every cell they write joins the table first."""
         ids, n, q = batch.row_ids, batch.num_rows, batch.queries
-        tokens, positions, slots, lens = ([0] * (n * q) for _ in range(4))
-        slots[:] = [self.scratch_slot] * (n * q)
+        if any(1 + k > q for k in batch.num_proposed):
+            raise ValueError(f"verify batch: a row of {1 + max(batch.num_proposed)} tokens does not fit {q} queries")
+        tokens, positions, lens = [0] * (n * q), [0] * (n * q), [0] * (n * q)
+        slots = [self.scratch_slot] * (n * q)
         cell_rows, real = [], []
         for i, row in enumerate(ids):
             fed = (batch.token_ids[i], *batch.proposals[i])
             for j, (token, slot) in enumerate(zip(fed, batch.row_slots(i))):
-                at = i * q + j
-                tokens[at], positions[at], slots[at], lens[at] = token, batch.positions[i] + j, slot, batch.positions[i] + j + 1
+                at, position = i * q + j, batch.positions[i] + j
+                tokens[at], positions[at], slots[at], lens[at] = token, position, slot, position + 1
                 cell_rows.append(row)
                 real.append(at)
-        if len(real) != batch.num_tokens or max(map(len, ((0,) + p for p in batch.proposals))) > q:
-            raise ValueError(f"verify batch: {batch.num_tokens} tokens do not fit {n} rows of {q} queries")
         host = torch.tensor((tokens, positions, slots, lens), dtype=torch.long)
         real_queries = torch.tensor(real, dtype=torch.long)
         table = self.slot_table
@@ -125,11 +125,10 @@ class KVCache:
         is_window = is_prefix(ids)
         lengths = torch.tensor(batch.context_lens, dtype=torch.long)
         table.lengths_array[slice(n) if is_window else list(ids)] = lengths.numpy()
-        last = torch.tensor([i * q + k for i, k in enumerate(batch.num_proposed)], dtype=torch.long)
         device = host.to(self.device)
+        last = device[:, [i * q + k for i, k in enumerate(batch.num_proposed)]]  # each row's last token
         return DecodePlan(ids, table.rect(n if is_window else ids, batch.width), lengths.to(self.device),
-                          int(lengths.sum()), device[2][last.to(self.device)], device[1][last.to(self.device)],
-                          is_window, device[0][last.to(self.device)], q, tuple(device.unbind()),
+                          int(lengths.sum()), last[2], last[1], is_window, last[0], q, tuple(device.unbind()),
                           real_queries.to(self.device))
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
