@@ -121,7 +121,7 @@ class KVCache:
         host = torch.tensor((tokens, positions, slots, lens), dtype=torch.long)
         real_queries = torch.tensor(real, dtype=torch.long)
         table = self.slot_table
-        table.write_spans(cell_rows, host[1][real_queries], host[2][real_queries])
+        table.write_cells(cell_rows, host[1][real_queries], host[2][real_queries])
         is_window = is_prefix(ids)
         lengths = torch.tensor(batch.context_lens, dtype=torch.long)
         table.lengths_array[slice(n) if is_window else list(ids)] = lengths.numpy()

@@ -107,23 +107,17 @@ class SlotTable:
         self.lengths_array[dst], self.lengths_array[src] = length, 0
 
     def write_cells(self, rows: RowsLike, columns: torch.Tensor, slots: torch.Tensor) -> None:
-        """`slots[i]` at row `rows[i]`, column `columns[i]` (a decode step's write slots): one
-        indexed write. The lengths are the caller's to set (it holds the columns on the host)."""
+        """`slots[i]` at row `rows[i]`, column `columns[i]` (a decode step's write slots; a verify
+        step names a row once per cell it writes): one indexed write. The lengths are the
+        caller's to set (it holds the columns on the host)."""
         if isinstance(rows, int):  # the prefix 0..rows-1
             starts = self._row_starts[:rows]
         else:
-            starts = self._row_starts[torch.tensor(self.row_ids(rows), device=self.device)]
-        self.slots.view(-1).index_copy_(0, starts + columns, slots)
-
-    def write_spans(self, rows: Sequence[int], columns: torch.Tensor, slots: torch.Tensor) -> None:
-        """`slots[i]` at row `rows[i]`, column `columns[i]`, a row appearing once per cell (a
-        verify step's runs of cells): one indexed write. The lengths are the caller's to set."""
-        ids = torch.tensor(rows, dtype=torch.long)
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.max_batch_size
-                         or int(columns.max()) >= self.max_model_len):
-            raise ValueError(f"write_spans: rows {sorted(set(rows))} or columns past the table")
-        flat = (ids * self.max_model_len + columns.cpu()).to(self.device)
-        self.slots.view(-1).index_copy_(0, flat, slots.to(self.device, torch.int64))
+            ids = [int(r) for r in rows]
+            if not all(0 <= r < self.max_batch_size for r in ids):
+                raise ValueError(f"write_cells: rows {sorted(set(ids))} outside 0..{self.max_batch_size - 1}")
+            starts = self._row_starts[torch.tensor(ids, device=self.device)]
+        self.slots.view(-1).index_copy_(0, starts + columns.to(self.device), slots.to(self.device, torch.int64))
 
     def trim(self, row: int, length: int) -> None:
         """The row keeps its first `length` cells (no longer than it is); nothing is cleared."""
