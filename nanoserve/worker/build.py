@@ -7,6 +7,9 @@ every tensor-parallel rank builds its worker from the same spec, with its shard.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,8 +22,12 @@ from nanoserve.model.weight_plan import WeightPlan, pack_model
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets
 from nanoserve.worker.decode_step import DecodeStep
+from nanoserve.worker.graph_build import memory_allows_builder
+from nanoserve.worker.graph_cache import GraphCache
 from nanoserve.worker.kv_cache import KVCache
 from nanoserve.worker.worker import Worker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,9 @@ class WorkerSpec:
     compile_mode: str | None = "reduce-overhead"
     compile_backend: str = "inductor"
     attention_tier: str | None = None
-    warmup: bool = False  # compile every bucket's graph at build (every rank at once: the graphs hold collectives)
+    warmup: bool = False  # build every bucket's graph at build (every rank at once: the graphs hold collectives)
     checks: bool = False
+    compile_cache: str | None = None  # the graph cache's directory (None: $NANOSERVE_CACHE_DIR or its default)
     max_queries: int = 1  # tokens a decode row may feed in one step (1 + the speculative tokens)
 
 
@@ -63,6 +71,7 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
     """A worker over ``model`` (a name or path loaded here without its tokenizer, or a built
     ``LlamaModel``: packed per ``spec.weights`` in place, or copied first when ``shard`` cuts
     it), and a K/V cache of its K/V heads."""
+    source = model
     if isinstance(model, str):
         model, _ = load_model(model, dtype=spec.dtype, device=spec.device, weights=spec.weights,
                               shard=None if shard is None else shard.shard, with_tokenizer=False)
@@ -81,11 +90,33 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
     cache = KVCache(arch.num_layers, kv_heads, arch.head_dim, spec.num_blocks, spec.block_size, spec.max_batch_size,
                     spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device)
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier)
+    # Graphs from the cache where they can be built in another process: inductor on the CPU, one
+    # rank (a tensor-parallel rank's graphs hold its collectives, so it compiles them itself).
+    cached = (spec.compile and spec.compile_backend == "inductor" and torch.device(spec.device).type == "cpu"
+              and shard is None and spec.buckets is not None)
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
                       device=spec.device, backend=spec.compile_backend, attention_kernel=kernel,
-                      max_queries=spec.max_queries)
+                      max_queries=spec.max_queries, graph_cache=GraphCache(spec.compile_cache) if cached else None)
     if spec.checks:  # the slot table's reservation against this worker's K/V
         check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)
-    if spec.compile and spec.warmup and spec.buckets is not None:
+    if cached:
+        _prepare_graphs(step, source, spec, cache.kv_bytes)
+    elif spec.compile and spec.warmup and spec.buckets is not None:
         step.warmup()
     return Worker(model, cache, step, checks=spec.checks)
+
+
+def _prepare_graphs(step: DecodeStep, source: str | LlamaModel, spec: WorkerSpec, kv_bytes: int) -> None:
+    """Load the cached graphs; build the rest now (warmup) or in a background process, which
+    rebuilds this worker from ``source`` (a model object goes as it is now: already packed)."""
+    if isinstance(source, str):
+        model_bytes = os.path.getsize(source) if os.path.isfile(source) else 0
+    else:
+        model_bytes = sum(t.numel() * t.element_size() for t in [*source.parameters(), *source.buffers()])
+        spec = dataclasses.replace(spec, weights=None)
+    build = "eager" if spec.warmup else "lazy"
+    if build == "lazy" and not memory_allows_builder(model_bytes, kv_bytes):
+        log.warning("nanoserve: too little memory for a background graph builder (a second copy of the model); "
+                    "buckets without a cached graph run eagerly: `nanoserve warmup` builds them ahead")
+        build = "none"
+    step.prepare_graphs(build, source, dataclasses.replace(spec, warmup=False, checks=False))

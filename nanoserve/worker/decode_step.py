@@ -6,6 +6,10 @@ the per-layer K/V caches. Its only other inputs are two Python ints, the buckete
 ``rows`` and ``width``, so under ``torch.compile`` each bucket is one specialised graph
 and, on a GPU with ``mode="reduce-overhead"``, one CUDA graph replayed at fixed addresses.
 ``DecodeStep.load`` fills those buffers from a step's ``DecodePlan``.
+
+Compiled on the CPU, a bucket's graph comes from the ``GraphCache`` (built once per machine,
+loaded in a fraction of a second); a bucket whose graph is not there yet runs this same forward
+eagerly while a background process builds it, and the graph is swapped in between steps.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 
 from nanoserve.worker.attention import WindowAttention
 from nanoserve.worker.bucketing import Buckets, PaddingWaste
+from nanoserve.worker.graph_build import BackgroundBuilder, BuildJob, Shape, build_entry, load_entry
+from nanoserve.worker.graph_cache import GraphCache, GraphKey, model_fingerprint
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
 
 
@@ -38,9 +44,12 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, writ
 
 @dataclass
 class DecodeStats:
-    graphs_built: int = 0
+    graphs_built: int = 0  # graphs compiled by this engine (here or by its background builder)
+    graphs_loaded: int = 0  # graphs loaded from the compile cache
+    eager_steps: int = 0  # compiled-engine steps that ran eagerly: their bucket had no graph yet
     recompiles_after_warmup: int = 0
-    warmup_seconds: float = 0.0
+    warmup_seconds: float = 0.0  # building graphs on the caller's time (warmup="eager")
+    load_seconds: float = 0.0  # loading graphs from the cache at start
     bucket_hits: Counter = field(default_factory=Counter)  # (rows, width) -> decode steps
     verify_bucket_hits: Counter = field(default_factory=Counter)  # (rows, queries, width) -> verify steps
     waste: PaddingWaste = field(default_factory=PaddingWaste)
@@ -49,18 +58,22 @@ class DecodeStats:
 class DecodeStep:
     """Owns the persistent step buffers and the (optionally compiled) ``decode_forward``.
 
-    ``buckets`` is the grid ``warmup`` compiles (the scheduler plans each step's window in it;
-    None: exact shapes, the eager engine's default). With ``compile=True`` the forward goes
-    through ``torch.compile(mode=..., fullgraph=True, dynamic=False)``; once a bucket has been
-    compiled, calling it again runs under the ``fail_on_recompile`` stance, so a stray shape is
-    an error instead of a silent rebuild. ``backend`` is inductor's name or any torch.compile
-    backend (a callable: a benchmark's own inductor options).
+    ``buckets`` is the grid the graphs cover (the scheduler plans each step's window in it;
+    None: exact shapes, the eager engine's default). With ``compile=True`` and a ``graph_cache``
+    (inductor on the CPU), each bucket's graph is an ahead-of-time compiled entry of the cache:
+    ``prepare_graphs`` loads what is there and builds the rest (now, or in the background while
+    those buckets run eagerly). Without a cache (another backend, a GPU, a tensor-parallel rank)
+    the forward goes through ``torch.compile(mode=..., fullgraph=True, dynamic=False)`` in this
+    process on a bucket's first use, and later calls run under the ``fail_on_recompile``
+    stance, so a stray shape is an error instead of a silent rebuild. ``backend`` is inductor's
+    name or any torch.compile backend (a callable: a benchmark's own inductor options).
     """
 
     def __init__(self, model, cache: KVCache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
                  device: torch.device | str = "cpu", backend="inductor",
-                 attention_kernel: int | None = None, max_queries: int = 1) -> None:
+                 attention_kernel: int | None = None, max_queries: int = 1,
+                 graph_cache: GraphCache | None = None) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.device = torch.device(device)
         size = max_batch_size * max(max_queries, buckets.queries[-1] if buckets is not None else 1)
@@ -71,18 +84,100 @@ class DecodeStep:
         self.context_lens = torch.zeros(size, **long)
         self.attention_kernel = attention_kernel  # decode_attention_kernel's handle, or None: SDPA
         self.stats = DecodeStats()
-        self.compiled = compile
+        self.compiled, self.mode = compile, mode
+        self.graph_cache = graph_cache if compile else None
+        self.graphs: dict[Shape, object] = {}  # bucket -> its loaded ahead-of-time graph
+        self.builder: BackgroundBuilder | None = None
+        self._fingerprint: str | None = None
         self._seen: set[tuple[int, int, int]] = set()
-        self._graphs_compiled = 0  # graphs this step's backend has compiled
+        self._graphs_compiled = 0  # graphs this step's in-process backend has compiled
         self._forward = decode_forward
-        if compile:
+        if compile and graph_cache is None:
             self._prepare_compile(mode, backend)
 
-    def _prepare_compile(self, mode: str | None, backend) -> None:
-        # Static addresses: graph capture may then read and write these buffers in place.
+    # -- graphs from the cache -------------------------------------------------------------
+    @property
+    def shapes(self) -> list[Shape]:
+        """Every (rows, width, queries) bucket a graph is built for."""
+        if self.buckets is None:
+            return []
+        return [(rows, width, 1) for rows, width in self.buckets.grid] + [
+            (rows, width, queries) for rows, queries, width in self.buckets.verify_grid]
+
+    def forward_args(self, rows: int, width: int, queries: int = 1) -> tuple:
+        return (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
+                self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width,
+                self.attention_kernel, queries)
+
+    def mark_static(self) -> None:
+        """Static addresses: graph capture may then read and write these buffers in place."""
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
                        self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
             torch._dynamo.mark_static_address(tensor)
+
+    def graph_key(self, shape: Shape) -> GraphKey:
+        """Everything a bucket's graph depends on (graph_cache: the key)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        kv = self.cache.k_caches[0]
+        return GraphKey.of(
+            device=self.device, mode=self.mode, attention_kernel=self.attention_kernel, model=self._fingerprint,
+            kv=(len(self.cache.k_caches), tuple(kv.shape), kv.dtype), slots=tuple(self.cache.slot_table.slots.shape),
+            buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape)
+
+    def prepare_graphs(self, build: str, source: object = None, spec: object = None) -> None:
+        """Load every bucket's cached graph; then build the missing ones: ``build`` "eager" here
+        and now, "lazy" in a background process (its buckets run eagerly until each is swapped
+        in; ``source`` and ``spec`` are what that process rebuilds this step from), "none" not
+        at all (those buckets stay eager)."""
+        cache = self.graph_cache
+        start = time.perf_counter()
+        missing = []
+        for shape in self.shapes:
+            graph = load_entry(cache, self.graph_key(shape))
+            if graph is None:
+                missing.append(shape)
+            else:
+                self.graphs[shape] = graph
+                self.stats.graphs_loaded += 1
+        self.stats.load_seconds += time.perf_counter() - start
+        if not missing:
+            return
+        if build == "eager":
+            self.warmup()
+            return
+        if build != "lazy":
+            return
+        keys = {shape: self.graph_key(shape) for shape in missing}
+        self.builder = BackgroundBuilder(BuildJob(source, spec, str(cache.root), keys), cache, missing)
+
+    def poll(self) -> None:
+        """Swap in the graphs the background builder has finished (between steps)."""
+        if self.builder is None:
+            return
+        for shape, graph in self.builder.ready():
+            self.graphs[shape] = graph
+        self.stats.graphs_built = self.builder.built + self._graphs_compiled
+
+    def graph_counts(self) -> tuple[int, int, int]:
+        """Buckets (ready, building, pending): loaded graphs, the one the builder is on, the rest."""
+        if self.graph_cache is None:
+            return len(self._seen), 0, 0
+        waiting = self.builder.building if self.builder is not None else 0
+        return len(self.graphs), min(waiting, 1), max(waiting - 1, 0)
+
+    def runs_graph(self, rows: int, width: int, queries: int = 1) -> bool:
+        """Whether a step of this bucket runs a compiled graph (else the eager forward)."""
+        return self.compiled and (self.graph_cache is None or (rows, width, queries) in self.graphs)
+
+    def close(self) -> None:
+        if self.builder is not None:
+            self.builder.close()
+            self.builder = None
+
+    # -- graphs compiled in this process ---------------------------------------------------
+    def _prepare_compile(self, mode: str | None, backend) -> None:
+        self.mark_static()
         grid = len(self.buckets.grid) + len(self.buckets.verify_grid) if self.buckets is not None else 0
         # Process-wide, because dynamo keeps it per code object: every bucket is a specialisation
         # of decode_forward, and the default limit (8) would silently send the rest of the grid to eager.
@@ -112,15 +207,22 @@ class DecodeStep:
 
     @torch.inference_mode()
     def warmup(self) -> float:
-        """Compile (and, on a GPU, record) every bucket of the grid; returns seconds spent."""
+        """Build every bucket's graph now (into the cache and loaded, or compiled in this process
+        and, on a GPU, recorded); returns seconds spent."""
         start = time.perf_counter()
         self.write_slots.fill_(self.cache.scratch_slot)
         self.context_lens.zero_()
-        shapes = [(rows, width, 1) for rows, width in self.buckets.grid] + [
-            (rows, width, queries) for rows, queries, width in self.buckets.verify_grid]
-        for rows, width, queries in shapes:
-            for _ in range(3):  # cudagraph trees: warm-up run, record, first replay
-                self._call(rows, width, queries)
+        for shape in self.shapes:
+            if self.graph_cache is None:
+                for _ in range(3):  # cudagraph trees: warm-up run, record, first replay
+                    self._call(*shape)
+            elif shape not in self.graphs:
+                self._graphs_compiled += build_entry(self, self.graph_cache, shape)
+                graph = load_entry(self.graph_cache, self.graph_key(shape))
+                if graph is None:
+                    raise RuntimeError(f"the graph for bucket {shape} was built but does not load")
+                self.graphs[shape] = graph
+        self.stats.graphs_built = self._graphs_compiled
         elapsed = time.perf_counter() - start
         self.stats.warmup_seconds += elapsed
         return elapsed
@@ -158,13 +260,20 @@ class DecodeStep:
 
     @torch.inference_mode()  # the same dispatch keys on every call, or the guards would differ
     def _call(self, rows: int, width: int, queries: int = 1) -> torch.Tensor:
-        args = (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
-                self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width,
-                self.attention_kernel, queries)
+        args = self.forward_args(rows, width, queries)
         if not self.compiled:
             return self._forward(*args)
-        before = self._graphs_compiled
         shape = (rows, width, queries)
+        if self.graph_cache is not None:
+            self.poll()
+            graph = self.graphs.get(shape)
+            if graph is not None:
+                return graph(*args)
+            self.stats.eager_steps += 1
+            if self.builder is not None:
+                self.builder.request(shape)
+            return decode_forward(*args)
+        before = self._graphs_compiled
         if shape in self._seen:
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):

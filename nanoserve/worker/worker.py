@@ -50,7 +50,8 @@ class Worker:
         self.checks = checks
 
     def close(self) -> None:
-        """Nothing to release in one process (a tensor-parallel worker stops its ranks)."""
+        """Stop the decode step's background graph builder (a tensor-parallel worker also stops its ranks)."""
+        self.decode_step.close()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -70,9 +71,10 @@ class Worker:
             decode = self.cache.plan_decode(plan.decode)
             self.decode_step.load(decode, plan.decode.rows)
         logits, scored, errors = [], {}, {}
-        together = decode is not None and not self.decode_step.compiled and plan.prefill  # one eager forward
+        graph = decode is not None and self.decode_step.runs_graph(plan.decode.rows, decode.width, decode.queries)
+        together = decode is not None and not graph and plan.prefill  # one eager forward
         if decode is not None and not together:
-            if self.decode_step.compiled:
+            if graph:
                 # The capture gate: a graph reads the table's own buffer, so the rows must be a
                 # window of it; anything else is refused, not run.
                 check_mapping_is_window(decode, self.cache.slot_table)

@@ -1,0 +1,232 @@
+"""Building decode graphs ahead of time, here or in a background process of their own.
+
+``aot_build`` traces and compiles one bucket of a ``DecodeStep``'s forward with torch's
+``aot_compile`` and returns the serialised graph. ``BackgroundBuilder`` runs those builds in a
+child process (``python -m nanoserve.worker.graph_build``) at the lowest CPU priority with one
+thread, so the step loop keeps both cores while graphs compile: the child loads the same model,
+builds the same buffers, writes each graph to the ``GraphCache`` and says so on its stdout; a
+reader thread here loads the finished entry, and the step swaps it in between steps. A child
+process rather than a thread because tracing and code generation hold Python's lock for seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.worker.graph_cache import CacheEntryError, GraphCache, GraphKey, deserialize, serialize
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, int, int]  # (rows, width, queries)
+
+
+def no_guards(entries) -> list[bool]:
+    """A graph's guards are its cache key (every shape, dtype and model attribute it depends
+    on), checked before it is loaded; the step picks a graph by its bucket, so none run per call."""
+    return [False] * len(entries)
+
+
+def aot_build(step, shape: Shape) -> bytes:
+    """Compile ``step``'s forward for one bucket ahead of time; the serialised graph."""
+    from nanoserve.worker.decode_step import decode_forward
+
+    step.mark_static()
+    compiler = torch.compile(decode_forward, backend=torch._TorchCompileInductorWrapper(step.mode, None, False),
+                             fullgraph=True, dynamic=False, options={"guard_filter_fn": no_guards})
+    # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager rounds;
+    # rounding alike makes a compiled bf16 step choose eager's tokens.
+    with torch.inference_mode(), torch._inductor.config.patch(emulate_precision_casts=True):
+        compiled = compiler.aot_compile((step.forward_args(*shape), {}))
+    return serialize(compiled)
+
+
+def build_entry(step, cache: GraphCache, shape: Shape) -> bool:
+    """Build ``shape``'s entry unless a valid one is there (another process may have built it
+    while this one waited for the lock). True when this call compiled it."""
+    key = step.graph_key(shape)
+    with cache.building(key):
+        if cache.has(key):
+            try:
+                cache.read(key)
+                return False
+            except CacheEntryError as error:
+                cache.discard(key, str(error))
+        with cache.inductor_env():
+            payload = aot_build(step, shape)
+        cache.store(key, payload)
+        return True
+
+
+def load_entry(cache: GraphCache, key: GraphKey):
+    """The entry's compiled function, or None when there is none or it is refused (named in one
+    line and removed, so it is rebuilt)."""
+    try:
+        payload = cache.read(key)
+    except FileNotFoundError:
+        return None
+    except CacheEntryError as error:
+        cache.discard(key, str(error))
+        return None
+    try:
+        with cache.inductor_env():
+            return deserialize(payload)
+    except Exception as error:  # torch refused the bytes: a stale or damaged entry
+        cache.discard(key, f"{cache.path(key)}: torch could not load it ({type(error).__name__}: {error})")
+        return None
+
+
+@dataclass
+class BuildJob:
+    """What the child needs to rebuild the parent's step: the model (a path, or the model
+    object itself), the worker's spec, the cache, and the key the parent expects per shape."""
+
+    model: object
+    spec: object
+    cache_root: str
+    keys: dict[Shape, GraphKey]
+
+
+class BackgroundBuilder:
+    """The parent's side: ``request`` a shape (first come, first built; a repeated request moves
+    it to the front), ``ready`` the graphs loaded since the last call. ``close`` ends the child."""
+
+    def __init__(self, job: BuildJob, cache: GraphCache, shapes: list[Shape]) -> None:
+        self.cache, self.keys = cache, job.keys
+        self.pending: list[Shape] = list(shapes)
+        self.failed: dict[Shape, str] = {}
+        self.built = 0
+        self._ready: queue.Queue = queue.Queue()
+        with tempfile.NamedTemporaryFile(dir=cache.root, prefix=".job-", suffix=".pt", delete=False) as out:
+            torch.save(job, out)
+        self._job_path = out.name
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve.worker.graph_build", self._job_path], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
+        for shape in shapes:
+            self._send("add", shape)
+        self._reader = threading.Thread(target=self._read, name="nanoserve-graph-loader", daemon=True)
+        self._reader.start()
+
+    @property
+    def building(self) -> int:
+        return len(self.pending) if self._child.poll() is None else 0
+
+    def request(self, shape: Shape) -> None:
+        """Build ``shape`` next (a step just met it)."""
+        if shape in self.pending and shape not in self.failed:
+            self._send("next", shape)
+
+    def ready(self) -> list[tuple[Shape, object]]:
+        out = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._ready.get_nowait())
+        return out
+
+    def _send(self, word: str, shape: Shape) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            self._child.stdin.write(f"{word} {' '.join(map(str, shape))}\n")
+            self._child.stdin.flush()
+
+    def _read(self) -> None:
+        """Load each graph the child reports built (off the step loop), until it exits."""
+        for line in self._child.stdout:
+            word, *rest = line.split(maxsplit=4)
+            if word not in ("built", "found", "failed") or len(rest) < 3:
+                continue
+            shape = tuple(int(x) for x in rest[:3])
+            if word == "failed":
+                self.failed[shape] = rest[3] if len(rest) > 3 else "unknown"
+                log.warning("nanoserve: the graph for rows=%d width=%d queries=%d did not build (%s); that "
+                            "bucket stays eager", *shape, self.failed[shape].strip())
+                continue
+            self.built += word == "built"
+            compiled = load_entry(self.cache, self.keys[shape])
+            if compiled is not None:
+                self._ready.put((shape, compiled))
+            with contextlib.suppress(ValueError):
+                self.pending.remove(shape)
+
+    def close(self) -> None:
+        if self._child.poll() is None:
+            self._child.kill()
+        self._child.wait()
+        for stream in (self._child.stdin, self._child.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._job_path)
+
+
+def _child_main(job_path: str) -> int:
+    """Build what the parent asks ("add": in turn; "next": before the rest), each once, until its
+    stdin closes and nothing is left."""
+    with contextlib.suppress(OSError):
+        os.nice(19)
+    torch.set_num_threads(1)
+    from nanoserve.worker.build import build_worker
+
+    job: BuildJob = torch.load(job_path, weights_only=False)
+    cache = GraphCache(job.cache_root)
+    step = build_worker(job.model, dataclasses.replace(job.spec, compile=False)).decode_step
+    todo: collections.deque[Shape] = collections.deque()
+    arrived = threading.Condition()
+    closed = []
+
+    def read_requests() -> None:
+        for line in sys.stdin:
+            word, *numbers = line.split()
+            with arrived:
+                (todo.appendleft if word == "next" else todo.append)(tuple(int(x) for x in numbers))
+                arrived.notify()
+        with arrived:
+            closed.append(True)
+            arrived.notify()
+
+    threading.Thread(target=read_requests, daemon=True).start()
+    done: set[Shape] = set()
+    while True:
+        with arrived:
+            arrived.wait_for(lambda: todo or closed)
+            if closed:  # the engine has gone, and with it the reason to build
+                return 0
+            shape = todo.popleft()
+        if shape in done:
+            continue
+        done.add(shape)
+        named = " ".join(map(str, shape))
+        try:
+            if step.graph_key(shape) != job.keys.get(shape):
+                raise RuntimeError("this process's model or buffers differ from the engine's (their keys differ)")
+            print(f"{'built' if build_entry(step, cache, shape) else 'found'} {named}", flush=True)
+        except Exception as error:  # reported to the parent, which keeps that bucket eager
+            print(f"failed {named} {type(error).__name__}: {str(error)[:300]}".replace("\n", " "), flush=True)
+
+
+def memory_allows_builder(model_bytes: int, kv_bytes: int) -> bool:
+    """Whether a second copy of the model and its K/V fits in the memory left now."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return True
+    return model_bytes + kv_bytes + (1 << 30) < available
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))
+
