@@ -15,7 +15,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     blocks, block_size = resolved.num_blocks, config.block_size
     model_limit = engine.model.config.max_position_embeddings
     limit_note = f" (the model takes up to {model_limit:,})" if resolved.max_model_len < model_limit else ""
-    decode = "compiled decode" if config.compile else "eager decode"
+    decode = describe_graphs(stats) if resolved.compile else "eager decode"
     rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stats.load_stages.items())
     file_note = f" (the file: {format_bytes(stats.file_bytes)})" if stats.file_bytes else ""
@@ -35,6 +35,18 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
                      f"(each rank holds 1/{size} of the heads, the MLP and the vocabulary)")
     return lines
+
+
+def describe_graphs(stats) -> str:
+    """The compiled decode's graphs: how many buckets are ready (loaded from the compile cache or
+    built) and how many still run eagerly while theirs build."""
+    ready, waiting = stats.graphs_ready, stats.graphs_building + stats.graphs_pending
+    line = f"compiled decode: {ready} graph{'s' if ready != 1 else ''} ready"
+    if stats.graphs_loaded:
+        line += f" ({stats.graphs_loaded} loaded from the compile cache in {stats.graph_load_seconds:.1f} s)"
+    if waiting:
+        line += f", {waiting} building in the background (those buckets run eagerly meanwhile)"
+    return line
 
 
 def describe_speculation(speculator) -> str:

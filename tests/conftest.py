@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import weakref
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+# Engines in the suite decode eagerly unless a test asks for compile: a default (compiled) engine
+# starts a background graph build, and hundreds of them would take the two cores. Tests that
+# compile share one graph cache made for the run (a graph's key is the model's structure, not its
+# weights, so same-shaped test models share entries).
+os.environ.setdefault("NANOSERVE_COMPILE", "0")
+os.environ.setdefault("NANOSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="nanoserve-test-graphs-"))
 
 # CI keeps the property suite quick; NANOSERVE_HYPOTHESIS=long explores much further.
 settings.register_profile(

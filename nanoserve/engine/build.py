@@ -11,7 +11,7 @@ import torch
 from nanoserve.cache.block_manager import SCRATCH_BLOCK, BlockManager
 from nanoserve.cache.pool_plan import PoolPlan, kv_bytes_per_token, plan_pool
 from nanoserve.distributed.launch import build_tensor_parallel
-from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.config import EngineConfig, default_compile
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
 from nanoserve.engine.sampler import Sampler
@@ -64,7 +64,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
     arch = load_config(model) if named else model.config
     pool = _plan_pool(arch, config, dtype)
-    spec = _worker_spec(config, arch, pool, weight_plan, dtype)
+    compile = config.compile if config.compile is not None else default_compile()
+    spec = _worker_spec(config, arch, pool, weight_plan, dtype, compile)
     resolved = _resolve(config, pool, spec)
     check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
     # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
@@ -106,7 +107,7 @@ def _speculator(config: EngineConfig, target, spec: WorkerSpec, vocab_size: int)
 
 
 def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
-                 dtype: torch.dtype) -> WorkerSpec:
+                 dtype: torch.dtype, compile: bool) -> WorkerSpec:
     """What every rank's worker is built from: the pool's shape, the decode grid, the kernel tier."""
     # The tier running the packed weights; with dense bf16 weights the decode attention still
     # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
@@ -115,8 +116,9 @@ def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight
         tier = cpu_kernels.resolve_tier()
     kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
     return WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
-                      pool.max_model_len, SCRATCH_BLOCK * config.block_size, _buckets(config, pool.max_model_len, kernel),
-                      config.compile, config.compile_mode, config.compile_backend, tier, config.warmup == "eager",
+                      pool.max_model_len, SCRATCH_BLOCK * config.block_size,
+                      _buckets(config, pool.max_model_len, kernel, compile), compile, config.compile_mode,
+                      config.compile_backend, tier, config.warmup,
                       checks=os.environ.get("NANOSERVE_CHECKS", "") == "1",
                       max_queries=1 + (config.speculative.num_speculative_tokens if config.speculative else 0))
 
@@ -132,7 +134,7 @@ def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerSpec) -> Resolved
         # The CPU default budget is sized for the streams a chunk delays; with none decoding it
         # would only slow a lone prompt. A budget the caller sets binds every step.
         prefill_only_budget=config.prefill_only_budget or (None if budget or not chunked else DEFAULT_CHUNKED_BUDGET),
-        buckets=spec.buckets)
+        buckets=spec.buckets, compile=spec.compile)
 
 
 def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
@@ -159,9 +161,9 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> P
     return plan
 
 
-def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool) -> Buckets | None:
+def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool, compile: bool) -> Buckets | None:
     """The decode grid (bucketing defaults to on with compile, off without)."""
-    if not (config.compile if config.bucketing is None else config.bucketing):
+    if not (compile if config.bucketing is None else config.bucketing):
         return None
     default = Buckets.default(config.max_batch_size, config.block_size, max_model_len)
     # The CPU decode kernel reads each row's own cells whatever the window's width, so one

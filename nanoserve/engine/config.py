@@ -9,6 +9,7 @@ Imports nothing heavy: the command line reads these before torch is loaded.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,11 @@ class EngineConfig:
               "a plan name or a WeightPlan (default: auto, or dense in dtype when that is given)",
         choices=("auto", "auto+dense", "fp32", "bf16", "int8", "int4"))
     device: str = option("cpu", "torch device, e.g. cpu or cuda")
-    compile: bool = option(False, "torch.compile the decode step (reduce-overhead, bucketed static shapes)")
+    compile: bool | None = option(
+        None, "torch.compile the decode step: one graph per [rows, width] bucket, built once per machine into "
+              "the compile cache ($NANOSERVE_CACHE_DIR, default ~/.cache/nanoserve/compile) and loaded from it; "
+              "a bucket without a graph yet runs eagerly while its graph builds in the background (default: on; "
+              "NANOSERVE_COMPILE=0 in the environment makes eager the default; --no-compile: eager)", kind="switch")
     compile_mode: str | None = option("reduce-overhead", "torch.compile mode of the decode step", cli=False)
     compile_backend: str = option("inductor", "torch.compile backend of the decode step", cli=False)
     bucketing: bool | None = option(None, "pad decode steps to [rows, width] buckets (default: with compile)",
@@ -62,8 +67,9 @@ class EngineConfig:
                                                        "8 and 16 to max_batch_size)", cli=False)
     width_buckets: tuple[int, ...] | None = option(None, "decode width buckets (default: doubling block "
                                                          "multiples to max_model_len)", cli=False)
-    warmup: str = option("lazy", "with compile: build every bucket's graph up front (eager) or on first use",
-                         choices=("lazy", "eager"))
+    warmup: str = option("lazy", "with compile: build the graphs the compile cache lacks before serving (eager), in "
+                                 "the background while those buckets run eagerly (lazy), or not at all (none: "
+                                 "only cached graphs run)", choices=("lazy", "eager", "none"))
     enable_chunked_prefill: bool = option(
         True, "prefill long prompts in chunks beside the decode rows (off: whole prompts in steps of their "
               "own, running streams wait)", flag="--no-chunked-prefill")
@@ -81,13 +87,18 @@ class EngineConfig:
                "compiling a new decode graph must finish within it)", cli=False)
 
     def __post_init__(self) -> None:
-        if self.warmup not in ("eager", "lazy"):
-            raise ValueError(f"warmup must be 'eager' or 'lazy', got {self.warmup!r}")
+        if self.warmup not in ("eager", "lazy", "none"):
+            raise ValueError(f"warmup must be 'eager', 'lazy' or 'none', got {self.warmup!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+
+
+def default_compile() -> bool:
+    """Whether an engine compiles when ``compile`` is unset: yes, unless NANOSERVE_COMPILE=0."""
+    return os.environ.get("NANOSERVE_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def options() -> list[dataclasses.Field]:

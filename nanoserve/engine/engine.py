@@ -128,12 +128,13 @@ class Engine:
         grammars = [self.requests[request_id].grammar for request_id in plan.sampled]
         pending_masks = self.structured.start_masks(grammars)
         timed = self.speculator is not None and plan.decode is not None  # a speculating engine prices its steps
-        built, start = (self.worker.decode_step.stats.graphs_built, time.perf_counter()) if timed else (0, 0.0)
+        before, start = (self._graph_work(), time.perf_counter()) if timed else (None, 0.0)
         result = self.worker.execute(plan)
         masks, broken = self.structured.finish_masks(pending_masks, grammars)
         if timed:
-            # A step beside prefill chunks, or one that built a graph, says nothing of a step's price.
-            typical = not plan.prefill and self.worker.decode_step.stats.graphs_built == built
+            # A step beside prefill chunks, or one that built a graph or ran eagerly for want of one,
+            # says nothing of a step's price.
+            typical = not plan.prefill and self._graph_work() == before
             self.speculator.record_step(time.perf_counter() - start, plan.decode.queries, typical)
         if self.checks:
             check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
@@ -141,6 +142,10 @@ class Engine:
         if self.speculator is not None:
             self._propose()
         return outputs
+
+    def _graph_work(self) -> tuple[int, int]:
+        stats = self.worker.decode_step.stats
+        return stats.graphs_built, stats.eager_steps
 
     def _propose(self) -> None:
         """The rows decoding next step propose their tokens (after this step's tokens joined
@@ -310,14 +315,18 @@ class Engine:
     # -- bookkeeping -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s, d, blocks = self.scheduler.stats, self.worker.decode_step.stats, self.scheduler.blocks
+        self.worker.decode_step.poll()
+        ready, building, pending = self.worker.decode_step.graph_counts()
         slot_table, config, resolved = self.worker.cache.slot_table, self.config, self.resolved
         counts = {k: v for k, v in dataclasses.asdict(s).items() if k != "decode_rows_total"}  # the scheduler's counters
         return EngineStats(
             **counts, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=slot_table.windows,
             gathers=slot_table.gathers, blocks_free=blocks.pool.num_free, blocks_total=blocks.pool.num_blocks,
-            compiled=config.compile, graphs_built=d.graphs_built, recompiles_after_warmup=d.recompiles_after_warmup,
-            warmup_seconds=d.warmup_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
+            compiled=resolved.compile, graphs_built=d.graphs_built, graphs_loaded=d.graphs_loaded,
+            graphs_ready=ready, graphs_building=building, graphs_pending=pending, eager_steps=d.eager_steps,
+            recompiles_after_warmup=d.recompiles_after_warmup, warmup_seconds=d.warmup_seconds,
+            graph_load_seconds=d.load_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
             weights=resolved.weights, weight_bytes=self.weight_bytes, weight_types=dict(self.weight_types),
             file_bytes=self.file_bytes, load_stages=dict(self.load_stages),
             cpu_kernels=resolved.cpu_kernels,

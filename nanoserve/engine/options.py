@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_batch_size: int, kv_
         help = option.metadata["help"]
         if option.name == "kv_cache_bytes":
             help = f"K/V pool budget, e.g. 512M, 2G (default: {kv_cache_default})"
+        if option.metadata["kind"] == "switch":  # unset, --compile or --no-compile
+            group.add_argument(cli_flag(option), dest=option.name, help=help, default=None,
+                               action=argparse.BooleanOptionalAction)
+            continue
         if isinstance(option.default, bool):  # a switch: --compile, or --no-chunked-prefill for a True default
             group.add_argument(cli_flag(option), dest=option.name, help=help,
                                action="store_false" if option.default else "store_true")

@@ -23,3 +23,4 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     prefill_only_budget: int | None  # None: the same budget as any step
     buckets: Buckets | None  # the decode grid (None: exact shapes)
+    compile: bool = False  # whether the decode step runs compiled graphs

@@ -30,9 +30,15 @@ class EngineStats:
     blocks_total: int = 0
     # the decode step
     compiled: bool = False
-    graphs_built: int = 0
+    graphs_built: int = 0  # compiled by this engine (in this process or its background builder)
+    graphs_loaded: int = 0  # loaded from the compile cache
+    graphs_ready: int = 0  # buckets whose graph is in use
+    graphs_building: int = 0  # ... being built in the background
+    graphs_pending: int = 0  # ... waiting to be built
+    eager_steps: int = 0  # decode steps run eagerly for want of their bucket's graph
     recompiles_after_warmup: int = 0
     warmup_seconds: float = 0.0
+    graph_load_seconds: float = 0.0  # loading cached graphs at start
     bucket_hits: dict[tuple[int, int], int] = field(default_factory=dict)
     padding_waste: float = 0.0  # padded cells read per real cell
     verify_bucket_hits: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (rows, k + 1, width)

@@ -103,6 +103,11 @@ class ServeMetrics:
             ("nanoserve_decode_rows_max", "Most rows in one decode step so far.", stats.max_decode_rows),
             ("nanoserve_decode_rows_mean", "Mean rows per decode step so far.", stats.mean_decode_rows),
             ("nanoserve_compiled_graphs", "Decode graphs built.", stats.graphs_built),
+            ("nanoserve_graphs_ready", "Decode buckets with a compiled graph in use.", stats.graphs_ready),
+            ("nanoserve_graphs_building", "Decode buckets whose graph is being built in the background.",
+             stats.graphs_building),
+            ("nanoserve_graphs_pending", "Decode buckets waiting for their graph to be built.", stats.graphs_pending),
+            ("nanoserve_graphs_loaded", "Decode graphs loaded from the compile cache.", stats.graphs_loaded),
             ("nanoserve_prefix_cache_blocks", "KV cache blocks holding a cached prefix (in use or evictable).",
              stats.prefix_cache_blocks),
         ]
@@ -125,6 +130,8 @@ class ServeMetrics:
             ("nanoserve_engine_steps_total", "Engine steps (prefill and decode).", stats.steps),
             ("nanoserve_decode_steps_total", "Decode steps.", stats.decode_steps),
             ("nanoserve_preemptions_total", "Requests preempted (recomputed later).", stats.preemptions),
+            ("nanoserve_eager_steps_total", "Decode steps run eagerly because their bucket had no graph yet.",
+             stats.eager_steps),
             ("nanoserve_recompiles_total", "Recompilations of the decode graph after warm-up.",
              stats.recompiles_after_warmup),
             # vLLM's prefix_cache_queries / prefix_cache_hits: tokens asked about, tokens found cached.

@@ -51,7 +51,7 @@ class WorkerSpec:
     compile_mode: str | None = "reduce-overhead"
     compile_backend: str = "inductor"
     attention_tier: str | None = None
-    warmup: bool = False  # build every bucket's graph at build (every rank at once: the graphs hold collectives)
+    warmup: str = "lazy"  # when missing graphs are built: "eager" at build (every rank at once), "lazy", "none"
     checks: bool = False
     compile_cache: str | None = None  # the graph cache's directory (None: $NANOSERVE_CACHE_DIR or its default)
     max_queries: int = 1  # tokens a decode row may feed in one step (1 + the speculative tokens)
@@ -101,7 +101,7 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
         check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)
     if cached:
         _prepare_graphs(step, source, spec, cache.kv_bytes)
-    elif spec.compile and spec.warmup and spec.buckets is not None:
+    elif spec.compile and spec.warmup == "eager" and spec.buckets is not None:
         step.warmup()
     return Worker(model, cache, step, checks=spec.checks)
 
@@ -114,9 +114,9 @@ def _prepare_graphs(step: DecodeStep, source: str | LlamaModel, spec: WorkerSpec
     else:
         model_bytes = sum(t.numel() * t.element_size() for t in [*source.parameters(), *source.buffers()])
         spec = dataclasses.replace(spec, weights=None)
-    build = "eager" if spec.warmup else "lazy"
+    build = spec.warmup
     if build == "lazy" and not memory_allows_builder(model_bytes, kv_bytes):
         log.warning("nanoserve: too little memory for a background graph builder (a second copy of the model); "
                     "buckets without a cached graph run eagerly: `nanoserve warmup` builds them ahead")
         build = "none"
-    step.prepare_graphs(build, source, dataclasses.replace(spec, warmup=False, checks=False))
+    step.prepare_graphs(build, source, dataclasses.replace(spec, warmup="none", checks=False))

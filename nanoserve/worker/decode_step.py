@@ -159,6 +159,15 @@ class DecodeStep:
             self.graphs[shape] = graph
         self.stats.graphs_built = self.builder.built + self._graphs_compiled
 
+    def wait_for_graphs(self, timeout: float) -> bool:
+        """Wait (up to ``timeout`` seconds) until the background builder has nothing left to build,
+        swapping in what it built; True when every bucket has its graph."""
+        deadline = time.monotonic() + timeout
+        while self.builder is not None and self.builder.building and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.poll()
+        return len(self.graphs) == len(self.shapes)
+
     def graph_counts(self) -> tuple[int, int, int]:
         """Buckets (ready, building, pending): loaded graphs, the one the builder is on, the rest."""
         if self.graph_cache is None:
@@ -206,23 +215,29 @@ class DecodeStep:
                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     @torch.inference_mode()
-    def warmup(self) -> float:
+    def warmup(self, progress=None) -> float:
         """Build every bucket's graph now (into the cache and loaded, or compiled in this process
-        and, on a GPU, recorded); returns seconds spent."""
+        and, on a GPU, recorded); returns seconds spent. ``progress(shape, seconds, compiled)``
+        hears of each bucket as it is done."""
         start = time.perf_counter()
         self.write_slots.fill_(self.cache.scratch_slot)
         self.context_lens.zero_()
         for shape in self.shapes:
+            began, before = time.perf_counter(), self._graphs_compiled
             if self.graph_cache is None:
                 for _ in range(3):  # cudagraph trees: warm-up run, record, first replay
                     self._call(*shape)
             elif shape not in self.graphs:
-                self._graphs_compiled += build_entry(self, self.graph_cache, shape)
+                compiled = build_entry(self, self.graph_cache, shape)  # False: another process built it meanwhile
+                self._graphs_compiled += compiled
+                self.stats.graphs_loaded += not compiled
                 graph = load_entry(self.graph_cache, self.graph_key(shape))
                 if graph is None:
                     raise RuntimeError(f"the graph for bucket {shape} was built but does not load")
                 self.graphs[shape] = graph
-        self.stats.graphs_built = self._graphs_compiled
+            if progress is not None:
+                progress(shape, time.perf_counter() - began, self._graphs_compiled > before)
+        self.stats.graphs_built = self._graphs_compiled + (self.builder.built if self.builder is not None else 0)
         elapsed = time.perf_counter() - start
         self.stats.warmup_seconds += elapsed
         return elapsed

@@ -126,7 +126,7 @@ class BackgroundBuilder:
 
     def request(self, shape: Shape) -> None:
         """Build ``shape`` next (a step just met it)."""
-        if shape in self.pending and shape not in self.failed:
+        if shape in self.pending:
             self._send("next", shape)
 
     def ready(self) -> list[tuple[Shape, object]]:
@@ -152,11 +152,11 @@ class BackgroundBuilder:
                 self.failed[shape] = rest[3] if len(rest) > 3 else "unknown"
                 log.warning("nanoserve: the graph for rows=%d width=%d queries=%d did not build (%s); that "
                             "bucket stays eager", *shape, self.failed[shape].strip())
-                continue
-            self.built += word == "built"
-            compiled = load_entry(self.cache, self.keys[shape])
-            if compiled is not None:
-                self._ready.put((shape, compiled))
+            else:
+                self.built += word == "built"
+                compiled = load_entry(self.cache, self.keys[shape])
+                if compiled is not None:
+                    self._ready.put((shape, compiled))
             with contextlib.suppress(ValueError):
                 self.pending.remove(shape)
 
