@@ -101,6 +101,22 @@ def test_every_option_has_help_and_the_numeric_defaults_are_shown():
         assert "default" in helps[f"generate {penalty}"]
 
 
+def test_an_off_switchs_help_says_it_turns_the_feature_off():
+    helps = {name: action.help for name, action in options(build_parser()).items()}
+    for command in ("serve", "generate"):
+        for switch, feature in (("--no-prefix-caching", "prefix caching"), ("--no-chunked-prefill", "chunked prefill")):
+            assert helps[f"{command} {switch}"].startswith(f"turns {feature} off"), helps[f"{command} {switch}"]
+
+
+def test_the_dtype_help_names_the_cpu_default_this_host_computes_in():
+    from nanoserve.engine.build import resolve_weights
+
+    _, dtype = resolve_weights(None, None, "cpu", named_model=True)  # what `generate` resolves with no flags
+    help = options(build_parser())["generate --dtype"].help
+    default_part = help[help.index("(default"):]
+    assert str(dtype).removeprefix("torch.") in default_part and "auto" in default_part
+
+
 def test_the_kernel_tier_and_sizes_in_words():
     assert kernel_tier("avx2") == "avx2"
     assert kernel_tier(None).startswith("none")  # fp32 weights, or a GPU
