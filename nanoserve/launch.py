@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
+from nanoserve.cli_parser import OneLineErrorParser
 from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs
 from nanoserve.engine.sampling_params import DEFAULT_MAX_TOKENS
 from nanoserve.serve.cli import add_serve_subcommand
@@ -55,7 +56,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description="A readable LLM inference engine.")
+    parser = OneLineErrorParser(prog="nanoserve", description="A readable LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout",

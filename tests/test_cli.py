@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nanoserve.launch import build_parser
+from nanoserve.launch import build_parser, main
 from nanoserve.summary import format_bytes, kernel_tier
 
 # Runs `main(argv)` in a fresh interpreter; prints what it raised and whether torch was imported.
@@ -71,6 +71,39 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
     assert not outcome["torch"], outcome
     assert f"cannot listen on 127.0.0.1:{port}" in outcome["raised"], outcome
     assert "another process listens there" in outcome["raised"], outcome
+
+
+def parse_error(capsys, *argv: str) -> str:
+    """What `nanoserve ARGV` prints when argparse refuses it (exit status 2)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_misspelled_flag_is_named_in_one_line_with_the_subcommands_usage(capsys):
+    err = parse_error(capsys, "generate", "--max-tokenz", "5", "hi")
+    assert err.count("\n") == 1, err
+    assert err.startswith("nanoserve generate: error: unrecognized option: --max-tokenz (did you mean --max-tokens?)")
+    assert "usage: nanoserve generate [options] prompt" in err and "hi" not in err  # the prompt is no culprit
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("generate", "--max-tokens", "abc", "hi"), "argument --max-tokens: invalid int value: 'abc'"),
+    (("serve", "--port", "x"), "argument --port: invalid int value: 'x'"),
+    (("serve", "--weights", "int3"), "argument --weights: invalid choice: 'int3'"),
+    (("generate", "one", "two"), "unrecognized argument: two"),
+    (("generate",), "the following arguments are required: prompt"),
+])
+def test_a_bad_value_is_one_line_naming_it_with_the_subcommands_usage(capsys, argv, named):
+    err = parse_error(capsys, *argv)
+    assert err.count("\n") == 1 and named in err, err
+    assert f"usage: nanoserve {argv[0]} [options]" in err
+
+
+def test_an_unknown_command_is_one_line_with_the_top_level_usage(capsys):
+    err = parse_error(capsys, "bogus")
+    assert err.count("\n") == 1 and "invalid choice: 'bogus'" in err and "usage: nanoserve [options] COMMAND" in err
 
 
 def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
