@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from nanoserve.cli_parser import OneLineErrorParser
-from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs
+from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_options
 from nanoserve.engine.sampling_params import DEFAULT_MAX_TOKENS
 from nanoserve.serve.cli import add_serve_subcommand
 
@@ -99,7 +99,7 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
     started = time.perf_counter()
-    with build_engine(args.model, **engine_kwargs(args)) as engine:
+    with build_engine(args.model, **engine_options(args)) as engine:
         return _generate(args, engine, params, started)
 
 

@@ -74,6 +74,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(
         True, "turns prefix caching off: every prompt is computed from its first token (default: on, a prompt "
               "reuses the cached K/V of a prefix already seen)", flag="--no-prefix-caching")
+    threads: int | None = option(
+        None, "CPU threads for torch's ops and nanoserve's CPU kernels (torch.set_num_threads, process-wide; "
+              "default: torch's, one per core)", kind="int")
     speculative: Any = option(
         None, "speculative decoding, as vLLM's config: a dict or JSON, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": PATH}' "
@@ -90,6 +93,9 @@ class EngineConfig:
             raise ValueError(f"warmup must be 'eager' or 'lazy', got {self.warmup!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))

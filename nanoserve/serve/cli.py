@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs, parse_bytes
+from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_options, parse_bytes
 from nanoserve.serve.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
@@ -110,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> None:
         # A torchrun rank other than 0 applies rank 0's plans and binds no port (ranks may
         # share a host); build_engine returns only on rank 0, so this exits with the rank.
         from nanoserve.engine import build_engine
-        build_engine(model, **engine_kwargs(args))
+        build_engine(model, **engine_options(args))
         return
     sock = bind(args.host, args.port)
     try:
@@ -139,7 +139,7 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
                     args.host)
     started = time.perf_counter()
     try:
-        engine = build_engine(model, **engine_kwargs(args))
+        engine = build_engine(model, **engine_options(args))
     except (FileNotFoundError, ValueError) as exc:  # a missing or bad model file, a pool too small
         raise SystemExit(f"nanoserve serve: {exc}") from exc
     for line in describe_engine(engine, model, time.perf_counter() - started):
