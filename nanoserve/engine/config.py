@@ -77,6 +77,9 @@ class EngineConfig:
     threads: int | None = option(
         None, "CPU threads for torch's ops and nanoserve's CPU kernels (torch.set_num_threads, process-wide; "
               "default: torch's, one per core)", kind="int")
+    chat_template: str | None = option(
+        None, "chat template in place of the model's own: a jinja file, or a built-in: chatml, gemma, llama3, "
+              "mistral; checked on a sample conversation before the weights load (default: the model's own)")
     speculative: Any = option(
         None, "speculative decoding, as vLLM's config: a dict or JSON, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": PATH}' "
@@ -99,6 +102,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+        if self.chat_template is not None:  # refused here, in one line, before any weights load
+            from nanoserve.model.chat_templates import checked_chat_template
+
+            checked_chat_template(self.chat_template)
 
 
 def options() -> list[dataclasses.Field]:

@@ -33,6 +33,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
 from nanoserve.engine.threads import apply_threads
+from nanoserve.model.chat_templates import with_chat_template
 from nanoserve.model.quant import tensor_bytes
 from nanoserve.spec.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
@@ -52,7 +53,8 @@ class Engine:
         self.speculator = speculator  # None: no speculation
         self._left: set[str] = set()  # requests finished since the speculator last heard
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
+        # With chat_template, a copy of the model's tokenizer holding that template instead.
+        self.tokenizer = with_chat_template(tokenizer, config.chat_template) if config.chat_template else tokenizer
         self.config = config
         self.resolved = resolved
         self.checks = checks
