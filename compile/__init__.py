@@ -1,6 +1,7 @@
 """The benchmark: `compilebench.py` at the top level chooses a suite, one module each here
 (headline, e2e, decode_bench, fidelity_suite, ttft, serve_bench, slotbench, linear_bench), which
-writes its CSV (and PNG) under `compile/results/`.
+writes its CSV (and PNG) under `compile/results/runs/` (ignored by git; the committed reference
+figures are in `compile/results/`).
 
 Shared parts: `common` (result paths and names, texts, the decode workload, argument helpers,
 timing, table/CSV/PNG writers), `interleave` (systems stepped in turn), `floor` (what a step's

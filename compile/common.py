@@ -18,7 +18,8 @@ import torch
 from nanoserve.model.loader import DEFAULT_MODEL
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results"  # the committed reference figures, rewritten only on purpose (--out compile/results)
+RUNS = RESULTS / "runs"  # a run's default --out: git ignores it (.gitignore), so a run leaves the checkout clean
 FIDELITY_TEXT = HERE / "texts" / "fidelity.txt"  # original prose written for these suites, over 3,000 tokens
 
 
@@ -93,7 +94,9 @@ def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 def add_output_options(parser: argparse.ArgumentParser, plot: bool = True) -> None:
     """--out (the folder), --tag (a suffix for the file names) and, where a suite draws, --no-plot."""
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the results (default: compile/results)")
+    parser.add_argument("--out", type=Path, default=RUNS,
+                        help="folder for the results (default: compile/results/runs, which git ignores; "
+                             "--out compile/results rewrites the committed reference figures)")
     parser.add_argument("--tag", default="", help="suffix for the output files (e.g. the forced kernel tier)")
     if plot:
         parser.add_argument("--no-plot", action="store_true")

@@ -1,6 +1,6 @@
 """linear: where a dense GEMM overtakes the weight-only int4/int8 kernels, per linear shape of the
 default model and per kernel tier (`python compilebench.py linear [--tier T]`, also
-`python -m compile.linear_bench`), written to ``compile/results/linear_crossover-<tier>.csv``. ``int4`` and ``int8g`` (group-wise int8, the LM
+`python -m compile.linear_bench`), written to ``compile/results/runs/linear_crossover-<tier>.csv``. ``int4`` and ``int8g`` (group-wise int8, the LM
 head's format) run the tier's kernels with activations in its compute dtype (bf16 where the CPU
 computes it natively, else fp32), ``dense`` is the dense copy ``auto`` would keep (that dtype),
 ``int4_torch`` torch's int4 kernel (bf16).

@@ -6,7 +6,7 @@ time to first token of a 512-token prompt, and batch 1's weight bytes per step o
 time against the host's read bandwidth (a streaming read of a buffer larger than the last-level
 cache): nanoserve against llama.cpp on the same file
 (``python compilebench.py scale``; ``--sizes 1b --types Q4_0`` for one file).
-Writes ``compile/results/scale[-TAG].csv`` and ``.png``.
+Writes ``compile/results/runs/scale[-TAG].csv`` and ``.png``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ llama.cpp's tok/s with the same method) and ``llama_ratio`` (llama.cpp's own spe
 ``verify_steps``, ``proposed``, ``accepted``, ``draft_s``, ``verify_s`` (per run; llama.cpp's
 are counted from its proposer's calls, no verify time), ``recompiles_after_warmup``,
 ``same_tokens`` (rows whose greedy tokens equal the no-speculation arm's) and ``first_diff``.
-Writes ``compile/results/spec[-MODEL][-TAG].csv`` and ``.png``.
+Writes ``compile/results/runs/spec[-MODEL][-TAG].csv`` and ``.png``.
 """
 
 from __future__ import annotations

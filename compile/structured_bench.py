@@ -3,7 +3,7 @@ beside the forward and applied to the logits) against the same batch unconstrain
 (``python compilebench.py structured``). Two engines of one model, compiled ``auto`` by default,
 step in turn (compile/interleave.py), so neighbouring steps see one machine state; each row
 decodes ``--new-tokens`` tokens (the schema cannot close sooner, the plain batch ignores EOS).
-Writes ``compile/results/structured[-TAG].csv``: tokens/s of each, their ratio, and the mean
+Writes ``compile/results/runs/structured[-TAG].csv``: tokens/s of each, their ratio, and the mean
 time filling a step's masks.
 """
 

@@ -9,7 +9,7 @@ torch.profiler on rank 0 sums the forward's collectives (the all-reduces, the lo
 all-gather and their waits) per step; the plan's broadcast to the other ranks is timed apart.
 Sizes default to those of 1, 2, 3 that divide the model's heads, K/V heads and MLP width (the
 default model: 1 and 3). On a CPU the ranks share its cores: a correctness and overhead
-figure, not a speed-up. Writes ``compile/results/tp[-MODEL][-TAG].csv``.
+figure, not a speed-up. Writes ``compile/results/runs/tp[-MODEL][-TAG].csv``.
 """
 
 from __future__ import annotations

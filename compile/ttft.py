@@ -1,7 +1,7 @@
 """ttft: time to first token of one long prompt, nanoserve against llama.cpp on the same GGUF
 (``python compilebench.py ttft``): prompts of 512 and 2,000 tokens of real text, prefix caching
 off, one request at a time, the two systems alternating; medians over ``--repeats`` after one
-warm-up each. Writes ``compile/results/ttft[-TAG].csv``; the table names the CPU and the kernel
+warm-up each. Writes ``compile/results/runs/ttft[-TAG].csv``; the table names the CPU and the kernel
 tier (``NANOSERVE_CPU_KERNELS`` forces one).
 """
 

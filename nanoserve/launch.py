@@ -13,7 +13,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs
+from nanoserve.cli_parser import OneLineErrorParser
+from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_options
 from nanoserve.engine.sampling_params import DEFAULT_MAX_TOKENS
 from nanoserve.serve.cli import add_serve_subcommand
 
@@ -55,7 +56,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description="A readable LLM inference engine.")
+    parser = OneLineErrorParser(prog="nanoserve", description="A readable LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout",
@@ -65,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(generate)
     add_engine_args(generate, max_batch_size=1, kv_cache_bytes=None,
                     kv_cache_default="what --max-batch-size rows of --max-model-len need, at most 16,384 tokens' worth")
-    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap the prompt in the chat template (the model's, or --chat-template's)")
     generate.add_argument("--system", default=None, help="system message (with --chat)")
     generate.add_argument("prompt", help="the prompt text ('-' reads stdin)")
     generate.set_defaults(handler=run_generate)
@@ -84,21 +86,32 @@ def prompt_text(args: argparse.Namespace, tokenizer) -> str:
     if not args.chat:
         return text
     if tokenizer is None or tokenizer.chat_template is None:
-        raise ValueError(f"{args.model}: the model has no chat template; run without --chat")
+        raise ValueError(no_chat_template(args.model))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
+def no_chat_template(model: str) -> str:
+    from nanoserve.model.chat_templates import BUILTIN
+
+    return (f"{model}: the model has no chat template; give one with --chat-template FILE|NAME "
+            f"(built-in: {', '.join(sorted(BUILTIN))}) or run without --chat")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from nanoserve.engine import SamplingParams, build_engine
+    from nanoserve.model.loader import has_chat_template
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
     started = time.perf_counter()
-    with build_engine(args.model, **engine_kwargs(args)) as engine:
+    options = engine_options(args)  # a bad --chat-template is refused here
+    if args.chat and args.chat_template is None and not has_chat_template(args.model):
+        raise ValueError(no_chat_template(args.model))  # said before the weights load
+    with build_engine(args.model, **options) as engine:
         return _generate(args, engine, params, started)
 
 

@@ -22,7 +22,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     lines = [
         f"model {model}: loaded in {load_seconds:.1f} s on {config.device}" + (f" ({stages})" if stages else ""),
         f"weights {stats.weights}, {format_bytes(stats.weight_bytes)} resident{file_note}; "
-        f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}",
+        f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}; threads {engine.threads}",
         f"K/V pool {format_bytes(kv_bytes)} of {kv_dtype}: {blocks:,} blocks of {block_size} tokens "
         f"({(blocks - 1) * block_size:,} tokens for requests, one block is scratch)",
         f"max_model_len {resolved.max_model_len:,}{limit_note}; up to {rows} and "

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="fail on a greedy reply that differs from the prompt's reply alone (always on "
                              "for the tiny fp32 model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--csv", default=None, help="default compile/results/soak-MODEL.csv")
+    parser.add_argument("--csv", default=None, help="default compile/results/runs/soak-MODEL.csv (git ignores it)")
     args = parser.parse_args(argv)
 
     engine, vocab = build(args.model, args.rows, args.blocks, args.block_size, args.weights)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILURE:", failure, file=sys.stderr)
     if leak:
         print("LEAK:", leak, file=sys.stderr)
-    out = Path(args.csv or f"compile/results/soak-{Path(args.model).stem}.csv")
+    out = Path(args.csv or f"compile/results/runs/soak-{Path(args.model).stem}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
     row = {k: v for k, v in summary.items() if k != "outcomes"}
     row["outcomes"] = json.dumps(summary["outcomes"], sort_keys=True)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nanoserve.launch import build_parser
+from nanoserve.launch import build_parser, main
 from nanoserve.summary import format_bytes, kernel_tier
 
 # Runs `main(argv)` in a fresh interpreter; prints what it raised and whether torch was imported.
@@ -73,6 +73,39 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
     assert "another process listens there" in outcome["raised"], outcome
 
 
+def parse_error(capsys, *argv: str) -> str:
+    """What `nanoserve ARGV` prints when argparse refuses it (exit status 2)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_misspelled_flag_is_named_in_one_line_with_the_subcommands_usage(capsys):
+    err = parse_error(capsys, "generate", "--max-tokenz", "5", "hi")
+    assert err.count("\n") == 1, err
+    assert err.startswith("nanoserve generate: error: unrecognized option: --max-tokenz (did you mean --max-tokens?)")
+    assert "usage: nanoserve generate [options] prompt" in err and "hi" not in err  # the prompt is no culprit
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("generate", "--max-tokens", "abc", "hi"), "argument --max-tokens: invalid int value: 'abc'"),
+    (("serve", "--port", "x"), "argument --port: invalid int value: 'x'"),
+    (("serve", "--weights", "int3"), "argument --weights: invalid choice: 'int3'"),
+    (("generate", "one", "two"), "unrecognized argument: two"),
+    (("generate",), "the following arguments are required: prompt"),
+])
+def test_a_bad_value_is_one_line_naming_it_with_the_subcommands_usage(capsys, argv, named):
+    err = parse_error(capsys, *argv)
+    assert err.count("\n") == 1 and named in err, err
+    assert f"usage: nanoserve {argv[0]} [options]" in err
+
+
+def test_an_unknown_command_is_one_line_with_the_top_level_usage(capsys):
+    err = parse_error(capsys, "bogus")
+    assert err.count("\n") == 1 and "invalid choice: 'bogus'" in err and "usage: nanoserve [options] COMMAND" in err
+
+
 def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Every option and positional, a subcommand's named "COMMAND --option"."""
     found = {}
@@ -99,6 +132,22 @@ def test_every_option_has_help_and_the_numeric_defaults_are_shown():
     assert "/health and /metrics" in helps["serve --api-key"] and "/tokenize" in helps["serve --api-key"]
     for penalty in ("--repetition-penalty", "--presence-penalty", "--frequency-penalty"):
         assert "default" in helps[f"generate {penalty}"]
+
+
+def test_an_off_switchs_help_says_it_turns_the_feature_off():
+    helps = {name: action.help for name, action in options(build_parser()).items()}
+    for command in ("serve", "generate"):
+        for switch, feature in (("--no-prefix-caching", "prefix caching"), ("--no-chunked-prefill", "chunked prefill")):
+            assert helps[f"{command} {switch}"].startswith(f"turns {feature} off"), helps[f"{command} {switch}"]
+
+
+def test_the_dtype_help_names_the_cpu_default_this_host_computes_in():
+    from nanoserve.engine.build import resolve_weights
+
+    _, dtype = resolve_weights(None, None, "cpu", named_model=True)  # what `generate` resolves with no flags
+    help = options(build_parser())["generate --dtype"].help
+    default_part = help[help.index("(default"):]
+    assert str(dtype).removeprefix("torch.") in default_part and "auto" in default_part
 
 
 def test_the_kernel_tier_and_sizes_in_words():

@@ -5,6 +5,7 @@ builds the same engine again) and Engine.resolved what it resolved to."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,32 @@ def test_build_engine_takes_the_fields_and_refuses_anything_else():
     assert resolved.max_model_len == 48 and resolved.max_num_batched_tokens == 2 + 48
     assert resolved.dtype == torch.float32 and resolved.weights == "fp32" and resolved.weight_plan is None
     assert resolved.kv_cache_bytes == engine.scheduler.blocks.pool.num_blocks * 2 * 2 * 2 * 16 * 4 * 4
+
+
+@pytest.mark.parametrize("threads", [0, -2, True, 1.5, "2"])
+def test_threads_below_one_or_not_an_integer_are_refused(threads):
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        EngineConfig(threads=threads)
+
+
+@pytest.fixture
+def restores_torch_threads():
+    """The test sets torch's process-wide thread count; the next test gets it back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_set_torchs_threads_for_the_steps_and_the_servers_loop_thread(restores_torch_threads):
+    engine = build_engine(random_model(tiny_config(), seed=0), max_batch_size=2, kv_cache_bytes=1 << 20, threads=1)
+    assert engine.config.threads == 1 and engine.threads == 1 and torch.get_num_threads() == 1
+    seen = []
+    loop = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))  # as the server's engine loop
+    loop.start()
+    loop.join()
+    assert seen == [1]
+    unset = build_engine(random_model(tiny_config(), seed=0), max_batch_size=2, kv_cache_bytes=1 << 20)
+    assert unset.config.threads is None and unset.threads == 1  # None leaves the count as it is
 
 
 @pytest.fixture(scope="module")

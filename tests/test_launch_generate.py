@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from nanoserve.engine import SamplingParams
 from nanoserve.engine.options import engine_kwargs
@@ -93,6 +94,23 @@ def test_generate_says_what_it_loaded(tiny_gguf, capsys):
     # float32 K/V at 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 bytes a token.
     assert "nanoserve: K/V pool 520.0 KiB of float32: 65 blocks of 16 tokens (1,024 tokens for requests" in err, err
     assert "nanoserve: max_model_len 1,024; up to 1 row and " in err, err
+
+
+def test_generate_runs_on_the_threads_asked_and_says_so(tiny_gguf, capsys):
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--model", str(tiny_gguf), "--threads", "1", "--max-tokens", "1", "hi"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert re.search(r"^nanoserve: weights .*; CPU kernels: .*; threads 1$", capsys.readouterr().err, re.M)
+
+
+def test_zero_threads_is_refused_before_the_model_loads(tmp_path, capsys):
+    # The model does not exist: the option is checked first.
+    assert main(["generate", "--model", str(tmp_path / "missing.gguf"), "--threads", "0", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "threads must be an integer >= 1, got 0" in err and "missing.gguf" not in err
 
 
 def test_parser_has_serve_subcommand_with_engine_options():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from nanoserve.engine import build_engine  # noqa: E402
 from nanoserve.engine.sampler import Sampler  # noqa: E402
 from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
 from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
+from nanoserve.serve.protocol import IGNORED_FIELDS  # noqa: E402
 
 API_KEY = "sk-test-key"
 MAX_MODEL_LEN = 64
@@ -115,6 +117,45 @@ def test_chat_parameters_are_checked_too(client):
     response = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
     error = assert_openai_error(response, 400, "messages")
     assert "chat template" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_field_is_a_400_naming_it(client, path):
+    body = {"model": "tiny", "prompt": [1], "messages": [{"role": "user", "content": "hi"}]}
+    body.pop("messages" if path == "/v1/completions" else "prompt")
+    error = assert_openai_error(client.post(path, json={**body, "foo": 1}), 400, "foo", "unknown_parameter")
+    assert error["message"] == "unknown parameter: 'foo'"
+    error = assert_openai_error(client.post(path, json={**body, "foo": 1, "chat_template_kwargs": {}}), 400, "foo")
+    assert "'foo'" in error["message"] and "'chat_template_kwargs'" in error["message"]
+
+
+def test_a_misspelt_field_is_named_before_the_field_it_meant_is_missed(client):
+    response = client.post("/v1/completions", json={"model": "tiny", "promt": [1]})
+    assert "'promt'" in assert_openai_error(response, 400, "promt", "unknown_parameter")["message"]
+
+
+IGNORED_BY_DESIGN = {"user": "u-1", "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
+                     "prompt_cache_key": "k", "safety_identifier": "s"}
+
+
+def test_the_fields_ignored_by_design_are_accepted(client):
+    assert tuple(IGNORED_BY_DESIGN) == IGNORED_FIELDS
+    response = completion(client, max_tokens=2, temperature=0, ignore_eos=True, **IGNORED_BY_DESIGN)
+    assert response.status_code == 200, response.text
+    # Chat gets past them to the refusal this tokenizer-less engine gives every chat request.
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **IGNORED_BY_DESIGN}
+    error = assert_openai_error(client.post("/v1/chat/completions", json=body), 400, "messages")
+    assert "chat template" in error["message"]
+
+
+def test_the_readme_lists_the_fields_ignored_by_design():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("ignored by design"):][:400]
+    assert all(f"`{name}`" in section for name in IGNORED_FIELDS), section
+
+
+def test_a_field_ignored_by_design_is_still_type_checked(client):
+    assert_openai_error(completion(client, store="yes"), 400, "store", "invalid_value")
 
 
 def test_prompt_longer_than_max_model_len_is_a_400(client):

@@ -46,9 +46,12 @@ class EngineConfig:
     prefill_only_budget: int | None = option(
         None, "tokens a step with no row decoding may prefill (default: 512 where max_num_batched_tokens "
               "is left to its default, else max_num_batched_tokens)", cli=False)
-    dtype: str | torch.dtype | None = option(None, "activations and K/V: float32, float16, bfloat16 or a torch.dtype "
-                              "(default: float32 on cpu, bfloat16 on cuda; the weight format's dtype)",
-                        choices=("float32", "float16", "bfloat16"))
+    dtype: str | torch.dtype | None = option(
+        None, "activations and K/V: float32, float16, bfloat16 or a torch.dtype; given without --weights, the "
+              "weights load dense in it (default: the weight format's; on the CPU auto, int8 and int4 compute in "
+              "bfloat16 where the CPU has native bf16 (AVX-512 BF16, AMX, ARM BF16), else float32; bfloat16 on "
+              "cuda; the startup summary names it)",
+        choices=("float32", "float16", "bfloat16"))
     weights: str | WeightPlan | None = option(
         None, "weight format: auto, auto+dense (with a dense copy for steps of many rows), fp32, bf16, int8, int4, "
               "a plan name or a WeightPlan (default: auto, or dense in dtype when that is given)",
@@ -71,10 +74,18 @@ class EngineConfig:
                                  "the background while those buckets run eagerly (lazy), or not at all (none: "
                                  "only cached graphs run)", choices=("lazy", "eager", "none"))
     enable_chunked_prefill: bool = option(
-        True, "prefill long prompts in chunks beside the decode rows (off: whole prompts in steps of their "
-              "own, running streams wait)", flag="--no-chunked-prefill")
+        True, "turns chunked prefill off: each prompt is prefilled whole, in steps of its own, while running "
+              "streams wait (default: on, long prompts are prefilled in chunks beside the decode rows)",
+        flag="--no-chunked-prefill")
     enable_prefix_caching: bool = option(
-        True, "reuse cached K/V of shared prompt prefixes (off: recompute every prompt)", flag="--no-prefix-caching")
+        True, "turns prefix caching off: every prompt is computed from its first token (default: on, a prompt "
+              "reuses the cached K/V of a prefix already seen)", flag="--no-prefix-caching")
+    threads: int | None = option(
+        None, "CPU threads for torch's ops and nanoserve's CPU kernels (torch.set_num_threads, process-wide; "
+              "default: torch's, one per core)", kind="int")
+    chat_template: str | None = option(
+        None, "chat template in place of the model's own: a jinja file, or a built-in: chatml, gemma, llama3, "
+              "mistral; checked on a sample conversation before the weights load (default: the model's own)")
     speculative: Any = option(
         None, "speculative decoding, as vLLM's config: a dict or JSON, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft\", \"model\": PATH}' "
@@ -91,9 +102,16 @@ class EngineConfig:
             raise ValueError(f"warmup must be 'eager', 'lazy' or 'none', got {self.warmup!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
+        if self.chat_template is not None:  # refused here, in one line, before any weights load
+            from nanoserve.model.chat_templates import checked_chat_template
+
+            checked_chat_template(self.chat_template)
 
 
 def default_compile() -> bool:

@@ -32,6 +32,8 @@ from nanoserve.engine.sampler import Sampler, sample_isolated
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
+from nanoserve.engine.threads import apply_threads
+from nanoserve.model.chat_templates import with_chat_template
 from nanoserve.model.quant import tensor_bytes
 from nanoserve.spec.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
@@ -51,10 +53,13 @@ class Engine:
         self.speculator = speculator  # None: no speculation
         self._left: set[str] = set()  # requests finished since the speculator last heard
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
+        # With chat_template, a copy of the model's tokenizer holding that template instead.
+        self.tokenizer = with_chat_template(tokenizer, config.chat_template) if config.chat_template else tokenizer
         self.config = config
         self.resolved = resolved
         self.checks = checks
+        # Set here for the steps (the command line sets it before the load as well).
+        self.threads = apply_threads(config.threads)
         model_config = worker.model.config
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = frozenset(model_config.eos_token_ids)

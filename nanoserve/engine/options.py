@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from nanoserve.engine.config import cli_flag, options
+from nanoserve.engine.config import EngineConfig, cli_flag, options
 
 DEFAULT_MODEL = "smollm2"  # nanoserve.model.loader.DEFAULT_MODEL, named here without importing torch
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -54,3 +54,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_batch_size: int, kv_
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """build_engine's keyword arguments from add_engine_args' options."""
     return {option.name: getattr(args, option.name) for option in options() if option.metadata["cli"]}
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """build_engine's keyword arguments, checked as an EngineConfig (a bad value raises ValueError
+    before anything loads), with --threads already in effect: the load packs on them too."""
+    from nanoserve.engine.threads import apply_threads
+
+    kwargs = engine_kwargs(args)
+    apply_threads(EngineConfig(**kwargs).threads)
+    return kwargs

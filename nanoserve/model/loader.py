@@ -19,7 +19,7 @@ from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.group_codes import GroupCodes
 from nanoserve.model.hf_loader import SafetensorsWeights, safetensors_files
 from nanoserve.model.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
-from nanoserve.model.tokenizer import Tokenizer
+from nanoserve.model.tokenizer import Tokenizer, hf_chat_template
 from nanoserve.model.validate import checked_gguf_config
 from nanoserve.model.validate_hf import checked_hf_config
 from nanoserve.model.weight_plan import (
@@ -92,6 +92,14 @@ def load_tokenizer(model: str) -> Tokenizer:
     if path.is_dir():
         return Tokenizer.from_hf_dir(path)
     return Tokenizer.from_gguf_metadata(GGUFCheckpoint.open(path).metadata, source=str(path))
+
+
+def has_chat_template(model: str) -> bool:
+    """Whether a model argument carries a chat template (read from its metadata, no weights)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return bool(hf_chat_template(path))
+    return bool(GGUFCheckpoint.open(path).metadata.get("tokenizer.chat_template"))
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,

@@ -234,13 +234,8 @@ class Tokenizer:
             backend = Backend.from_file(str(path))
         except Exception as e:
             raise ModelLoadError(path, f"cannot read tokenizer ({e})") from e
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template_path = model_dir / "chat_template.jinja"
-        template = template_path.read_text() if template_path.is_file() else config.get("chat_template")
-        if isinstance(template, list):  # named templates; take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(backend, chat_template=template,
+        config = _hf_tokenizer_config(model_dir)
+        return cls(backend, chat_template=hf_chat_template(model_dir, config),
                    **{k: _content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")})
 
     @property
@@ -262,6 +257,23 @@ class Tokenizer:
         specials = {k: v for k, v in self.special_tokens.items() if v is not None}
         text = self.chat_template.render(messages, add_generation_prompt, **{**specials, **variables})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _hf_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    config_path = model_dir / "tokenizer_config.json"
+    return json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+
+def hf_chat_template(model_dir: Path, config: Mapping[str, Any] | None = None) -> str | None:
+    """A Hugging Face directory's chat template: `chat_template.jinja`, else tokenizer_config.json's
+    (``config``: that file, already read)."""
+    template_path = model_dir / "chat_template.jinja"
+    if template_path.is_file():
+        return template_path.read_text()
+    template = (_hf_tokenizer_config(model_dir) if config is None else config).get("chat_template")
+    if isinstance(template, list):  # named templates; take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
 
 
 def _content(token: Any) -> str | None:

@@ -72,7 +72,8 @@ async def render_chat(state: ServeState, messages: list[ChatMessage], add_genera
     tool plan, the tools are in the prompt (the template's own way, or a system message)."""
     template = getattr(state.tokenizer, "chat_template", None)
     if template is None:
-        raise ApiError(400, "messages: this server's model has no chat template; use /v1/completions",
+        raise ApiError(400, "messages: this server's model has no chat template (a server started with "
+                            "--chat-template FILE|NAME has one); use /v1/completions",
                        param="messages", code="invalid_value")
     roles = chat_roles(template.source)
     # Outside a native template, tool results are rewritten as user turns (prompt_messages).

@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_kwargs, parse_bytes
+from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_options, parse_bytes
 from nanoserve.serve.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
@@ -103,6 +103,17 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def describe_chat(engine) -> tuple[str, bool]:
+    """The startup summary's line on chat, and whether /v1/chat/completions can serve."""
+    if getattr(engine.tokenizer, "chat_template", None) is not None:
+        given = engine.config.chat_template
+        return "chat template: " + ("the model's own" if given is None else repr(given)), True
+    from nanoserve.model.chat_templates import BUILTIN
+
+    return ("chat unavailable: the model has no chat template, so /v1/chat/completions answers 400; "
+            f"--chat-template FILE|NAME gives it one (built-in: {', '.join(sorted(BUILTIN))})"), False
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """Bind the port, build the engine, then serve until interrupted."""
     model = chosen_model(args)
@@ -110,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> None:
         # A torchrun rank other than 0 applies rank 0's plans and binds no port (ranks may
         # share a host); build_engine returns only on rank 0, so this exits with the rank.
         from nanoserve.engine import build_engine
-        build_engine(model, **engine_kwargs(args))
+        build_engine(model, **engine_options(args))
         return
     sock = bind(args.host, args.port)
     try:
@@ -139,11 +150,13 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
                     args.host)
     started = time.perf_counter()
     try:
-        engine = build_engine(model, **engine_kwargs(args))
+        engine = build_engine(model, **engine_options(args))
     except (FileNotFoundError, ValueError) as exc:  # a missing or bad model file, a pool too small
         raise SystemExit(f"nanoserve serve: {exc}") from exc
     for line in describe_engine(engine, model, time.perf_counter() - started):
         log.info("%s", line)
+    chat, available = describe_chat(engine)
+    (log.info if available else log.warning)("%s", chat)
     name = args.served_model_name or served_name(model)
     app = create_app(EngineLoop(engine, max_waiting=args.max_waiting_requests), name, api_key=args.api_key,
                      max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,

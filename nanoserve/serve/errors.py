@@ -42,6 +42,12 @@ def from_validation_error(exc: RequestValidationError) -> ApiError:
     field may take several types (a union), a value our own validators refused (bad Unicode)
     explains more than "not a list", so that error is preferred."""
     errors = exc.errors()
+    unknown = [".".join(str(part) for part in e["loc"] if part != "body") for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown:  # named first: a misspelt field also makes the field it meant look missing
+        names = ", ".join(repr(name) for name in unknown)
+        return ApiError(400, f"unknown parameter{'s' if len(unknown) > 1 else ''}: {names}", param=unknown[0],
+                        code="unknown_parameter")
     first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     # Union members appear in `loc` as type names ("list[int]"); the client's path is the rest.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"

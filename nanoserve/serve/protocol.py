@@ -3,10 +3,13 @@
 Types are strict, as OpenAI's are: ``"8"`` or ``true`` is not an integer, ``"yes"`` is not a
 boolean, and a float must be finite (Python's JSON parser lets ``Infinity`` and ``NaN``
 through). Every text field must be valid Unicode (no lone UTF-16 surrogates). Integer ranges
-are SamplingParams' own (64-bit, the generator's seed range). Unknown fields are accepted and
-ignored (clients send `user`, `metadata`, ...); fields we cannot honour (``n > 1``,
-``suffix``, ``logit_bias``, image parts) are refused with a 400 that says so rather than
-silently dropped.
+are SamplingParams' own (64-bit, the generator's seed range). A generation request's fields are
+honoured or refused: an unknown one is a 400 naming it (as OpenAI's API answers), fields we
+cannot honour (``n > 1``, ``suffix``, ``logit_bias``, image parts) are refused with a 400 that
+says so, and only IGNORED_FIELDS (bookkeeping clients send, with nothing to do here) are
+accepted and ignored by design (README). Nested objects (messages, tools) still take fields
+beyond their own: clients send an earlier reply's message back as it came (`refusal`,
+`annotations`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]  # a str that can be tokenized and sent back as UTF-8
+
+
+# OpenAI's fields that only matter to OpenAI's own service (an end user's id, storing the reply,
+# tags, a billing tier, cache routing hints), accepted on both generation routes and ignored.
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
 
 
 class StrictModel(BaseModel):
@@ -68,7 +76,10 @@ class StructuredOutputsField(StrictModel):
 
 
 class _SamplingFields(StrictModel):
-    """Fields both endpoints share. ``None`` means "the OpenAI default"."""
+    """Fields both endpoints share. ``None`` means "the OpenAI default". A field not declared
+    here or in a route's request is refused (a 400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Text
     max_tokens: int | None = None
@@ -94,6 +105,13 @@ class _SamplingFields(StrictModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # IGNORED_FIELDS: accepted, type-checked, and not used.
+    user: Text | None = None
+    store: bool | None = None
+    metadata: dict[str, Text] | None = None
+    service_tier: Text | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
 
     @property
     def include_usage(self) -> bool:
