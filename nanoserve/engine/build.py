@@ -16,6 +16,7 @@ from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.scheduler import Scheduler, check_token_budget
+from nanoserve.engine.threads import apply_threads
 from nanoserve.model import cpu_kernels
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import LlamaModel
@@ -60,6 +61,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     NANOSERVE_CHECKS=1 in the environment runs the gates on every step (README: debug runs).
     """
     config = dataclasses.replace(config or EngineConfig(), **options)
+    apply_threads(config.threads)  # before the load, whose packing runs on them too
     named = isinstance(model, str)
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
     arch = load_config(model) if named else model.config
