@@ -19,6 +19,7 @@ from compile import (
     serve_bench,
     slotbench,
     spec_bench,
+    startup,
     structured_bench,
     tp_bench,
     ttft,
@@ -38,6 +39,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "scale": scale.main,
     "structured": structured_bench.main,
     "spec": spec_bench.main,
+    "startup": startup.main,
 }
 DEFAULT_SUITE = "headline"
 
