@@ -78,7 +78,7 @@ def build_engines(work: DecodeWorkload, weights: str) -> dict[str, object]:
     # The budget holds the largest batch's prompts, so its prefill is one step (EngineSteps
     # counts every later step as decode).
     return {mode: build_engine(work.model, max_batch_size=max(work.batches), max_model_len=work.max_len,
-                               kv_cache_bytes=work.kv_cache_bytes, compile=mode == "compile", weights=weights,
+                               kv_cache_bytes=work.kv_cache_bytes, compile=mode == "compile", warmup="eager", weights=weights,
                                max_num_batched_tokens=max(work.batches) * work.prompt_len)
             for mode in work.modes}
 

@@ -43,7 +43,7 @@ COLUMNS = ["system", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", 
 
 def engine_in(model: str, weights: str):
     """A one-row engine in one weight format: its model is the network as the engine runs it."""
-    return build_engine(model, max_batch_size=1, max_model_len=64, weights=weights)
+    return build_engine(model, max_batch_size=1, max_model_len=64, weights=weights, compile=False)
 
 
 def metrics_row(system: str, reference: torch.Tensor, logits: torch.Tensor, token_ids: list[int],

@@ -75,7 +75,7 @@ def measure_nanoserve(path: Path, batches: Sequence[int]) -> dict:
     from nanoserve.engine import build_engine
 
     started = time.perf_counter()
-    engine = build_engine(str(path), max_batch_size=max(batches), max_model_len=MAX_MODEL_LEN, compile=True,
+    engine = build_engine(str(path), max_batch_size=max(batches), max_model_len=MAX_MODEL_LEN, compile=True, warmup="eager",
                           enable_prefix_caching=False)
     row = dict(load_s=time.perf_counter() - started, rss_load_gb=_peak_rss_gb(),
                weights_gb=engine.stats().weight_bytes / 1e9, load_stages=engine.stats().load_stages)

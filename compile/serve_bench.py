@@ -294,7 +294,8 @@ def engine_factory(work: ServeWorkload) -> EngineFactory:
 
     def make(**flags):
         common = dict(max_batch_size=max(work.streams + 1, 2), max_model_len=max_model_len,
-                      kv_cache_bytes=work.kv_cache_bytes, device=work.device, compile=work.compile, **flags)
+                      kv_cache_bytes=work.kv_cache_bytes, device=work.device, compile=work.compile, warmup="eager",
+                      **flags)
         if not loaded:
             engine = build_engine(work.model, weights=work.weights, **common)
             loaded.update(model=engine.model, tokenizer=engine.tokenizer, dtype=engine.resolved.dtype)

@@ -328,7 +328,7 @@ def run_planning(args: argparse.Namespace) -> list[dict]:
 
     run = PlanningRun(args.plan_rows, args.context, args.plan_steps)
     engine = build_engine(args.model, max_batch_size=max(run.row_counts), max_model_len=run.max_model_len,
-                          device=args.device)
+                          device=args.device, compile=False)
     print(f"\nplanning per decode step vs the eager step: {args.model} ({engine.resolved.weights}) on {args.device}, "
           f"{run.context}-token context, median of {run.steps} of each, interleaved")
     results = measure_planning(engine, run)

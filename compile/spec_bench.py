@@ -186,7 +186,7 @@ def measure_nanoserve(spec: dict) -> list[dict]:
     from nanoserve.engine import build_engine
 
     longest = max(len(p) for job in spec["jobs"] for p in job["prompts"])
-    options = dict(max_batch_size=max(job["batch"] for job in spec["jobs"]), compile=spec["compile"],
+    options = dict(max_batch_size=max(job["batch"] for job in spec["jobs"]), compile=spec["compile"], warmup="eager",
                    max_model_len=longest + spec["new_tokens"] + spec["k"] + 16, enable_prefix_caching=False,
                    weights=spec["weights"])
     if spec["speculative"] is not None:

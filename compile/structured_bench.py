@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     host = host_description()
     options = dict(max_batch_size=max(args.batches), max_model_len=args.prompt_len + args.new_tokens + 16,
-                   compile=not args.eager, weights=args.weights)
+                   compile=not args.eager, warmup="eager", weights=args.weights)
     # Two engines loaded alike (the model's weights twice: the suite is for models that fit so).
     engines = {"plain": build_engine(args.model, **options), "constrained": build_engine(args.model, **options)}
     rows = [dict(**host, weights=args.weights, compiled=not args.eager,

@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = args.lengths
     host = host_description()
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}")
-    engine = build_engine(args.model, max_batch_size=1, max_model_len=max(lengths) + 16, enable_prefix_caching=False)
+    engine = build_engine(args.model, max_batch_size=1, max_model_len=max(lengths) + 16, enable_prefix_caching=False,
+                          compile=False)
     peer = None
     if not args.no_llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)

@@ -178,7 +178,19 @@ def _generate(args: argparse.Namespace, engine, params, started: float) -> int:
     count = len(last.token_ids)
     print(f"[{len(last.prompt_token_ids)} prompt + {count} new tokens in {elapsed:.2f} s, "
           f"{count / elapsed:.1f} tok/s; finish: {finish_note(engine, last, params)}]", file=sys.stderr)
+    if engine.speculator is not None:
+        print(f"[{speculation_note(engine.stats())}]", file=sys.stderr)
     return 0
+
+
+def speculation_note(stats) -> str:
+    """What speculation did for the reply: its acceptance, or why it did not run."""
+    if not stats.spec_verify_steps:
+        return ("speculative decoding: nothing was verified (no proposal: the reply never repeated a "
+                "stretch of its context, or the row's adaptive length fell to 0)")
+    return (f"speculative decoding: {stats.spec_accepted_tokens} of {stats.spec_proposed_tokens} proposed tokens "
+            f"accepted ({stats.spec_acceptance_rate:.0%}), {stats.spec_mean_accepted_length:.2f} tokens per "
+            f"verify step over {stats.spec_verify_steps} verify steps")
 
 
 def outputs(engine, prompt: str, params) -> Iterator:

@@ -209,3 +209,27 @@ def test_two_processes_warming_the_same_cache_both_finish_with_valid_entries(tmp
     assert len(cache.entries()) == 3
     for entry in cache.entries():
         assert entry.read_bytes().startswith(b"nanoserve-graph")
+
+
+def test_nanoserve_warmup_builds_every_bucket_then_a_start_loads_them(cache_dir, tiny_llama_dir, capsys):
+    from nanoserve.launch import main
+
+    options = ["--max-batch-size", "2", "--max-model-len", "64", "--kv-cache-bytes", "1M"]
+    assert main(["warmup", str(tiny_llama_dir), *options]) == 0
+    err = capsys.readouterr().err
+    assert "model: 2 graphs ready (0 already cached, 2 built)" in err and "rows=2" in err
+    assert main(["warmup", str(tiny_llama_dir), *options]) == 0
+    assert "(2 already cached, 0 built)" in capsys.readouterr().err
+    engine = build_engine(str(tiny_llama_dir), max_batch_size=2, max_model_len=64, kv_cache_bytes=1 << 20,
+                          compile=True, warmup="none")
+    assert (engine.stats().graphs_loaded, engine.stats().graphs_ready, engine.stats().graphs_pending) == (2, 2, 0)
+
+
+def test_the_start_up_summary_says_which_graphs_are_ready():
+    from nanoserve.engine.stats import EngineStats
+    from nanoserve.summary import describe_graphs
+
+    line = describe_graphs(EngineStats(graphs_ready=3, graphs_loaded=3, graph_load_seconds=0.4, graphs_building=1,
+                                       graphs_pending=3))
+    assert line == ("compiled decode: 3 graphs ready (3 loaded from the compile cache in 0.4 s), 4 building in the "
+                    "background (those buckets run eagerly meanwhile)")

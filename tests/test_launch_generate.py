@@ -57,7 +57,7 @@ def test_parser_has_generate_subcommand_with_documented_options():
     assert (args.command, args.chat, args.max_tokens, args.top_k, args.prompt) == ("generate", True, 3, 5, "p")
     assert args.model == "smollm2" and args.dtype is None  # float32 on cpu, bfloat16 on cuda
     # One prompt takes one row, and an unset budget is what that row needs at full length.
-    assert (args.max_batch_size, args.kv_cache_bytes, args.compile) == (1, None, False)
+    assert (args.max_batch_size, args.kv_cache_bytes, args.compile) == (1, None, None)  # unset: compiled
 
 
 def test_the_library_and_the_command_line_default_to_the_same_reply_length():
@@ -132,3 +132,14 @@ def test_chunked_prefill_and_prefix_caching_switches_reach_build_engine():
     off = engine_kwargs(build_parser().parse_args(
         ["generate", "--no-chunked-prefill", "--no-prefix-caching", "--max-num-batched-tokens", "64", "p"]))
     assert (off["enable_chunked_prefill"], off["enable_prefix_caching"], off["max_num_batched_tokens"]) == (False, False, 64)
+
+
+def test_generate_closes_with_speculations_acceptance(tiny_gguf, capsys):
+    # A prompt that repeats itself gives n-gram lookup something to propose.
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": false}'
+    args = ["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "12",
+            "--speculative-config", speculative, "hello hello hello hello hello hello"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "speculative decoding:" in err
+    assert "proposed tokens accepted" in err and "verify steps" in err

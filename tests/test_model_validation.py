@@ -121,7 +121,8 @@ def test_chat_without_a_template_says_so_in_one_line(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--model", str(path), "--chat", "hello"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == f"nanoserve: error: {path}: the model has no chat template; run without --chat"
+    assert err == (f"nanoserve: error: {path}: the model has no chat template; give one with --chat-template "
+                   "FILE|NAME (built-in: chatml, gemma, llama3, mistral) or run without --chat")
 
 
 # -- Hugging Face directories ------------------------------------------------------------------

@@ -33,7 +33,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_bind_loopback_and_sizes_parse():
     args = parse()
-    assert (chosen_model(args), args.host, args.port, args.compile) == ("smollm2", "127.0.0.1", 8000, False)
+    assert (chosen_model(args), args.host, args.port, args.compile) == ("smollm2", "127.0.0.1", 8000, None)
     assert (args.max_batch_size, args.kv_cache_bytes) == (32, None)  # the engine's default, in tokens
     assert callable(args.func)
     assert parse("--kv-cache-bytes", "512M").kv_cache_bytes == 512 << 20

@@ -110,6 +110,7 @@ class BackgroundBuilder:
         self.built = 0
         self.build_seconds: dict[Shape, float] = {}  # per bucket the child built (or found built)
         self._ready: queue.Queue = queue.Queue()
+        self._asked: set[Shape] = set()
         with tempfile.NamedTemporaryFile(dir=cache.root, prefix=".job-", suffix=".pt", delete=False) as out:
             torch.save(job, out)
         self._job_path = out.name
@@ -128,8 +129,9 @@ class BackgroundBuilder:
         return len(self.pending) if self._child.poll() is None else 0
 
     def request(self, shape: Shape) -> None:
-        """Build ``shape`` next (a step just met it)."""
-        if shape in self.pending:
+        """Build ``shape`` next (a step just met it); said once per shape."""
+        if shape in self.pending and shape not in self._asked:
+            self._asked.add(shape)
             self._send("next", shape)
 
     def ready(self) -> list[tuple[Shape, object]]:
@@ -190,7 +192,8 @@ def _child_main(job_path: str) -> int:
     torch.set_num_threads(1)
     from nanoserve.worker.build import build_worker
 
-    job: BuildJob = torch.load(job_path, weights_only=False)
+    job: BuildJob = torch.load(job_path, weights_only=False)  # the parent's own file, made for this child
+    os.unlink(job_path)
     cache = GraphCache(job.cache_root)
     step = build_worker(job.model, dataclasses.replace(job.spec, compile=False)).decode_step
     todo: collections.deque[Shape] = collections.deque()
