@@ -14,8 +14,9 @@ import time
 from collections.abc import Iterator, Sequence
 
 from nanoserve.cli_parser import OneLineErrorParser
-from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_options
+from nanoserve.engine.options import add_engine_args, engine_options
 from nanoserve.engine.sampling_params import DEFAULT_MAX_TOKENS
+from nanoserve.model_path import DEFAULT_MODEL
 from nanoserve.serve.cli import add_serve_subcommand
 
 
@@ -89,11 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run_warmup(args: argparse.Namespace) -> int:
     """Load the model with only cached graphs, then build each missing bucket here, one progress
     line per bucket with its time (the draft model's too, when speculating)."""
+    options = {**engine_options(args, args.model), "warmup": "none"}
     from tqdm import tqdm
 
     from nanoserve.engine import build_engine
 
-    options = {**engine_options(args), "warmup": "none"}
     if options.get("compile") is False:
         raise ValueError("warmup builds compiled graphs: drop --no-compile")
     options["compile"] = True
@@ -144,6 +145,7 @@ def no_chat_template(model: str) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    options = engine_options(args, args.model)  # a bad option or a missing model, before torch loads
     from nanoserve.engine import SamplingParams, build_engine
     from nanoserve.model.loader import has_chat_template
 
@@ -152,7 +154,6 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
     started = time.perf_counter()
-    options = engine_options(args)  # a bad --chat-template is refused here
     if args.chat and args.chat_template is None and not has_chat_template(args.model):
         raise ValueError(no_chat_template(args.model))  # said before the weights load
     with build_engine(args.model, **options) as engine:

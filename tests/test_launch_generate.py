@@ -143,3 +143,19 @@ def test_generate_closes_with_speculations_acceptance(tiny_gguf, capsys):
     err = capsys.readouterr().err
     assert "speculative decoding:" in err
     assert "proposed tokens accepted" in err and "verify steps" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "{missing}", "x"], ["serve", "{missing}", "--port", "0"],
+                                     ["warmup", "{missing}"]])
+def test_a_missing_model_is_refused_in_one_line_before_torch_is_imported(tmp_path, command):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "missing.gguf"
+    script = ("import sys\nfrom nanoserve.launch import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as exit:\n    print(exit, file=sys.stderr)\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script, *[part.format(missing=missing) for part in command]],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False"], done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{missing}: model not found" in lines[0], done.stderr

@@ -8,8 +8,8 @@ import argparse
 import re
 
 from nanoserve.engine.config import EngineConfig, cli_flag, options
+from nanoserve.model_path import resolve_model_path
 
-DEFAULT_MODEL = "smollm2"  # nanoserve.model.loader.DEFAULT_MODEL, named here without importing torch
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -56,11 +56,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {option.name: getattr(args, option.name) for option in options() if option.metadata["cli"]}
 
 
-def engine_options(args: argparse.Namespace) -> dict:
+def engine_options(args: argparse.Namespace, model: str | None = None) -> dict:
     """build_engine's keyword arguments, checked as an EngineConfig (a bad value raises ValueError
-    before anything loads), with --threads already in effect: the load packs on them too."""
+    before anything loads), then ``model`` checked to exist (FileNotFoundError, before torch
+    loads), with --threads then in effect: the load packs on them too."""
+    kwargs = engine_kwargs(args)
+    config = EngineConfig(**kwargs)
+    if model is not None:
+        resolve_model_path(model)
     from nanoserve.engine.threads import apply_threads
 
-    kwargs = engine_kwargs(args)
-    apply_threads(EngineConfig(**kwargs).threads)
+    apply_threads(config.threads)
     return kwargs

@@ -15,7 +15,8 @@ import socket
 import time
 from pathlib import Path
 
-from nanoserve.engine.options import DEFAULT_MODEL, add_engine_args, engine_options, parse_bytes
+from nanoserve.engine.options import add_engine_args, engine_options, parse_bytes
+from nanoserve.model_path import DEFAULT_MODEL, resolve_model_path
 from nanoserve.serve.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
@@ -125,6 +126,10 @@ def run_serve(args: argparse.Namespace) -> None:
         return
     sock = bind(args.host, args.port)
     try:
+        try:
+            resolve_model_path(model)  # a missing model is refused before torch loads
+        except FileNotFoundError as exc:
+            raise SystemExit(f"nanoserve serve: {exc}") from None
         _serve(args, model, sock)
     finally:
         sock.close()
