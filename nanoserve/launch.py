@@ -99,6 +99,13 @@ def run_warmup(args: argparse.Namespace) -> int:
         raise ValueError("warmup builds compiled graphs: drop --no-compile")
     options["compile"] = True
     started = time.perf_counter()
+    if args.tensor_parallel_size > 1:  # every rank builds its own graphs at once, at build
+        with build_engine(args.model, **{**options, "warmup": "eager"}) as engine:
+            stats = engine.stats()
+        print(f"nanoserve: model: {stats.graphs_ready} graphs ready on each of {args.tensor_parallel_size} ranks "
+              f"({stats.graphs_loaded} already cached, {stats.graphs_built} built)", file=sys.stderr)
+        print(f"nanoserve: warm-up done in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        return 0
     with build_engine(args.model, **options) as engine:
         steps = [("model", engine.worker.decode_step)]
         draft = getattr(engine.speculator, "proposer", None) if engine.speculator is not None else None

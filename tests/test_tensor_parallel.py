@@ -96,7 +96,21 @@ def test_two_ranks_give_one_rank_logits_and_tokens(tiny, compiled):
             assert all(abs(p.logprob - q.logprob) <= 1e-4 for p, q in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
     assert (stats.preemptions, stats.prefix_cache_hits) == (ref_stats.preemptions, ref_stats.prefix_cache_hits)
     if compiled:
-        assert stats.graphs_built == 1 and stats.recompiles_after_warmup == 0
+        assert stats.graphs_built + stats.graphs_loaded == 1 and stats.recompiles_after_warmup == 0
+    assert no_workers_left()
+
+
+def test_tensor_parallel_ranks_keep_their_graphs_in_the_compile_cache(tiny):
+    # Each rank builds its own graphs (they hold its collectives) into the cache, keyed by its
+    # place; the next engine's ranks load them and compile nothing, with the same tokens.
+    options = dict(OPTIONS, compile=True, row_buckets=(2, 4), width_buckets=(64,))
+    with build_engine(tiny, tensor_parallel_size=2, warmup="eager", **options) as engine:
+        first, _, _ = run_recorded(engine, PROMPTS, params())
+    with build_engine(tiny, tensor_parallel_size=2, warmup="lazy", **options) as engine:
+        assert (engine.stats().graphs_loaded, engine.stats().graphs_built, engine.stats().graphs_ready) == (2, 0, 2)
+        again, _, stats = run_recorded(engine, PROMPTS, params())
+        assert (stats.graphs_built, stats.eager_steps, stats.recompiles_after_warmup) == (0, 0, 0)
+    assert [a.token_ids for a in again] == [a.token_ids for a in first]
     assert no_workers_left()
 
 

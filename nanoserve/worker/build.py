@@ -90,16 +90,19 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
     cache = KVCache(arch.num_layers, kv_heads, arch.head_dim, spec.num_blocks, spec.block_size, spec.max_batch_size,
                     spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device)
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier)
-    # Graphs from the cache where they can be built in another process: inductor on the CPU, one
-    # rank (a tensor-parallel rank's graphs hold its collectives, so it compiles them itself).
+    # Graphs from the cache: inductor on the CPU. A tensor-parallel rank's graphs hold its
+    # collectives, which no other process can trace, so a rank builds its missing graphs itself.
     cached = (spec.compile and spec.compile_backend == "inductor" and torch.device(spec.device).type == "cpu"
-              and shard is None and spec.buckets is not None)
+              and spec.buckets is not None)
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
                       device=spec.device, backend=spec.compile_backend, attention_kernel=kernel,
                       max_queries=spec.max_queries, graph_cache=GraphCache(spec.compile_cache) if cached else None)
     if spec.checks:  # the slot table's reservation against this worker's K/V
         check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)
-    if cached:
+    if cached and shard is not None:
+        step.key_extra = dict(rank=shard.rank, ranks=shard.size)
+        step.prepare_graphs("eager" if spec.warmup == "eager" else "inline")
+    elif cached:
         _prepare_graphs(step, source, spec, cache.kv_bytes)
     elif spec.compile and spec.warmup == "eager" and spec.buckets is not None:
         step.warmup()

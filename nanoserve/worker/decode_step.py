@@ -89,6 +89,8 @@ class DecodeStep:
         self.graphs: dict[Shape, object] = {}  # bucket -> its loaded ahead-of-time graph
         self.builder: BackgroundBuilder | None = None
         self._fingerprint: str | None = None
+        self.key_extra: dict[str, object] = {}  # what else a graph depends on (a tensor-parallel rank's place)
+        self.build_inline = False  # build a missing graph here on first use (a tensor-parallel rank)
         self._seen: set[tuple[int, int, int]] = set()
         self._graphs_compiled = 0  # graphs this step's in-process backend has compiled
         self._forward = decode_forward
@@ -123,13 +125,14 @@ class DecodeStep:
         return GraphKey.of(
             device=self.device, mode=self.mode, attention_kernel=self.attention_kernel, model=self._fingerprint,
             kv=(len(self.cache.k_caches), tuple(kv.shape), kv.dtype), slots=tuple(self.cache.slot_table.slots.shape),
-            buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape)
+            buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape, **self.key_extra)
 
     def prepare_graphs(self, build: str, source: object = None, spec: object = None) -> None:
         """Load every bucket's cached graph; then build the missing ones: ``build`` "eager" here
         and now, "lazy" in a background process (its buckets run eagerly until each is swapped
-        in; ``source`` and ``spec`` are what that process rebuilds this step from), "none" not
-        at all (those buckets stay eager)."""
+        in; ``source`` and ``spec`` are what that process rebuilds this step from), "inline"
+        here on a bucket's first use (a tensor-parallel rank), "none" not at all (those buckets
+        stay eager)."""
         cache = self.graph_cache
         start = time.perf_counter()
         missing = []
@@ -146,6 +149,7 @@ class DecodeStep:
         if build == "eager":
             self.warmup()
             return
+        self.build_inline = build == "inline"
         if build != "lazy":
             return
         keys = {shape: self.graph_key(shape) for shape in missing}
@@ -214,6 +218,18 @@ class DecodeStep:
         self._forward = torch.compile(decode_forward, backend=counted, fullgraph=True, dynamic=False,
                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
+    def _build_now(self, shape: Shape):
+        """Build (or find built by another process) and load ``shape``'s graph here."""
+        compiled = build_entry(self, self.graph_cache, shape)
+        self._graphs_compiled += compiled
+        self.stats.graphs_loaded += not compiled
+        self.stats.graphs_built = self._graphs_compiled + (self.builder.built if self.builder is not None else 0)
+        graph = load_entry(self.graph_cache, self.graph_key(shape))
+        if graph is None:
+            raise RuntimeError(f"the graph for bucket {shape} was built but does not load")
+        self.graphs[shape] = graph
+        return graph
+
     @torch.inference_mode()
     def warmup(self, progress=None) -> float:
         """Build every bucket's graph now (into the cache and loaded, or compiled in this process
@@ -228,13 +244,7 @@ class DecodeStep:
                 for _ in range(3):  # cudagraph trees: warm-up run, record, first replay
                     self._call(*shape)
             elif shape not in self.graphs:
-                compiled = build_entry(self, self.graph_cache, shape)  # False: another process built it meanwhile
-                self._graphs_compiled += compiled
-                self.stats.graphs_loaded += not compiled
-                graph = load_entry(self.graph_cache, self.graph_key(shape))
-                if graph is None:
-                    raise RuntimeError(f"the graph for bucket {shape} was built but does not load")
-                self.graphs[shape] = graph
+                self._build_now(shape)
             if progress is not None:
                 progress(shape, time.perf_counter() - began, self._graphs_compiled > before)
         self.stats.graphs_built = self._graphs_compiled + (self.builder.built if self.builder is not None else 0)
@@ -282,6 +292,8 @@ class DecodeStep:
         if self.graph_cache is not None:
             self.poll()
             graph = self.graphs.get(shape)
+            if graph is None and self.build_inline:
+                graph = self._build_now(shape)
             if graph is not None:
                 return graph(*args)
             self.stats.eager_steps += 1
