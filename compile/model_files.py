@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from nanoserve.model.loader import default_model_path
+from nanoserve.model_path import default_model_path
 
 Q = GGMLQuantizationType
 

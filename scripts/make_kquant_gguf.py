@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="load each file in nanoserve and llama.cpp")
     args = parser.parse_args(argv)
-    from nanoserve.model.loader import default_model_path
+    from nanoserve.model_path import default_model_path
 
     source = default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)

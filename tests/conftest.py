@@ -129,7 +129,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from nanoserve.model.loader import default_model_path
+    from nanoserve.model_path import default_model_path
 
     try:
         return default_model_path()
