@@ -26,12 +26,14 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
+_INDUCTOR_ENV = threading.RLock()  # guards the process's TORCHINDUCTOR_CACHE_DIR while it is ours
 
 MAGIC = b"nanoserve-graph\n"
 FORMAT = 1
@@ -118,15 +120,18 @@ class GraphCache:
     @contextlib.contextmanager
     def inductor_env(self):
         """Inductor's own cache (the graphs' compiled kernels) under this directory while a
-        graph is built or loaded, unless the user chose one with TORCHINDUCTOR_CACHE_DIR."""
-        if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-            yield
-            return
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
-        try:
-            yield
-        finally:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        graph is built or loaded, unless the user chose one with TORCHINDUCTOR_CACHE_DIR. One
+        build or load at a time in a process (the target's and a draft's loader threads), so
+        the variable is never taken away from under another."""
+        with _INDUCTOR_ENV:
+            if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+                yield
+                return
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
+            try:
+                yield
+            finally:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
     @contextlib.contextmanager
     def building(self, key: GraphKey):
