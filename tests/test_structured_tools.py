@@ -186,3 +186,15 @@ def test_a_template_that_takes_tools_renders_them_and_its_calls_are_parsed(herme
             jsonschema.validate(json.loads(delta.function.arguments), SCHEMAS[delta.function.name])
     else:
         assert "".join(c.delta.content or "" for c in chunks) and finish in ("stop", "length")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_tools_without_max_tokens_come_back_as_one_parsed_call(client, tool_choice):
+    # parallel_tool_calls unset means one call (llama-server's default): the envelope's grammar
+    # closes after it, instead of the model repeating calls to the token limit.
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                                           temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    check_call(choice.message.tool_calls[0])
+    assert reply.usage.completion_tokens <= 256

@@ -95,7 +95,8 @@ def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | 
     named = isinstance(choice, NamedToolChoice)  # one call of that function, as OpenAI's named choice
     marker = getattr(fmt, "MARKER", None)
     return ToolPlan(fmt, functions, allowed, "named" if named else choice,
-                    parallel=not named and body.parallel_tool_calls is not False,
+                    # one call a reply unless the request allows more (llama-server's default)
+                    parallel=not named and body.parallel_tool_calls is True,
                     marker_id=token_id(marker) if marker else None)
 
 
