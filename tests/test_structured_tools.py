@@ -198,3 +198,13 @@ def test_tools_without_max_tokens_come_back_as_one_parsed_call(client, tool_choi
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
     check_call(choice.message.tool_calls[0])
     assert reply.usage.completion_tokens <= 256
+
+
+def test_a_reply_cut_by_max_tokens_never_returns_the_raw_envelope(client):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=True, temperature=0, max_tokens=40)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("length", "tool_calls")
+    assert not (choice.message.content or "").lstrip().startswith("{")
+    for call in choice.message.tool_calls or []:
+        check_call(call)

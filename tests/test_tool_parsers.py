@@ -139,3 +139,15 @@ def test_a_streamed_auto_reply_gives_what_the_whole_reply_gives_wherever_it_is_c
     if not calls and name != "generic":  # plain text streams before the reply ends
         stream = ToolReplyStream(plan)
         assert stream.feed(PLAIN[:20]) == PLAIN[:20]
+
+
+def test_an_envelope_cut_by_max_tokens_keeps_its_completed_calls_and_never_shows_raw():
+    from nanoserve.structured.tools import parse_envelope
+
+    whole = '{"tool_calls": [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": "two"}}]}'
+    for cut, names in ((len(whole) - 2, ["a", "b"]), (whole.index('{"name": "b"') + 5, ["a"]), (20, [])):
+        reply = parse_envelope(whole[:cut])
+        assert reply.content is None and [c.name for c in reply.tool_calls] == names, cut
+    assert parse_envelope('{"content": "half a sen').content == "half a sen"
+    assert parse_envelope('{"content": "tab\\').content == "tab"  # cut inside an escape
+    assert parse_envelope("plain text").content == "plain text"

@@ -4,6 +4,7 @@ a model without tool support in its template replies in, and that form's system 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,13 +79,42 @@ def parse_envelope(text: str) -> ParsedReply:
     try:
         reply = json.loads(text)
     except json.JSONDecodeError:
-        return ParsedReply(text, [])
+        return _cut_envelope(text)
     if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
         calls = [as_call(c) for c in reply["tool_calls"]]
         if all(calls):
             return ParsedReply(None, calls)
     if isinstance(reply, dict) and isinstance(reply.get("content"), str) and len(reply) == 1:
         return ParsedReply(reply["content"], [])
+    return ParsedReply(text, [])
+
+
+_CALLS_HEAD = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
+_CONTENT_HEAD = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+
+
+def _cut_envelope(text: str) -> ParsedReply:
+    """A reply cut short inside the envelope (max_tokens): the calls completed before the cut, or
+    the content written so far; never the envelope's raw text. Text that is no envelope is content."""
+    if head := _CALLS_HEAD.match(text):
+        decoder, at, calls = json.JSONDecoder(), head.end(), []
+        while True:
+            while at < len(text) and text[at] in " \t\r\n,":
+                at += 1
+            try:
+                value, at = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                break
+            if (call := as_call(value)) is None:
+                break
+            calls.append(call)
+        return ParsedReply(None, calls)
+    if _CONTENT_HEAD.match(text):
+        for cut in range(len(text), max(len(text) - 8, 0), -1):  # a cut inside an escape loses it
+            try:
+                return ParsedReply(json.loads(text[:cut] + '"}')["content"], [])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
     return ParsedReply(text, [])
 
 
