@@ -208,3 +208,15 @@ def test_a_reply_cut_by_max_tokens_never_returns_the_raw_envelope(client):
     assert not (choice.message.content or "").lstrip().startswith("{")
     for call in choice.message.tool_calls or []:
         check_call(call)
+
+
+def test_a_strict_function_call_carries_only_the_keys_its_schema_names(client):
+    # An open schema (no additionalProperties) made strict: the grammar closes every object.
+    open_weather = {k: v for k, v in WEATHER.items() if k != "additionalProperties"}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                               "parameters": open_weather, "strict": True}}]
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice="required",
+                                               temperature=1.0, seed=seed, max_tokens=120)
+        (call,) = reply.choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) <= set(WEATHER["properties"])

@@ -151,3 +151,19 @@ def test_an_envelope_cut_by_max_tokens_keeps_its_completed_calls_and_never_shows
     assert parse_envelope('{"content": "half a sen').content == "half a sen"
     assert parse_envelope('{"content": "tab\\').content == "tab"  # cut inside an escape
     assert parse_envelope("plain text").content == "plain text"
+
+
+def test_a_strict_function_takes_only_the_keys_its_schema_names():
+    from nanoserve.structured.tools import strict_parameters
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+                                               "tags": {"type": "array", "items": {"type": "object"}}},
+              "required": ["city"]}
+    strict = strict_parameters(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["where"]["additionalProperties"] is False
+    assert strict["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert strict["properties"]["city"] == {"type": "string"} and "additionalProperties" not in schema
+    assert strict_parameters({"type": "object", "additionalProperties": True}) == {"type": "object",
+                                                                                 "additionalProperties": True}

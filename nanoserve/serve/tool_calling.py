@@ -18,7 +18,7 @@ from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from nanoserve.structured import StructuredOutputs
 from nanoserve.structured.tool_parsers import FORMATS, GenericFormat, ToolFormat, format_for_template
-from nanoserve.structured.tools import Function, ParsedReply
+from nanoserve.structured.tools import Function, ParsedReply, strict_parameters
 
 _TAKES_TOOLS = re.compile(r"\btools\b")  # a template that reads the `tools` variable
 
@@ -78,8 +78,7 @@ def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | 
             raise ApiError(400, f"tool_choice: {_choice_name(choice)} needs tools, and none were given",
                            param="tool_choice", code="invalid_value")
         return None
-    functions = [Function(t.function.name, t.function.description or "",
-                          t.function.parameters or {"type": "object", "properties": {}}) for t in body.tools]
+    functions = [Function(t.function.name, t.function.description or "", _parameters(t.function)) for t in body.tools]
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise ApiError(400, "tools: function names must be unique", param="tools", code="invalid_value")
@@ -98,6 +97,12 @@ def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | 
                     # one call a reply unless the request allows more (llama-server's default)
                     parallel=not named and body.parallel_tool_calls is True,
                     marker_id=token_id(marker) if marker else None)
+
+
+def _parameters(function) -> dict:
+    """A function's parameters schema, closed to unnamed keys where it asks to be ``strict``."""
+    parameters = function.parameters or {"type": "object", "properties": {}}
+    return strict_parameters(parameters) if function.strict else parameters
 
 
 def _choice_name(choice) -> str:

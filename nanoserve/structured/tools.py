@@ -46,6 +46,25 @@ class ParsedReply:
     tool_calls: list[ToolCall]
 
 
+def strict_parameters(schema: Any) -> Any:
+    """OpenAI's ``strict`` function: every object in the parameters' schema takes only the keys
+    it names (``additionalProperties`` false where the schema leaves it open)."""
+    if isinstance(schema, list):
+        return [strict_parameters(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict_parameters(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: strict_parameters(sub) for name, sub in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "not", "prefixItems")
+
+
 def call_schema(functions: Sequence[Function], arguments_key: str = "arguments") -> dict[str, Any]:
     """One call of any of `functions`: {"name": <its name>, arguments_key: <its parameters>}."""
     variants = [{"type": "object", "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
