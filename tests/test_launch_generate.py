@@ -88,7 +88,7 @@ def test_generate_says_what_it_loaded(tiny_gguf, capsys):
     assert main(["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "1", "hi"]) == 0
     err = capsys.readouterr().err
     assert re.search(rf"^nanoserve: model {re.escape(str(tiny_gguf))}: loaded in [0-9.]+ s on cpu "
-                     r"\(metadata [0-9.]+ s, weights [0-9.]+ s\)$", err, re.M), err
+                     r"\(metadata [0-9.]+ s, weights [0-9.]+ s, tokenizer [0-9.]+ s\)$", err, re.M), err
     assert "nanoserve: weights fp32, " in err and "compute dtype float32" in err and "CPU kernels: " in err, err
     # One row at the model's full length (1,024 tokens = 64 blocks of 16) plus the scratch block,
     # float32 K/V at 2 layers x 2 KV heads x 16 x 2 x 4 bytes = 512 bytes a token.
@@ -159,3 +159,15 @@ def test_a_missing_model_is_refused_in_one_line_before_torch_is_imported(tmp_pat
     assert done.stdout.split() == ["False"], done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{missing}: model not found" in lines[0], done.stderr
+
+
+def test_a_large_file_loads_with_a_progress_bar_and_the_tokenizer_is_a_stage_of_its_own(tiny_gguf, capsys,
+                                                                                         monkeypatch):
+    from nanoserve.model import loader
+
+    monkeypatch.setattr(loader, "PROGRESS_FROM_BYTES", 0)  # the tiny file counts as large
+    assert main(["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "1", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert f"loading {tiny_gguf.name}" in err and "layer" in err
+    load_line = next(line for line in err.splitlines() if "loaded in" in line)
+    assert "metadata" in load_line and "weights" in load_line and "tokenizer" in load_line

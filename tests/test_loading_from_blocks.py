@@ -142,7 +142,7 @@ print(json.dumps(dict(rss=int(status["VmHWM"].split()[0]) * 1024, tokens=len(out
         return
     assert found["weights"] <= 1.05 * size
     assert found["rss"] <= 1.3 * (size + kv_bytes) + 0.6e9, found
-    assert set(found["stages"]) == {"metadata", "weights"}
+    assert set(found["stages"]) == {"metadata", "weights", "tokenizer"}
 
 
 def test_auto_holds_no_dense_copy_and_auto_dense_asks_for_one():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch
 
@@ -84,10 +85,15 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
                           chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
                           buckets=spec.buckets)
+    started = time.perf_counter()
     if tokenizer is None and named:
         tokenizer = load_tokenizer(model)
+    tokenizer_seconds = time.perf_counter() - started
     speculator = _speculator(config, model, spec, arch.vocab_size) if config.speculative is not None else None
-    return Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)
+    engine = Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)
+    if named:  # the load line's stages: the file's, then the tokenizer's build (a large vocabulary's takes seconds)
+        engine.load_stages["tokenizer"] = tokenizer_seconds
+    return engine
 
 
 def _speculator(config: EngineConfig, target, spec: WorkerSpec, vocab_size: int) -> Speculator:

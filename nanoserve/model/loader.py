@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ def has_chat_template(model: str) -> bool:
     return bool(GGUFCheckpoint.open(path).metadata.get("tokenizer.chat_template"))
 
 
+PROGRESS_FROM_BYTES = 1 << 30  # a file this large loads with a progress bar over its layers
+
+
 def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", weights: WeightPlan | None = None,
                shard: Callable[[LlamaModel, dict[str, GroupCodes]], dict[str, GroupCodes]] | None = None,
@@ -83,24 +87,29 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     timer = LoadTimer()
     if path.is_dir():
         config = checked_hf_config(path)
-        tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
         weights_file: WeightFile = SafetensorsWeights(path)
+        timer.lap("metadata")
+        tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     else:
         ckpt = GGUFCheckpoint.open(path)
         config = checked_gguf_config(ckpt)
-        tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)) if with_tokenizer else None
         weights_file = GGUFWeights(ckpt, config)
-    timer.lap("metadata")
+        timer.lap("metadata")
+        tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)) if with_tokenizer else None
+    if with_tokenizer:
+        timer.lap("tokenizer")
+    files = safetensors_files(path) if path.is_dir() else [path]
+    file_bytes = sum(f.stat().st_size for f in files)
     if shard is not None:
         built = _load_whole(path, config, weights_file, dtype, device, weights, shard)
     else:
         built = _build_meta(path, config, weights_file)
-        fill_model(built, weights_file, weights, dtype if weights is None else weights.dtype)
+        fill_model(built, weights_file, weights, dtype if weights is None else weights.dtype,
+                   progress=f"loading {path.name}" if file_bytes > PROGRESS_FROM_BYTES else None)
         built = built.to(device)
     timer.lap("weights")
     built.load_stages = timer.stages
-    files = safetensors_files(path) if path.is_dir() else [path]
-    built.file_bytes = sum(f.stat().st_size for f in files)
+    built.file_bytes = file_bytes
     return built, tokenizer
 
 
@@ -168,18 +177,25 @@ def _build_meta(path: Path, config: ModelConfig, weights_file: WeightFile) -> Ll
     return model
 
 
-def fill_model(model: LlamaModel, weights_file: WeightFile, plan: WeightPlan | None, dtype: torch.dtype) -> None:
+def fill_model(model: LlamaModel, weights_file: WeightFile, plan: WeightPlan | None, dtype: torch.dtype,
+               progress: str | None = None) -> None:
     """Fill a meta-device model from the file one decoder layer at a time, packing each layer as
     the plan says before the next is read: a GGUF's blocks go from the file's bytes to packed
     codes, a float tensor is read alone (in fp32 where it is rounded to a packed format, else
-    in ``dtype``). Peak memory: the weights as held + one layer's float tensors."""
+    in ``dtype``). Peak memory: the weights as held + one layer's float tensors. ``progress``
+    names a progress bar over the layers on stderr (None: none)."""
     packs = plan is not None and plan.format in ("int8", "int4")
     sources: dict[str, BlockTensor] = weights_file.blocks() if packs and plan.format == "int4" else {}
     # A dense copy is made from the float weights, so with one every tensor is read.
     leave = set(sources) if plan is None or plan.dense_from_rows is None else set()
     read_dtype = torch.float32 if packs else dtype
     modes: dict[str, str] = {}
-    for i, layer in enumerate(model.layers):
+    layers = enumerate(model.layers)
+    if progress is not None:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, total=len(model.layers), desc=progress, unit="layer", file=sys.stderr, leave=False)
+    for i, layer in layers:
         prefix = f"layers.{i}"
         linears = [hf for name, m in layer.named_modules() if isinstance(m, nn.Linear)
                    for hf in hf_parts(f"{prefix}.{name}")]
