@@ -74,6 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=run_generate)
     serve = add_serve_subcommand(commands)
     serve.set_defaults(handler=run_serve_handler)
+    chat = commands.add_parser("chat", help="talk with a model in the terminal, turn by turn",
+                               description="Talk with a model in the terminal: each reply streams as it is "
+                                           "decoded; /reset forgets the conversation, /exit (or Ctrl-D) ends it, "
+                                           "Ctrl-C stops a reply.")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                      help=f"a .gguf file, a Hugging Face directory, or {DEFAULT_MODEL!r} (default)")
+    add_sampling_args(chat)
+    add_engine_args(chat, max_batch_size=1, kv_cache_bytes=None,
+                    kv_cache_default="what --max-batch-size rows of --max-model-len need, at most 16,384 tokens' worth")
+    chat.add_argument("--system", default=None, help="system message, kept across /reset")
+    chat.set_defaults(handler=run_chat_handler)
     warmup = commands.add_parser(
         "warmup", help="build every decode graph a configuration needs into the compile cache",
         description="Build every compiled decode graph that MODEL with these engine options needs into the "
@@ -144,6 +155,23 @@ def prompt_text(args: argparse.Namespace, tokenizer) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
+def sampling_params(args: argparse.Namespace):
+    """The sampling options of add_sampling_args as SamplingParams."""
+    from nanoserve.engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
+
+
+def run_chat_handler(args: argparse.Namespace) -> int:
+    from nanoserve.chat_cli import run_chat
+    from nanoserve.summary import describe_engine
+
+    return run_chat(args, engine_options, sampling_params, describe_engine)
+
+
 def no_chat_template(model: str) -> str:
     from nanoserve.model.chat_templates import BUILTIN
 
@@ -153,13 +181,10 @@ def no_chat_template(model: str) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     options = engine_options(args, args.model)  # a bad option or a missing model, before torch loads
-    from nanoserve.engine import SamplingParams, build_engine
+    from nanoserve.engine import build_engine
     from nanoserve.model.loader import has_chat_template
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed)
+    params = sampling_params(args)
     started = time.perf_counter()
     if args.chat and args.chat_template is None and not has_chat_template(args.model):
         raise ValueError(no_chat_template(args.model))  # said before the weights load

@@ -171,3 +171,66 @@ def test_a_large_file_loads_with_a_progress_bar_and_the_tokenizer_is_a_stage_of_
     assert f"loading {tiny_gguf.name}" in err and "layer" in err
     load_line = next(line for line in err.splitlines() if "loaded in" in line)
     assert "metadata" in load_line and "weights" in load_line and "tokenizer" in load_line
+
+
+def test_nanoserve_chat_in_a_terminal_keeps_turns_resets_stops_a_reply_and_exits(tiny_gguf):
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    leader, follower = pty.openpty()
+    argv = [sys.executable, "-m", "nanoserve.launch", "chat", str(tiny_gguf), "--weights", "fp32",
+            "--chat-template", "chatml", "--max-tokens", "6", "--no-compile"]
+    process = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    seen = b""
+
+    def until(text: bytes, timeout: float = 120) -> None:
+        nonlocal seen
+        while text not in seen:
+            ready, _, _ = select.select([leader], [], [], timeout)
+            assert ready, f"no {text!r} in {seen[-2000:]!r}"
+            seen += os.read(leader, 4096)
+
+    try:
+        until(b">>> ")
+        for line in (b"hello there\n", b"and again\n"):
+            seen = b""
+            os.write(leader, line)
+            until(b">>> ")  # the reply streamed, then the next prompt
+        seen = b""
+        os.write(leader, b"/reset\n")
+        until(b"(conversation reset)")
+        until(b">>> ")
+        os.write(leader, b"\x03")  # Ctrl-C at the prompt: a fresh line, not the end
+        until(b">>> ")
+        os.write(leader, b"/exit\n")
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(leader)
+
+
+def test_ctrl_c_stops_a_chat_reply_between_steps_and_keeps_what_came(tiny_gguf, capsys):
+    from nanoserve.chat_cli import Conversation
+    from nanoserve.engine import SamplingParams, build_engine
+
+    engine = build_engine(str(tiny_gguf), weights="fp32", chat_template="chatml", compile=False)
+    conversation = Conversation(engine, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "be brief")
+    step = engine.step
+
+    def step_then_interrupt():
+        outputs = step()
+        if any(o.new_text for o in outputs):
+            conversation._interrupt(None, None)  # what SIGINT's handler does
+        return outputs
+
+    engine.step = step_then_interrupt
+    conversation.turn("hello")
+    assert "(stopped)" in capsys.readouterr().out
+    assert [m["role"] for m in conversation.history] == ["system", "user", "assistant"]
+    assert conversation.history[-1]["content"]
+    engine.check_drained()  # the stopped request gave back its blocks and its row
