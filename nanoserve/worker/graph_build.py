@@ -115,10 +115,11 @@ class BackgroundBuilder:
             torch.save(job, out)
         self._job_path = out.name
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+        # The child lowers its own priority before it imports torch (no preexec_fn: the engine's
+        # process is then spawned from, not forked with its page tables).
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "nanoserve.worker.graph_build", self._job_path], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1,
-            preexec_fn=_lowest_priority)
+            [sys.executable, "-c", _CHILD, self._job_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
         for shape in shapes:
             self._send("add", shape)
         self._reader = threading.Thread(target=self._read, name="nanoserve-graph-loader", daemon=True)
@@ -177,13 +178,19 @@ class BackgroundBuilder:
             os.unlink(self._job_path)
 
 
-def _lowest_priority() -> None:
-    """The builder runs only on CPU time nothing else wants (Linux's idle class, else nice 19),
-    from before it imports torch: a slice taken from one of the step's threads stalls them all."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(19)
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+# The builder runs only on CPU time nothing else wants (Linux's idle class, else nice 19), from
+# before it imports torch: a time slice taken from one of the step's OpenMP threads stalls them all.
+_CHILD = """import os, runpy
+try:
+    os.nice(19)
+except OSError:
+    pass
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (OSError, AttributeError):
+    pass
+runpy.run_module("nanoserve.worker.graph_build", run_name="__main__")
+"""
 
 
 def _child_main(job_path: str) -> int:
