@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     arm=arm, rows=rows, width=width, step_ms=step_ms, tokens_per_s=rows / seconds,
                     vs_eager=(eager_ms / step_ms) if eager_ms else float("nan"), floor_ms=floor * 1e3,
                     x_floor=seconds / floor, warmup_s=warmup, cache_hits=_fx_cache_hits() - hits,
-                    graphs=step.stats.graphs_built,
+                    graphs=step.graphs_built,
                     recompiles=step.stats.recompiles_after_warmup,
                     cudagraph_skips=_cudagraph_skips() - skips, device=str(device),
                     dtype=args.dtype, model=args.model))

@@ -7,25 +7,28 @@ Ctrl-C stops a reply between two steps (the program goes on; at the prompt it on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import time
 
+from nanoserve.launch import engine_options, outputs, sampling_params
+
 COMMANDS = "/reset forgets the conversation, /exit ends it; Ctrl-C stops a reply"
 
 
-def run_chat(args: argparse.Namespace, engine_options, sampling, describe) -> int:
-    """Chat with ``args.model`` (engine options, sampling parameters and the start-up summary come
-    from the command line's own helpers)."""
+def run_chat(args: argparse.Namespace) -> int:
+    """Chat with ``args.model`` with the command line's engine and sampling options."""
     options = engine_options(args, args.model)
     from nanoserve.engine import build_engine
+    from nanoserve.summary import describe_engine
 
-    params = sampling(args)
+    params = sampling_params(args)
     started = time.perf_counter()
     with build_engine(args.model, **options) as engine:
         if getattr(engine.tokenizer, "chat_template", None) is None:
             raise ValueError(f"{args.model}: the model has no chat template; give one with --chat-template")
-        for line in describe(engine, args.model, time.perf_counter() - started):
+        for line in describe_engine(engine, args.model, time.perf_counter() - started):
             print(f"nanoserve: {line}", file=sys.stderr)
         print(f"nanoserve: {COMMANDS}", file=sys.stderr)
         Conversation(engine, params, args.system).loop()
@@ -65,21 +68,20 @@ class Conversation:
         """The user's message, the reply streamed, both kept (a stopped reply as far as it went)."""
         self.history.append({"role": "user", "content": text})
         prompt = self.engine.tokenizer.apply_chat_template(self.history, add_generation_prompt=True)
-        request_id = self.engine.add_request(prompt, self.params)
         self._stop = False
         previous = signal.signal(signal.SIGINT, self._interrupt)
         reply, finished = "", None
         try:
-            while finished is None and not self._stop:
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        sys.stdout.write(output.new_text)
-                        sys.stdout.flush()
-                        reply += output.new_text
-                        finished = output.finish_reason if output.finished else None
+            with contextlib.closing(outputs(self.engine, prompt, self.params)) as replies:  # closed: aborted
+                for output in replies:
+                    sys.stdout.write(output.new_text)
+                    sys.stdout.flush()
+                    reply += output.new_text
+                    finished = output.finish_reason
+                    if self._stop:
+                        break
         finally:
             signal.signal(signal.SIGINT, previous)
-            self.engine.abort(request_id)
         print("\n(stopped)" if self._stop else "")
         if finished == "error":
             print("(the reply failed)")

@@ -167,9 +167,8 @@ def sampling_params(args: argparse.Namespace):
 
 def run_chat_handler(args: argparse.Namespace) -> int:
     from nanoserve.chat_cli import run_chat
-    from nanoserve.summary import describe_engine
 
-    return run_chat(args, engine_options, sampling_params, describe_engine)
+    return run_chat(args)
 
 
 def no_chat_template(model: str) -> str:

@@ -150,7 +150,7 @@ class Engine:
 
     def _graph_work(self) -> tuple[int, int]:
         stats = self.worker.decode_step.stats
-        return stats.graphs_built, stats.eager_steps
+        return self.worker.decode_step.graphs_built, stats.eager_steps
 
     def _propose(self) -> None:
         """The rows decoding next step propose their tokens (after this step's tokens joined
@@ -328,7 +328,7 @@ class Engine:
             **counts, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=slot_table.windows,
             gathers=slot_table.gathers, blocks_free=blocks.pool.num_free, blocks_total=blocks.pool.num_blocks,
-            compiled=resolved.compile, graphs_built=d.graphs_built, graphs_loaded=d.graphs_loaded,
+            compiled=resolved.compile, graphs_built=self.worker.decode_step.graphs_built, graphs_loaded=d.graphs_loaded,
             graphs_ready=ready, graphs_building=building, graphs_pending=pending, eager_steps=d.eager_steps,
             recompiles_after_warmup=d.recompiles_after_warmup, warmup_seconds=d.warmup_seconds,
             graph_load_seconds=d.load_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
@@ -349,7 +349,7 @@ class Engine:
             return {}
         s = self.speculator.stats
         draft = getattr(self.speculator.proposer, "worker", None)  # a draft model's worker
-        graphs = {} if draft is None else dict(spec_draft_graphs_built=draft.decode_step.stats.graphs_built,
+        graphs = {} if draft is None else dict(spec_draft_graphs_built=draft.decode_step.graphs_built,
                                                spec_draft_recompiles=draft.decode_step.stats.recompiles_after_warmup)
         return dict(**graphs, spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
                     spec_proposed_tokens=s.proposed, spec_accepted_tokens=s.accepted,

@@ -26,8 +26,9 @@ LLAMA3 = """{{ bos_token }}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"""
 
-GEMMA = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
+# Formats with no system role fold a system message into the first user turn, and take turns
+# that alternate user/assistant: the loop's head, shared by the templates below.
+_SYSTEM_FOLDED_TURNS = """{%- if messages[0]['role'] == 'system' -%}
   {%- set first_prefix = messages[0]['content'] | trim + '\\n\\n' -%}
   {%- set turns = messages[1:] -%}
 {%- else -%}
@@ -38,24 +39,16 @@ GEMMA = """{{ bos_token }}
   {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
     {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
   {%- endif -%}
-  {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+"""
+
+GEMMA = """{{ bos_token }}
+""" + _SYSTEM_FOLDED_TURNS + """  {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
 {{ '<start_of_turn>' + role + '\\n' + (first_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"""
 
 MISTRAL = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-  {%- set first_prefix = messages[0]['content'] | trim + '\\n\\n' -%}
-  {%- set turns = messages[1:] -%}
-{%- else -%}
-  {%- set first_prefix = '' -%}
-  {%- set turns = messages -%}
-{%- endif -%}
-{%- for message in turns -%}
-  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-    {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
-  {%- endif -%}
-  {%- if message['role'] == 'user' -%}
+""" + _SYSTEM_FOLDED_TURNS + """  {%- if message['role'] == 'user' -%}
 {{ '[INST] ' + (first_prefix if loop.first else '') + message['content'] | trim + ' [/INST]' }}
   {%- else -%}
 {{ ' ' + message['content'] | trim + eos_token }}

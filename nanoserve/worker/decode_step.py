@@ -44,7 +44,6 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, writ
 
 @dataclass
 class DecodeStats:
-    graphs_built: int = 0  # graphs compiled by this engine (here or by its background builder)
     graphs_loaded: int = 0  # graphs loaded from the compile cache
     eager_steps: int = 0  # compiled-engine steps that ran eagerly: their bucket had no graph yet
     recompiles_after_warmup: int = 0
@@ -161,7 +160,6 @@ class DecodeStep:
             return
         for shape, graph in self.builder.ready():
             self.graphs[shape] = graph
-        self.stats.graphs_built = self.builder.built + self._graphs_compiled
 
     def wait_for_graphs(self, timeout: float) -> bool:
         """Wait (up to ``timeout`` seconds) until the background builder has nothing left to build,
@@ -183,9 +181,15 @@ class DecodeStep:
         """Whether a step of this bucket runs a compiled graph (else the eager forward)."""
         return self.compiled and (self.graph_cache is None or (rows, width, queries) in self.graphs)
 
+    @property
+    def graphs_built(self) -> int:
+        """Graphs compiled for this step: here, or by its background builder."""
+        return self._graphs_compiled + (self.builder.built if self.builder is not None else 0)
+
     def close(self) -> None:
         if self.builder is not None:
             self.builder.close()
+            self._graphs_compiled += self.builder.built  # the count outlives the builder
             self.builder = None
 
     # -- graphs compiled in this process ---------------------------------------------------
@@ -223,7 +227,6 @@ class DecodeStep:
         compiled = build_entry(self, self.graph_cache, shape)
         self._graphs_compiled += compiled
         self.stats.graphs_loaded += not compiled
-        self.stats.graphs_built = self._graphs_compiled + (self.builder.built if self.builder is not None else 0)
         graph = load_entry(self.graph_cache, self.graph_key(shape))
         if graph is None:
             raise RuntimeError(f"the graph for bucket {shape} was built but does not load")
@@ -247,7 +250,6 @@ class DecodeStep:
                 self._build_now(shape)
             if progress is not None:
                 progress(shape, time.perf_counter() - began, self._graphs_compiled > before)
-        self.stats.graphs_built = self._graphs_compiled + (self.builder.built if self.builder is not None else 0)
         elapsed = time.perf_counter() - start
         self.stats.warmup_seconds += elapsed
         return elapsed
@@ -311,6 +313,4 @@ class DecodeStep:
         # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager
         # rounds; rounding alike makes a compiled bf16 step choose eager's tokens.
         with torch._inductor.config.patch(emulate_precision_casts=True):
-            out = self._forward(*args)
-        self.stats.graphs_built += self._graphs_compiled - before
-        return out
+            return self._forward(*args)
