@@ -7,6 +7,9 @@ dense fp32 or dense bf16 GEMMs, whichever is quickest, so a slow format cannot h
 floor timed with its own slow products. Bandwidth: the same step must read
 every byte of those weights once, so bytes / the machine's read bandwidth bounds it too
 (the bound that matters at few rows, where the products are memory-bound).
+
+On a GPU the products are timed as eager launches, so their launch costs are in the floor:
+a replayed CUDA graph pays none and can come in under it (x_floor below 1).
 """
 
 from __future__ import annotations

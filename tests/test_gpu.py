@@ -55,7 +55,9 @@ def test_reduce_overhead_records_once_per_bucket_and_replays_every_step(graph_ca
     grid = compiled.worker.decode_step.buckets.grid
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     captured_at_warmup = graph_calls["captures"]
-    assert 0 < captured_at_warmup <= len(grid)
+    # One more capture than buckets at most: the cudagraph tree manager opens with an empty
+    # capture that keeps its memory pool alive.
+    assert 0 < captured_at_warmup <= len(grid) + 1
     replays_before = graph_calls["replays"]
     got = compiled.generate(PROMPTS, GREEDY, use_tqdm=False)
     stats = compiled.stats()
