@@ -124,7 +124,7 @@ def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma2' \(supported: llama, qwen2, qwen3, "
-                                             r"gemma3\)"):
+                                             r"gemma3, qwen3moe, qwen2moe\)"):
         load_model(str(tmp_path / "gemma2.gguf"))
 
 

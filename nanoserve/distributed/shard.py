@@ -45,6 +45,8 @@ def check_tensor_parallel(config: ModelConfig, size: int, plan: WeightPlan | Non
             if k % GROUP_SIZE == 0 and (k // size) % GROUP_SIZE:
                 problems.append(f"{name}'s {k} input features split {size} ways ({k // size} each) cut "
                                 f"its int4 groups of {GROUP_SIZE}")
+    if config.num_experts and size > 1:
+        problems.append("its experts are not sharded yet (run a mixture-of-experts model on one rank)")
     if problems:
         raise ValueError(f"cannot shard {config.architecture} over tensor_parallel_size={size}: "
                          + "; ".join(problems))

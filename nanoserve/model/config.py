@@ -1,5 +1,5 @@
-"""The shape of a decoder-only network (Llama, Mistral, Qwen2, Qwen3, Gemma 3), independent of
-where its weights come from."""
+"""The shape of a decoder-only network (the families of ``architectures``), independent of where
+its weights come from."""
 
 from __future__ import annotations
 
@@ -59,6 +59,17 @@ class ModelConfig:
     layer_types: tuple[str, ...] = field(default=())
     rope_local_theta: float | None = None  # sliding layers' rope base (unscaled); None: the global rope
     final_logit_softcapping: float | None = None
+    # Mixture of experts (num_experts > 0): each sparse layer's MLP routes a token to
+    # ``num_experts_per_tok`` of ``num_experts`` experts of width ``moe_intermediate_size``
+    # (softmax over all, the top k, renormalised where ``norm_topk_prob``), plus a shared expert
+    # of width ``shared_expert_intermediate_size`` behind a sigmoid gate where that is set.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    # Which layers are sparse (one flag per layer); empty: every layer, when num_experts > 0.
+    sparse_layers: tuple[bool, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -80,6 +91,24 @@ class ModelConfig:
             raise ValueError(f"activation {self.hidden_act!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
         self._check_windows()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            if self.num_experts_per_tok or self.sparse_layers:
+                raise ValueError("experts used per token or sparse layers given without experts")
+            return
+        if self.num_experts < 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"experts used per token ({self.num_experts_per_tok}) must be between 1 and the "
+                             f"expert count ({self.num_experts})")
+        if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"expert width must be positive, got {self.moe_intermediate_size}")
+        if self.sparse_layers and len(self.sparse_layers) != self.num_layers:
+            raise ValueError(f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers")
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (not self.sparse_layers or self.sparse_layers[layer])
 
     def _check_windows(self) -> None:
         if self.sliding_window is not None and self.sliding_window <= 0:

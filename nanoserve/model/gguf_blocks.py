@@ -193,3 +193,19 @@ class StackedBlocks:
         packed = [cpu_kernels.pack_gguf(p.data, int(p.qtype), p.rows, p.cols, p.row_order) for p in self.parts]
         codes, scales, mins = (torch.cat([p[i] for p in packed]) for i in range(3))
         return codes, scales, mins, ZERO_POINTS.get(self.parts[0].qtype, 0)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A block-quantised expert tensor [experts, rows, cols]: each expert its own BlockTensor
+    (a view of the file's bytes), packed expert by expert."""
+
+    experts: tuple[BlockTensor, ...]
+
+    @property
+    def qtype(self) -> Q:
+        return self.experts[0].qtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.experts), self.experts[0].rows, self.experts[0].cols

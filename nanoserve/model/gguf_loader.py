@@ -15,9 +15,18 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from nanoserve.model.architectures import (
+    ARCHITECTURES,
+    DENSE_LAYER_TENSORS,
+    GGUF_ARCHITECTURES,
+    GLOBAL_TENSORS,
+    Architecture,
+    architecture,
+    gguf_architecture,
+)
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import PACKED_TYPES, BlockTensor
+from nanoserve.model.gguf_blocks import PACKED_TYPES, BlockTensor, ExpertBlocks
 from nanoserve.model.group_codes import GroupCodes
 from nanoserve.model.llama import hf_norm_offset
 
@@ -26,40 +35,14 @@ Q = GGMLQuantizationType
 # as the weight plan says) and the block types that run packed from their own blocks
 # (gguf_blocks; their fp32 dequantisation is the exact reference).
 SUPPORTED_TENSOR_TYPES = frozenset({Q.F32, Q.F16, Q.BF16} | PACKED_TYPES)
-# general.architecture values we run (Mistral's files are "llama").
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-
-# GGUF tensor name -> HF name: per layer (under blk.{i}. / model.layers.{i}.) and global.
-GGUF_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-# Gemma 3 norms its sublayers' outputs too, and its ffn_norm is the MLP's pre-norm.
-GEMMA3_LAYER_TENSORS = {
-    **GGUF_LAYER_TENSORS,
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-LAYER_TENSORS = {"gemma3": GEMMA3_LAYER_TENSORS}  # by architecture; GGUF_LAYER_TENSORS otherwise
-GGUF_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# general.architecture values we run (Mistral's files are "llama"; a llama file with experts is
+# Mixtral-style): architectures.py holds each one's record.
+SUPPORTED_ARCHITECTURES = GGUF_ARCHITECTURES
+# The dense layers' GGUF -> HF names, and the global tensors' (architectures.py).
+GGUF_LAYER_TENSORS = DENSE_LAYER_TENSORS
+GGUF_GLOBAL_TENSORS = GLOBAL_TENSORS
+# gate and up experts in one tensor [experts, 2 * width, hidden]: read as the two HF tensors.
+MERGED_GATE_UP = "ffn_gate_up_exps.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Llama 3.x files carry their rope scaling as per-frequency divisors in this tensor.
 ROPE_FREQS = "rope_freqs.weight"
@@ -138,15 +121,26 @@ class _Truncated(Exception):
         super().__init__(f"truncated: the file needs at least {needed} bytes but has {size}")
 
 
-def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """The HF name of a GGUF tensor, or None when we do not know it."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of architecture ``arch`` (ModelConfig.architecture), or None
+    when we do not know it."""
     if gguf_name in GGUF_GLOBAL_TENSORS:
         return GGUF_GLOBAL_TENSORS[gguf_name]
-    layer_tensors = LAYER_TENSORS.get(architecture, GGUF_LAYER_TENSORS)
+    layer_tensors = ARCHITECTURES.get(arch, ARCHITECTURES["llama"]).layer_tensors
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in layer_tensors:
         return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}"
     return None
+
+
+def _hf_names(gguf_name: str, arch: str) -> list[tuple[str, slice | None]]:
+    """The HF tensors one GGUF tensor holds, each with the rows (within an expert) it takes: a
+    merged gate-up expert tensor is two."""
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) == MERGED_GATE_UP and ARCHITECTURES.get(arch, ARCHITECTURES["llama"]).experts:
+        return [(f"model.layers.{m.group(1)}.mlp.experts.{part}_proj", None) for part in ("gate", "up")]
+    name = hf_tensor_name(gguf_name, arch)
+    return [] if name is None else [(name, None)]
 
 
 def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -198,12 +192,24 @@ class GGUFCheckpoint:
 
     @property
     def architecture(self) -> str:
+        """general.architecture as the file says it (the metadata keys' prefix)."""
         return str(self.metadata.get("general.architecture", "<missing>"))
+
+    @functools.cached_property
+    def record(self) -> Architecture | None:
+        """The architecture record the file is run as (None: not one nanoserve runs)."""
+        experts = self.metadata.get(f"{self.architecture}.expert_count", 0)
+        return gguf_architecture(self.architecture, int(experts) if isinstance(experts, (int, np.integer)) else 0)
+
+    @property
+    def model_architecture(self) -> str:
+        """ModelConfig.architecture of the file ("mixtral" for a llama file with experts)."""
+        return self.record.name if self.record is not None else self.architecture
 
     def config(self) -> ModelConfig:
         """The ModelConfig the metadata describes; ModelLoadError when unsupported or incomplete."""
         arch = self.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if self.record is None:
             raise ModelLoadError(
                 self.path,
                 f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
@@ -214,6 +220,26 @@ class GGUFCheckpoint:
             raise ModelLoadError(self.path, f"missing metadata key {e.args[0]!r}") from e
         except ValueError as e:
             raise ModelLoadError(self.path, str(e)) from e
+
+    def _expert_fields(self, arch: str) -> dict[str, Any]:
+        """llama.cpp's expert keys: the count, how many a token uses, their width (Mixtral's is
+        the feed-forward length), the shared expert's, and whether the top-k weights are
+        renormalised (expert_weights_norm; where the file is silent, the record's default)."""
+        md, record = self.metadata, self.record
+        names = {t.name for t in self.reader.tensors}
+        sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(int(md[f"{arch}.block_count"])))
+        width = md.get(f"{arch}.expert_feed_forward_length", md.get(f"{arch}.feed_forward_length"))
+        if width is None:
+            raise KeyError(f"{arch}.expert_feed_forward_length")
+        return dict(
+            num_experts=int(md[f"{arch}.expert_count"]),
+            num_experts_per_tok=int(md[f"{arch}.expert_used_count"]),
+            moe_intermediate_size=int(width),
+            norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", record.norm_topk_prob)),
+            shared_expert_intermediate_size=int(md.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+            if record.shared_expert else 0,
+            sparse_layers=() if all(sparse) else sparse,
+        )
 
     def _config(self, arch: str) -> ModelConfig:
         md = self.metadata
@@ -242,13 +268,15 @@ class GGUFCheckpoint:
             bos_token_id=_optional_int(md.get("tokenizer.ggml.bos_token_id")),
             eos_token_id=_optional_int(md.get("tokenizer.ggml.eos_token_id")),
             pad_token_id=_optional_int(md.get("tokenizer.ggml.padding_token_id")),
-            architecture=arch,
+            architecture=self.record.name,
             extra_eos_token_ids=self._end_of_turn_ids(),
             qk_norm="blk.0.attn_q_norm.weight" in names,
             final_logit_softcapping=_optional_float(md.get(f"{arch}.final_logit_softcapping")),
         )
         if arch == "gemma3":
             fields.update(self._gemma3_fields(fields["num_layers"], hidden, heads, head_dim))
+        if self.record.experts:
+            fields.update(self._expert_fields(arch))
         return ModelConfig(**fields)
 
     def _end_of_turn_ids(self) -> tuple[int, ...]:
@@ -295,18 +323,26 @@ class GGUFCheckpoint:
         return {name: self.read(name, config, dtype) for name in self._weights}
 
     def group_codes(self, config: ModelConfig) -> dict[str, GroupCodes]:
-        """Every block-quantised tensor as its own codes, scales and minimums (gguf_blocks), in
-        HF naming and row order: nothing rounded."""
-        return {name: blocks.group_codes() for name, blocks in self.block_tensors(config).items()}
+        """Every block-quantised 2-D tensor as its own codes, scales and minimums (gguf_blocks),
+        in HF naming and row order: nothing rounded."""
+        return {name: blocks.group_codes() for name, blocks in self.block_tensors(config).items()
+                if isinstance(blocks, BlockTensor)}
 
-    def block_tensors(self, config: ModelConfig) -> dict[str, BlockTensor]:
+    def block_tensors(self, config: ModelConfig) -> dict[str, BlockTensor | ExpertBlocks]:
         """Every block-quantised tensor as it lies in the file (views of the map, nothing read
-        yet), in HF naming, its rows in HF order (``row_order`` undoes llama's Q/K permutation)."""
-        out = {}
-        for name, t in self._weights.items():
+        yet), in HF naming, its rows in HF order (``row_order`` undoes llama's Q/K permutation);
+        an expert tensor as one BlockTensor per expert."""
+        out: dict[str, BlockTensor | ExpertBlocks] = {}
+        for name, (t, rows) in self._weights.items():
             if t.tensor_type not in PACKED_TYPES:
                 continue
-            n, k = (int(d) for d in reversed(t.shape))
+            shape = self._shape(t, rows)
+            if len(shape) == 3:
+                data = t.data if rows is None else t.data[:, rows]
+                out[name] = ExpertBlocks(tuple(BlockTensor(t.tensor_type, data[e], *shape[1:])
+                                               for e in range(shape[0])))
+                continue
+            n, k = shape
             order = None
             if _permuted(config, t.name):
                 heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
@@ -315,35 +351,51 @@ class GGUFCheckpoint:
         return out
 
     def shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """Each tensor's shape [out, in] by HF name."""
-        return {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self._weights.items()}
+        """Each tensor's shape by HF name: [out, in], an expert tensor [experts, out, in]."""
+        return {name: self._shape(t, rows) for name, (t, rows) in self._weights.items()}
+
+    @staticmethod
+    def _shape(t: Any, rows: slice | None) -> tuple[int, ...]:
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if rows is not None:
+            shape = (*shape[:-2], len(range(shape[-2])[rows]), shape[-1])
+        if t.name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
+            shape = (1, *shape)  # the shared expert's gate: HF's [1, hidden] linear
+        return shape
 
     def read(self, name: str, config: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One tensor by HF name, dequantised to ``dtype`` in HF row order (a norm as HF holds it)."""
-        t = self._weights[name]
+        t, rows = self._weights[name]
         weight = torch.from_numpy(self._dequantize(t, config))
+        if rows is not None:
+            weight = weight[..., rows, :].contiguous()
+        weight = weight.reshape(self._shape(t, rows))
         if name.endswith("norm.weight"):
             weight -= hf_norm_offset(config)  # the file holds the multiplier itself (1 + w for Gemma)
         return weight.to(dtype)
 
     @functools.cached_property
-    def _weights(self) -> dict[str, Any]:
-        """The file's weight tensors by HF name (the rope frequencies are config, not weights)."""
+    def _weights(self) -> dict[str, tuple[Any, slice | None]]:
+        """The file's weight tensors by HF name, each with the rows within an expert it takes (a
+        merged gate-up expert tensor serves two names; the rope frequencies are config)."""
         by_name = {}
+        arch = self.model_architecture
         for t in self.reader.tensors:
             if t.name == ROPE_FREQS:
                 continue
-            name = hf_tensor_name(t.name, self.architecture)
-            if name is None:
+            names = _hf_names(t.name, arch)
+            if not names:
                 raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {self.architecture}")
             self._check_type(t)
-            by_name[name] = t
+            if len(names) == 2:  # [experts, 2 * width, hidden]: gate's rows, then up's
+                width = int(t.shape[1]) // 2
+                names = [(names[0][0], slice(0, width)), (names[1][0], slice(width, 2 * width))]
+            by_name.update({name: (t, rows) for name, rows in names})
         return by_name
 
     def tensor_types(self) -> dict[str, str]:
         """Each tensor's type name ("Q4_K", "F32"...) by HF name."""
-        names = {t.name: hf_tensor_name(t.name, self.architecture) for t in self.reader.tensors}
-        return {names[t.name]: t.tensor_type.name for t in self.reader.tensors if names[t.name] is not None}
+        return {name: t.tensor_type.name for name, (t, _) in self._weights.items()}
 
     def _check_type(self, t: Any) -> None:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -355,8 +407,7 @@ class GGUFCheckpoint:
 
     def _dequantize(self, t: Any, config: ModelConfig) -> np.ndarray:
         self._check_type(t)
-        # GGUF lists dimensions innermost first; torch wants them outermost first.
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = self._shape(t, None)
         # np.array copies: F32 tensors would otherwise alias the read-only memory map.
         weight = np.array(dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
         if _permuted(config, t.name):
@@ -366,8 +417,9 @@ class GGUFCheckpoint:
 
 
 def _permuted(config: ModelConfig, gguf_name: str) -> bool:
-    """Only the llama converter permutes Q/K rows (for its interleaved rope); qwen2 files are HF order."""
-    return config.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
+    """Only the llama converter permutes Q/K rows (for its interleaved rope; Architecture.permuted_qk);
+    the others' files are in HF order."""
+    return architecture(config.architecture).permuted_qk and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
 
 
 def _read_metadata(reader: GGUFReader) -> dict[str, Any]:

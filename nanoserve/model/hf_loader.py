@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from nanoserve.model.architectures import HF_CLASSES, HF_MODEL_TYPES, Architecture, architecture
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 
-# HF `architectures` entry -> our architecture name.
-SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",  # its text model only (config text_config)
-}
-# model_type -> our architecture name, for configs without `architectures`.
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "gemma3_text": "gemma3", "gemma3": "gemma3"}
 INDEX_FILE = "model.safetensors.index.json"
 # transformers' Gemma3TextConfig defaults: the 4B-27B checkpoints' text_config names only what
 # differs from them (the 4B's lists neither its heads nor its vocabulary).
@@ -69,6 +59,7 @@ def read_hf_config(model_dir: str | Path) -> ModelConfig:
 
 
 def _config_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    record = architecture(arch)
     gemma = arch == "gemma3"
     _refuse_unsupported(raw)
     heads = raw["num_attention_heads"]
@@ -87,23 +78,44 @@ def _config_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         # Qwen2 always has q/k/v biases and no o_proj bias; the others' flag covers all four.
-        attention_bias=arch == "qwen2" or bias,
-        attention_out_bias=arch != "qwen2" and bias,
+        attention_bias=record.qkv_bias or bias,
+        attention_out_bias=not record.qkv_bias and bias,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos_ids[0] if eos_ids else None,
         pad_token_id=raw.get("pad_token_id"),
         architecture=arch,
         extra_eos_token_ids=tuple(eos_ids[1:]),
         hidden_act=raw.get("hidden_activation" if gemma else "hidden_act") or "silu",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=record.qk_norm,
         sandwich_norms=gemma,
         scale_embeddings=gemma,
         query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
     fields.update(_rope_fields(arch, raw))
-    fields.update(_window_fields(arch, raw))
+    fields.update(_window_fields(record, raw))
+    if record.experts:
+        fields.update(_expert_fields(record, raw))
     return fields
+
+
+def _expert_fields(record: Architecture, raw: dict[str, Any]) -> dict[str, Any]:
+    """The experts as the reference reads them: Qwen's sparse layers are those past
+    mlp_only_layers every decoder_sparse_step-th; Mixtral's experts are intermediate_size wide
+    and always renormalised."""
+    layers = raw["num_hidden_layers"]
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return dict(
+        num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", record.norm_topk_prob)) if record.name != "mixtral" else True,
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
+        if record.shared_expert else 0,
+        sparse_layers=() if all(sparse) else sparse,
+    )
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
@@ -143,21 +155,21 @@ def _rope_entry(rope: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (rope if kind != "default" else None)
 
 
-def _window_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """sliding_window and layer_types as the reference reads them: Mistral windows every layer;
-    Qwen2/3 only with use_sliding_window, from layer max_window_layers on; Gemma 3 every layer
-    but each sliding_window_pattern-th (or as its layer_types say)."""
-    window = raw.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+def _window_fields(record: Architecture, raw: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types as the reference reads them (Architecture.windows): Mistral
+    windows every layer; Qwen only with use_sliding_window, from layer max_window_layers on;
+    Gemma 3 every layer but each sliding_window_pattern-th (or as its layer_types say)."""
+    window = raw.get("sliding_window") or None  # transformers writes 0 for none
+    if record.windows == "qwen" and not raw.get("use_sliding_window", False):
         window = None
-    if window is None or arch == "llama":
+    if window is None or record.windows == "none":
         return dict(sliding_window=None, layer_types=())
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
-    if types is None and arch in ("qwen2", "qwen3"):
+    if types is None and record.windows == "qwen":
         first = raw.get("max_window_layers", layers)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    elif types is None and arch == "gemma3":
+    elif types is None and record.windows == "gemma3":
         pattern = raw.get("sliding_window_pattern", 6)
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     return dict(sliding_window=int(window), layer_types=tuple(types or ()))
@@ -166,14 +178,14 @@ def _window_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
 def _architecture(path: Path, raw: dict[str, Any]) -> str:
     names = raw.get("architectures") or []
     for name in names:
-        if name in SUPPORTED_HF_ARCHITECTURES:
-            return SUPPORTED_HF_ARCHITECTURES[name]
+        if name in HF_CLASSES:
+            return HF_CLASSES[name]
     model_type = raw.get("model_type")
-    if not names and model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
+    if not names and model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
     raise ModelLoadError(
         path, f"unsupported architecture {names or model_type!r} "
-              f"(supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)})"
+              f"(supported: {', '.join(HF_CLASSES)})"
     )
 
 
@@ -206,16 +218,43 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_hf_state_dict(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, in HF naming, converted to `dtype`."""
-    weights = SafetensorsWeights(model_dir)
-    return {name: weights.read(name, dtype) for name in weights.shapes()}
+    """Every tensor of the directory's safetensors files, in HF naming (experts stacked),
+    converted to `dtype`."""
+    has_config = (Path(model_dir) / "config.json").is_file()
+    arch = architecture(read_hf_config(model_dir).architecture) if has_config else None
+    weights = SafetensorsWeights(model_dir, arch)
+    return {name: weights.read(name, dtype) for name in weights.names()}
+
+
+def _stack_experts(names: list[str], arch: Architecture) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """A checkpoint's per-expert tensors (Architecture.hf_expert_names) grouped under this
+    model's stacked names, experts in order, and the renamed single tensors (Mixtral's router:
+    this model's name -> the checkpoint's). Experts missing from a run (0..E-1) leave the group
+    short, which the shape check then names."""
+    groups: dict[str, dict[int, str]] = {}
+    single: dict[str, str] = {}
+    patterns = []
+    for source, target in arch.hf_expert_names.items():
+        regex = re.escape(source).replace(re.escape("{e}"), r"(\d+)")
+        patterns.append((re.compile(r"^model\.layers\.(\d+)\." + regex + "$"), target, "{e}" in source))
+    for name in names:
+        for regex, target, per_expert in patterns:
+            m = regex.match(name)
+            if m is None:
+                continue
+            stacked = f"model.layers.{m.group(1)}.{target}"
+            if per_expert:
+                groups.setdefault(stacked, {})[int(m.group(2))] = name
+            else:
+                single[stacked] = name
+    return {stacked: [experts[e] for e in sorted(experts)] for stacked, experts in groups.items()}, single
 
 
 class SafetensorsWeights:
     """A directory's safetensors files opened (memory-mapped), read one tensor at a time by its
     text model's HF name (loader.WeightFile: float tensors only, so no blocks)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, arch: Architecture | None = None) -> None:
         self._files: dict[str, tuple[Path, Any, str]] = {}  # HF name -> (file, handle, name in file)
         for path in safetensors_files(model_dir):
             try:
@@ -226,15 +265,40 @@ class SafetensorsWeights:
                         self._files[text_name] = (path, handle, name)
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise ModelLoadError(path, f"cannot read safetensors file ({e})") from e
+        # A stacked expert tensor's name -> its experts' entries in _files, in expert order; and
+        # this model's name of a tensor the checkpoint names otherwise (Mixtral's router).
+        self._stacked, renamed = _stack_experts(list(self._files), arch) if arch else ({}, {})
+        for ours, theirs in renamed.items():
+            self._files[ours] = self._files.pop(theirs)
+
+    def _entries(self, name: str) -> list[str]:
+        return self._stacked.get(name, [name])
+
+    def names(self) -> list[str]:
+        """Every tensor's name in this model's HF naming (experts stacked)."""
+        stacked = {part for parts in self._stacked.values() for part in parts}
+        return [n for n in self._files if n not in stacked] + list(self._stacked)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(handle.get_slice(key).get_shape()) for name, (_, handle, key) in self._files.items()}
+        out = {}
+        for name in self.names():
+            entries = self._entries(name)
+            path, handle, key = self._files[entries[0]]
+            shape = tuple(handle.get_slice(key).get_shape())
+            out[name] = (len(entries), *shape) if name in self._stacked else shape
+        return out
 
     def types(self) -> dict[str, str]:
         """Each tensor's dtype as safetensors names it ("F32", "BF16", "F16")."""
-        return {name: handle.get_slice(key).get_dtype() for name, (_, handle, key) in self._files.items()}
+        out = {}
+        for name in self.names():
+            _, handle, key = self._files[self._entries(name)[0]]
+            out[name] = handle.get_slice(key).get_dtype()
+        return out
 
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if name in self._stacked:
+            return torch.stack([self.read(part, dtype) for part in self._stacked[name]])
         path, handle, key = self._files[name]
         try:
             return handle.get_tensor(key).to(dtype)

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3) in plain torch, written once for
-prefill and decode.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3, and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE: ``experts``) in plain torch, written once for prefill and decode.
 
 Tokens are flat: a step is `N` tokens from any number of sequences, each with its own
 position. The network owns no cache: attention is a callable handed to `forward`, called per
@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.model.architectures import architecture
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.experts import ACTIVATIONS, ExpertMLP
 
 
 class Attention(Protocol):
@@ -34,14 +36,10 @@ class Attention(Protocol):
 # (cos, sin) for one step's tokens, each [N, 1, head_dim].
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
-# Architectures whose Hugging Face checkpoints store RMS norm weights as w with the norm
-# multiplying by (1 + w); this module (like GGUF files) holds the multiplier 1 + w itself.
-OFFSET_NORM_ARCHITECTURES = ("gemma3",)
-
-
 def hf_norm_offset(config: ModelConfig) -> float:
-    """What HF checkpoints of this architecture leave out of a norm's multiplier (0 or 1)."""
-    return 1.0 if config.architecture in OFFSET_NORM_ARCHITECTURES else 0.0
+    """What HF checkpoints of this architecture leave out of a norm's multiplier (0 or 1: Gemma's
+    hold w of 1 + w); this module, like GGUF files, holds the multiplier itself."""
+    return architecture(config.architecture).norm_offset
 
 
 class RMSNorm(nn.Module):
@@ -159,23 +157,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
-
-
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
+        width = intermediate_size or config.intermediate_size
         # gate and up stay two matrices while dense: measured in place on the default model
         # (fp32, 2-core CPU, MKL), two [1536, 576] products beat one [3072, 576] by ~15% at 32
         # rows. Packed weights fuse them (``fuse_gate_up``): there one kernel call per layer wins.
-        self.gate_proj: nn.Module | None = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj: nn.Module | None = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_proj: nn.Module | None = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj: nn.Module | None = nn.Linear(config.hidden_size, width, bias=False)
         self.gate_up_proj: nn.Module | None = None
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def fuse_gate_up(self, gate_up: nn.Module) -> None:
@@ -201,7 +193,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = ExpertMLP(config) if config.layer_is_sparse(layer_idx) else LlamaMLP(config)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
@@ -306,8 +298,14 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
         out[dst + "self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
         if config.attention_out_bias:
             out[dst + "self_attn.o_proj.bias"] = take(f"{src}self_attn.o_proj.bias")
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{dst}mlp.{part}.weight"] = take(f"{src}mlp.{part}.weight")
+        mlp = [f"mlp.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
+        if config.layer_is_sparse(i):
+            mlp = ["mlp.gate.weight", *(f"mlp.experts.{part}" for part in ("gate_proj", "up_proj", "down_proj"))]
+            if config.shared_expert_intermediate_size:
+                mlp += ["mlp.shared_expert_gate.weight",
+                        *(f"mlp.shared_expert.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj"))]
+        for name in mlp:
+            out[dst + name] = take(src + name)
         for norm in norms:
             out[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight")
     offset = hf_norm_offset(config)

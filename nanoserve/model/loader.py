@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from nanoserve.model.architectures import architecture
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import BlockTensor
@@ -87,7 +88,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     timer = LoadTimer()
     if path.is_dir():
         config = checked_hf_config(path)
-        weights_file: WeightFile = SafetensorsWeights(path)
+        weights_file: WeightFile = SafetensorsWeights(path, architecture(config.architecture))
         timer.lap("metadata")
         tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     else:
@@ -197,10 +198,14 @@ def fill_model(model: LlamaModel, weights_file: WeightFile, plan: WeightPlan | N
         layers = tqdm(layers, total=len(model.layers), desc=progress, unit="layer", file=sys.stderr, leave=False)
     for i, layer in layers:
         prefix = f"layers.{i}"
-        linears = [hf for name, m in layer.named_modules() if isinstance(m, nn.Linear)
+        linears = [hf for name, m in layer.named_modules()
+                   if isinstance(m, nn.Linear) and not getattr(m, "keep_dense", False)
                    for hf in hf_parts(f"{prefix}.{name}")]
-        # Linears stay meta for their sources only when every one has a source (gate and up fuse).
-        _materialise(model, layer, prefix, weights_file, read_dtype, leave if leave.issuperset(linears) else set())
+        experts = {f"model.{prefix}.{name}" for name, _ in layer.named_parameters() if ".experts." in name}
+        # Linears stay meta for their sources only when every one has a source (gate and up fuse);
+        # experts whenever theirs are there (each expert tensor packs on its own).
+        _materialise(model, layer, prefix, weights_file, read_dtype,
+                     (leave if leave.issuperset(linears) else set()) | (leave & experts))
         if packs:
             modes.update(pack_linears(layer, plan, sources, prefix))
         _materialise(model, layer, prefix, weights_file, dtype, set())  # what the packer left dense

@@ -30,6 +30,7 @@ MAX_LAYERS = 4096
 MAX_WIDTH = 1 << 20  # hidden size, feed-forward size, head count, head size
 MAX_CONTEXT = 1 << 24
 MAX_VOCAB = 1 << 24
+MAX_EXPERTS = 1 << 12
 # llama.cpp's token types: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 TOKEN_TYPES = range(0, 7)
 # The conversation a chat template is rendered on once at load: one user turn, then the
@@ -58,6 +59,11 @@ _ARCH_KEYS: dict[str, tuple[str, float | None, float | None]] = {
     "attention.scale": (_FLOAT, 0.0, None),
     "final_logit_softcapping": (_FLOAT, 0.0, None),
     "rope.scaling.type": (_STR, None, None),
+    "expert_count": (_INT, 0, MAX_EXPERTS),
+    "expert_used_count": (_INT, 0, MAX_EXPERTS),
+    "expert_feed_forward_length": (_INT, 1, MAX_WIDTH),
+    "expert_shared_feed_forward_length": (_INT, 0, MAX_WIDTH),
+    "expert_weights_norm": (_BOOL, None, None),
 }
 _GLOBAL_KEYS: dict[str, tuple[str, float | None, float | None]] = {
     "general.architecture": (_STR, None, None),
@@ -124,7 +130,8 @@ def check_gguf_tensors(path: Path, metadata: Mapping[str, Any], tensors: Sequenc
 
 
 def _gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape (outermost first) by GGUF name, within a layer or global."""
+    """Each tensor's shape (outermost first) by GGUF name, within a layer or global; the expert
+    tensors' against the expert count and width the metadata gives."""
     hidden, q, kv, ffn = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     rows = {"attn_q": q, "attn_k": kv, "attn_v": kv, "ffn_gate": ffn, "ffn_up": ffn}
     shapes: dict[str, tuple[int, ...]] = {f"{name}.weight": (n, hidden) for name, n in rows.items()}
@@ -134,6 +141,13 @@ def _gguf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                    "token_embd.weight": (config.vocab_size, hidden), "output.weight": (config.vocab_size, hidden)})
     for norm in ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "output_norm"):
         shapes[f"{norm}.weight"] = (hidden,)
+    if config.num_experts:
+        experts, width, shared = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+        shapes.update({"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_exps.weight": (experts, width, hidden),
+                       "ffn_up_exps.weight": (experts, width, hidden), "ffn_down_exps.weight": (experts, hidden, width),
+                       "ffn_gate_up_exps.weight": (experts, 2 * width, hidden),
+                       "ffn_gate_shexp.weight": (shared, hidden), "ffn_up_shexp.weight": (shared, hidden),
+                       "ffn_down_shexp.weight": (hidden, shared), "ffn_gate_inp_shexp.weight": (hidden,)})
     return shapes
 
 

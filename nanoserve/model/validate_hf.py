@@ -21,6 +21,7 @@ from nanoserve.model.validate import (
     _INT,
     _STR,
     MAX_CONTEXT,
+    MAX_EXPERTS,
     MAX_LAYERS,
     MAX_VOCAB,
     MAX_WIDTH,
@@ -44,7 +45,7 @@ _HF_KEYS: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "head_dim": ((_INT,), 2, MAX_WIDTH),
     "max_position_embeddings": ((_INT,), 1, MAX_CONTEXT),
     "max_window_layers": ((_INT,), 0, MAX_LAYERS),
-    "sliding_window": ((_INT,), 1, MAX_CONTEXT),
+    "sliding_window": ((_INT,), 0, MAX_CONTEXT),  # 0: none (transformers saves it so)
     "sliding_window_pattern": ((_INT,), 1, MAX_LAYERS),
     "rms_norm_eps": ((_FLOAT,), 0, 1),
     "rope_theta": ((_FLOAT,), 1e-9, None),
@@ -62,6 +63,14 @@ _HF_KEYS: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "bos_token_id": ((_INT,), 0, MAX_VOCAB),
     "pad_token_id": ((_INT,), 0, MAX_VOCAB),
     "eos_token_id": ((_INT, _INT_LIST), 0, MAX_VOCAB),
+    "num_experts": ((_INT,), 0, MAX_EXPERTS),
+    "num_local_experts": ((_INT,), 0, MAX_EXPERTS),
+    "num_experts_per_tok": ((_INT,), 1, MAX_EXPERTS),
+    "moe_intermediate_size": ((_INT,), 1, MAX_WIDTH),
+    "shared_expert_intermediate_size": ((_INT,), 0, MAX_WIDTH),
+    "decoder_sparse_step": ((_INT,), 1, MAX_LAYERS),
+    "mlp_only_layers": ((_INT_LIST,), 0, MAX_LAYERS),
+    "norm_topk_prob": ((_BOOL,), None, None),
 }
 # Settings that may be absent (a default applies) but not null.
 _HF_NOT_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -15,7 +15,8 @@ from torch import nn
 
 from nanoserve.model import cpu_kernels
 from nanoserve.model.cpu_kernels import GROUP_SIZE
-from nanoserve.model.gguf_blocks import BlockTensor, StackedBlocks
+from nanoserve.model.experts import DenseExperts, PackedExperts
+from nanoserve.model.gguf_blocks import BlockTensor, ExpertBlocks, StackedBlocks
 from nanoserve.model.group_codes import (
     GroupCodes,
     int8_groups,
@@ -24,6 +25,7 @@ from nanoserve.model.group_codes import (
     quantize_int8_groups,
 )
 from nanoserve.model.quant import (
+    DEQUANT_FROM_ROWS,
     GROUP_KERNELS,
     HEAD_DENSE_FROM_ROWS,
     WEIGHT_FORMATS,
@@ -37,7 +39,7 @@ from nanoserve.model.quant import (
 )
 
 # A weight as a loader hands it over to be packed as it is: unpacked codes, or a GGUF's blocks.
-WeightSource = GroupCodes | BlockTensor
+WeightSource = GroupCodes | BlockTensor | ExpertBlocks
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,9 @@ def pack_linears(module: nn.Module, plan: WeightPlan, sources: Mapping[str, Weig
     modes: dict[str, str] = {}
     for name, linear in list(module.named_modules()):
         full = ".".join(filter(None, (prefix, name)))
-        if isinstance(linear, nn.Linear) and full != "lm_head":
+        if isinstance(linear, DenseExperts):
+            modes.update(_pack_experts(module, name, full, linear, plan, sources))
+        elif isinstance(linear, nn.Linear) and full != "lm_head" and not getattr(linear, "keep_dense", False):
             # Parts of different types run each in its own format, where nanoserve's kernels run them.
             packed, mode = _packed_linear(linear, plan, group_source(full, sources, split=plan.tier != "torch"))
             _replace(module, name, packed)
@@ -323,6 +327,52 @@ def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | Sta
     layer = GroupLinear(weight, linear.bias, plan.dtype, _dense_copy(linear.weight, plan), plan.dense_from_rows,
                         plan.kernel)
     return layer, "packed" if source is not None else "int4"
+
+
+def _pack_experts(module: nn.Module, name: str, full: str, experts: DenseExperts, plan: WeightPlan,
+                  sources: Mapping[str, WeightSource]) -> dict[str, str]:
+    """Pack a layer's experts expert by expert (int4 plans on nanoserve's kernels): gate and up of
+    each expert stacked into one matrix, from the file's blocks where it has them (a GGUF's
+    expert tensors), else rounded to int4 groups; returns their HF weights' modes. Elsewhere (fp32,
+    bf16, int8, or torch's kernel) the experts stay float matrices in the compute dtype."""
+    hf = {part: f"{_hf_name(full + '.weight').removesuffix('.weight')}.{part}"
+          for part in ("gate_proj", "up_proj", "down_proj")}
+    handle = cpu_kernels.handle(plan.tier) if plan.format == "int4" and plan.tier != "torch" else None
+    num, width, hidden = experts.gate_proj.shape
+    if handle is None or not (int4_kernel_accepts(2 * width, hidden) and int4_kernel_accepts(hidden, width)):
+        return {}
+    found = {part: sources.get(name) for part, name in hf.items()}
+    from_blocks = all(isinstance(f, ExpertBlocks) for f in found.values())
+
+    def weight(part: str, e: int) -> BlockTensor | GroupCodes:
+        if from_blocks:
+            return found[part].experts[e]
+        return quantize_int4(getattr(experts, part)[e])
+
+    def pack(parts: list[BlockTensor | GroupCodes]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        source = (StackedBlocks(tuple(parts)) if all(isinstance(p, BlockTensor) for p in parts)
+                  and len({(p.qtype, p.cols) for p in parts}) == 1 else
+                  GroupCodes.cat([p.group_codes() if isinstance(p, BlockTensor) else p for p in parts]))
+        if isinstance(source, StackedBlocks):
+            return source.pack()
+        return cpu_kernels.pack_groups(source.codes, source.scales, source.mins, source.bits, source.scale_factors,
+                                       source.min_factors)
+
+    gate_up, down = [], []
+    for e in range(num):
+        gate_up.append(pack([weight("gate_proj", e), weight("up_proj", e)]))
+        down.append(pack([weight("down_proj", e)]))
+
+    def stacked(packs: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        zeros = {p[3] for p in packs}
+        if len(zeros) != 1:  # experts of one tensor share their format, so their zero point
+            raise RuntimeError(f"{full}: experts packed with different zero points {sorted(zeros)}")
+        return (*(torch.stack([p[i] for p in packs]) for i in range(3)), zeros.pop())
+
+    packed = PackedExperts(stacked(gate_up), stacked(down), width, handle, DEQUANT_FROM_ROWS[plan.tier],
+                           experts.activation)
+    _replace(module, name, packed)
+    return dict.fromkeys(hf.values(), "packed" if from_blocks else "int4")
 
 
 def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan) -> Int8Linear:

@@ -1,0 +1,191 @@
+"""Mixture-of-experts MLPs: a router picks each token's experts, and one grouped operation runs
+every active expert over the rows routed to it.
+
+The grouped operation is a torch op (``nanoserve::experts_dense``, ``nanoserve::experts_packed``)
+with a fake that says only "a tensor shaped like x": which experts a step routes to is data, so
+the compiled decode graph keeps its static shapes and never recompiles on routing. Inside, the
+op sorts the step's (row, expert) pairs by expert and, per active expert, gathers its rows, runs
+gate and up, the activation, down, and adds the result times the routing weight into the output
+(in expert order, as the reference does). Packed experts hold each expert as its own group-wise
+matrix (``cpu_kernels`` layout, the experts stacked along a leading dimension), packed expert by
+expert from the file's blocks: a step reads only the routed experts' bytes. An expert with many
+rows (a prompt) dequantises its matrix and runs a dense GEMM, as a packed linear does
+(``quant.DEQUANT_FROM_ROWS``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.model.config import ModelConfig
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+class Router(nn.Linear):
+    """A router or gate linear: kept dense in every weight format (it is tiny, and routing is
+    sensitive to rounding)."""
+
+    keep_dense = True
+
+
+def _routed_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (row, slot) pairs of ``ids`` [N, k] ordered by expert (stably), and each expert's count."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def _mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
+    """out[r] = sum over r's slots s of weights[r, s] * expert(ids[r, s], x[r]), experts in order."""
+    out = torch.zeros_like(x)
+    order, counts = _routed_pairs(ids, num_experts)
+    k = ids.shape[1]
+    flat_weights = weights.reshape(-1)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        rows = pairs // k
+        y = expert(e, x.index_select(0, rows))
+        out.index_add_(0, rows, (y * flat_weights.index_select(0, pairs)[:, None]).to(out.dtype))
+    return out
+
+
+@torch.library.custom_op("nanoserve::experts_dense", mutates_args=())
+def experts_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor, activation: str) -> torch.Tensor:
+    """Experts held as float matrices gate, up [E, I, H] and down [E, H, I]."""
+    act = ACTIVATIONS[activation]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(act(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e])
+
+    return _mix(x, ids, weights, gate.shape[0], expert)
+
+
+@experts_dense.register_fake
+def _(x, ids, weights, gate, up, down, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("nanoserve::experts_packed", mutates_args=())
+def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_codes: torch.Tensor,
+                   gate_up_scales: torch.Tensor, gate_up_mins: torch.Tensor, gate_up_zero: int,
+                   down_codes: torch.Tensor, down_scales: torch.Tensor, down_mins: torch.Tensor, down_zero: int,
+                   intermediate: int, tier: int, dequant_from_rows: int, activation: str) -> torch.Tensor:
+    """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
+    gate and up as one [2 I, H] matrix per expert, down [H, I]."""
+    act = ACTIVATIONS[activation]
+    hidden = x.shape[1]
+    ops = torch.ops.nanoserve
+
+    def product(rows, codes, scales, mins, zero, n, k):
+        if rows.shape[0] >= dequant_from_rows:
+            return F.linear(rows, ops.dequantize(codes, scales, mins, zero, n, k, rows.dtype, tier))
+        return ops.group_mm(rows, codes, scales, mins, zero, tier)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = product(rows, gate_up_codes[e], gate_up_scales[e], gate_up_mins[e], gate_up_zero,
+                           2 * intermediate, hidden).chunk(2, dim=-1)
+        return product(act(gate) * up, down_codes[e], down_scales[e], down_mins[e], down_zero, hidden, intermediate)
+
+    return _mix(x, ids, weights, gate_up_codes.shape[0], expert)
+
+
+@experts_packed.register_fake
+def _(x, ids, weights, *args):
+    return torch.empty_like(x)
+
+
+class DenseExperts(nn.Module):
+    """Every expert's gate, up [E, I, H] and down [E, H, I] as float matrices (HF's stacked names
+    ``mlp.experts.{gate,up,down}_proj``)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.activation = activation
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nanoserve.experts_dense(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
+                                                 self.activation)
+
+
+class PackedExperts(nn.Module):
+    """Every expert packed group-wise for nanoserve's kernel tier ``handle``: ``gate_up`` (gate
+    and up stacked, [2 I, H] per expert) and ``down`` ([H, I]), each a (codes, scales, mins)
+    stack with one leading index per expert and a zero point."""
+
+    def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                 down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], intermediate: int, handle: int,
+                 dequant_from_rows: int, activation: str) -> None:
+        super().__init__()
+        for prefix, (codes, scales, mins, zero) in (("gate_up", gate_up), ("down", down)):
+            self.register_buffer(f"{prefix}_codes", codes)
+            self.register_buffer(f"{prefix}_scales", scales)
+            self.register_buffer(f"{prefix}_mins", mins)
+            setattr(self, f"{prefix}_zero", zero)
+        self.intermediate, self.handle = intermediate, handle
+        self.dequant_from_rows, self.activation = dequant_from_rows, activation
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_codes.shape[0]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nanoserve.experts_packed(
+            x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
+            self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
+            self.dequant_from_rows, self.activation)
+
+
+class ExpertMLP(nn.Module):
+    """A mixture-of-experts MLP: ``gate`` (the router, [E, H]) scores the experts; each token
+    runs its top ``num_experts_per_tok`` (softmax over all experts in fp32, then the top k,
+    renormalised where the config says), weighted; Qwen2-MoE adds a shared expert (a dense MLP)
+    times the sigmoid of ``shared_expert_gate``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        from nanoserve.model.llama import LlamaMLP
+
+        hidden, experts = config.hidden_size, config.num_experts
+        self.gate = Router(hidden, experts, bias=False)
+        self.experts: nn.Module = DenseExperts(experts, hidden, config.moe_intermediate_size, config.hidden_act)
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(hidden, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k], weights [N, k] in x's dtype) for rows x [N, H]."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
