@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model import cpu_kernels
+from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import LOW_BIT, BlockTensor, StackedBlocks, group_codes
 from nanoserve.model.group_codes import as_torch_int4
 from nanoserve.model.llama import dense_forward, unfuse_hf_weights
@@ -249,3 +250,26 @@ def test_a_low_bit_gguf_generates_and_its_stats_say_how_each_type_runs(low_bit_g
     group_16 = "dense" if cpu_kernels.resolve_tier() == "torch" else "packed"
     assert types["IQ4_NL"] == types["IQ4_XS"] == types["MXFP4"] == "packed"
     assert types["Q2_K"] == types["Q3_K"] == group_16
+
+
+# --- hostile files: the low-bit types' sizes are gguf's (GGML_QUANT_SIZES), checked as every type's --
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_a_row_that_is_no_whole_number_of_blocks_is_refused(tmp_path, low_bit_gguf, qtype):
+    from model_fuzz import patch_tensor_info
+
+    path = tmp_path / "rows.gguf"
+    path.write_bytes(low_bit_gguf.read_bytes())
+    index = next(i for i, t in enumerate(gguf.GGUFReader(str(path)).tensors) if t.tensor_type == qtype)
+    patch_tensor_info(path, index, "dim", GGML_QUANT_SIZES[qtype][0] // 2)
+    with pytest.raises(ModelLoadError, match=f"rows.gguf: .*not a multiple of {qtype.name} block size"):
+        load_model(str(path))
+
+
+def test_a_low_bit_file_cut_short_is_refused(tmp_path, low_bit_gguf):
+    data = low_bit_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 100])
+    with pytest.raises(ModelLoadError, match="cut.gguf: .*truncated"):
+        load_model(str(cut))
