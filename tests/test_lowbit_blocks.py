@@ -20,13 +20,14 @@ from gguf.quants import dequantize
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model import cpu_kernels
 from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import LOW_BIT, BlockTensor, StackedBlocks, group_codes
+from nanoserve.model.gguf_blocks import LOW_BIT, WIDENED_BITS, BlockTensor, StackedBlocks, group_codes
 from nanoserve.model.group_codes import as_torch_int4
 from nanoserve.model.llama import dense_forward, unfuse_hf_weights
 from nanoserve.model.loader import load_model
 from nanoserve.model.quant import ConcatLinear, GroupLinear
 from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.summary import describe_engine
 
 TYPES = sorted(LOW_BIT, key=lambda q: q.value)
 KERNELS = cpu_kernels.host_tiers()  # every tier of ours this host runs, the reference, and torch's
@@ -162,7 +163,7 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
     assert torch.equal(cpu_kernels.unpack_codes(layer.codes, n, k), source.codes)
     assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
     held = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.mins)) * 8 / (n * k)
-    assert (held, 8 * data.nbytes / (n * k)) == BITS_HELD[qtype]
+    assert (held, 8 * data.nbytes / (n * k)) == BITS_HELD[qtype] == WIDENED_BITS[qtype.name]
     dense = torch.ops.nanoserve.dequantize(layer.codes, layer.scales, layer.mins, layer.zero_point, n, k,
                                            torch.float32, layer.handle)
     assert torch.equal(dense, reference)
@@ -250,6 +251,10 @@ def test_a_low_bit_gguf_generates_and_its_stats_say_how_each_type_runs(low_bit_g
     group_16 = "dense" if cpu_kernels.resolve_tier() == "torch" else "packed"
     assert types["IQ4_NL"] == types["IQ4_XS"] == types["MXFP4"] == "packed"
     assert types["Q2_K"] == types["Q3_K"] == group_16
+    # the startup summary names each type, and what a widened one holds against its file
+    line = next(x for x in describe_engine(engine, "lowbit", 0.0) if x.startswith("tensor types: "))
+    assert "F32 dense" in line and "IQ4_NL packed (8.50 bits a weight held, the file's 4.50)" in line
+    assert "MXFP4 packed (5.50 bits a weight held, the file's 4.25)" in line
 
 
 # --- hostile files: the low-bit types' sizes are gguf's (GGML_QUANT_SIZES), checked as every type's --

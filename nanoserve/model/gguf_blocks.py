@@ -205,6 +205,10 @@ PACKED_TYPES = frozenset(LEGACY + K_QUANTS + LOW_BIT)
 CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6,
              Q.Q2_K: 2, Q.Q3_K: 3, Q.IQ4_NL: 8, Q.IQ4_XS: 8, Q.MXFP4: 5}
 GROUPS = {Q.Q6_K: 16, Q.Q2_K: 16, Q.Q3_K: 16}  # 32 otherwise
+# The low-bit types' bits a weight held by the kernels (codes and numbers) and in the file, by
+# name (the module docstring; MXFP4's with fp16 scales): the startup summary says them.
+WIDENED_BITS = {"Q2_K": (5.125, 2.625), "Q3_K": (4.5625, 3.4375), "IQ4_NL": (8.5, 4.5), "IQ4_XS": (8.3125, 4.25),
+                "MXFP4": (5.5, 4.25)}
 _READERS = {**dict.fromkeys(LEGACY, _legacy), **dict.fromkeys(TABLED, _tabled), **dict.fromkeys(K_QUANTS, _k_quant),
             **dict.fromkeys(LOW_K, _low_k)}
 
