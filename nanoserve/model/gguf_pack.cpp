@@ -2,6 +2,9 @@
 // (kernels/common.h): one pass over the blocks, no float or unpacked copy of the weight. The
 // codes, scales and minimums written are the file's own (the same as gguf_blocks.py reads them
 // and cpu_kernels.pack_groups packs them), so the product is exactly the one of the slow path.
+// The low-bit types are written in the wider formats gguf_blocks.py reads them into: IQ4_NL's and
+// IQ4_XS's table values + 128 as bytes, MXFP4's E2M1 values + 16 in 5 bits, Q2_K's and Q3_K's
+// codes in the 4-bit layout at group 16 (one pass still, and no more memory than that format).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
