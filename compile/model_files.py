@@ -105,6 +105,17 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
     elif qtype == Q.Q6_K:
         blocks[:, 192:208] = (rng.integers(-16, 16, (count, 16))).astype(np.int8).view(np.uint8)
         fp16(208, 0.0001)  # d times int8 scales times codes - 32
+    elif qtype == Q.Q2_K:
+        fp16(80, 0.002)  # d, times 4-bit scales and 2-bit codes
+        fp16(82, 0.003)  # dmin, times 4-bit minimums
+    elif qtype == Q.Q3_K:
+        fp16(108, 0.0005)  # d times 6-bit scales - 32 times codes - 4
+    elif qtype == Q.IQ4_NL:
+        fp16(0, 0.0003)  # d times the table's values, -127..113
+    elif qtype == Q.IQ4_XS:
+        fp16(0, 0.00002)  # d times 6-bit scales - 32 times the table's values
+    elif qtype == Q.MXFP4:
+        blocks[:, 0] = rng.integers(119, 123, count)  # 2^(e - 128) times values up to 12
     return blocks.reshape(rows, -1)
 
 

@@ -28,6 +28,8 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         f"max_model_len {resolved.max_model_len:,}{limit_note}; up to {rows} and "
         f"{stats.max_num_batched_tokens} tokens per step; {decode}",
     ]
+    if stats.weight_types:
+        lines.append(describe_tensor_types(stats.weight_types))
     if engine.speculator is not None:
         lines.append(describe_speculation(engine.speculator))
     size = config.tensor_parallel_size
@@ -35,6 +37,19 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
                      f"(each rank holds 1/{size} of the heads, the MLP and the vocabulary)")
     return lines
+
+
+def describe_tensor_types(types: dict[str, str]) -> str:
+    """The file's tensor types and how each runs (engine.stats().weight_types); a low-bit type
+    run packed in wider codes than the file's says its bits a weight held against the file's."""
+    from nanoserve.model.gguf_blocks import WIDENED_BITS
+
+    parts = []
+    for name, mode in types.items():
+        held = WIDENED_BITS.get(name) if "packed" in mode.split("+") else None
+        parts.append(f"{name} {mode}" + (f" ({held[0]:.2f} bits a weight held, the file's {held[1]:.2f})"
+                                         if held else ""))
+    return "tensor types: " + ", ".join(parts)
 
 
 def describe_graphs(stats) -> str:

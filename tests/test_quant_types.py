@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model import cpu_kernels
 from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import K_QUANTS, LEGACY, PACKED_TYPES, group_codes
+from nanoserve.model.gguf_blocks import K_QUANTS, LEGACY, LOW_BIT, PACKED_TYPES, group_codes
 from nanoserve.model.group_codes import as_torch_int4
 from nanoserve.model.llama import dense_forward, unfuse_hf_weights
 from nanoserve.model.loader import load_model
@@ -26,7 +26,9 @@ from nanoserve.model.quant import ConcatLinear, GroupLinear
 from nanoserve.model.synthetic import random_model, tiny_config
 from nanoserve.model.weight_plan import WeightPlan
 
-TYPES = sorted(PACKED_TYPES, key=lambda q: q.value)
+# The types gguf's quantiser writes and the K-quants of 4 to 6 bits; the low-bit ones (LOW_BIT:
+# Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) are test_lowbit_blocks.py's.
+TYPES = sorted(LEGACY + K_QUANTS, key=lambda q: q.value)
 KERNELS = cpu_kernels.host_tiers()  # every tier of ours this host runs, the reference, and torch's
 # The kernels' output against the exact fp32 product: bf16 activations and output, fp32 sums in
 # their own order, within this share of the largest |output|.
@@ -69,6 +71,8 @@ def torch_format_weight(source) -> torch.Tensor:
 def test_every_type_gguf_names_is_accounted_for():
     assert {t.name for t in LEGACY} == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
     assert {t.name for t in K_QUANTS} == {"Q4_K", "Q5_K", "Q6_K"}
+    assert {t.name for t in LOW_BIT} == {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
+    assert PACKED_TYPES == frozenset(LEGACY + K_QUANTS + LOW_BIT)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -176,7 +180,7 @@ def test_a_gguf_of_mixed_types_runs_packed_with_the_fp32_dequantised_logits(mixe
         assert model.weight_types["Q4_K"] == model.weight_types["Q5_K"] == "dense+packed"
         assert {model.weight_types[t.name] for t in LEGACY} == {"packed"}
     else:
-        assert all(model.weight_types[t.name] == "packed" for t in PACKED_TYPES)
+        assert all(model.weight_types[t.name] == "packed" for t in TYPES)
         assert len(packed) == 2 * 4 + 1  # every linear and the tied head
     assert model.weight_types["F32"] == "dense"  # the norms
     ids = torch.tensor([[3, 17, 250, 99, 5, 8, 200, 41]])
@@ -193,7 +197,7 @@ def test_engine_stats_say_how_each_tensor_type_runs(mixed_gguf):
                           use_tqdm=False)[0]
     assert out.error is None and len(out.token_ids) == 3
     types = engine.stats().weight_types
-    assert set(types) == {t.name for t in PACKED_TYPES} | {"F32"}
+    assert set(types) == {t.name for t in TYPES} | {"F32"}
     # torch's kernel has no group-16 format: Q4_K shares layer 0's q/k/v projection with Q6_K there
     q4_k = "dense+packed" if cpu_kernels.resolve_tier() == "torch" else "packed"
     assert types["F32"] == "dense" and types["Q4_K"] == q4_k and types["Q5_0"] == "packed"
@@ -202,7 +206,7 @@ def test_engine_stats_say_how_each_tensor_type_runs(mixed_gguf):
     assert set(dense.stats().weight_types.values()) == {"dense"}
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.IQ4_NL], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ3_S, Q.TQ2_0], ids=lambda q: q.name)
 def test_a_type_that_does_not_run_packed_is_refused_by_name(tmp_path, qtype):
     from conftest import write_gguf
     path = write_gguf(tmp_path / "other.gguf", CONFIG, unfuse_hf_weights(random_model(CONFIG, seed=0)),

@@ -18,6 +18,35 @@ llama.cpp's, as gguf-py's ``gguf.quants`` dequantises them):
 Every scale and minimum is exact in fp32 (an fp16 number times an integer below 2^8), and so is
 every weight ``scale * code + minimum`` (at most 23 significant bits): the codes and numbers
 here are the file's, and their dequantisation equals gguf's.
+
+The low-bit types people download are the same form, each in a format the kernels already hold
+(no kernel change), its codes widened where the file's are not ``scale * code + minimum``:
+
+| type | block | codes held | group | scale, minimum | bits a weight held (file) |
+| --- | --- | --- | --- | --- | --- |
+| Q2_K | 256, 84 | 2-bit q, held in 4 | 16 | d * sc, -dmin * m (fp16 times 4-bit integers) | 5.13 (2.63) |
+| Q3_K | 256, 110 | 3-bit q + 4 h, held in 4 | 16 | d * (sc - 32), -4 d * (sc - 32) | 4.56 (3.44) |
+| IQ4_NL | 32, 18 | 8-bit ``table[q] + 128`` | 32 | fp16 d, -128 d | 8.5 (4.5) |
+| IQ4_XS | 256, 136 | 8-bit ``table[q] + 128`` | 32 | d * (ls - 32), -128 d * (ls - 32) | 8.31 (4.25) |
+| MXFP4 | 32, 17 | 5-bit ``e2m1[q] + 16`` | 32 | 2^(e - 128), -16 * 2^(e - 128) | 5.5 (4.25) |
+
+(bits held: the codes' storage, 4, 5 or 8 bits, plus the numbers: fp16 per group, or a
+K-quant's super-block records of an fp16 number and an int8 multiplier per group, 16 rows at a
+time; MXFP4's scales are fp32, 6 bits a weight, where an exponent lies outside fp16's 2^-24 ..
+2^15.) IQ4_NL's and IQ4_XS's codes index a 16-entry non-linear table (-127 .. 113) that is no
+affine function of the nibble, so the entry itself is held, as Q8_0's int8 code is: 8 bits for
+the file's 4. MXFP4's E2M1 nibbles index {0, 1, 2, 3, 4, 6, 8, 12} and their negatives (gguf's
+doubled values, the half in the E8M0 scale), 25 values: 5-bit codes. Exactness, as gguf computes
+in fp32: Q2_K's ``d * sc * q - dmin * m`` is one rounding in both; every other product is exact
+(IQ4_XS's scale has at most 16 significant bits, its code 8; Q3_K's 16 and 3; MXFP4's scale is a
+power of two), so scale * code and the minimum are exact and their sum is the exact weight.
+MXFP4 only: exponents above 251 (weights of 2^124 and more) overflow ``scale * code`` where gguf
+still has a finite weight; no real tensor is near them. The faster and smaller route for the
+table types is a native layout: the file's nibbles held as they are (4.5 bits a weight IQ4_NL,
+4.25 IQ4_XS and MXFP4) and looked up in a register table before the int8 dot (pshufb on x86,
+tbl on ARM), a kernel ABI change left for a follow-up; the widened codes cost 4 bits a weight
+(IQ4_*) and 1.25 (MXFP4) over the file, and decode reads that many more bytes. Q2_K and Q3_K
+would need 2- and 3-bit storage to reach their file's size.
 """
 
 from __future__ import annotations
@@ -102,10 +131,86 @@ def _k_quant(blocks: np.ndarray, qtype: Q) -> tuple:
     return codes.astype(np.uint8), d[..., None] * sc, -(dmin[..., None] * mn), 5 if qtype == Q.Q5_K else 4, *factors
 
 
+# IQ4_NL's and IQ4_XS's non-linear values of a nibble, and MXFP4's (E2M1 doubled: 2^(e - 128) is
+# half the E8M0 scale 2^(e - 127)), as gguf's kvalues.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's scale 2^(e - 128) of each exponent byte, as fp32 (gguf's e8m0_to_fp32_half: the
+    two smallest are fp32 subnormals)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+
+
+def _tabled(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, ...]:
+    """IQ4_NL and MXFP4 (blocks of 32, nibbles in Q4_0's order): (codes, scale, minimum, bits),
+    the codes the table's value plus its zero point."""
+    if qtype == Q.IQ4_NL:
+        d = _fp16(blocks, 0)
+        return (IQ4_VALUES[_nibbles(blocks[..., 2:18])] + 128).astype(np.uint8), d, -128 * d, 8
+    d = e8m0_half(blocks[..., 0])
+    with np.errstate(over="ignore"):  # exponents above 251 (module docstring)
+        minimum = -16 * d
+    return (MXFP4_VALUES[_nibbles(blocks[..., 1:17])] + 16).astype(np.uint8), d, minimum, 5
+
+
+def _low_k(blocks: np.ndarray, qtype: Q) -> tuple:
+    """Q2_K, Q3_K and IQ4_XS, as _k_quant returns the K-quants."""
+    lead = blocks.shape[:-1]
+    if qtype == Q.IQ4_XS:
+        # fp16 d, 16 bits of high scale parts (2 a group), 4 bytes of low ones (a nibble a group,
+        # low nibble first), then per group of 32 its 16 bytes of nibbles (Q4_0's order)
+        d = _fp16(blocks, 0)
+        high = blocks[..., 2:4].copy().view(np.uint16)[..., 0, None] >> (2 * np.arange(8, dtype=np.uint16))
+        low = _nibbles(blocks[..., 4:8])[..., [0, 4, 1, 5, 2, 6, 3, 7]]
+        ls = (low | ((high & 3).astype(np.uint8) << 4)).astype(np.int16) - 32
+        codes = IQ4_VALUES[_nibbles(blocks[..., 8:136].reshape(*lead, 8, 16))].reshape(*lead, 256) + 128
+        scales = d[..., None] * ls.astype(np.float32)
+        return codes.astype(np.uint8), scales, -128 * scales, 8, (d, ls.astype(np.int8)), None
+    # 2-bit parts: 64 bytes, two halves of 32 bytes, each byte 4 weights 32 apart (Q6_K's order)
+    at = 16 if qtype == Q.Q2_K else 32
+    quads = blocks[..., at:at + 64].reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]
+    codes = (quads & 3).reshape(*lead, 256)
+    if qtype == Q.Q2_K:  # 16 bytes: scale | minimum << 4 per group of 16, then fp16 d and dmin
+        d, dmin, packed = _fp16(blocks, 80), _fp16(blocks, 82), blocks[..., 0:16]
+        sc, mn = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+        factors = (d, sc.astype(np.int8)), (-dmin, mn.astype(np.int8))
+        return codes.astype(np.uint8), d[..., None] * sc, -(dmin[..., None] * mn), 2, *factors
+    # Q3_K: 32 bytes of high bits (bit g of byte i: weight 32 g + i), the 2-bit parts, 12 bytes
+    # of 6-bit scales (low nibbles of bytes 0-7, then their high nibbles; 2 bits each from bytes
+    # 8-11, by shift then byte), fp16 d. gguf's value is q - 4 where the high bit is clear: the
+    # code q + 4 h with zero point 4.
+    codes = codes | (_bits(blocks[..., 0:32], 256).reshape(*lead, 32, 8).swapaxes(-1, -2).reshape(*lead, 256) << 2)
+    packed = blocks[..., 96:108]
+    low = np.concatenate([packed[..., 0:8] & 15, packed[..., 0:8] >> 4], axis=-1)
+    high = np.stack([(packed[..., 8:12] >> (2 * i)) & 3 for i in range(4)], axis=-2).reshape(*lead, 16)
+    sc = (low | (high << 4)).astype(np.int16) - 32
+    d = _fp16(blocks, 108)
+    scales = d[..., None] * sc.astype(np.float32)
+    return codes.astype(np.uint8), scales, -4 * scales, 3, (d, sc.astype(np.int8)), None
+
+
 LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# The low-bit types: a table's values (IQ4_NL, MXFP4 in blocks of 32; IQ4_XS in super-blocks) or
+# 2- and 3-bit K-quants, each held exactly in a wider format the kernels run.
+TABLED = (Q.IQ4_NL, Q.MXFP4)
+LOW_K = (Q.Q2_K, Q.Q3_K, Q.IQ4_XS)
+LOW_BIT = TABLED + LOW_K
 # The block types nanoserve runs from their blocks.
-PACKED_TYPES = frozenset(LEGACY + K_QUANTS)
+PACKED_TYPES = frozenset(LEGACY + K_QUANTS + LOW_BIT)
+# Each type's codes (their bits; held in 4, 5, 6 or 8: cpu_kernels.storage_bits) and scale group.
+CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6,
+             Q.Q2_K: 2, Q.Q3_K: 3, Q.IQ4_NL: 8, Q.IQ4_XS: 8, Q.MXFP4: 5}
+GROUPS = {Q.Q6_K: 16, Q.Q2_K: 16, Q.Q3_K: 16}  # 32 otherwise
+# The low-bit types' bits a weight held by the kernels (codes and numbers) and in the file, by
+# name (the module docstring; MXFP4's with fp16 scales): the startup summary says them.
+WIDENED_BITS = {"Q2_K": (5.125, 2.625), "Q3_K": (4.5625, 3.4375), "IQ4_NL": (8.5, 4.5), "IQ4_XS": (8.3125, 4.25),
+                "MXFP4": (5.5, 4.25)}
+_READERS = {**dict.fromkeys(LEGACY, _legacy), **dict.fromkeys(TABLED, _tabled), **dict.fromkeys(K_QUANTS, _k_quant),
+            **dict.fromkeys(LOW_K, _low_k)}
 
 
 def group_codes(data: np.ndarray, qtype: Q, rows: int, cols: int) -> GroupCodes:
@@ -115,8 +220,8 @@ def group_codes(data: np.ndarray, qtype: Q, rows: int, cols: int) -> GroupCodes:
                          f"{', '.join(t.name for t in PACKED_TYPES)})")
     block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // block_weights, block_bytes)
-    codes, scales, mins, bits, *factors = (_legacy if qtype in LEGACY else _k_quant)(blocks, qtype)
-    group = 16 if qtype == Q.Q6_K else 32
+    codes, scales, mins, bits, *factors = _READERS[qtype](blocks, qtype)
+    group = GROUPS.get(qtype, 32)
     as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1)))  # noqa: E731
     supers = [None if f is None else SuperScales(as_rows(f[0].astype(np.float32)), as_rows(f[1])) for f in factors]
     return GroupCodes(as_rows(codes), as_rows(scales.astype(np.float32)), as_rows(mins.astype(np.float32)),
@@ -125,7 +230,8 @@ def group_codes(data: np.ndarray, qtype: Q, rows: int, cols: int) -> GroupCodes:
 
 
 # The zero point of each type that stores none of its minimums (``w = d * (c - zero point)``).
-ZERO_POINTS = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32}
+ZERO_POINTS = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32, Q.Q3_K: 4, Q.IQ4_NL: 128, Q.IQ4_XS: 128,
+               Q.MXFP4: 16}
 
 
 @dataclass(frozen=True)
@@ -142,11 +248,11 @@ class BlockTensor:
 
     @property
     def bits(self) -> int:
-        return {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}.get(self.qtype, 4)
+        return CODE_BITS[self.qtype]
 
     @property
     def group(self) -> int:
-        return 16 if self.qtype == Q.Q6_K else 32
+        return GROUPS.get(self.qtype, 32)
 
     def group_codes(self) -> GroupCodes:
         """The tensor as unpacked GroupCodes (one byte a code, fp32 numbers)."""

@@ -33,7 +33,9 @@ from nanoserve.model.llama import hf_norm_offset
 Q = GGMLQuantizationType
 # Tensor types we load: the float types (dequantised through gguf.quants, run dense or rounded
 # as the weight plan says) and the block types that run packed from their own blocks
-# (gguf_blocks; their fp32 dequantisation is the exact reference).
+# (gguf_blocks, the low-bit Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 among them; their fp32
+# dequantisation is the exact reference). The sizes of each are gguf's GGML_QUANT_SIZES: gguf's
+# reader refuses a row that is no whole number of blocks, and _check_extents a cut-short tensor.
 SUPPORTED_TENSOR_TYPES = frozenset({Q.F32, Q.F16, Q.BF16} | PACKED_TYPES)
 # general.architecture values we run (Mistral's files are "llama"; a llama file with experts is
 # Mixtral-style): architectures.py holds each one's record.

@@ -2,6 +2,9 @@
 // (kernels/common.h): one pass over the blocks, no float or unpacked copy of the weight. The
 // codes, scales and minimums written are the file's own (the same as gguf_blocks.py reads them
 // and cpu_kernels.pack_groups packs them), so the product is exactly the one of the slow path.
+// The low-bit types are written in the wider formats gguf_blocks.py reads them into: IQ4_NL's and
+// IQ4_XS's table values + 128 as bytes, MXFP4's E2M1 values + 16 in 5 bits, Q2_K's and Q3_K's
+// codes in the 4-bit layout at group 16 (one pass still, and no more memory than that format).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -15,7 +18,10 @@
 namespace {
 
 // gguf's GGMLQuantizationType values of the block types read here.
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39
+};
 
 struct BlockType {
   int64_t weights, bytes;  // weights and bytes of one block
@@ -23,6 +29,11 @@ struct BlockType {
   int64_t group;           // weights per scale group
   bool has_mins;           // minimums stored (else a zero point)
 };
+
+// IQ4_NL's (and IQ4_XS's) non-linear values of a nibble, and MXFP4's (E2M1, doubled), each held
+// as an unsigned code: the value plus the zero point (128, 16), as gguf_blocks.py reads them.
+constexpr int16_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int16_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 BlockType block_type(int64_t qtype) {
   switch (qtype) {
@@ -34,11 +45,19 @@ BlockType block_type(int64_t qtype) {
     case Q4_K: return {256, 144, 4, 32, true};
     case Q5_K: return {256, 176, 5, 32, true};
     case Q6_K: return {256, 210, 6, 16, false};
+    case Q2_K: return {256, 84, 4, 16, true};     // 2-bit codes held in 4
+    case Q3_K: return {256, 110, 4, 16, false};   // 3-bit codes held in 4, zero point 4
+    case IQ4_NL: return {32, 18, 8, 32, false};   // table value + 128
+    case IQ4_XS: return {256, 136, 8, 32, false};
+    case MXFP4: return {32, 17, 5, 32, false};    // table value + 16
   }
   TORCH_CHECK(false, "GGUF type ", qtype, " does not pack from its blocks");
 }
 
-bool is_k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+// The types whose numbers are super-block records (an fp16 number times int8 multipliers).
+bool is_k_quant(int64_t qtype) {
+  return qtype == Q2_K || qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == IQ4_XS;
+}
 
 uint16_t fp16_bits(const uint8_t* p) {
   uint16_t v;
@@ -63,6 +82,13 @@ void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
       for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + i]) + 128);
       return;
     }
+    if (qtype == IQ4_NL || qtype == MXFP4) {  // Q4_0's nibbles, through the table
+      const uint8_t* qs = b + (qtype == MXFP4 ? 1 : 2);
+      const int16_t* values = qtype == MXFP4 ? MXFP4_VALUES : IQ4_VALUES;
+      const int16_t zero = qtype == MXFP4 ? 16 : 128;
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(values[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4] + zero);
+      return;
+    }
     const bool five = qtype == Q5_0 || qtype == Q5_1, mins = qtype == Q4_1 || qtype == Q5_1;
     const uint8_t* qs = b + (mins ? 4 : 2) + (five ? 4 : 0);
     uint32_t high = 0;
@@ -82,6 +108,22 @@ void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
     const uint8_t* qh = row + s * 210 + 128 + 32 * half;
     const int low_shift = 4 * (quarter / 2), high_shift = 2 * quarter;
     for (int i = 0; i < 32; ++i) out[i] = ((ql[i] >> low_shift) & 15) | (((qh[i] >> high_shift) & 3) << 4);
+    return;
+  }
+  if (qtype == Q2_K || qtype == Q3_K) {
+    // 64 bytes of 2-bit parts in two halves of 32: weight 32 gg + i in half gg / 4, byte i, bits
+    // 2 (gg % 4); Q3_K's high bit g of byte i of its first 32 bytes is weight 32 g + i's.
+    const uint8_t* b = row + s * block_type(qtype).bytes;
+    const uint8_t* qs = b + (qtype == Q2_K ? 16 : 32) + 32 * (gg / 4);
+    const int shift = static_cast<int>(2 * (gg % 4));
+    for (int i = 0; i < 32; ++i) {
+      out[i] = ((qs[i] >> shift) & 3) | (qtype == Q3_K ? ((b[i] >> gg) & 1) << 2 : 0);
+    }
+    return;
+  }
+  if (qtype == IQ4_XS) {  // group gg's 16 bytes of nibbles, Q4_0's order, through the table
+    const uint8_t* qs = row + s * 136 + 8 + 16 * gg;
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(IQ4_VALUES[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4] + 128);
     return;
   }
   const bool five = qtype == Q5_K;
@@ -120,10 +162,33 @@ void store_codes(const uint8_t (*c)[32], int bits, uint8_t* dst) {
   }
 }
 
-// Rows [16 b, 16 b + 16) of the weight: their codes, and their numbers as fp16 bits per scale
-// group (legacy types) or as super-block records (K-quants).
+// MXFP4's scale 2^(e - 128) (gguf's e8m0_to_fp32_half: E8M0's 2^(e - 127) times the half its
+// doubled values leave out) as fp32 bits; fp16 holds it for e in 104..143, as these fp16 bits.
+uint32_t e8m0_half_fp32(uint8_t e) { return e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23; }
+bool e8m0_half_in_fp16(uint8_t e) { return e >= 104 && e <= 143; }
+uint16_t e8m0_half_fp16(uint8_t e) {
+  const int p = e - 128;
+  return static_cast<uint16_t>(p >= -14 ? (p + 15) << 10 : 1 << (p + 24));  // normal, else subnormal
+}
+
+// Q3_K's 6-bit scale of group h (0..15) from its 12 bytes, minus 32: the low nibble of byte h
+// (h < 8) or the high one of byte h - 8, and 2 bits of byte 8 + h % 4 at 2 (h / 4).
+int8_t q3_k_scale(const uint8_t* s, int h) {
+  const int low = (s[h % 8] >> (4 * (h / 8))) & 15, high = (s[8 + h % 4] >> (2 * (h / 4))) & 3;
+  return static_cast<int8_t>((low | (high << 4)) - 32);
+}
+
+// IQ4_XS's 6-bit scale of group h (0..7), minus 32: a nibble of bytes 4-7 (low first) and 2
+// bits of the 16-bit scales_h at bytes 2-3.
+int8_t iq4_xs_scale(const uint8_t* blk, int h) {
+  const int low = (blk[4 + h / 2] >> (4 * (h % 2))) & 15, high = ((blk[2] | (blk[3] << 8)) >> (2 * h)) & 3;
+  return static_cast<int8_t>((low | (high << 4)) - 32);
+}
+
+// Rows [16 b, 16 b + 16) of the weight: their codes, and their numbers as fp16 (MXFP4: fp16 or,
+// with fp32, fp32) bits per scale group (blocks of 32) or as super-block records (the rest).
 void pack_block(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, const int64_t* order, int64_t k, int64_t b,
-                uint8_t* codes, uint8_t* scales, uint8_t* mins) {
+                bool fp32, uint8_t* codes, uint8_t* scales, uint8_t* mins) {
   const BlockType t = block_type(qtype);
   const uint8_t* rows[16];
   for (int r = 0; r < 16; ++r) rows[r] = blocks + (order ? order[16 * b + r] : 16 * b + r) * row_bytes;
@@ -132,6 +197,16 @@ void pack_block(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, const i
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < 16; ++r) group_codes(qtype, rows[r], g, c[r]);
     store_codes(c, t.bits, codes + (b * groups + g) * group_bytes);
+  }
+  if (qtype == MXFP4) {  // [n / 16, groups, 16] fp16 or fp32 bits of 2^(e - 128)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int r = 0; r < 16; ++r) {
+        const uint8_t e = rows[r][g * t.bytes];
+        const int64_t at = (b * groups + g) * 16 + r;
+        if (fp32) reinterpret_cast<uint32_t*>(scales)[at] = e8m0_half_fp32(e);
+        else reinterpret_cast<uint16_t*>(scales)[at] = e8m0_half_fp16(e);
+      }
+    return;
   }
   if (!is_k_quant(qtype)) {  // [n / 16, groups, 16] fp16 bits
     uint16_t* d = reinterpret_cast<uint16_t*>(scales) + b * groups * 16;
@@ -149,10 +224,24 @@ void pack_block(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, const i
     uint8_t* sm = t.has_mins ? mins + (b * supers + s) * record : nullptr;
     for (int r = 0; r < 16; ++r) {
       const uint8_t* blk = rows[r] + s * t.bytes;
-      if (qtype == Q6_K) {
-        const uint16_t d = fp16_bits(blk + 208);
+      if (qtype == Q6_K || qtype == Q3_K || qtype == IQ4_XS) {  // d times int8 multipliers, a zero point
+        const uint16_t d = fp16_bits(blk + (qtype == Q6_K ? 208 : qtype == Q3_K ? 108 : 0));
         memcpy(sd + 2 * r, &d, 2);
-        for (int h = 0; h < per_super; ++h) sd[32 + 16 * h + r] = blk[192 + h];
+        for (int h = 0; h < per_super; ++h) {
+          const int8_t multiplier = qtype == Q6_K ? static_cast<int8_t>(blk[192 + h])
+                                    : qtype == Q3_K ? q3_k_scale(blk + 96, h) : iq4_xs_scale(blk, h);
+          memcpy(sd + 32 + 16 * h + r, &multiplier, 1);
+        }
+        continue;
+      }
+      if (qtype == Q2_K) {  // d times 4-bit scales, -dmin times 4-bit minimums (a byte each per group)
+        const uint16_t d = fp16_bits(blk + 80), neg_dmin = fp16_bits(blk + 82) ^ 0x8000u;
+        memcpy(sd + 2 * r, &d, 2);
+        memcpy(sm + 2 * r, &neg_dmin, 2);
+        for (int h = 0; h < per_super; ++h) {
+          sd[32 + 16 * h + r] = blk[h] & 15;
+          sm[32 + 16 * h + r] = blk[h] >> 4;
+        }
         continue;
       }
       const uint16_t d = fp16_bits(blk), neg_dmin = fp16_bits(blk + 2) ^ 0x8000u;  // the minimum is -dmin * mn
@@ -190,15 +279,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(const at::Tensor& block
     const int64_t record = nanoserve::super_record_bytes(t.group);
     scales = at::empty({n / 16, k / 256, record}, bytes);
     mins = t.has_mins ? at::empty({n / 16, k / 256, record}, bytes) : at::empty({n / 16, k / 256, 0}, bytes);
-  } else {
-    scales = at::empty({n / 16, k / 32, 16}, bytes.dtype(at::kShort));
-    mins = at::empty({n / 16, t.has_mins ? k / 32 : 0, 16}, bytes.dtype(at::kShort));
   }
   const uint8_t* src = blocks.data_ptr<uint8_t>();
+  // MXFP4's scales are fp16 where fp16 holds every one of them (as cpu_kernels.pack_groups
+  // decides), else fp32: a first pass over the exponent bytes (one in 17).
+  bool fp32 = false;
+  if (qtype == MXFP4) {
+    for (int64_t i = 0; i < n * k / 32 && !fp32; ++i) fp32 = !e8m0_half_in_fp16(src[i * 17]);
+  }
+  if (!is_k_quant(qtype)) {
+    scales = at::empty({n / 16, k / 32, 16}, bytes.dtype(fp32 ? at::kInt : at::kShort));
+    mins = at::empty({n / 16, t.has_mins ? k / 32 : 0, 16}, bytes.dtype(at::kShort));
+  }
   auto* d = static_cast<uint8_t*>(scales.data_ptr());
   auto* m = static_cast<uint8_t*>(mins.data_ptr());
   at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) pack_block(qtype, src, row_bytes, order, k, b, codes.data_ptr<uint8_t>(), d, m);
+    for (int64_t b = begin; b < end; ++b) pack_block(qtype, src, row_bytes, order, k, b, fp32, codes.data_ptr<uint8_t>(), d, m);
   });
   return {codes, scales, mins};
 }

@@ -4,8 +4,10 @@ weights (int4 groups, int8 groups as Q8_0 rounds them, int8 per channel).
 
 Every GGUF block type that runs packed is this form without rounding anything (``gguf_blocks``):
 Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q5_0, Q5_1, Q8_0 (``d * c`` as ``d * (c + 128) - 128 d``),
-and the K-quants, whose super-block scales give each group of 32 (Q4_K, Q5_K) or 16 (Q6_K) an
-exact fp32 scale and minimum (``SuperScales``). ``as_torch_int4`` writes a group-32 weight in
+and the K-quants, whose super-block scales give each group of 32 (Q4_K, Q5_K) or 16 (Q6_K, Q3_K,
+Q2_K) an exact fp32 scale and minimum (``SuperScales``). Q2_K's and Q3_K's codes have 2 and 3
+bits (held in 4); IQ4_NL's, IQ4_XS's and MXFP4's table values are held as codes, the value plus a
+zero point (8 and 5 bits). ``as_torch_int4`` writes a group-32 weight in
 torch's int4 kernel's layout (see ``quant``).
 """
 
@@ -37,7 +39,7 @@ class SuperScales:
 class GroupCodes:
     """A weight [N, K] as unsigned codes in groups along K: ``w = scales * codes + mins`` per group.
 
-    ``codes`` [N, K] uint8 below ``2 ** bits`` (4, 5, 6 or 8); ``scales`` and ``mins``
+    ``codes`` [N, K] uint8 below ``2 ** bits`` (2 to 8; held in 4, 5, 6 or 8); ``scales`` and ``mins``
     [N, K / group] fp32; ``group`` 32 or 16 weights. A K-quant also gives its scales (and
     minimums) as ``SuperScales``, which the kernels hold in the K-quant's own size.
     """

@@ -188,7 +188,10 @@ int main() {
     for (int32_t bits : {4, 5, 6, 8}) {
       for (int32_t group : {32, 16}) {
         for (int32_t scale_kind : {0, 1, 2}) {
-          for (int32_t zero_point : {0, 1 << (bits - 1)}) {
+          // 0: minimums held; 2^(bits - 1): the symmetric formats (Q4_0, Q5_0 and MXFP4, Q6_K, Q8_0
+          // and IQ4_*); 4: Q3_K's 3-bit codes in the 4-bit layout
+          for (int32_t zero_point : {0, 1 << (bits - 1), 4}) {
+            if (zero_point == 4 && bits != 4) continue;
             for (const auto& s : shapes) {
               if (scale_kind == nanoserve::SCALES_SUPER && s[1] % 256) continue;  // super-blocks of 256
               for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
