@@ -56,8 +56,8 @@ class ServeState:
         return self.tokenizer.decode([token_id])
 
 
-def new_id(prefix: str) -> tuple[str, int]:
-    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+def new_id(prefix: str, sep: str = "-") -> tuple[str, int]:
+    return f"{prefix}{sep}{uuid.uuid4().hex}", int(time.time())
 
 
 def need_tokenizer(state: ServeState, param: str):
