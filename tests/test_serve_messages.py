@@ -289,3 +289,11 @@ def test_an_unknown_route_is_a_404_at_once_without_key_or_body(server):
         assert plain.get("/v1/messages/nothing-here").json()["error"]["type"] == "not_found_error"
         assert plain.get("/v1/messages", headers={"x-api-key": API_KEY}).status_code == 405  # a route: not a 404
     assert metrics.prompt_tokens == admitted  # no engine work
+
+
+def test_output_config_format_holds_the_reply_to_a_schema(client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    reply = client.messages.create(model=MODEL, max_tokens=30, messages=MESSAGES, extra_body=GREEDY,
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(reply.content[0].text)["answer"] in ("yes", "no") and reply.stop_reason == "end_turn"
