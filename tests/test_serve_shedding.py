@@ -16,7 +16,8 @@ pytest.importorskip("fastapi")
 
 from conftest import served, tiny_text_engine  # noqa: E402
 
-from nanoserve.serve.engine_loop import EngineLoop, default_max_waiting  # noqa: E402
+from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
+from nanoserve.serve.limits import DEFAULT_MAX_WAITING  # noqa: E402
 
 ROWS, MAX_WAITING, BURST = 2, 3, 12
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -122,9 +123,10 @@ def test_a_client_that_times_out_while_queued_leaves_the_queue(tmp_path):
         engine.check_drained()
 
 
-def test_the_default_queue_is_one_more_batch(tmp_path):
+def test_the_default_queue_holds_512_whatever_the_batch(tmp_path):
+    # As Ollama's queue: 64 streaming clients on a 32-row server wait their turn, not a 503.
     engine = tiny_text_engine(tmp_path, max_batch_size=5, max_model_len=64, kv_cache_bytes=1 << 20)
-    assert EngineLoop(engine).max_waiting == default_max_waiting(5) == 5
+    assert EngineLoop(engine).max_waiting == DEFAULT_MAX_WAITING == 512
     with pytest.raises(ValueError, match="max_waiting must be >= 0"):
         EngineLoop(engine, max_waiting=-1)
 
@@ -137,6 +139,6 @@ def test_serve_takes_max_waiting_requests():
     parser = argparse.ArgumentParser()
     add_serve_subcommand(parser.add_subparsers())
     assert parser.parse_args(["serve", "--max-waiting-requests", "7"]).max_waiting_requests == 7
-    assert parser.parse_args(["serve"]).max_waiting_requests is None
+    assert parser.parse_args(["serve"]).max_waiting_requests == DEFAULT_MAX_WAITING
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-waiting-requests", "-1"])

@@ -54,7 +54,7 @@ class OutputProcessor:
             request.request_id, request.prompt, request.prompt_token_ids, text,
             list(request.output_token_ids), request.finished, request.finish_reason, new_text,
             new_ids, list(request.logprobs) if request.params.logprobs is not None else None,
-            request.metrics, request.error, request.prompt_logprobs)
+            request.metrics, request.error, request.prompt_logprobs, request.stop_string)
 
     def rejected(self, request_id: str, prompt, params: SamplingParams | None, message: str) -> RequestOutput:
         """The output of a prompt that was refused before it became a request."""
@@ -81,5 +81,6 @@ def _hit_stop_string(request: Request) -> bool:
         start = text.find(stop, max(0, request.emitted_chars - len(stop)))
         if start >= 0:
             request.output_text = text[:start]
+            request.stop_string = stop
             return True
     return False

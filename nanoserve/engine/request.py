@@ -46,6 +46,7 @@ class Request:
     row: int | None = None  # while it holds one, the block manager counts its K/V (blocks.num_tokens(row))
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
     generator: torch.Generator | None = None
     # Text bookkeeping: output_text is everything decoded, emitted_chars what the caller has seen.
     output_text: str = ""
@@ -95,3 +96,4 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_string: str | None = None  # the stop string that ended it, when one did

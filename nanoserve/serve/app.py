@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's routes over one EngineLoop, plus /health and /metrics."""
+"""The FastAPI app: OpenAI's routes and Anthropic's Messages over one EngineLoop, plus /health and /metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Match
 
 from nanoserve.serve.chat import create_chat_completion
 from nanoserve.serve.completions import create_completion
@@ -17,6 +18,8 @@ from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.errors import ApiError, install_error_handlers
 from nanoserve.serve.gate import PROBES, Admission, RequestGate
 from nanoserve.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, ENDING_GRACE
+from nanoserve.serve.messages import count_message_tokens, create_message
+from nanoserve.serve.messages_protocol import CountTokensRequest, MessagesRequest
 from nanoserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,8 +37,8 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
                body_timeout: float = DEFAULT_BODY_TIMEOUT, tool_call_parser: str | None = None) -> FastAPI:
     """An app serving `engine_loop`'s engine as `model_name`. The app starts the loop when it
     starts and stops it when it stops. With `api_key`, every route needs
-    `Authorization: Bearer <api_key>` (the API, /tokenize, /docs, /openapi.json) except
-    /health and /metrics (probes, scrapers). A body larger than `max_request_bytes` is a 413,
+    `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (the API, /tokenize, /docs,
+    /openapi.json) except /health and /metrics (probes, scrapers). A body larger than `max_request_bytes` is a 413,
     one that stalls for `body_timeout` seconds a 408. `tool_call_parser` names the tool-call
     format (structured/tool_parsers.py; None: chosen from the chat template). `await app.state.drain(timeout)` drains it."""
     state = ServeState(engine_loop, model_name, tool_call_parser=tool_call_parser)
@@ -56,6 +59,7 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
                        body_timeout=body_timeout, on_disconnect=engine_loop.metrics.record_disconnect)
     if api_key:  # an empty key (e.g. an empty $NANOSERVE_API_KEY) means no key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(UnknownRoutes, routes=app.router.routes)  # first of all: a probe costs nothing
 
     async def drain(timeout: float) -> None:
         """Stop admitting (503), let requests in flight finish for up to `timeout` seconds,
@@ -102,6 +106,14 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
 
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        return await create_message(state, body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        return await count_message_tokens(state, body)
+
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
         return await tokenize(state, body)
@@ -119,21 +131,44 @@ def _model_card(state: ServeState, created: int) -> dict:
 
 
 class ApiKeyMiddleware:
-    """Refuse requests (all but the probes) without the right bearer token, before the body is
-    even read (so a bad key wins over a bad body). Plain ASGI, not BaseHTTPMiddleware, which would get between
-    a streaming response and the client's disconnect."""
+    """Refuse requests (all but the probes) without the right key, as a bearer token
+    (`Authorization: Bearer KEY`, OpenAI's clients) or as `x-api-key: KEY` (Anthropic's), before
+    the body is even read (so a bad key wins over a bad body). Plain ASGI, not
+    BaseHTTPMiddleware, which would get between a streaming response and the client's disconnect."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in PROBES:
-            given = dict(scope["headers"]).get(b"authorization")
-            if given is None or not secrets.compare_digest(given, self.expected):
-                message = "missing API key: send 'Authorization: Bearer <key>'" if given is None \
-                    else "incorrect API key provided"
-                response: JSONResponse = ApiError(401, message, code="invalid_api_key").response()
+            headers = dict(scope["headers"])
+            bearer, key = headers.get(b"authorization"), headers.get(b"x-api-key")
+            if not (bearer is not None and secrets.compare_digest(bearer, self.bearer)
+                    or key is not None and secrets.compare_digest(key, self.key)):
+                message = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'" \
+                    if bearer is None and key is None else "incorrect API key provided"
+                response: JSONResponse = ApiError(401, message, code="invalid_api_key").response(scope["path"])
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class UnknownRoutes:
+    """A path no route serves gets its 404 at once: before the key check, without its body
+    being read (clients probe: Claude Code posts telemetry to /api/event_logging/batch)."""
+
+    def __init__(self, app, routes) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and all(route.matches(scope)[0] is Match.NONE for route in self.routes):
+            response = ApiError(404, f"{scope['method']} {scope['path']}: Not Found").response(scope["path"])
+            headers = dict(scope["headers"])
+            if b"content-length" in headers and headers[b"content-length"] != b"0" or b"transfer-encoding" in headers:
+                response.headers["connection"] = "close"  # its body is never read
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)

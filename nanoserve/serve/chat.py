@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import jinja2
 from starlette.requests import Request
@@ -21,9 +21,9 @@ from nanoserve.serve.chat_reply import (
 )
 from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
+from nanoserve.serve.reply import Reply, ReplyDelta, reply_deltas, whole_reply
 from nanoserve.serve.serving import ServeState
-from nanoserve.serve.tool_calling import ToolPlan, ToolReplyStream, plan_tools, prompt_messages
-from nanoserve.structured.reasoning import ReasoningStream
+from nanoserve.serve.tool_calling import ToolPlan, plan_tools, prompt_messages
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
 # "tool" only where the template names that role itself (a generic template would render it
@@ -31,8 +31,34 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat tem
 _TOOL_ROLE = re.compile(r"""["']tool["']""")
 
 
-async def create_chat_completion(state: ServeState, body: ChatCompletionRequest, request: Request):
-    state.check_model(body.model)
+@dataclass
+class ChatJob:
+    """A chat request in the engine, and how its reply is read back (protocol-free: reply.py)."""
+
+    request_id: str
+    created: int
+    queue: asyncio.Queue
+    prompt_tokens: int
+    shape: ReplyShape
+
+    async def reply(self, state: ServeState, request: Request) -> Reply:
+        output, = await serving.collect(state, request, [(self.queue, self.request_id)])
+        return whole_reply(self.shape, output, self.prompt_tokens)
+
+    def deltas(self, state: ServeState) -> AsyncIterator[ReplyDelta]:
+        return reply_deltas(state, self.queue, self.request_id, self.shape)
+
+
+async def chat_prompt(state: ServeState, body: ChatCompletionRequest,
+                      variables: dict | None = None) -> tuple[ToolPlan | None, str]:
+    """The request's tool plan and prompt text (the template given `variables` besides)."""
+    plan = plan_tools(body, template_source(state), state.tool_call_parser, marker_token_id(state))
+    return plan, await render_chat(state, body.messages, plan=plan, variables=variables)
+
+
+async def start_chat(state: ServeState, body: ChatCompletionRequest, id_prefix: str = "chatcmpl",
+                     variables: dict | None = None, id_sep: str = "-") -> ChatJob:
+    """Check the request, render its prompt, and submit it: what every chat route shares."""
     body.check_supported()
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if requested is not None and requested < 1:
@@ -43,29 +69,44 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     # Validate every field before the template and tokenizer run; the budget is settled after.
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
-    plan = plan_tools(body, template_source(state), state.tool_call_parser, marker_token_id(state))
-    prompt = await render_chat(state, body.messages, plan=plan)
+    plan, prompt = await chat_prompt(state, body, variables)
     shape = ReplyShape(plan, reasoning_mode(template_source(state), prompt))
     params = replace(params, structured=await reply_structure(state, body, shape))
     prompt_ids = await serving.encode(state, prompt, "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)
-    request_id, created = serving.new_id("chatcmpl")
+    request_id, created = serving.new_id(id_prefix, id_sep)
     queue = await serving.submit(state, prompt_ids, params, request_id, "messages")
-    head = {"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name}
+    return ChatJob(request_id, created, queue, len(prompt_ids), shape)
+
+
+async def create_chat_completion(state: ServeState, body: ChatCompletionRequest, request: Request):
+    state.check_model(body.model)
+    job = await start_chat(state, body)
+    head = {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": state.model_name}
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        chunks = _chunks(state, head, queue, len(prompt_ids), body.include_usage, shape)
-        return serving.sse_response(state, chunks, request_id)
-    output, = await serving.collect(state, request, [(queue, request_id)])
-    message, finish_reason = shape.message(output.text, output.finish_reason)
-    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(state, output.logprobs),
-              "finish_reason": finish_reason}
-    return {**head, "choices": [choice], "usage": serving.usage(len(prompt_ids), len(output.token_ids))}
+        chunks = _chunks(state, head, job, body.include_usage)
+        return serving.sse_response(state, chunks, job.request_id)
+    reply = await job.reply(state, request)
+    choice = {"index": 0, "message": openai_message(reply), "logprobs": chat_logprobs(state, reply.logprobs),
+              "finish_reason": reply.finish_reason}
+    return {**head, "choices": [choice], "usage": serving.usage(reply.usage.prompt_tokens,
+                                                                reply.usage.completion_tokens)}
+
+
+def openai_message(reply: Reply) -> dict:
+    """The reply as OpenAI's assistant message (reasoning_content apart)."""
+    message = {"role": "assistant", "content": reply.text}
+    if reply.tool_calls:
+        message["tool_calls"] = [call.as_openai() for call in reply.tool_calls]
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    return message
 
 
 async def render_chat(state: ServeState, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                      plan: ToolPlan | None = None) -> str:
+                      plan: ToolPlan | None = None, variables: dict | None = None) -> str:
     """The prompt text: the model's chat template (with the generation prompt appended), rendered
     in a worker thread so that long conversations do not stall the event loop. A role the
     template does not take is a 400 naming `messages[i].role`, as OpenAI's API answers. With a
@@ -82,7 +123,7 @@ async def render_chat(state: ServeState, messages: list[ChatMessage], add_genera
     tools = {"tools": plan.template_tools()} if plan is not None and plan.native else {}
     try:
         return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt, **tools)
+                                       add_generation_prompt=add_generation_prompt, **(variables or {}), **tools)
     except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception on bad roles
         raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
                        code="invalid_value") from exc
@@ -101,59 +142,24 @@ def check_roles(messages: list[ChatMessage], roles: tuple[str, ...]) -> None:
                                 f"{', '.join(map(repr, roles))}", param=param, code="invalid_value")
 
 
-async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_len: int,
-                  include_usage: bool, shape: ReplyShape) -> AsyncIterator[dict]:
+async def _chunks(state: ServeState, head: dict, job: ChatJob, include_usage: bool) -> AsyncIterator[dict]:
+    """The reply's deltas as OpenAI chat chunks: one chunk per delta."""
     extra = {"usage": None} if include_usage else {}
     yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}], **extra}
     completion_tokens = 0
-    thinking = ReasoningStream(shape.reasoning == "opened") if shape.reasoning is not None else None
-    tools = ToolReplyStream(shape.plan) if shape.plan is not None else None
-    async for delta in serving.deltas(state, queue, head["id"]):
-        completion_tokens = len(delta.output.token_ids)
-        text = delta.text
-        if thinking is not None:
-            thought, text = thinking.feed(text)
-            if delta.output.finished:
-                more_thought, more_text = thinking.finish()
-                thought, text = thought + more_thought, text + more_text
-            if thought:
-                yield {**head, "choices": [{"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None,
-                                            "finish_reason": None}], **extra}
-        if tools is not None:  # content while it surely is content; calls once the reply is whole
-            for choice in _tool_reply_choices(state, tools, delta, text):
-                yield {**head, "choices": [choice], **extra}
-            continue
-        if not text and not delta.output.finished and not delta.logprobs:
-            continue  # tokens whose text is still held back (a partial character, a possible stop)
-        choice = {"index": 0, "delta": {"content": text} if text else {},
-                  "logprobs": chat_logprobs(state, delta.logprobs),
-                  "finish_reason": serving.finish_reason(delta.output)}
+    async for delta in job.deltas(state):
+        completion_tokens = delta.completion_tokens
+        if delta.reasoning:
+            message, logprobs = {"reasoning_content": delta.reasoning}, None
+        elif delta.tool_call is not None:
+            message, logprobs = {"tool_calls": [delta.tool_call.as_openai(delta.tool_index)]}, None
+        else:
+            message, logprobs = {"content": delta.text} if delta.text else {}, chat_logprobs(state, delta.logprobs)
+        choice = {"index": 0, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         yield {**head, "choices": [choice], **extra}
     if include_usage:
-        yield {**head, "choices": [], "usage": serving.usage(prompt_len, completion_tokens)}
-
-
-def _tool_reply_choices(state: ServeState, tools: ToolReplyStream, delta: serving.Delta, text: str) -> list[dict]:
-    """Stream choices of a tool-enabled reply: content and logprobs as they come, then at the
-    end the rest and one tool_calls delta per call (OpenAI's shape: index, id, name, arguments)."""
-    logprobs = chat_logprobs(state, delta.logprobs)
-    content = tools.feed(text)
-    if not delta.output.finished:
-        if not content and not logprobs:
-            return []
-        return [{"index": 0, "delta": {"content": content} if content else {}, "logprobs": logprobs,
-                 "finish_reason": None}]
-    rest, calls, finish_reason = tools.finish(delta.output.finish_reason)
-    content += rest
-    choices = []
-    if content:
-        choices.append({"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
-    for index, call in enumerate(calls):
-        choices.append({"index": 0, "delta": {"tool_calls": [{"index": index, **call}]}, "logprobs": None,
-                        "finish_reason": None})
-    choices.append({"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})
-    return choices
+        yield {**head, "choices": [], "usage": serving.usage(job.prompt_tokens, completion_tokens)}
 
 
 def chat_logprobs(state: ServeState, logprobs: list[TokenLogprobs] | None) -> dict | None:

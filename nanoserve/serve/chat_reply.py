@@ -1,4 +1,4 @@
-"""How a chat reply is shaped: its tool plan and reasoning read back into OpenAI's message, and
+"""How a chat reply is shaped: its tool plan and reasoning read back apart from its answer, and
 what the reply is constrained to (response_format / guided_* / the tools' grammar, from the end
 of a thinking model's reasoning on)."""
 
@@ -10,7 +10,7 @@ from nanoserve.serve.errors import ApiError
 from nanoserve.serve.protocol import ChatCompletionRequest
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.structured_fields import compile_structure, structure_for
-from nanoserve.serve.tool_calling import ToolPlan, reply_message
+from nanoserve.serve.tool_calling import ToolPlan, read_reply
 from nanoserve.structured import StructuredOutputs
 from nanoserve.structured.reasoning import (
     THINK_END,
@@ -19,6 +19,7 @@ from nanoserve.structured.reasoning import (
     split_reasoning,
     template_thinks,
 )
+from nanoserve.structured.tools import ToolCall
 
 
 @dataclass
@@ -29,18 +30,17 @@ class ReplyShape:
     plan: ToolPlan | None
     reasoning: str | None
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """The whole reply as OpenAI's message (reasoning_content apart) and its finish reason."""
+    def read(self, text: str, finish_reason: str | None
+             ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
+        """The whole reply's (reasoning, answer, tool calls, finish reason): reasoning None
+        when it had none, answer None when it ended inside its reasoning."""
         thought, answer = None, text
         if self.reasoning is not None:
             thought, answer = split_reasoning(text, opened=self.reasoning == "opened")
         if answer is None:  # cut inside its reasoning
-            message = {"role": "assistant", "content": None}
-        else:
-            message, finish_reason = reply_message(self.plan, answer, finish_reason)
-        if thought is not None:
-            message["reasoning_content"] = thought
-        return message, finish_reason
+            return thought, None, [], finish_reason
+        answer, calls, finish_reason = read_reply(self.plan, answer, finish_reason)
+        return thought, answer, calls, finish_reason
 
 
 def reasoning_mode(template: str, prompt: str) -> str | None:

@@ -21,6 +21,7 @@ from nanoserve.serve.limits import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_WAITING,
     SHUTDOWN_GRACE,
 )
 from nanoserve.structured.tool_parsers import FORMATS as TOOL_CALL_FORMATS
@@ -33,7 +34,8 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics); "
+                    "/v1/chat/completions, Anthropic's /v1/messages, /v1/models, /tokenize, /detokenize, /health, "
+                    "/metrics); "
                     "SIGTERM or SIGINT drains it (see --drain-timeout).")
     parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as `vllm serve MODEL` takes it (same as --model)")
@@ -44,7 +46,7 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and /metrics "
                              "(the API, /tokenize, /detokenize, /docs, /openapi.json; "
                              "default: $NANOSERVE_API_KEY)")
     parser.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -55,9 +57,9 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="on SIGTERM/SIGINT: seconds requests in flight may take to finish before "
                              "they are ended (default %(default)s); the process exits about 2 s after")
-    parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=None,
+    parser.add_argument("--max-waiting-requests", type=_non_negative_int, default=DEFAULT_MAX_WAITING,
                         help="requests that may wait for a row; past them a new request gets a 503 with "
-                             "Retry-After instead of waiting without limit (default: --max-batch-size)")
+                             "Retry-After instead of waiting without limit (default %(default)s)")
     add_engine_args(parser, max_batch_size=32, kv_cache_bytes=None,
                     kv_cache_default="what the rows need at the model's context, at most 16,384 tokens' worth")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_FORMATS),

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanoserve.engine import Engine, EngineStats, RequestOutput, SamplingParams
+from nanoserve.serve.limits import DEFAULT_MAX_WAITING
 from nanoserve.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("nanoserve.serve")
@@ -33,13 +34,6 @@ class EngineStopped(RuntimeError):
 
 class Overloaded(RuntimeError):
     """The waiting queue is full: the request was refused, not queued; try again later."""
-
-
-def default_max_waiting(max_batch_size: int) -> int:
-    """Requests that may wait for a row: one more full batch. A request further back would wait
-    out at least two whole batches' generations; a client is better told to retry (or go to
-    another replica) than held that long."""
-    return max_batch_size
 
 
 @dataclass
@@ -75,7 +69,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServeMetrics | None = None, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServeMetrics()
-        self.max_waiting = default_max_waiting(engine.config.max_batch_size) if max_waiting is None else max_waiting
+        self.max_waiting = DEFAULT_MAX_WAITING if max_waiting is None else max_waiting
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         self.stats: EngineStats = engine.stats()

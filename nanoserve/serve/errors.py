@@ -1,5 +1,7 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, for every
-failure the server answers, including FastAPI's own (bad JSON, missing fields, unknown routes)."""
+failure the server answers, including FastAPI's own (bad JSON, missing fields, unknown routes);
+under Anthropic's routes (/v1/messages...) in Anthropic's: ``{"type": "error", "error": {"type",
+"message"}}``, with the same status."""
 
 from __future__ import annotations
 
@@ -15,6 +17,12 @@ logger = logging.getLogger("nanoserve.serve")
 # OpenAI's `type` per status; the client maps the status to its exception class.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+# Anthropic's `error.type` per status (its client maps the status to its exception class); a 503
+# (a full queue, a drain, a stopped engine) is its "overloaded_error", which clients retry.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_ROUTE = "/v1/messages"
 ECHO_LIMIT = 200  # characters of a refused value quoted back in a message
 
 
@@ -33,8 +41,19 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The error as a response, in the shape of the protocol `path` belongs to."""
+        body = self.anthropic_body() if path is not None and anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether a request path is one of Anthropic's routes (answered in Anthropic's shapes)."""
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
 
 
 def from_validation_error(exc: RequestValidationError) -> ApiError:
@@ -78,19 +97,19 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every error path through ApiError so clients always see the same shape."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response()
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(exc.status_code, message).response()
+        return ApiError(exc.status_code, message).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response(request.url.path)

@@ -67,7 +67,7 @@ class RequestGate:
             return
         if self.admission.draining:
             await ApiError(503, "the server is shutting down and takes no new requests",
-                           code="server_shutting_down").response()(scope, receive, send)
+                           code="server_shutting_down").response(scope["path"])(scope, receive, send)
             return
         self.admission.enter()
         try:
@@ -77,7 +77,7 @@ class RequestGate:
                 self.on_disconnect()
                 return
             except ApiError as refusal:  # the rest of the body is never read: close the connection
-                response = refusal.response()
+                response = refusal.response(scope["path"])
                 response.headers["connection"] = "close"
                 await response(scope, receive, send)
                 return

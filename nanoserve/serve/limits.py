@@ -13,3 +13,7 @@ SHUTDOWN_GRACE = 1
 # Seconds a client refused for a full waiting queue is told to wait (Retry-After) before trying
 # again: about one decode batch's turnover on a small model, so a retry finds rows freed.
 RETRY_AFTER_SECONDS = 1
+# Requests that may wait for a row before new ones get a 503 (--max-waiting-requests), as
+# Ollama's queue: enough that a burst of clients (64 streams on a 32-row server) waits its turn,
+# bounded so that a flood is refused at once instead of queueing without limit.
+DEFAULT_MAX_WAITING = 512

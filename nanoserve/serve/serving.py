@@ -56,8 +56,8 @@ class ServeState:
         return self.tokenizer.decode([token_id])
 
 
-def new_id(prefix: str) -> tuple[str, int]:
-    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+def new_id(prefix: str, sep: str = "-") -> tuple[str, int]:
+    return f"{prefix}{sep}{uuid.uuid4().hex}", int(time.time())
 
 
 def need_tokenizer(state: ServeState, param: str):
@@ -196,11 +196,42 @@ async def deltas(state: ServeState, queue: asyncio.Queue, request_id: str) -> As
             state.engine_loop.abort(request_id)
 
 
-def sse_response(state: ServeState, events: AsyncIterator[dict], request_id: str) -> StreamingResponse:
-    """Server-sent events, one `data:` line per dict, ending `data: [DONE]`. A client that
-    leaves before [DONE] is counted as a disconnect. The background abort covers a client that
-    leaves before the first event (deltas aborts the others; a no-op once finished)."""
-    stream = _SseStream(events)
+class OpenAISse:
+    """OpenAI's server-sent events: one `data:` line per dict, ending `data: [DONE]`; an error
+    once the stream has begun goes in-band as a `data:` line of its error body."""
+
+    @staticmethod
+    def event(event: dict) -> str:
+        return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    @staticmethod
+    def error(exc: ApiError) -> str:
+        return f"data: {json.dumps(exc.body())}\n\n"
+
+    done = "data: [DONE]\n\n"
+
+
+class AnthropicSse:
+    """Anthropic's server-sent events: `event: NAME` then `data: JSON` for each (NAME, dict),
+    an `error` event once the stream has begun, and no terminator (message_stop ends it)."""
+
+    @staticmethod
+    def event(event: tuple[str, dict]) -> str:
+        name, data = event
+        return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    @staticmethod
+    def error(exc: ApiError) -> str:
+        return f"event: error\ndata: {json.dumps(exc.anthropic_body())}\n\n"
+
+    done = ""
+
+
+def sse_response(state: ServeState, events: AsyncIterator, request_id: str, wire=OpenAISse) -> StreamingResponse:
+    """Server-sent events in `wire`'s format (OpenAI's by default). A client that leaves before
+    the end is counted as a disconnect. The background abort covers a client that leaves before
+    the first event (deltas aborts the others; a no-op once finished)."""
+    stream = _SseStream(events, wire)
 
     async def after() -> None:
         if not stream.complete:
@@ -213,20 +244,22 @@ def sse_response(state: ServeState, events: AsyncIterator[dict], request_id: str
 
 
 class _SseStream:
-    """The events as SSE text; `complete` once [DONE] is produced."""
+    """The events as SSE text; `complete` once the end is produced."""
 
-    def __init__(self, events: AsyncIterator[dict]) -> None:
+    def __init__(self, events: AsyncIterator, wire) -> None:
         self.events = events
+        self.wire = wire
         self.complete = False
 
     async def __aiter__(self) -> AsyncIterator[str]:
         try:
             async for event in self.events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        except ApiError as exc:  # headers are gone already: report in-band, as OpenAI does
-            yield f"data: {json.dumps(exc.body())}\n\n"
+                yield self.wire.event(event)
+        except ApiError as exc:  # headers are gone already: report in-band, as OpenAI and Anthropic do
+            yield self.wire.error(exc)
         self.complete = True
-        yield "data: [DONE]\n\n"
+        if self.wire.done:
+            yield self.wire.done
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -18,7 +18,7 @@ from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from nanoserve.structured import StructuredOutputs
 from nanoserve.structured.tool_parsers import FORMATS, GenericFormat, ToolFormat, format_for_template
-from nanoserve.structured.tools import Function, ParsedReply, strict_parameters
+from nanoserve.structured.tools import Function, ParsedReply, ToolCall, strict_parameters
 
 _TAKES_TOOLS = re.compile(r"\btools\b")  # a template that reads the `tools` variable
 
@@ -146,17 +146,25 @@ def _as_dict(arguments) -> dict:
     return arguments if isinstance(arguments, dict) else {}
 
 
-def reply_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message (content and any tool_calls) and its finish reason: "tool_calls"
-    when the reply called tools."""
+def read_reply(plan: ToolPlan | None, text: str, finish_reason: str | None
+               ) -> tuple[str | None, list[ToolCall], str | None]:
+    """The reply's content, its tool calls, and its finish reason: "tool_calls" when the reply
+    called tools and ended by itself."""
     if plan is None:
-        return {"role": "assistant", "content": text}, finish_reason
+        return text, [], finish_reason
     reply = plan.parse(text)
     if not reply.tool_calls:
-        return {"role": "assistant", "content": reply.content}, finish_reason
-    calls = [call.as_openai() for call in reply.tool_calls]
-    return ({"role": "assistant", "content": reply.content, "tool_calls": calls},
-            "tool_calls" if finish_reason == "stop" else finish_reason)
+        return reply.content, [], finish_reason
+    return reply.content, reply.tool_calls, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def reply_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message in OpenAI's shape (content and any tool_calls) and its finish reason."""
+    content, calls, finish_reason = read_reply(plan, text, finish_reason)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.as_openai() for call in calls]
+    return message, finish_reason
 
 
 class ToolReplyStream:
@@ -181,13 +189,18 @@ class ToolReplyStream:
         delta, self.sent = self.answer[self.sent:safe], max(self.sent, safe)
         return delta
 
-    def finish(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+    def end(self, finish_reason: str | None) -> tuple[str, list[ToolCall], str | None]:
         """(the rest of the content, the calls, the finish reason) once the reply has ended."""
-        message, finish_reason = reply_message(self.plan, self.answer, finish_reason)
-        content, calls = message.get("content") or "", message.get("tool_calls", [])
+        content, calls, finish_reason = read_reply(self.plan, self.answer, finish_reason)
+        content = content or ""
         if self.sent == 0:
             return content, calls, finish_reason
         if not calls:
             return self.answer[self.sent:], calls, finish_reason
         streamed = self.answer[:self.sent].strip()
         return (content[len(streamed):] if content.startswith(streamed) else ""), calls, finish_reason
+
+    def finish(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """As `end`, the calls in OpenAI's shape."""
+        rest, calls, finish_reason = self.end(finish_reason)
+        return rest, [call.as_openai() for call in calls], finish_reason
