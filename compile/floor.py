@@ -6,7 +6,8 @@ has to compute them: the model's own modules (its format and kernel tier), or th
 dense fp32 or dense bf16 GEMMs, whichever is quickest, so a slow format cannot hide behind a
 floor timed with its own slow products. Bandwidth: the same step must read
 every byte of those weights once, so bytes / the machine's read bandwidth bounds it too
-(the bound that matters at few rows, where the products are memory-bound).
+(the bound that matters at few rows, where the products are memory-bound). A mixture of experts
+reads its routed experts only: at batch 1, ``experts_per_tok`` of each layer's experts.
 
 On a GPU the products are timed as eager launches, so their launch costs are in the floor:
 a replayed CUDA graph pays none and can come in under it (x_floor below 1).
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from compile.common import median_seconds
+from nanoserve.model.experts import ExpertMLP
 
 
 def last_level_cache_bytes() -> int:
@@ -38,13 +40,32 @@ READ_BYTES = max(1 << 30, 4 * last_level_cache_bytes())
 
 
 def matmul_modules(model) -> list[nn.Module]:
-    """Every linear layer a decode step runs, in order (the LM head apart: see ``head_module``)."""
+    """Every linear layer a decode step runs, in order (the LM head apart: see ``head_module``);
+    a mixture-of-experts layer's router and shared expert (its experts: ``routed_expert_bytes``)."""
     modules = []
     for layer in model.layers:
-        mlp = layer.mlp  # gate and up are one fused linear in packed formats
-        gate_up = [m for m in (mlp.gate_proj, mlp.up_proj, mlp.gate_up_proj) if m is not None]
-        modules += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, *gate_up, mlp.down_proj]
+        mlp = layer.mlp
+        modules += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        if isinstance(mlp, ExpertMLP):
+            modules.append(mlp.gate)
+            if mlp.shared_expert is None:
+                continue
+            mlp = mlp.shared_expert
+        gate_up = [m for m in (mlp.gate_proj, mlp.up_proj, mlp.gate_up_proj) if m is not None]  # fused when packed
+        modules += [*gate_up, mlp.down_proj]
     return modules
+
+
+def routed_expert_bytes(model, rows: int) -> int:
+    """Bytes of expert weights a step of ``rows`` rows reads at least: each row's experts, as
+    many distinct experts as the rows can route to (every expert of a layer has the same size)."""
+    total = 0
+    for layer in model.layers:
+        if isinstance(layer.mlp, ExpertMLP):
+            experts = layer.mlp.experts
+            held = sum(t.nbytes for t in [*experts.parameters(), *experts.buffers()])
+            total += held * min(experts.num_experts, rows * layer.mlp.top_k) // experts.num_experts
+    return total
 
 
 def head_module(model) -> nn.Module:
@@ -62,7 +83,7 @@ def step_weight_bytes(model, rows: int) -> int:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if _read_at(module, name, rows):
                 tensors[tensor.data_ptr()] = tensor.nbytes  # a tensor shared by two modules counts once
-    return sum(tensors.values())
+    return sum(tensors.values()) + routed_expert_bytes(model, rows)
 
 
 def _read_at(module: nn.Module, tensor_name: str, rows: int) -> bool:

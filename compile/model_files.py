@@ -26,7 +26,11 @@ Q = GGMLQuantizationType
 @dataclass(frozen=True)
 class Shape:
     """A Llama model's shape: hidden width, layers, query and K/V heads, MLP width, and whether the
-    LM head is the embedding (tied)."""
+    LM head is the embedding (tied). A mixture of experts (``experts`` > 0) has in each layer
+    ``experts`` experts of width ``expert_ffn``, ``experts_used`` a token, and a router, in place
+    of the dense MLP; ``arch`` is its GGUF architecture (a llama file with experts is
+    Mixtral-style; qwen3moe adds per-head q/k norms); ``head_dim`` where it is not
+    hidden / heads."""
 
     hidden: int
     layers: int
@@ -36,6 +40,15 @@ class Shape:
     tied: bool
     vocab: int = 49152
     context: int = 8192
+    arch: str = "llama"
+    head_dim: int | None = None
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 # Llama 3.2 1B and 3B, Llama 3.1 8B (with SmolLM2's vocabulary), and the 1B's layers cut to 6
@@ -45,12 +58,23 @@ SHAPES = {
     "3b": Shape(3072, 28, 24, 8, 8192, tied=True),
     "8b": Shape(4096, 32, 32, 8, 14336, tied=False),
     "mid": Shape(2048, 6, 32, 8, 8192, tied=True),
+    # Qwen3-30B-A3B (48 layers, 2048 wide, 32/4 heads of 128, 128 experts of 768, 8 used) with
+    # SmolLM2's vocabulary: ~0.3 GB under the real file's 151,936-token embedding and head.
+    "30b-a3b": Shape(2048, 48, 32, 4, 6144, tied=False, arch="qwen3moe", head_dim=128, experts=128,
+                     experts_used=8, expert_ffn=768, context=40960),
+    # A small Mixtral-style file (a llama GGUF with experts): 8 experts of 5632, 2 used, 8 layers.
+    "moe-small": Shape(2048, 8, 32, 8, 5632, tied=True, experts=8, experts_used=2, expert_ffn=5632),
 }
 FILE_TYPES = ("Q4_0", "Q4_K_M", "Q8_0")
 
 
+MLP_PARTS = ("ffn_gate", "ffn_up", "ffn_down")
+EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
 def tensor_types(shape: Shape, file_type: str) -> dict[str, Q]:
-    """Each tensor's type as llama.cpp's quantiser chooses it for ``file_type`` (norms are F32)."""
+    """Each tensor's type as llama.cpp's quantiser chooses it for ``file_type`` (norms and
+    routers are F32, written apart)."""
     body = {"Q4_0": Q.Q4_0, "Q4_K_M": Q.Q4_K, "Q8_0": Q.Q8_0}[file_type]
     head = Q.Q8_0 if file_type == "Q8_0" else Q.Q6_K
     types = {"token_embd.weight": head if shape.tied else body}
@@ -59,26 +83,47 @@ def tensor_types(shape: Shape, file_type: str) -> dict[str, Q]:
     n = shape.layers
     for i in range(n):
         more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", *(EXPERT_PARTS if shape.experts else MLP_PARTS)):
             kind = body
-            if file_type == "Q4_K_M" and part in ("attn_v", "ffn_down") and more_bits:
+            if file_type == "Q4_K_M" and part in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits:
                 kind = Q.Q6_K
             types[f"blk.{i}.{part}.weight"] = kind
     return types
 
 
-def tensor_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
-    """Each weight's [out, in] shape by GGUF name."""
-    head_dim = shape.hidden // shape.heads
+def tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """Each block-quantised weight's [out, in] shape by GGUF name ([experts, out, in] for an
+    expert tensor)."""
+    head_dim = shape.head_size
     q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     out = {"token_embd.weight": (shape.vocab, shape.hidden)}
     if not shape.tied:
         out["output.weight"] = (shape.vocab, shape.hidden)
     for i in range(shape.layers):
         out |= {f"blk.{i}.attn_q.weight": (q, shape.hidden), f"blk.{i}.attn_k.weight": (kv, shape.hidden),
-                f"blk.{i}.attn_v.weight": (kv, shape.hidden), f"blk.{i}.attn_output.weight": (shape.hidden, q),
-                f"blk.{i}.ffn_gate.weight": (shape.ffn, shape.hidden), f"blk.{i}.ffn_up.weight": (shape.ffn, shape.hidden),
-                f"blk.{i}.ffn_down.weight": (shape.hidden, shape.ffn)}
+                f"blk.{i}.attn_v.weight": (kv, shape.hidden), f"blk.{i}.attn_output.weight": (shape.hidden, q)}
+        if shape.experts:
+            e, width = shape.experts, shape.expert_ffn
+            out |= {f"blk.{i}.ffn_gate_exps.weight": (e, width, shape.hidden),
+                    f"blk.{i}.ffn_up_exps.weight": (e, width, shape.hidden),
+                    f"blk.{i}.ffn_down_exps.weight": (e, shape.hidden, width)}
+        else:
+            out |= {f"blk.{i}.ffn_gate.weight": (shape.ffn, shape.hidden),
+                    f"blk.{i}.ffn_up.weight": (shape.ffn, shape.hidden),
+                    f"blk.{i}.ffn_down.weight": (shape.hidden, shape.ffn)}
+    return out
+
+
+def float_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """The F32 tensors by GGUF name: the norms (ones), a qwen3moe file's per-head q/k norms, and
+    each expert layer's router [experts, hidden]."""
+    out = {"output_norm.weight": (shape.hidden,)}
+    for i in range(shape.layers):
+        out |= {f"blk.{i}.attn_norm.weight": (shape.hidden,), f"blk.{i}.ffn_norm.weight": (shape.hidden,)}
+        if shape.arch == "qwen3moe":
+            out |= {f"blk.{i}.attn_q_norm.weight": (shape.head_size,), f"blk.{i}.attn_k_norm.weight": (shape.head_size,)}
+        if shape.experts:
+            out[f"blk.{i}.ffn_gate_inp.weight"] = (shape.experts, shape.hidden)
     return out
 
 
@@ -124,34 +169,45 @@ def write_model(path: Path, shape: Shape, file_type: str, seed: int = 0) -> Path
     one tensor at a time (the writer never holds the whole model)."""
     rng = np.random.default_rng(seed)
     source = GGUFReader(default_model_path())
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name(f"random llama {shape.hidden}x{shape.layers} {file_type}")
+    writer = GGUFWriter(str(path), shape.arch)
+    writer.add_name(f"random {shape.arch} {shape.hidden}x{shape.layers} {file_type}")
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.ffn)
+    mixtral = shape.experts and shape.arch == "llama"  # its experts are feed_forward_length wide
+    writer.add_feed_forward_length(shape.expert_ffn if mixtral else shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_dimension_count(shape.hidden // shape.heads)
+    writer.add_key_length(shape.head_size)
+    writer.add_value_length(shape.head_size)
+    writer.add_rope_dimension_count(shape.head_size)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        if not mixtral:
+            writer.add_expert_feed_forward_length(shape.expert_ffn)
     _copy_tokenizer(source, writer)
-    types, shapes = tensor_types(shape, file_type), tensor_shapes(shape)
-    norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(shape.layers) for n in ("attn", "ffn")]
-    for name in norms:
-        writer.add_tensor_info(name, [shape.hidden], np.dtype(np.float32), shape.hidden * 4)
-    for name, (rows, cols) in shapes.items():
+    types, shapes, floats = tensor_types(shape, file_type), tensor_shapes(shape), float_tensors(shape)
+    for name, dims in floats.items():
+        writer.add_tensor_info(name, list(dims), np.dtype(np.float32), int(np.prod(dims)) * 4)
+    for name, dims in shapes.items():
         block_weights, block_bytes = GGML_QUANT_SIZES[types[name]]
-        row_bytes = cols // block_weights * block_bytes  # the writer takes a block tensor's shape in bytes
-        writer.add_tensor_info(name, [rows, row_bytes], np.dtype(np.uint8), rows * row_bytes, raw_dtype=types[name])
+        row_bytes = dims[-1] // block_weights * block_bytes  # the writer takes a block tensor's shape in bytes
+        writer.add_tensor_info(name, [*dims[:-1], row_bytes], np.dtype(np.uint8), int(np.prod(dims[:-1])) * row_bytes,
+                               raw_dtype=types[name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _ in norms:
-        writer.write_tensor_data(np.ones(shape.hidden, dtype=np.float32))
-    for name, (rows, cols) in shapes.items():
-        writer.write_tensor_data(random_blocks(types[name], rows, cols, rng))
+    for name, dims in floats.items():
+        router = name.endswith("ffn_gate_inp.weight")  # random scores route tokens to varied experts
+        writer.write_tensor_data(rng.normal(0.0, 0.02, dims).astype(np.float32) if router
+                                 else np.ones(dims, dtype=np.float32))
+    for name, dims in shapes.items():
+        rows = int(np.prod(dims[:-1]))
+        writer.write_tensor_data(random_blocks(types[name], rows, dims[-1], rng).reshape(*dims[:-1], -1))
     writer.close()
     return path
 
@@ -171,7 +227,7 @@ def _copy_tokenizer(source: GGUFReader, writer: GGUFWriter) -> None:
 
 def model_file(directory: Path, size: str, file_type: str) -> Path:
     """The random file of ``size`` (SHAPES) and ``file_type`` in ``directory``, written once."""
-    path = directory / f"random-llama-{size}-{file_type}.gguf"
+    path = directory / f"random-{SHAPES[size].arch}-{size}-{file_type}.gguf"
     if not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")

@@ -220,7 +220,7 @@ def _plot(rows: Sequence[dict], path: Path) -> None:
                       for f in files]
             ax.bar([i + 0.4 * offset for i in range(len(files))], values, width=0.4, label=system)
         ax.set_xticks([i + 0.2 for i in range(len(files))])
-        ax.set_xticklabels([f.removeprefix("random-llama-").removesuffix(".gguf") for f in files], fontsize=8)
+        ax.set_xticklabels([f.removeprefix("random-").removesuffix(".gguf") for f in files], fontsize=8)
         ax.set_title(label)
     axes[0].legend()
     fig.tight_layout()

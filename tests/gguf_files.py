@@ -15,6 +15,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from nanoserve.model.architectures import EXPERT_LAYER_TENSORS
 from nanoserve.model.gguf_loader import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS
 
 V = gguf.GGUFValueType
@@ -56,8 +57,12 @@ class GGUFDescription:
         return Path(path)
 
 
-def tiny_chat_gguf(seed: int = 0) -> GGUFDescription:
-    """The tiny model's description (see the module docstring)."""
+EXPERTS, EXPERTS_USED = 4, 2
+
+
+def tiny_chat_gguf(seed: int = 0, experts: bool = False) -> GGUFDescription:
+    """The tiny model's description (see the module docstring); with ``experts`` a Mixtral-style
+    file (a llama file with expert_count: a router and 3-D expert tensors in each layer)."""
     rng = np.random.default_rng(seed)
     tokens = _byte_alphabet() + [a + b for a, b in (m.split(" ") for m in MERGES)] + SPECIALS
     vocab = len(tokens)
@@ -79,6 +84,9 @@ def tiny_chat_gguf(seed: int = 0) -> GGUFDescription:
     d.set("tokenizer.ggml.bos_token_id", vocab - 3, V.UINT32)
     d.set("tokenizer.ggml.eos_token_id", vocab - 1, V.UINT32)
     d.set("tokenizer.chat_template", CHATML, V.STRING)
+    if experts:
+        d.set(f"{arch}.expert_count", EXPERTS, V.UINT32)
+        d.set(f"{arch}.expert_used_count", EXPERTS_USED, V.UINT32)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * cols ** -0.5).astype(np.float32)
@@ -92,9 +100,16 @@ def tiny_chat_gguf(seed: int = 0) -> GGUFDescription:
         for name in ("attn_norm.weight", "ffn_norm.weight"):
             d.tensors[f"blk.{i}.{name}"] = np.ones(HIDDEN, dtype=np.float32)
         for name, (rows, cols) in shapes.items():
-            d.tensors[f"blk.{i}.{name}"] = matrix(rows, cols)
+            if experts and name.startswith("ffn_"):
+                d.tensors[f"blk.{i}.{name.replace('.weight', '_exps.weight')}"] = np.stack(
+                    [matrix(rows, cols) for _ in range(EXPERTS)])
+            else:
+                d.tensors[f"blk.{i}.{name}"] = matrix(rows, cols)
+        if experts:
+            d.tensors[f"blk.{i}.ffn_gate_inp.weight"] = matrix(EXPERTS, HIDDEN)
     d.tensors["output_norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
     d.tensors["output.weight"] = matrix(vocab, HIDDEN)
     assert set(GGUF_GLOBAL_TENSORS) >= {"token_embd.weight", "output.weight"}
-    assert all(name.split(".", 2)[2] in GGUF_LAYER_TENSORS for name in d.tensors if name.startswith("blk."))
+    known = {**GGUF_LAYER_TENSORS, **EXPERT_LAYER_TENSORS}
+    assert all(name.split(".", 2)[2] in known for name in d.tensors if name.startswith("blk."))
     return d

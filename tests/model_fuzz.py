@@ -88,7 +88,9 @@ INT_TYPES = [V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.
 KNOWN_KEYS = ["llama.vocab_size", "llama.attention.key_length", "llama.rope.scaling.type",
               "llama.rope.scaling.factor", "llama.attention.sliding_window", "llama.final_logit_softcapping",
               "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.eot_token_id",
-              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "llama.attn_logit_softcapping"]
+              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "llama.attn_logit_softcapping",
+              "llama.expert_count", "llama.expert_used_count", "llama.expert_feed_forward_length",
+              "llama.expert_weights_norm"]
 HOSTILE_TEMPLATES = [
     "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
@@ -135,9 +137,16 @@ def _fits(value: int, vtype) -> bool:
 
 @st.composite
 def gguf_mutation(draw):
-    """One change to the tiny GGUF: (its label, for the count; an edit of the description; an
-    edit of the written file)."""
-    d = tiny_chat_gguf()
+    """One change to the tiny GGUF, dense or with experts: (its label, for the count; an edit of
+    the description; an edit of the written file; whether the file has experts)."""
+    experts = draw(st.booleans())
+    label, edit, patch = draw(_gguf_edit(experts))
+    return ("experts" if experts else "dense", *label), edit, patch, experts
+
+
+@st.composite
+def _gguf_edit(draw, experts: bool):
+    d = tiny_chat_gguf(experts=experts)
     keys = sorted(d.fields) + KNOWN_KEYS
     tensors = sorted(d.tensors)
     kind = draw(st.sampled_from(["set", "delete", "array-length", "array-item", "template",
@@ -182,7 +191,9 @@ def gguf_mutation(draw):
     if kind == "tensor-rename":
         name = draw(st.sampled_from(tensors))
         new = draw(st.one_of(st.sampled_from(tensors + ["blk.7.attn_q.weight", "blk.0.unknown.weight",
-                                                        "rope_freqs.weight", "output.bias"]), _text))
+                                                        "rope_freqs.weight", "output.bias",
+                                                        "blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_gate_inp.weight",
+                                                        "blk.1.ffn_up_exps.weight"]), _text))
 
         def rename(d, name=name, new=new):
             d.tensors[new] = d.tensors.pop(name)
@@ -237,9 +248,9 @@ def fuzz_gguf(examples: int, workdir: Path, tried: set, outcomes: Counter, deran
               suppress_health_check=list(HealthCheck))
     @given(gguf_mutation())
     def case(mutation):
-        label, edit, patch = mutation
+        label, edit, patch, experts = mutation
         tried.add(("gguf",) + label)
-        d: GGUFDescription = tiny_chat_gguf()
+        d: GGUFDescription = tiny_chat_gguf(experts=experts)
         if edit is not None:
             edit(d)
         path = workdir / "case.gguf"

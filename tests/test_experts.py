@@ -239,3 +239,68 @@ def test_compiled_decode_never_recompiles_as_routing_changes(tmp_path):
     assert len(routed) > 1  # the replies route to different experts
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
+
+
+def test_expert_metadata_that_contradicts_itself_is_refused_in_one_line(tmp_path):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from gguf_files import V, tiny_chat_gguf
+
+    from nanoserve.model.errors import ModelLoadError
+
+    ok = tiny_chat_gguf(experts=True)
+    model, _ = load_model(str(ok.write(tmp_path / "ok.gguf")))
+    assert model.config.architecture == "mixtral" and model.config.num_experts == 4
+    for key, value, message in (("llama.expert_used_count", 5, "between 1 and the expert count"),
+                                ("llama.expert_count", 3, "shape"),
+                                ("llama.expert_used_count", 0, "between 1 and the expert count")):
+        d = tiny_chat_gguf(experts=True)
+        d.set(key, value, V.UINT32)
+        with pytest.raises(ModelLoadError, match=message) as refused:
+            load_model(str(d.write(tmp_path / "bad.gguf")))
+        assert "\n" not in str(refused.value)
+
+
+def test_random_expert_files_of_the_benchmark_load_packed_and_generate(tmp_path):
+    """compile/model_files' expert shapes (Qwen3-MoE and Mixtral-style), in miniature."""
+    from compile.model_files import Shape, write_model
+
+    for arch in ("qwen3moe", "llama"):
+        shape = Shape(256, 2, 4, 2, 512, tied=arch == "llama", arch=arch, head_dim=64 if arch == "qwen3moe" else None,
+                      experts=8, experts_used=2, expert_ffn=256)
+        path = write_model(tmp_path / f"{arch}.gguf", shape, "Q4_K_M")
+        engine = build_engine(str(path), max_batch_size=2, max_model_len=64, kv_cache_bytes=1 << 22)
+        assert engine.model.config.architecture == ("qwen3moe" if arch == "qwen3moe" else "mixtral")
+        assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.layers)
+        out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)
+        assert len(out[0].token_ids) == 4
+
+
+def test_an_expert_model_is_served_to_the_openai_client(smollm2_path):
+    import dataclasses
+
+    openai = pytest.importorskip("openai")
+    from conftest import served
+
+    from nanoserve.model.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.synthetic import random_model, smollm2_135m_config
+    from nanoserve.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint.open(smollm2_path).metadata, source=str(smollm2_path))
+    config = dataclasses.replace(smollm2_135m_config(max_position_embeddings=512), num_layers=2,
+                                 architecture="qwen3moe", num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=256)
+    model = random_model(config, seed=0)
+    with torch.no_grad():
+        model.norm.weight.fill_(0.005)
+    options = dict(max_batch_size=4, max_model_len=256, kv_cache_bytes=8 << 20, block_size=16)
+    messages = [{"role": "user", "content": "Name three experts."}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    want = build_engine(model, tokenizer=tokenizer, **options).chat(messages, greedy)
+    with served(build_engine(model, tokenizer=tokenizer, **options), "moe", "key") as server:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="key", max_retries=0, timeout=60) as client:
+            got = client.chat.completions.create(model="moe", messages=messages, temperature=0, max_tokens=12)
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+                model="moe", messages=messages, temperature=0, max_tokens=12, stream=True) if chunk.choices)
+    assert got.choices[0].message.content == want.text == streamed

@@ -42,5 +42,5 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
         elif "embed" in name:
             param.normal_(0.0, 1.0, generator=generator)
         else:
-            param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)  # fan-in (experts: [E, out, in])
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
