@@ -114,7 +114,8 @@ class BackgroundBuilder:
         with tempfile.NamedTemporaryFile(dir=cache.root, prefix=".job-", suffix=".pt", delete=False) as out:
             torch.save(job, out)
         self._job_path = out.name
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+                   NANOSERVE_BUILDER_PARENT=str(os.getpid()))
         # The child lowers its own priority before it imports torch (no preexec_fn: the engine's
         # process is then spawned from, not forked with its page tables).
         self._child = subprocess.Popen(
@@ -180,7 +181,17 @@ class BackgroundBuilder:
 
 # The builder runs only on CPU time nothing else wants (Linux's idle class, else nice 19), from
 # before it imports torch: a time slice taken from one of the step's OpenMP threads stalls them all.
-_CHILD = """import os, runpy
+# It ends with the engine's process (the parent-death signal): starved of CPU, it might otherwise
+# notice its closed stdin only minutes later, holding its memory all the while.
+_CHILD = """import os, runpy, signal
+parent = int(os.environ.pop("NANOSERVE_BUILDER_PARENT", os.getppid()))
+try:  # Linux: end with the engine's process (SIGKILL: a starved child may never run a handler)
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != parent:  # the parent died before the signal was armed
+    raise SystemExit(0)
 try:
     os.nice(19)
 except OSError:
