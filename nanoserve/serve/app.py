@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's routes and Anthropic's Messages over one EngineLoop, plus /health and /metrics."""
+"""The FastAPI app: OpenAI's routes (chat, completions, responses, embeddings, rerank) and Anthropic's
+Messages over one EngineLoop, plus /health and /metrics."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from nanoserve.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.serve.responses import create_response
+from nanoserve.serve.responses_protocol import ResponsesRequest
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tokenize import detokenize, tokenize
 
@@ -105,6 +108,10 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, body, request)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
