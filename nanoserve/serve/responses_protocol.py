@@ -64,7 +64,7 @@ class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
