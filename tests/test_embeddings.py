@@ -231,3 +231,24 @@ def test_bad_rerank_input_is_a_400(reranker, fields, param):
     response = httpx.post(server.url + "/v1/rerank", json={"model": "reranker", "query": "q", **fields}, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_models_own_pooling_from_its_files(tmp_path, embedder_path):
+    import json
+
+    from nanoserve.model.pooling import gguf_pooling, hf_pooling
+
+    assert load_model(embedder_path)[0].pooling == "last"
+    assert gguf_pooling({"general.architecture": "qwen3", "qwen3.pooling_type": 1}) == "mean"
+    assert gguf_pooling({"general.architecture": "qwen3", "qwen3.pooling_type": 0}) is None
+    assert gguf_pooling({"general.architecture": "llama"}) is None
+    assert hf_pooling(tmp_path) is None  # no Sentence-Transformers config: a generation model
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    for mode, pooling in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                          ("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", None)):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode: True}))
+        assert hf_pooling(tmp_path) == pooling
