@@ -190,12 +190,13 @@ def _byte_alphabet() -> list[str]:
 
 
 def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tensor_types=None,
-               permute=True):
+               permute=True, uint32s=None):
     """Write a small GGUF the way llama.cpp's converter would: metadata, a byte-level vocabulary
     of `config.vocab_size` tokens (the 256 byte symbols, then control tokens), and `hf_weights`
     (HF naming) renamed, Q/K rows permuted for llama, and stored as `qtype` (F32 by default;
     1-D tensors always F32). `tensor_types` forces a type on named GGUF tensors; where gguf
-    cannot quantise to it, seeded random bytes are stored instead."""
+    cannot quantise to it, seeded random bytes are stored instead. `uint32s`: more metadata
+    fields (key -> value; "{arch}." in a key is the architecture's prefix), e.g. a pooling_type."""
     import gguf
     import numpy as np
 
@@ -219,6 +220,8 @@ def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tenso
     writer.add_token_types([1] * 256 + [3] * (config.vocab_size - 256))
     writer.add_token_merges([])
     writer.add_eos_token_id(config.vocab_size - 1)
+    for key, value in (uint32s or {}).items():
+        writer.add_uint32(key.replace("{arch}", arch), value)
 
     to_gguf = {v: k for k, v in GGUF_GLOBAL_TENSORS.items()}
     for i in range(config.num_layers):

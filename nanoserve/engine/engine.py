@@ -143,6 +143,7 @@ class Engine:
             self.speculator.record_step(time.perf_counter() - start, plan.decode.queries, typical)
         if self.checks:
             check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
+        self._take_pooled(plan, result)
         outputs += self._update(plan, result, masks, broken)
         if self.speculator is not None:
             self._propose()
@@ -178,12 +179,16 @@ class Engine:
         if rest:
             histories = [(r.prompt_token_ids, r.output_token_ids) for r in rest] \
                 if any(r.params.uses_penalties for r in rest) else None
+            # A reranking row's logits are its output: copied before sampling (which may filter in place).
+            ranked = {row: logits[row].float().cpu().clone() for row, r in enumerate(rest) if r.params.pooling == "rank"}
             token_ids, logprobs, bad = sample_isolated(self.sampler, logits, [r.params for r in rest],
                                                        [r.generator for r in rest], histories, masks)
             failed.update((rest[row], message) for row, message in bad.items())
-            for request, token_id, logprob in zip(rest, token_ids.tolist(), logprobs):
+            for row, (request, token_id, logprob) in enumerate(zip(rest, token_ids.tolist(), logprobs)):
                 if request in failed:
                     self._finish(request, "error", failed.pop(request))
+                elif request.params.pooling is not None:
+                    self._finish_pooled(request, ranked.get(row))
                 elif request.params.max_tokens == 0:
                     self._finish(request, "length")  # prefill only: the prompt was the work
                 elif (end := self._append(request, token_id, logprob)) is not None:
@@ -243,6 +248,37 @@ class Engine:
             request = self.requests[chunk.request_id]
             request.prompt_logprobs = (request.prompt_logprobs or [None])[:chunk.start + 1] + scored
         return {self.requests[plan.prefill[index].request_id]: error for index, error in result.prompt_errors.items()}
+
+    def _take_pooled(self, plan: StepPlan, result: StepOutput) -> None:
+        """Each pooling chunk's part joins its request's pooled state (a mean's sum restarts with
+        a chunk from position 0: a recompute after preemption)."""
+        for index, part in result.pooled.items():
+            chunk = plan.prefill[index]
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            if chunk.pool != "mean":
+                request.pooled = part
+            elif chunk.start == 0 or request.pooled is None:
+                request.pooled, request.pooled_count = part, chunk.length
+            else:
+                request.pooled, request.pooled_count = request.pooled + part, request.pooled_count + chunk.length
+
+    def _finish_pooled(self, request: Request, logits) -> None:
+        """A pooled request's prompt is done: its vector (for "rank", the last position's logits)
+        is its output, and it finishes ("length": prefill only); its blocks and row go back."""
+        pooling = request.params.pooling
+        if pooling == "rank":
+            request.pooled = logits
+        elif pooling == "mean" and request.pooled is not None:
+            if request.pooled_count != len(request.prompt_token_ids):
+                request.pooled = None  # some positions were never computed: no mean to give
+            else:
+                request.pooled = request.pooled / request.pooled_count
+        if request.pooled is None:
+            self._finish(request, "error", f"pooling {pooling!r}: the worker returned no pooled state")
+            return
+        self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(request, reason, error=error)

@@ -54,7 +54,8 @@ class OutputProcessor:
             request.request_id, request.prompt, request.prompt_token_ids, text,
             list(request.output_token_ids), request.finished, request.finish_reason, new_text,
             new_ids, list(request.logprobs) if request.params.logprobs is not None else None,
-            request.metrics, request.error, request.prompt_logprobs, request.stop_string)
+            request.metrics, request.error, request.prompt_logprobs, request.stop_string,
+            request.pooled if request.finished and request.finish_reason != "error" else None)
 
     def rejected(self, request_id: str, prompt, params: SamplingParams | None, message: str) -> RequestOutput:
         """The output of a prompt that was refused before it became a request."""

@@ -60,6 +60,10 @@ class Request:
     spec_tokens: list[int] = field(default_factory=list)
     spec_probs: object | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    # Pooling (params.pooling): the pooled vector once the prompt is done; for mean pooling the
+    # running sum over the positions computed so far and their count.
+    pooled: torch.Tensor | None = None
+    pooled_count: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -97,3 +101,4 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_string: str | None = None  # the stop string that ended it, when one did
+    pooled: torch.Tensor | None = None  # params.pooling's vector (float32, host), once finished

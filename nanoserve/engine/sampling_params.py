@@ -12,6 +12,10 @@ SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a uint64
 # A reply's length when none is asked for: the command line's default too, so that a library
 # call and `nanoserve generate` stop at the same place.
 DEFAULT_MAX_TOKENS = 128
+# What a prompt-only request returns instead of tokens (``pooling``): the final hidden state
+# (after the final norm) at the last prompt token, their mean over the prompt, or at its first
+# token; "rank": the logits at the last prompt token (a reranker's yes/no score is read there).
+POOLING = ("last", "mean", "cls", "rank")
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,7 +28,8 @@ class SamplingParams:
     and the top ``k`` alternatives at each step. ``prompt_logprobs=k`` (as vLLM) returns each
     prompt token's logprob given the tokens before it (``None`` for the first) and the top
     ``k`` alternatives there. ``max_tokens=0`` only prefills: the request finishes after its
-    prompt (with ``prompt_logprobs``, that scores the prompt). ``structured`` constrains the
+    prompt (with ``prompt_logprobs``, that scores the prompt; with ``pooling``, one of POOLING,
+    its output carries the pooled vector: embeddings, rerank scores). ``structured`` constrains the
     reply to a JSON schema, regex, choice or grammar, token by token (the logprobs stay the
     model's own, before the constraint).
 
@@ -46,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutputs | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string for convenience; store tuples (frozen, hashable).
@@ -72,6 +78,11 @@ class SamplingParams:
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, what="a list of ints in [0, 2**63)")
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise ValueError(f"pooling: must be one of {', '.join(POOLING)} or None, got {self.pooling!r}")
+            if self.max_tokens != 0:
+                raise ValueError(f"pooling: a pooled request only prefills (max_tokens=0), got {self.max_tokens}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise ValueError(f"structured: must be a StructuredOutputs or None, got {type(self.structured).__name__}")
 

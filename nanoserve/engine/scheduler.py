@@ -234,6 +234,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
         chunk = PrefillChunk(request.request_id, request.row, start, tuple(tokens[start:end]),
                              tuple(self.blocks.slots_of(request.row, end)), is_last)
+        if request.params.pooling in ("last", "mean", "cls"):
+            chunk = dataclasses.replace(chunk, pool=request.params.pooling)
         if _scores(request, start):  # position p's logits score prompt token p + 1
             prompt = request.prompt_token_ids
             targets = tuple(prompt[start + 1:min(end, len(prompt) - 1) + 1])
@@ -325,8 +327,10 @@ class Scheduler:
 
 def _adopts_prefix(request: Request) -> bool:
     """Whether a request adopts its longest cached prefix on admission. One that scores its
-    prompt needs every prompt token's hidden state, so it adopts nothing."""
-    return request.params.prompt_logprobs is None
+    prompt, or pools over it (mean, cls), needs every prompt token's hidden state (the first
+    one's), so it adopts nothing: its prompt is computed whole (its blocks are still cached for
+    others). Last-token pooling and rank need only the last position, always computed."""
+    return request.params.prompt_logprobs is None and request.params.pooling not in ("mean", "cls")
 
 
 def _hashes(request: Request, tokens: list[int]):

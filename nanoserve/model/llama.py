@@ -371,13 +371,22 @@ def dense_forward(
 
     This is the oracle that cached/paged forwards are graded against.
     """
+    hidden = dense_hidden(model, input_ids, attention_mask)
+    b, t = input_ids.shape
+    return model.compute_logits(hidden.reshape(b * t, -1)).view(b, t, -1)
+
+
+def dense_hidden(
+    model: LlamaModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The no-cache reference forward's final hidden states [B, T, hidden] (after the final
+    norm): what pooling (embeddings) reads."""
     if input_ids.dim() != 2:
         raise ValueError(f"dense_forward wants input_ids [batch, seq_len], got shape {tuple(input_ids.shape)}")
     b, t = input_ids.shape
     positions = dense_positions(b, t, attention_mask, input_ids.device)
     attention = DenseCausalAttention(b, t, attention_mask)
-    hidden = model(input_ids.reshape(-1), positions.reshape(-1), attention)
-    return model.compute_logits(hidden).view(b, t, -1)
+    return model(input_ids.reshape(-1), positions.reshape(-1), attention).view(b, t, -1)
 
 
 def unfuse_hf_weights(model: LlamaModel) -> dict[str, torch.Tensor]:

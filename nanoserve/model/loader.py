@@ -20,6 +20,7 @@ from nanoserve.model.gguf_loader import GGUFCheckpoint
 from nanoserve.model.group_codes import GroupCodes
 from nanoserve.model.hf_loader import SafetensorsWeights, safetensors_files
 from nanoserve.model.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
+from nanoserve.model.pooling import model_pooling
 from nanoserve.model.tokenizer import Tokenizer, hf_chat_template
 from nanoserve.model.validate import checked_gguf_config
 from nanoserve.model.validate_hf import checked_hf_config
@@ -111,6 +112,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     timer.lap("weights")
     built.load_stages = timer.stages
     built.file_bytes = file_bytes
+    # The pooling the files declare (embedding and reranking models), None for a generation model.
+    built.pooling = model_pooling(path, None if path.is_dir() else ckpt.metadata)
     return built, tokenizer
 
 

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's routes and Anthropic's Messages over one EngineLoop, plus /health and /metrics."""
+"""The FastAPI app: OpenAI's routes (chat, completions, responses, embeddings, rerank) and Anthropic's
+Messages over one EngineLoop, plus /health and /metrics."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Match
 
+from nanoserve.engine.sampling_params import POOLING
 from nanoserve.serve.chat import create_chat_completion
 from nanoserve.serve.completions import create_completion
+from nanoserve.serve.embeddings import EmbeddingRequest, RerankRequest, create_embeddings, create_rerank
 from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.errors import ApiError, install_error_handlers
 from nanoserve.serve.gate import PROBES, Admission, RequestGate
@@ -26,6 +29,8 @@ from nanoserve.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.serve.responses import create_response
+from nanoserve.serve.responses_protocol import ResponsesRequest
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tokenize import detokenize, tokenize
 
@@ -34,14 +39,21 @@ logger = logging.getLogger("nanoserve.serve")
 
 def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT, tool_call_parser: str | None = None) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, tool_call_parser: str | None = None,
+               pooling: str | None = None) -> FastAPI:
     """An app serving `engine_loop`'s engine as `model_name`. The app starts the loop when it
     starts and stops it when it stops. With `api_key`, every route needs
     `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (the API, /tokenize, /docs,
     /openapi.json) except /health and /metrics (probes, scrapers). A body larger than `max_request_bytes` is a 413,
     one that stalls for `body_timeout` seconds a 408. `tool_call_parser` names the tool-call
-    format (structured/tool_parsers.py; None: chosen from the chat template). `await app.state.drain(timeout)` drains it."""
-    state = ServeState(engine_loop, model_name, tool_call_parser=tool_call_parser)
+    format (structured/tool_parsers.py; None: chosen from the chat template). `pooling` ("last",
+    "mean", "cls", "rank") is what /v1/embeddings and /v1/rerank pool with; None: the model's own
+    (its files' pooling config), and without one those routes answer 400 (serve/embeddings.py).
+    `await app.state.drain(timeout)` drains it."""
+    if pooling is not None and pooling not in POOLING:
+        raise ValueError(f"pooling: must be one of {', '.join(POOLING)}, got {pooling!r}")
+    state = ServeState(engine_loop, model_name, tool_call_parser=tool_call_parser,
+                       pooling=pooling or getattr(engine_loop.engine.model, "pooling", None))
     created = int(time.time())
 
     @asynccontextmanager
@@ -105,6 +117,19 @@ def create_app(engine_loop: EngineLoop, model_name: str, *, api_key: str | None 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await create_embeddings(state, body, request)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    async def rerank(body: RerankRequest, request: Request):
+        return await create_rerank(state, body, request)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):

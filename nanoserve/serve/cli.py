@@ -65,6 +65,10 @@ def add_serve_subcommand(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_FORMATS),
                         help="the format tool calls are prompted and parsed in (default: chosen from the "
                              "chat template; 'generic' for any model: a JSON reply enforced by a grammar)")
+    parser.add_argument("--pooling", default=None, choices=["last", "mean", "cls", "rank"],
+                        help="serve /v1/embeddings (last, mean, cls) or /v1/rerank (rank: a Qwen3-Reranker) "
+                             "with this pooling (default: the model's own, from its GGUF pooling_type or "
+                             "Sentence-Transformers config; a model with none answers those routes 400)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="default %(default)s")
     parser.set_defaults(func=run_serve)
@@ -167,7 +171,7 @@ def _serve(args: argparse.Namespace, model: str, sock: socket.socket) -> None:
     name = args.served_model_name or served_name(model)
     app = create_app(EngineLoop(engine, max_waiting=args.max_waiting_requests), name, api_key=args.api_key,
                      max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser, pooling=args.pooling)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE)
     host = f"[{args.host}]" if ":" in args.host else args.host

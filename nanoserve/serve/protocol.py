@@ -54,7 +54,7 @@ class StreamOptions(StrictModel):
 class JsonSchemaFormat(StrictModel):
     name: Text | None = None
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # true: any JSON
     strict: bool | None = None
 
 

@@ -34,6 +34,7 @@ class ServeState:
     model_name: str
     compile_timeout: float = COMPILE_TIMEOUT
     tool_call_parser: str | None = None  # a tool-call format by name; None: chosen from the chat template
+    pooling: str | None = None  # what /v1/embeddings and /v1/rerank pool with (None: they are refused)
 
     @property
     def tokenizer(self):

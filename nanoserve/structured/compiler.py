@@ -13,6 +13,8 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -24,6 +26,12 @@ from nanoserve.structured.spec import StructuredOutputError, StructuredOutputs
 JSON_OPTIONS = {"whitespace_flexible": False}
 GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.M)  # `root ::= ...`: GBNF (llama.cpp), else Lark
 CACHE_SIZE = 64  # compiled grammars kept (agents resend the same schema with every turn)
+# Keywords whose value is a count: JSON Schema takes any number with a zero fraction (2.0),
+# llguidance only an integer.
+_COUNTS = frozenset(("maxItems", "minItems", "maxLength", "minLength", "maxProperties", "minProperties",
+                     "maxContains", "minContains"))
+# Keywords whose values are data, not schemas: left exactly as written.
+_DATA = frozenset(("enum", "const", "default", "examples", "description", "title", "$comment"))
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
@@ -32,7 +40,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
     kind = spec.kind
     if kind == "json":
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.json, overrides=JSON_OPTIONS)
+            schema = json.dumps(normalise_schema(json.loads(spec.json)), ensure_ascii=False)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as exc:
             raise StructuredOutputError("json", str(exc)) from exc
     if kind == "json_object":
@@ -43,6 +52,42 @@ def grammar_text(spec: StructuredOutputs) -> str:
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
     lark = gbnf_to_lark(spec.grammar) if GBNF_RULE.search(spec.grammar) else spec.grammar
     return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def normalise_schema(schema: Any) -> Any:
+    """`schema` with what llguidance refuses only for its form written the way it takes it, so
+    that a schema valid under JSON Schema 2020-12 is not refused: the boolean schema ``true`` as
+    ``{}`` (anything; ``false`` stays: nothing matches it), a count written as an integral float
+    (``"maxItems": 2.0``) as an integer, and a ``format`` llguidance does not know dropped (in
+    2020-12 a format is an annotation unless a validator opts in: the string is unconstrained).
+    Data (enum, const, default, examples) is left as written."""
+    if schema is True:
+        return {}
+    if isinstance(schema, list):
+        return [normalise_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA:
+            out[key] = value
+        elif key in _COUNTS and isinstance(value, float) and value.is_integer():
+            out[key] = int(value)
+        elif key == "format" and isinstance(value, str) and not _known_format(value):
+            continue
+        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                and isinstance(value, dict):
+            out[key] = {name: normalise_schema(sub) for name, sub in value.items()}
+        else:
+            out[key] = normalise_schema(value)
+    return out
+
+
+@lru_cache(maxsize=64)
+def _known_format(name: str) -> bool:
+    """Whether llguidance enforces this string format (asked of llguidance itself)."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+    return not llguidance.LLMatcher.validate_grammar(grammar)
 
 
 class GrammarCompiler:

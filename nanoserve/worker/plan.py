@@ -52,6 +52,10 @@ class PrefillChunk:
     # score_top alternatives each (None: no scoring)
     score_top: int | None = None
     score_targets: tuple[int, ...] = ()
+    # pooling: the worker returns this chunk's part of the request's pooled hidden state ("last":
+    # the last position's, when is_last; "mean": the sum over the chunk's positions; "cls":
+    # position 0's, when start is 0)
+    pool: str | None = None
 
     @property
     def length(self) -> int:

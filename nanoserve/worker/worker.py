@@ -38,6 +38,7 @@ class StepOutput:
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_errors: dict[int, str] = field(default_factory=dict)
     decode: DecodePlan | None = None
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # by chunk index: PrefillChunk.pool's part
 
 
 class Worker:
@@ -70,7 +71,7 @@ class Worker:
                 check_decode_follows(plan.decode, self.cache.slot_table)
             decode = self.cache.plan_decode(plan.decode)
             self.decode_step.load(decode, plan.decode.rows)
-        logits, scored, errors = [], {}, {}
+        logits, scored, errors, pooled = [], {}, {}, {}
         graph = decode is not None and self.decode_step.runs_graph(plan.decode.rows, decode.width, decode.queries)
         together = decode is not None and not graph and plan.prefill  # one eager forward
         if decode is not None and not together:
@@ -80,13 +81,14 @@ class Worker:
                 check_mapping_is_window(decode, self.cache.slot_table)
             logits.append(self.decode_step.run(decode, plan.decode.rows))
         if plan.prefill:
-            logits.append(self._prefill(plan.prefill, decode if together else None, scored, errors))
+            logits.append(self._prefill(plan.prefill, decode if together else None, scored, errors, pooled))
         if self.checks and decode is not None:
             check_window_intact(decode)
-        return StepOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode)
+        return StepOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode, pooled)
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], decode: DecodePlan | None,
-                 scored: dict[int, list[TokenLogprobs]], errors: dict[int, str]) -> torch.Tensor:
+                 scored: dict[int, list[TokenLogprobs]], errors: dict[int, str],
+                 pooled: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Write the chunks' K/V and score the chunks that ask for it (into ``scored``, or why not
         into ``errors``, by chunk index); return logits at the last token of each chunk that ends
         its request's prefill (in chunk order). With ``decode`` (eager) the same forward also
@@ -122,8 +124,21 @@ class Worker:
                                              c.score_top)
                 except Exception as exc:
                     errors[i] = f"prompt scoring failed: {type(exc).__name__}: {exc}"
+            if c.pool is not None and pooled is not None:
+                part = _pool_part(c, hidden[ends[i] - c.length:ends[i]])
+                if part is not None:
+                    pooled[i] = part
         last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.is_last], dtype=torch.long)
         if decode_logits is not None:
             last = torch.cat([decode_logits.cpu(), last])
         last = last.to(self.device)
         return self.model.compute_logits(hidden.index_select(0, last))
+
+
+def _pool_part(chunk: PrefillChunk, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The chunk's part of its request's pooled hidden state (float32, on the host), or None."""
+    if chunk.pool == "mean":
+        return hidden.float().sum(0).cpu()
+    if chunk.pool == "cls":
+        return hidden[0].float().cpu() if chunk.start == 0 else None
+    return hidden[-1].float().cpu() if chunk.is_last else None
