@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,7 +70,6 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
     """A worker over ``model`` (a name or path loaded here without its tokenizer, or a built
     ``LlamaModel``: packed per ``spec.weights`` in place, or copied first when ``shard`` cuts
     it), and a K/V cache of its K/V heads."""
-    source = model
     if isinstance(model, str):
         model, _ = load_model(model, dtype=spec.dtype, device=spec.device, weights=spec.weights,
                               shard=None if shard is None else shard.shard, with_tokenizer=False)
@@ -103,23 +101,19 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
         step.key_extra = dict(rank=shard.rank, ranks=shard.size)
         step.prepare_graphs("eager" if spec.warmup == "eager" else "inline")
     elif cached:
-        _prepare_graphs(step, source, spec, cache.kv_bytes)
+        _prepare_graphs(step, model, spec, cache.kv_bytes)
     elif spec.compile and spec.warmup == "eager" and spec.buckets is not None:
         step.warmup()
     return Worker(model, cache, step, checks=spec.checks)
 
 
-def _prepare_graphs(step: DecodeStep, source: str | LlamaModel, spec: WorkerSpec, kv_bytes: int) -> None:
+def _prepare_graphs(step: DecodeStep, model: LlamaModel, spec: WorkerSpec, kv_bytes: int) -> None:
     """Load the cached graphs; build the rest now (warmup) or in a background process, which
-    rebuilds this worker from ``source`` (a model object goes as it is now: already packed)."""
-    if isinstance(source, str):
-        model_bytes = os.path.getsize(source) if os.path.isfile(source) else 0
-    else:
-        model_bytes = sum(t.numel() * t.element_size() for t in [*source.parameters(), *source.buffers()])
-        spec = dataclasses.replace(spec, weights=None)
+    rebuilds this worker from the model as it is now (packed; sent hollow: no weights)."""
+    spec = dataclasses.replace(spec, weights=None)
     build = spec.warmup
-    if build == "lazy" and not memory_allows_builder(model_bytes, kv_bytes):
-        log.warning("nanoserve: too little memory for a background graph builder (a second copy of the model); "
-                    "buckets without a cached graph run eagerly: `nanoserve warmup` builds them ahead")
+    if build == "lazy" and not memory_allows_builder(0, kv_bytes):
+        log.warning("nanoserve: too little memory for a background graph builder; buckets without a cached graph "
+                    "run eagerly: `nanoserve warmup` builds them ahead")
         build = "none"
-    step.prepare_graphs(build, source, dataclasses.replace(spec, warmup="none", checks=False))
+    step.prepare_graphs(build, model, dataclasses.replace(spec, warmup="none", checks=False))

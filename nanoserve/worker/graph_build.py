@@ -3,8 +3,8 @@
 ``aot_build`` traces and compiles one bucket of a ``DecodeStep``'s forward with torch's
 ``aot_compile`` and returns the serialised graph. ``BackgroundBuilder`` runs those builds in a
 child process (``python -m nanoserve.worker.graph_build``) at the lowest CPU priority with one
-thread, so the step loop keeps both cores while graphs compile: the child loads the same model,
-builds the same buffers, writes each graph to the ``GraphCache`` and says so on its stdout; a
+thread, so the step loop keeps both cores while graphs compile: the child gets the model hollow
+(its modules and each tensor's layout, no weights: they are graph inputs), builds the same buffers, writes each graph to the ``GraphCache`` and says so on its stdout; a
 reader thread here loads the finished entry, and the step swaps it in between steps. A child
 process rather than a thread because tracing and code generation hold Python's lock for seconds.
 """
@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pickle
 import queue
 import subprocess
 import sys
@@ -88,10 +89,29 @@ def load_entry(cache: GraphCache, key: GraphKey):
         return None
 
 
+def _hollow_tensor(parameter: bool, shape: tuple, stride: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
+    tensor = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return torch.nn.Parameter(tensor, requires_grad=False) if parameter else tensor
+
+
+class _HollowPickler(pickle.Pickler):
+    """Pickles every tensor as its shape, stride, dtype and device only: a graph takes the
+    weights as inputs and is keyed by their layout, so the builder needs the model's structure
+    and never its values. Unpickled, each is an uninitialised tensor whose pages are never
+    touched (a hollow 18 GB model costs the child no memory)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return _hollow_tensor, (isinstance(obj, torch.nn.Parameter), tuple(obj.shape), tuple(obj.stride()),
+                                    obj.dtype, str(obj.device))
+        return NotImplemented
+
+
 @dataclass
 class BuildJob:
-    """What the child needs to rebuild the parent's step: the model (a path, or the model
-    object itself), the worker's spec, the cache, and the key the parent expects per shape."""
+    """What the child needs to rebuild the parent's step: the model object (sent hollow: its
+    modules and every tensor's layout, no values), the worker's spec, the cache, and the key
+    the parent expects per shape."""
 
     model: object
     spec: object
@@ -111,8 +131,8 @@ class BackgroundBuilder:
         self.build_seconds: dict[Shape, float] = {}  # per bucket the child built (or found built)
         self._ready: queue.Queue = queue.Queue()
         self._asked: set[Shape] = set()
-        with tempfile.NamedTemporaryFile(dir=cache.root, prefix=".job-", suffix=".pt", delete=False) as out:
-            torch.save(job, out)
+        with tempfile.NamedTemporaryFile(dir=cache.root, prefix=".job-", suffix=".pkl", delete=False) as out:
+            _HollowPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(job)
         self._job_path = out.name
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
                    NANOSERVE_BUILDER_PARENT=str(os.getpid()))
@@ -210,7 +230,8 @@ def _child_main(job_path: str) -> int:
     torch.set_num_threads(1)
     from nanoserve.worker.build import build_worker
 
-    job: BuildJob = torch.load(job_path, weights_only=False)  # the parent's own file, made for this child
+    with open(job_path, "rb") as job_file:
+        job: BuildJob = pickle.load(job_file)  # the parent's own file, made for this child
     os.unlink(job_path)
     cache = GraphCache(job.cache_root)
     step = build_worker(job.model, dataclasses.replace(job.spec, compile=False)).decode_step
