@@ -1,0 +1,216 @@
+"""gpt-oss: a tiny random GptOssForCausalLM (attention sinks, alternating sliding and full
+layers, YaRN rope, top-k-then-softmax routing over biased experts with the clamped SwiGLU)
+against transformers' own model, from safetensors and from GGUF, eager and through the paged
+engine; YaRN's frequencies against transformers'."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from nanoserve.model.experts import ExpertMLP
+from nanoserve.model.llama import dense_forward, yarn_parameters
+from nanoserve.model.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 2e-4  # fp32 logits of the same weights through two implementations (the dense tests' tolerance)
+WINDOW = 8
+PROMPTS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8, 64, 11, 12, 13, 14, 15, 16, 200, 201, 202, 9, 1],
+                        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+
+
+def gpt_oss_config(**overrides):
+    fields = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                  sliding_window=WINDOW, max_position_embeddings=256, rms_norm_eps=1e-5)
+    return transformers.GptOssConfig(**{**fields, **overrides})
+
+
+def tiny_gpt_oss(seed: int = 0):
+    """A random fp32 GptOssForCausalLM whose every part matters: O(1) activations, experts wide
+    enough that the SwiGLU's clamps bite, and random sinks and biases (HF inits sinks and the
+    expert biases to zero)."""
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(gpt_oss_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts.gate_up_proj" in name and not name.endswith("bias"):
+                p.normal_(0.0, 3 * p.shape[-2] ** -0.5)  # x @ W: the input is dimension -2
+            elif "experts.down_proj" in name and not name.endswith("bias"):
+                p.normal_(0.0, p.shape[-2] ** -0.5)
+            elif p.dim() >= 2 and "embed" not in name:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "sinks" in name or name.endswith("bias"):
+                p.normal_(0.0, 1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(transformers model, its safetensors directory)."""
+    model = tiny_gpt_oss()
+    directory = tmp_path_factory.mktemp("gptoss")
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def _hf_logits(model, ids=PROMPTS):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_clamps_bite(reference):
+    """The SwiGLU's clamps are exercised: some gate and up values of the reference pass 7."""
+    model, _ = reference
+    seen = []
+    experts = model.model.layers[0].mlp.experts
+    hook = experts.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    try:
+        _hf_logits(model)
+    finally:
+        hook.remove()
+    gate_up = seen[0] @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert (gate_up.abs() > 7).any()
+
+
+def test_safetensors_logits_match_transformers(reference):
+    model, directory = reference
+    ours, _ = load_model(str(directory), dtype=torch.float32, with_tokenizer=False)
+    c = ours.config
+    assert c.architecture == "gptoss" and c.attention_sinks and c.expert_bias and c.swiglu_limit == 7.0
+    assert c.layer_types == ("sliding_attention", "full_attention") * 2 and c.sliding_window == WINDOW
+    assert c.rope_type == "yarn"
+    assert all(isinstance(layer.mlp, ExpertMLP) for layer in ours.layers)
+    assert PROMPTS.shape[1] > 2 * WINDOW  # the window cuts
+    torch.testing.assert_close(dense_forward(ours, PROMPTS), _hf_logits(model), atol=ATOL, rtol=0)
+
+
+def test_left_padded_batch_matches_transformers(reference):
+    model, directory = reference
+    ours, _ = load_model(str(directory), dtype=torch.float32, with_tokenizer=False)
+    mask = torch.ones_like(PROMPTS)
+    mask[1, :5] = 0
+    ids = PROMPTS.clone()
+    ids[1, :5] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    out = dense_forward(ours, ids, mask)
+    torch.testing.assert_close(out[0], ref[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1, 5:], ref[1, 5:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+@pytest.mark.parametrize("head_dim,factor,original", [(64, 32.0, 4096), (16, 32.0, 4096), (128, 8.0, 8192)])
+def test_yarn_matches_transformers(truncate, head_dim, factor, original):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanoserve.model.config import ModelConfig
+
+    rope = {"rope_type": "yarn", "factor": factor, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
+            "original_max_position_embeddings": original}
+    hf = gpt_oss_config(head_dim=head_dim, rope_parameters={**rope, "rope_theta": 150000.0},
+                        max_position_embeddings=131072)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=4,
+                       head_dim=head_dim, rope_theta=150000.0, rope_scaling=rope, max_position_embeddings=131072)
+    our_inv_freq, our_factor = yarn_parameters(ours)
+    assert torch.equal(our_inv_freq, inv_freq.float())
+    assert our_factor == pytest.approx(attention_factor, abs=0, rel=1e-12)
+    assert dataclasses.replace(ours, rope_scaling={**rope, "factor": 1.0}).rope_type == "yarn"
+
+
+def write_gpt_oss_gguf(path, model, *, experts_qtype=None, merged_gate_up=False, template: str | None = None):
+    """The transformers model's weights as llama.cpp's converter writes a gpt-oss GGUF: its keys
+    (the window, the expert width, YaRN), the fused gate_up experts split into gate and up (even
+    and odd columns, transposed to [experts, out, in]) or merged (gate's rows, then up's), down
+    transposed, the sinks as attn_sinks.weight; the experts F32 or ``experts_qtype`` blocks."""
+    import gguf
+    import numpy as np
+
+    from tests.conftest import _byte_alphabet
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(c.rope_parameters["factor"])
+    writer.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    specials = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+    tokens = _byte_alphabet() + specials + [f"<|special_{i}|>" for i in range(c.vocab_size - 256 - len(specials))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3] * (c.vocab_size - 256))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(tokens.index("<|return|>"))
+    if template is not None:
+        writer.add_chat_template(template)
+
+    def add(name, tensor, qtype=None):
+        data = tensor.detach().float().contiguous().numpy().copy()
+        if qtype is None:
+            writer.add_tensor(name, data.astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    state = model.state_dict()
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    add("output.weight", state["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"blk.{i}."
+        add(dst + "attn_norm.weight", state[src + "input_layernorm.weight"])
+        add(dst + "post_attention_norm.weight", state[src + "post_attention_layernorm.weight"])
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                             ("attn_output", "o_proj")):
+            add(f"{dst}{ours}.weight", state[f"{src}self_attn.{theirs}.weight"])
+            add(f"{dst}{ours}.bias", state[f"{src}self_attn.{theirs}.bias"])
+        add(dst + "attn_sinks.weight", state[src + "self_attn.sinks"])
+        add(dst + "ffn_gate_inp.weight", state[src + "mlp.router.weight"])
+        add(dst + "ffn_gate_inp.bias", state[src + "mlp.router.bias"])
+        gate_up = state[src + "mlp.experts.gate_up_proj"].transpose(-1, -2)  # [E, 2I, H], rows interleaved
+        bias = state[src + "mlp.experts.gate_up_proj_bias"]
+        gate, up, gate_b, up_b = gate_up[:, ::2], gate_up[:, 1::2], bias[..., ::2], bias[..., 1::2]
+        if merged_gate_up:
+            add(dst + "ffn_gate_up_exps.weight", torch.cat([gate, up], dim=1), experts_qtype)
+            add(dst + "ffn_gate_up_exps.bias", torch.cat([gate_b, up_b], dim=-1))
+        else:
+            add(dst + "ffn_gate_exps.weight", gate, experts_qtype)
+            add(dst + "ffn_up_exps.weight", up, experts_qtype)
+            add(dst + "ffn_gate_exps.bias", gate_b)
+            add(dst + "ffn_up_exps.bias", up_b)
+        add(dst + "ffn_down_exps.weight", state[src + "mlp.experts.down_proj"].transpose(-1, -2), experts_qtype)
+        add(dst + "ffn_down_exps.bias", state[src + "mlp.experts.down_proj_bias"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_gguf_logits_match_transformers(reference, tmp_path, merged):
+    model, _ = reference
+    path = write_gpt_oss_gguf(tmp_path / "gptoss.gguf", model, merged_gate_up=merged)
+    ours, _ = load_model(str(path), dtype=torch.float32)
+    c = ours.config
+    assert c.architecture == "gptoss" and c.attention_sinks and c.expert_bias and c.swiglu_limit == 7.0
+    assert c.layer_types == ("sliding_attention", "full_attention") * 2 and c.sliding_window == WINDOW
+    assert c.rope_scaling["truncate"] is False and c.rope_scaling["factor"] == 32.0
+    torch.testing.assert_close(dense_forward(ours, PROMPTS), _hf_logits(model), atol=ATOL, rtol=0)
