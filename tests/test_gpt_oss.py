@@ -214,3 +214,100 @@ def test_gguf_logits_match_transformers(reference, tmp_path, merged):
     assert c.layer_types == ("sliding_attention", "full_attention") * 2 and c.sliding_window == WINDOW
     assert c.rope_scaling["truncate"] is False and c.rope_scaling["factor"] == 32.0
     torch.testing.assert_close(dense_forward(ours, PROMPTS), _hf_logits(model), atol=ATOL, rtol=0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _engine_prompts() -> list[list[int]]:
+    """A shared prefix under two prompts (prefix caching), lengths from below the window to
+    several windows."""
+    import random
+    rng = random.Random(0)
+    system = [rng.randrange(3, 300) for _ in range(13)]
+    return [system + [rng.randrange(3, 300) for _ in range(27)], system + [7, 8, 9],
+            [rng.randrange(3, 300) for _ in range(WINDOW - 3)], system + [rng.randrange(3, 300) for _ in range(20)]]
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "kernel", "bf16-kernel"])
+def test_paged_engine_greedy_equals_transformers(reference, mode, fresh_dynamo):
+    """Batched through the paged cache with chunked prefill and prefix caching (prefill with
+    sinks; decode with sinks through SDPA's gathers, or through nanoserve's decode kernel on the
+    host's tier: fp32 cells forced onto it, and bf16 as the engine picks it), eager and compiled
+    (no recompile): transformers' greedy tokens and logprobs (bf16: its tokens where the margins
+    allow, the logprobs within 0.5)."""
+    from engine_oracle_helpers import engine_for, generate, greedy
+    from test_architectures_engine import MAX_TOKENS, TOLERANCE, assert_matches_transformers
+
+    from nanoserve.model import cpu_kernels
+
+    tier = cpu_kernels.resolve_tier()
+    if mode in ("kernel", "bf16-kernel") and tier == "torch":
+        pytest.skip("no kernel tier of nanoserve's on this host")
+    model, directory = reference
+    ours, _ = load_model(str(directory), dtype=torch.float32, with_tokenizer=False)
+    options = {}
+    if mode == "compiled":
+        options = dict(compile=True, compile_backend="inductor", row_buckets=(1, 2, 4), width_buckets=(64,),
+                       warmup="eager")
+    elif mode == "bf16-kernel":
+        options = dict(weights="bf16", compile=True, compile_backend="eager", row_buckets=(4,), width_buckets=(64,),
+                       warmup="eager")
+    engine = engine_for(ours, max_num_batched_tokens=11, max_model_len=64, **options)
+    if mode == "kernel":  # fp32 cells through the kernel (the engine keeps SDPA for fp32 weights)
+        engine.worker.decode_step.attention_kernel = cpu_kernels.handle(tier)
+    if mode in ("kernel", "bf16-kernel"):
+        assert engine.worker.decode_step.attention_kernel is not None
+    batch = _engine_prompts()
+    first = generate(engine, batch, greedy(MAX_TOKENS, logprobs=2))
+    again = generate(engine, batch[1:], greedy(MAX_TOKENS, logprobs=2))  # from the cached prefixes
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefill_steps > len(batch)
+    if mode in ("compiled", "bf16-kernel"):
+        assert stats.recompiles_after_warmup == 0
+    for output, prompt in zip(first + again, batch + batch[1:]):
+        assert_matches_transformers(output, model, prompt, TOLERANCE if mode != "bf16-kernel" else 0.5)
+    engine.check_drained()
+
+
+def test_chunked_teacher_forcing_equals_the_dense_forward(reference):
+    """fidelity's chunk-at-a-time attention honours the window and the sinks."""
+    from nanoserve.model.fidelity import teacher_forced_logits
+
+    _, directory = reference
+    ours, _ = load_model(str(directory), dtype=torch.float32, with_tokenizer=False)
+    ids = PROMPTS[0]
+    torch.testing.assert_close(teacher_forced_logits(ours, ids, chunk_rows=3), teacher_forced_logits(ours, ids),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_verify_and_window_reads_with_sinks_equal_the_reference(window):
+    """The SDPA-side reads with sinks (a decode row, a verify row of several queries) against
+    paged_attention_reference, one query at a time."""
+    from nanoserve.worker.attention import WindowAttention, paged_attention_reference
+
+    torch.manual_seed(1)
+    rows, queries, slots, width, heads, kv, dim = 2, 3, 100, 24, 6, 2, 16
+    k_cache, v_cache = torch.randn(slots, kv, dim), torch.randn(slots, kv, dim)
+    table = torch.randint(1, slots, (rows, width))
+    lengths = torch.tensor([20, 21, 22, 5, 6, 0])  # the last query is padding
+    q = 2 * torch.randn(rows * queries, heads, dim)
+    sinks = 3 * torch.randn(heads)
+    k_new, v_new = torch.randn(rows * queries, kv, dim), torch.randn(rows * queries, kv, dim)
+    scratch = torch.zeros(rows * queries, dtype=torch.long)
+    attention = WindowAttention([k_cache], [v_cache], scratch, table, lengths)
+    k_cache[0], v_cache[0] = k_new[-1], v_new[-1]  # what the write leaves in the scratch slot
+    got = attention(0, q, k_new, v_new, window=window, sinks=sinks)
+    want = paged_attention_reference(q, k_cache, v_cache, table.repeat_interleave(queries, 0), lengths,
+                                     window=window, sinks=sinks)
+    torch.testing.assert_close(got[:-1], want[:-1], atol=1e-5, rtol=0)
+    single = WindowAttention([k_cache], [v_cache], scratch[:rows], table, lengths[::queries])
+    got = single(0, q[::queries], k_new[::queries], v_new[::queries], window=window, sinks=sinks)
+    want = paged_attention_reference(q[::queries], k_cache, v_cache, table, lengths[::queries], window=window,
+                                     sinks=sinks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
