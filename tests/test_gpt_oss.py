@@ -311,3 +311,33 @@ def test_verify_and_window_reads_with_sinks_equal_the_reference(window):
     want = paged_attention_reference(q[::queries], k_cache, v_cache, table, lengths[::queries], window=window,
                                      sinks=sinks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def _tiers():
+    from nanoserve.model.cpu_kernels import host_tiers
+    return [t for t in host_tiers() if t != "torch"]
+
+
+@pytest.mark.parametrize("tier", _tiers())
+def test_mxfp4_experts_run_packed_from_their_blocks(reference, tmp_path, tier):
+    """gpt-oss's experts as MXFP4 blocks (as its GGUF files hold them) run packed from those
+    blocks with their biases and the clamped SwiGLU: against the same file held dense in fp32
+    from gguf's dequantisation, at 1 row, 8 rows and a prompt (the dequantise path)."""
+    import gguf
+
+    from nanoserve.model.experts import PackedExperts
+    from nanoserve.model.weight_plan import WeightPlan
+
+    model, _ = reference
+    path = write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", model, experts_qtype=gguf.GGMLQuantizationType.MXFP4)
+    dense, _ = load_model(str(path), dtype=torch.float32, with_tokenizer=False)
+    plan = WeightPlan("int4", kernel=tier)
+    packed, _ = load_model(str(path), weights=plan, with_tokenizer=False)
+    assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in packed.layers)
+    assert packed.layers[0].mlp.experts.gate_up_bias is not None
+    assert "packed" in packed.weight_types["MXFP4"].split("+")
+    for rows in (1, 8, 80):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        want = dense.layers[0].mlp(x)
+        got = packed.layers[0].mlp(x.to(plan.dtype)).float()
+        assert (got - want).abs().max() <= 0.05 * want.abs().max() + 1e-3, f"{rows} rows"
