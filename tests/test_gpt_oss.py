@@ -213,6 +213,7 @@ def test_gguf_logits_match_transformers(reference, tmp_path, merged):
     assert c.architecture == "gptoss" and c.attention_sinks and c.expert_bias and c.swiglu_limit == 7.0
     assert c.layer_types == ("sliding_attention", "full_attention") * 2 and c.sliding_window == WINDOW
     assert c.rope_scaling["truncate"] is False and c.rope_scaling["factor"] == 32.0
+    assert set(c.eos_token_ids) == {256 + 5, 256 + 6}  # <|return|> and <|call|> end a reply
     torch.testing.assert_close(dense_forward(ours, PROMPTS), _hf_logits(model), atol=ATOL, rtol=0)
 
 

@@ -71,3 +71,20 @@ def test_the_template_picks_the_harmony_parser():
     source = "{{- '<|start|>assistant<|channel|>final<|message|>' }}"
     assert template_is_harmony(source) and format_for_template(source).name == "harmony"
     assert format_for_template("{{ '<tool_call>' }}").name == "hermes"
+
+
+def test_a_harmony_reply_becomes_openais_message():
+    from nanoserve.serve.chat_reply import ReplyShape
+
+    message, finish = ReplyShape(None, None, harmony=True).message(REASONING_AND_FINAL, "stop")
+    assert message == {"role": "assistant", "content": "Hello! How can I help?",
+                       "reasoning_content": "The user greets; answer briefly."} and finish == "stop"
+
+    class Plan:
+        choice, parallel = "auto", True
+
+    message, finish = ReplyShape(Plan(), None, harmony=True).message(TOOL_CALL, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["reasoning_content"] == "Need the weather: call the tool."
+    call, = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] == "Paris"

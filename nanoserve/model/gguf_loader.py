@@ -55,7 +55,7 @@ GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Chat turn ends that stop generation besides the file's eos, as llama.cpp's vocabulary does:
 # an instruct Gemma 3 file's eos is <eos>, but its turns end in <end_of_turn>.
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|return|>", "<|call|>")  # the last two: harmony (gpt-oss)
 CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control, user-defined
 
 

@@ -23,6 +23,7 @@ from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, sampling_params
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tool_calling import ToolPlan, ToolReplyStream, plan_tools, prompt_messages
+from nanoserve.structured.harmony import HARMONY_STOPS, HarmonyStream, template_is_harmony
 from nanoserve.structured.reasoning import ReasoningStream
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
@@ -44,9 +45,18 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
     plan = plan_tools(body, template_source(state), state.tool_call_parser, marker_token_id(state))
-    prompt = await render_chat(state, body.messages, plan=plan)
-    shape = ReplyShape(plan, reasoning_mode(template_source(state), prompt))
+    harmony = template_is_harmony(template_source(state))
+    if harmony and plan is not None and plan.choice not in ("none", "auto"):
+        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported with this model's harmony "
+                            "format", param="tool_choice", code="invalid_value")
+    effort = {"reasoning_effort": body.reasoning_effort} if body.reasoning_effort is not None else {}
+    prompt = await render_chat(state, body.messages, plan=plan, variables=effort)
+    shape = ReplyShape(plan, None if harmony else reasoning_mode(template_source(state), prompt), harmony)
     params = replace(params, structured=await reply_structure(state, body, shape))
+    if harmony:  # its channels are special tokens; a reply ends at <|return|> or <|call|>
+        stops = tuple(i for i in map(marker_token_id(state), HARMONY_STOPS) if i is not None)
+        params = replace(params, skip_special_tokens=False,
+                         stop_token_ids=tuple(dict.fromkeys((*params.stop_token_ids, *stops))))
     prompt_ids = await serving.encode(state, prompt, "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)
@@ -65,7 +75,7 @@ async def create_chat_completion(state: ServeState, body: ChatCompletionRequest,
 
 
 async def render_chat(state: ServeState, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                      plan: ToolPlan | None = None) -> str:
+                      plan: ToolPlan | None = None, variables: dict | None = None) -> str:
     """The prompt text: the model's chat template (with the generation prompt appended), rendered
     in a worker thread so that long conversations do not stall the event loop. A role the
     template does not take is a 400 naming `messages[i].role`, as OpenAI's API answers. With a
@@ -80,6 +90,7 @@ async def render_chat(state: ServeState, messages: list[ChatMessage], add_genera
     check_roles(messages, roles if plan is None or plan.native else tuple(dict.fromkeys((*roles, "tool"))))
     messages = prompt_messages(plan, [m.as_template_dict() for m in messages])
     tools = {"tools": plan.template_tools()} if plan is not None and plan.native else {}
+    tools.update(variables or {})  # e.g. a harmony template's reasoning_effort
     try:
         return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
                                        add_generation_prompt=add_generation_prompt, **tools)
@@ -108,8 +119,14 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
                                 "logprobs": None, "finish_reason": None}], **extra}
     completion_tokens = 0
     thinking = ReasoningStream(shape.reasoning == "opened") if shape.reasoning is not None else None
-    tools = ToolReplyStream(shape.plan) if shape.plan is not None else None
+    tools = ToolReplyStream(shape.plan) if shape.plan is not None and not shape.harmony else None
+    harmony = HarmonyStream() if shape.harmony else None
     async for delta in serving.deltas(state, queue, head["id"]):
+        if harmony is not None:
+            for choice in _harmony_choices(state, harmony, delta, shape):
+                yield {**head, "choices": [choice], **extra}
+            completion_tokens = len(delta.output.token_ids)
+            continue
         completion_tokens = len(delta.output.token_ids)
         text = delta.text
         if thinking is not None:
@@ -132,6 +149,36 @@ async def _chunks(state: ServeState, head: dict, queue: asyncio.Queue, prompt_le
         yield {**head, "choices": [choice], **extra}
     if include_usage:
         yield {**head, "choices": [], "usage": serving.usage(prompt_len, completion_tokens)}
+
+
+def _harmony_choices(state: ServeState, stream: HarmonyStream, delta: serving.Delta, shape: ReplyShape
+                     ) -> list[dict]:
+    """Stream choices of a harmony reply: reasoning and content deltas as their channels stream,
+    and at the end one tool_calls delta per call."""
+    thought, text = stream.feed(delta.text)
+    finished = delta.output.finished
+    if finished:
+        more_thought, more_text = stream.finish()
+        thought, text = thought + more_thought, text + more_text
+    choices = []
+    if thought:
+        choices.append({"index": 0, "delta": {"reasoning_content": thought}, "logprobs": None, "finish_reason": None})
+    logprobs = chat_logprobs(state, delta.logprobs)
+    if text or (logprobs and not finished):
+        choices.append({"index": 0, "delta": {"content": text} if text else {},
+                        "logprobs": None if finished else logprobs, "finish_reason": None})
+    if not finished:
+        return choices
+    calls = stream.calls if shape.plan is not None and shape.plan.choice != "none" else []
+    calls = calls if shape.plan is None or shape.plan.parallel else calls[:1]
+    for index, call in enumerate(calls):
+        choices.append({"index": 0, "delta": {"tool_calls": [call.as_openai(index)]}, "logprobs": None,
+                        "finish_reason": None})
+    finish_reason = serving.finish_reason(delta.output)
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    choices.append({"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})
+    return choices
 
 
 def _tool_reply_choices(state: ServeState, tools: ToolReplyStream, delta: serving.Delta, text: str) -> list[dict]:

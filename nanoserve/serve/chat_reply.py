@@ -12,6 +12,7 @@ from nanoserve.serve.serving import ServeState
 from nanoserve.serve.structured_fields import compile_structure, structure_for
 from nanoserve.serve.tool_calling import ToolPlan, reply_message
 from nanoserve.structured import StructuredOutputs
+from nanoserve.structured.harmony import parse_harmony
 from nanoserve.structured.reasoning import (
     THINK_END,
     closed_in_prompt,
@@ -28,9 +29,12 @@ class ReplyShape:
 
     plan: ToolPlan | None
     reasoning: str | None
+    harmony: bool = False  # a harmony reply (gpt-oss): channels and calls read by structured.harmony
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole reply as OpenAI's message (reasoning_content apart) and its finish reason."""
+        if self.harmony:
+            return self._harmony_message(text, finish_reason)
         thought, answer = None, text
         if self.reasoning is not None:
             thought, answer = split_reasoning(text, opened=self.reasoning == "opened")
@@ -38,6 +42,20 @@ class ReplyShape:
             message = {"role": "assistant", "content": None}
         else:
             message, finish_reason = reply_message(self.plan, answer, finish_reason)
+        if thought is not None:
+            message["reasoning_content"] = thought
+        return message, finish_reason
+
+    def _harmony_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        thought, content, calls = parse_harmony(text)
+        if self.plan is None or self.plan.choice == "none":
+            calls = []
+        elif not self.plan.parallel:
+            calls = calls[:1]
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         if thought is not None:
             message["reasoning_content"] = thought
         return message, finish_reason
