@@ -278,3 +278,31 @@ def test_compute_dtype_follows_the_cpu():
 def test_the_reference_tier_always_builds_where_there_is_a_compiler():
     assert "scalar" in TIERS
     assert torch.ops.nanoserve.tier_name(cpu_kernels.handle("scalar")) == "scalar"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_with_sinks_equals_the_reference_read(tier, dtype, window):
+    """gpt-oss's attention sinks (one logit per query head in each softmax, no value): the
+    reference's read with them, windowed or not, and sinks far below every score change nothing."""
+    torch.manual_seed(3)
+    n, slots, width, head_dim = 4, 300, 40, 32
+    k_cache = torch.randn(slots, 2, head_dim).to(dtype)
+    v_cache = torch.randn(slots, 2, head_dim).to(dtype)
+    q = (2 * torch.randn(n, 6, head_dim)).to(dtype)
+    table = torch.randint(1, slots, (n, width))
+    lengths = torch.tensor([40, 1, 17, 6])
+    sinks = 3 * torch.randn(6)
+    handle = cpu_kernels.handle(tier)
+    want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lengths, window=window,
+                                     sinks=sinks.double())
+    got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5, handle,
+                                               window or 0, sinks.to(dtype))
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    plain = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5, handle,
+                                                 window or 0)
+    drowned = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5, handle,
+                                                   window or 0, torch.full((6,), -1e4))
+    torch.testing.assert_close(drowned, plain, rtol=0, atol=0)

@@ -42,7 +42,7 @@ class InputProcessor:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         return request
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

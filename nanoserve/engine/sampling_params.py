@@ -52,6 +52,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured: StructuredOutputs | None = None
     pooling: str | None = None
+    # The reply's text without the vocabulary's special tokens (a harmony reply keeps them: its
+    # channels are special tokens).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string for convenience; store tuples (frozen, hashable).

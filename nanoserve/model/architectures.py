@@ -17,8 +17,9 @@ from types import MappingProxyType
 
 # Routing of a mixture-of-experts layer: "softmax_topk" takes the softmax over every expert,
 # then the k largest (renormalised to sum 1 where the config's norm_topk_prob says). Mixtral's
-# "top-k then softmax" is the renormalised form of it.
-ROUTINGS = ("softmax_topk",)
+# "top-k then softmax" is the renormalised form of it. "topk_softmax" (gpt-oss): the k largest
+# router logits (the router biased), then the softmax over those k.
+ROUTINGS = ("softmax_topk", "topk_softmax")
 
 # GGUF tensor name -> HF name, per layer (under blk.{i}. / model.layers.{i}.).
 DENSE_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
@@ -58,6 +59,18 @@ GEMMA3_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 })
+# gpt-oss: its MLP's pre-norm is post_attention_norm, a learned sink logit per head, and biases
+# on the router and the experts (gate's and up's written apart by llama.cpp's converter).
+GPT_OSS_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
+    **{g: h for g, h in DENSE_LAYER_TENSORS.items() if g != "ffn_norm.weight"},
+    **EXPERT_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_bias",
+    "ffn_up_exps.bias": "mlp.experts.up_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_bias",
+})
 GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType({
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -70,9 +83,13 @@ class Architecture:
     """A family's facts. ``name`` is ModelConfig.architecture. ``windows``: how a HF config's
     sliding window applies ("none": never; "all": every layer, as Mistral; "qwen": only with
     use_sliding_window, from layer max_window_layers on; "gemma3": every layer but each
-    pattern-th). ``hf_expert_names``: a HF checkpoint's per-expert tensor names (``{e}`` the
+    pattern-th; "alternate": every other layer from the first, as gpt-oss). ``hf_expert_names``: a HF checkpoint's per-expert tensor names (``{e}`` the
     expert) -> this record's stacked name (EXPERT_LAYER_TENSORS' values), ``{p}`` the
-    projection."""
+    projection. ``hf_fused_experts``: the checkpoint holds gpt-oss's fused expert tensors
+    (``mlp.experts.gate_up_proj`` [E, H, 2 I], gate and up interleaved column by column, and
+    ``down_proj`` [E, I, H], both as x @ W, with their biases), which hf_loader splits into
+    this record's stacked names. ``sinks``: a learned attention sink per head. ``yarn_truncate``:
+    whether YaRN's correction range is rounded out to whole dimensions where a file is silent."""
 
     name: str
     gguf: str | None = None  # general.architecture of its GGUF files (None: none exist)
@@ -89,6 +106,11 @@ class Architecture:
     norm_topk_prob: bool = True  # the default where a file is silent
     shared_expert: bool = False
     hf_expert_names: Mapping[str, str] = field(default_factory=dict)
+    hf_fused_experts: bool = False
+    sinks: bool = False
+    expert_bias: bool = False
+    yarn_truncate: bool = True
+    swiglu_limit: float | None = None  # the experts' clamped SwiGLU where a GGUF file is silent (gpt-oss: 7)
 
     @property
     def mlp(self) -> str:
@@ -126,6 +148,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen2moe", gguf="qwen2moe", hf_classes=("Qwen2MoeForCausalLM",), hf_model_types=("qwen2_moe",),
                  layer_tensors=_MOE_TENSORS, qkv_bias=True, windows="qwen", experts=True,
                  routing="softmax_topk", norm_topk_prob=False, shared_expert=True, hf_expert_names=_QWEN_EXPERTS),
+    Architecture("gptoss", gguf="gpt-oss", hf_classes=("GptOssForCausalLM",), hf_model_types=("gpt_oss",),
+                 layer_tensors=GPT_OSS_LAYER_TENSORS, windows="alternate", experts=True, routing="topk_softmax",
+                 hf_expert_names={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
+                 hf_fused_experts=True, sinks=True, expert_bias=True, yarn_truncate=False, swiglu_limit=7.0),
 )}
 GGUF_ARCHITECTURES = tuple(a.gguf for a in ARCHITECTURES.values() if a.gguf)
 HF_CLASSES = {cls: a.name for a in ARCHITECTURES.values() for cls in a.hf_classes}

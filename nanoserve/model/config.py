@@ -8,7 +8,7 @@ from typing import Any
 
 # Rope variants RotaryEmbedding knows how to build ("freq_factors": llama.cpp's explicit
 # per-frequency divisors, how GGUF files carry Llama 3.x scaling).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
 # MLP activations: SwiGLU's silu, and Gemma's tanh-approximated GELU.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Per-layer attention kinds (Hugging Face's layer_types vocabulary).
@@ -70,6 +70,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # Which layers are sparse (one flag per layer); empty: every layer, when num_experts > 0.
     sparse_layers: tuple[bool, ...] = field(default=())
+    # gpt-oss: a learned sink logit per query head in every attention softmax (``sinks``), biases
+    # on the router and the experts, and the experts' clamped SwiGLU (``swiglu_limit``: the gate
+    # clamped above, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -103,8 +110,15 @@ class ModelConfig:
                              f"expert count ({self.num_experts})")
         if self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size < 0:
             raise ValueError(f"expert width must be positive, got {self.moe_intermediate_size}")
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit}")
         if self.sparse_layers and len(self.sparse_layers) != self.num_layers:
             raise ValueError(f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers")
+
+    @property
+    def expert_activation(self) -> str:
+        """The experts' activation: gpt-oss's clamped SwiGLU where swiglu_limit is set."""
+        return "swiglu_oai" if self.swiglu_limit is not None else self.hidden_act
 
     def layer_is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""

@@ -245,7 +245,7 @@ at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_
 // share K/V head h.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t handle,
-                            int64_t window) {
+                            int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && is_float_input(q) && q.stride(2) == 1, "q must be [n, H, D] bf16 or fp32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == q.scalar_type() && v_cache.is_contiguous(),
@@ -261,6 +261,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(W >= 1, "the window must have a column");
   TORCH_CHECK(window >= 0, "a sliding window must be positive (0: none), got ", window);
   const nanoserve_kernel_table& tier = tier_of(handle);
+  // gpt-oss's sink logits [H], read in fp32 (nullptr: none).
+  at::Tensor sinks_f;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H, "sinks must be [H] = [", H, "], got ", sinks->sizes());
+    sinks_f = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sink_p = sinks_f.defined() ? sinks_f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({n, H, D}, q.options());
   const at::Tensor lens_c = lens.contiguous();
   const int64_t* len_p = lens_c.data_ptr<int64_t>();
@@ -279,7 +286,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
       tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_p + h * D * size,
                   v_p + h * D * size, KV * D, s_p + (r / per_row) * slots.stride(0) + first, len - first, group, D,
-                  static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data());
+                  static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data(),
+                  sink_p ? sink_p + h * group : nullptr);
     }
   });
   return out;
@@ -299,7 +307,7 @@ TORCH_LIBRARY(nanoserve, lib) {
           "ScalarType dtype, int tier) -> Tensor");
   lib.def("group_dots(Tensor x_codes, Tensor codes, int n, int group, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
-          "int tier, int window=0) -> Tensor");
+          "int tier, int window=0, Tensor? sinks=None) -> Tensor");
   lib.impl("load_tier", &load_tier);
   lib.impl("tier_name", &tier_name);
   lib.impl("cpu_features", &cpu_features);

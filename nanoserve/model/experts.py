@@ -62,20 +62,36 @@ def _mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts:
     return out
 
 
+def glu(activation: str, gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """The gated unit: act(gate) * up, or gpt-oss's clamped SwiGLU ("swiglu_oai": gate clamped
+    to at most ``limit``, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate))."""
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return ACTIVATIONS[activation](gate) * up
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None, e: int) -> torch.Tensor:
+    return y if bias is None else y + bias[e]
+
+
 @torch.library.custom_op("nanoserve::experts_dense", mutates_args=())
 def experts_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                  down: torch.Tensor, activation: str) -> torch.Tensor:
-    """Experts held as float matrices gate, up [E, I, H] and down [E, H, I]."""
-    act = ACTIVATIONS[activation]
+                  down: torch.Tensor, gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
+                  down_bias: torch.Tensor | None, activation: str, limit: float, alpha: float) -> torch.Tensor:
+    """Experts held as float matrices gate, up [E, I, H] and down [E, H, I], with optional
+    biases gate, up [E, I] and down [E, H] (gpt-oss)."""
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(act(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e])
+        g = _biased(F.linear(rows, gate[e]), gate_bias, e)
+        u = _biased(F.linear(rows, up[e]), up_bias, e)
+        return _biased(F.linear(glu(activation, g, u, limit, alpha), down[e]), down_bias, e)
 
     return _mix(x, ids, weights, gate.shape[0], expert)
 
 
 @experts_dense.register_fake
-def _(x, ids, weights, gate, up, down, activation):
+def _(x, ids, weights, gate, up, down, gate_bias, up_bias, down_bias, activation, limit, alpha):
     return torch.empty_like(x)
 
 
@@ -83,10 +99,12 @@ def _(x, ids, weights, gate, up, down, activation):
 def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_codes: torch.Tensor,
                    gate_up_scales: torch.Tensor, gate_up_mins: torch.Tensor, gate_up_zero: int,
                    down_codes: torch.Tensor, down_scales: torch.Tensor, down_mins: torch.Tensor, down_zero: int,
-                   intermediate: int, tier: int, dequant_from_rows: int, activation: str) -> torch.Tensor:
+                   intermediate: int, tier: int, dequant_from_rows: int, activation: str,
+                   gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, limit: float,
+                   alpha: float) -> torch.Tensor:
     """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
-    gate and up as one [2 I, H] matrix per expert, down [H, I]."""
-    act = ACTIVATIONS[activation]
+    gate and up as one [2 I, H] matrix per expert, down [H, I]; optional biases [E, 2 I] (gate's
+    then up's) and [E, H]."""
     hidden = x.shape[1]
     ops = torch.ops.nanoserve
 
@@ -96,9 +114,12 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         return ops.group_mm(rows, codes, scales, mins, zero, tier)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = product(rows, gate_up_codes[e], gate_up_scales[e], gate_up_mins[e], gate_up_zero,
-                           2 * intermediate, hidden).chunk(2, dim=-1)
-        return product(act(gate) * up, down_codes[e], down_scales[e], down_mins[e], down_zero, hidden, intermediate)
+        gate_up = _biased(product(rows, gate_up_codes[e], gate_up_scales[e], gate_up_mins[e], gate_up_zero,
+                                  2 * intermediate, hidden), gate_up_bias, e)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = product(glu(activation, gate, up, limit, alpha), down_codes[e], down_scales[e], down_mins[e], down_zero,
+                    hidden, intermediate)
+        return _biased(y, down_bias, e)
 
     return _mix(x, ids, weights, gate_up_codes.shape[0], expert)
 
@@ -110,14 +131,21 @@ def _(x, ids, weights, *args):
 
 class DenseExperts(nn.Module):
     """Every expert's gate, up [E, I, H] and down [E, H, I] as float matrices (HF's stacked names
-    ``mlp.experts.{gate,up,down}_proj``)."""
+    ``mlp.experts.{gate,up,down}_proj``), with ``bias`` their biases ``{gate,up,down}_bias``
+    [E, I], [E, I], [E, H] (gpt-oss). ``limit`` and ``alpha``: the clamped SwiGLU's (``glu``)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str, bias: bool = False,
+                 limit: float = 0.0, alpha: float = 1.0) -> None:
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.activation = activation
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if bias:
+            self.gate_bias = nn.Parameter(torch.empty(num_experts, intermediate))
+            self.up_bias = nn.Parameter(torch.empty(num_experts, intermediate))
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        self.activation, self.limit, self.alpha = activation, limit, alpha
 
     @property
     def num_experts(self) -> int:
@@ -125,25 +153,31 @@ class DenseExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.nanoserve.experts_dense(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
-                                                 self.activation)
+                                                 self.gate_bias, self.up_bias, self.down_bias, self.activation,
+                                                 self.limit, self.alpha)
 
 
 class PackedExperts(nn.Module):
     """Every expert packed group-wise for nanoserve's kernel tier ``handle``: ``gate_up`` (gate
     and up stacked, [2 I, H] per expert) and ``down`` ([H, I]), each a (codes, scales, mins)
-    stack with one leading index per expert and a zero point."""
+    stack with one leading index per expert and a zero point; optional float biases
+    ``gate_up_bias`` [E, 2 I] and ``down_bias`` [E, H]."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
                  down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], intermediate: int, handle: int,
-                 dequant_from_rows: int, activation: str) -> None:
+                 dequant_from_rows: int, activation: str, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 1.0) -> None:
         super().__init__()
         for prefix, (codes, scales, mins, zero) in (("gate_up", gate_up), ("down", down)):
             self.register_buffer(f"{prefix}_codes", codes)
             self.register_buffer(f"{prefix}_scales", scales)
             self.register_buffer(f"{prefix}_mins", mins)
             setattr(self, f"{prefix}_zero", zero)
+        self.gate_up_bias = None if gate_up_bias is None else nn.Parameter(gate_up_bias, requires_grad=False)
+        self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
         self.intermediate, self.handle = intermediate, handle
         self.dequant_from_rows, self.activation = dequant_from_rows, activation
+        self.limit, self.alpha = limit, alpha
 
     @property
     def num_experts(self) -> int:
@@ -153,23 +187,28 @@ class PackedExperts(nn.Module):
         return torch.ops.nanoserve.experts_packed(
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
-            self.dequant_from_rows, self.activation)
+            self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha)
 
 
 class ExpertMLP(nn.Module):
-    """A mixture-of-experts MLP: ``gate`` (the router, [E, H]) scores the experts; each token
-    runs its top ``num_experts_per_tok`` (softmax over all experts in fp32, then the top k,
-    renormalised where the config says), weighted; Qwen2-MoE adds a shared expert (a dense MLP)
-    times the sigmoid of ``shared_expert_gate``."""
+    """A mixture-of-experts MLP: ``gate`` (the router, [E, H], biased for gpt-oss) scores the
+    experts; each token runs its top ``num_experts_per_tok``, weighted. The architecture's
+    routing says how: "softmax_topk" (softmax over all experts in fp32, then the top k,
+    renormalised where the config says) or "topk_softmax" (gpt-oss: the top k logits, then the
+    softmax over those k). Qwen2-MoE adds a shared expert (a dense MLP) times the sigmoid of
+    ``shared_expert_gate``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        from nanoserve.model.architectures import architecture
         from nanoserve.model.llama import LlamaMLP
 
         hidden, experts = config.hidden_size, config.num_experts
-        self.gate = Router(hidden, experts, bias=False)
-        self.experts: nn.Module = DenseExperts(experts, hidden, config.moe_intermediate_size, config.hidden_act)
+        self.gate = Router(hidden, experts, bias=config.expert_bias)
+        self.experts: nn.Module = DenseExperts(experts, hidden, config.moe_intermediate_size, config.expert_activation,
+                                               config.expert_bias, config.swiglu_limit or 0.0, config.swiglu_alpha)
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.routing = architecture(config.architecture).routing
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
@@ -177,6 +216,9 @@ class ExpertMLP(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], weights [N, k] in x's dtype) for rows x [N, H]."""
+        if self.routing == "topk_softmax":
+            top, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

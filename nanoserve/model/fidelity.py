@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model.llama import dense_forward
+from nanoserve.model.llama import attend_with_sinks, dense_forward
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,21 @@ class _ChunkAttention:
         self.keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.keys[layer].append(k)
         self.values[layer].append(v)
         keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])
         rows, past = q.shape[0], keys.shape[0] - q.shape[0]
         mask = torch.ones(rows, keys.shape[0], dtype=torch.bool, device=q.device).tril(past)
+        if window is not None:  # a sliding layer: its last ``window`` positions only
+            mask &= ~torch.ones_like(mask).tril(past - window)
+        if sinks is not None:
+            group = q.shape[1] // k.shape[1]
+            out = attend_with_sinks(q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, dim=0),
+                                    values.transpose(0, 1).repeat_interleave(group, dim=0), mask,
+                                    sinks.view(-1, 1, 1))
+            return out.transpose(0, 1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=mask, enable_gqa=True)
         return out.transpose(0, 1)

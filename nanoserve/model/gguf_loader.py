@@ -45,6 +45,7 @@ GGUF_LAYER_TENSORS = DENSE_LAYER_TENSORS
 GGUF_GLOBAL_TENSORS = GLOBAL_TENSORS
 # gate and up experts in one tensor [experts, 2 * width, hidden]: read as the two HF tensors.
 MERGED_GATE_UP = "ffn_gate_up_exps.weight"
+MERGED_GATE_UP_BIAS = "ffn_gate_up_exps.bias"  # gpt-oss's biases of it [experts, 2 * width]: gate's, then up's
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Llama 3.x files carry their rope scaling as per-frequency divisors in this tensor.
 ROPE_FREQS = "rope_freqs.weight"
@@ -54,7 +55,7 @@ GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Chat turn ends that stop generation besides the file's eos, as llama.cpp's vocabulary does:
 # an instruct Gemma 3 file's eos is <eos>, but its turns end in <end_of_turn>.
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|return|>", "<|call|>")  # the last two: harmony (gpt-oss)
 CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control, user-defined
 
 
@@ -141,6 +142,8 @@ def _hf_names(gguf_name: str, arch: str) -> list[tuple[str, slice | None]]:
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) == MERGED_GATE_UP and ARCHITECTURES.get(arch, ARCHITECTURES["llama"]).experts:
         return [(f"model.layers.{m.group(1)}.mlp.experts.{part}_proj", None) for part in ("gate", "up")]
+    if m and m.group(2) == MERGED_GATE_UP_BIAS and ARCHITECTURES.get(arch, ARCHITECTURES["llama"]).expert_bias:
+        return [(f"model.layers.{m.group(1)}.mlp.experts.{part}_bias", None) for part in ("gate", "up")]
     name = hf_tensor_name(gguf_name, arch)
     return [] if name is None else [(name, None)]
 
@@ -279,7 +282,21 @@ class GGUFCheckpoint:
             fields.update(self._gemma3_fields(fields["num_layers"], hidden, heads, head_dim))
         if self.record.experts:
             fields.update(self._expert_fields(arch))
+        if self.record.name == "gptoss":
+            fields.update(self._gpt_oss_fields(arch, fields["num_layers"], names))
         return ModelConfig(**fields)
+
+    def _gpt_oss_fields(self, arch: str, layers: int, names: set[str]) -> dict[str, Any]:
+        """What llama.cpp reads or assumes for gpt-oss: the window on every other layer from the
+        first, each head's sink, biased router and experts, the experts' clamped SwiGLU."""
+        md = self.metadata
+        return dict(
+            sliding_window=int(md[f"{arch}.attention.sliding_window"]),
+            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)),
+            attention_sinks="blk.0.attn_sinks.weight" in names,
+            expert_bias=self.record.expert_bias,
+            swiglu_limit=self.record.swiglu_limit,
+        )
 
     def _end_of_turn_ids(self) -> tuple[int, ...]:
         """tokenizer.ggml.eot_token_id, and the END_OF_TURN_TOKENS the vocabulary marks control."""
@@ -312,6 +329,13 @@ class GGUFCheckpoint:
         kind = self.metadata.get(f"{arch}.rope.scaling.type", "none")
         if kind == "linear":
             return {"rope_type": "linear", "factor": float(self.metadata[f"{arch}.rope.scaling.factor"])}
+        if kind == "yarn":  # transformers' parameters; truncation as the record says (the file is silent)
+            md = self.metadata
+            return {"rope_type": "yarn", "factor": float(md[f"{arch}.rope.scaling.factor"]),
+                    "original_max_position_embeddings": int(md[f"{arch}.rope.scaling.original_context_length"]),
+                    "beta_fast": float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                    "beta_slow": float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                    "truncate": self.record.yarn_truncate}
         if kind not in ("none", ""):
             raise ModelLoadError(self.path, f"rope scaling type {kind!r} is not supported")
         freqs = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
@@ -359,6 +383,8 @@ class GGUFCheckpoint:
     @staticmethod
     def _shape(t: Any, rows: slice | None) -> tuple[int, ...]:
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if rows is not None and t.name.endswith(MERGED_GATE_UP_BIAS):
+            return (*shape[:-1], len(range(shape[-1])[rows]))
         if rows is not None:
             shape = (*shape[:-2], len(range(shape[-2])[rows]), shape[-1])
         if t.name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
@@ -369,7 +395,9 @@ class GGUFCheckpoint:
         """One tensor by HF name, dequantised to ``dtype`` in HF row order (a norm as HF holds it)."""
         t, rows = self._weights[name]
         weight = torch.from_numpy(self._dequantize(t, config))
-        if rows is not None:
+        if rows is not None and t.name.endswith(MERGED_GATE_UP_BIAS):
+            weight = weight[..., rows].contiguous()
+        elif rows is not None:
             weight = weight[..., rows, :].contiguous()
         weight = weight.reshape(self._shape(t, rows))
         if name.endswith("norm.weight"):
@@ -389,8 +417,8 @@ class GGUFCheckpoint:
             if not names:
                 raise ModelLoadError(self.path, f"unexpected tensor {t.name!r} for architecture {self.architecture}")
             self._check_type(t)
-            if len(names) == 2:  # [experts, 2 * width, hidden]: gate's rows, then up's
-                width = int(t.shape[1]) // 2
+            if len(names) == 2:  # [experts, 2 * width, hidden]: gate's rows, then up's (a bias: its columns)
+                width = int(t.shape[0 if t.name.endswith(MERGED_GATE_UP_BIAS) else 1]) // 2
                 names = [(names[0][0], slice(0, width)), (names[1][0], slice(width, 2 * width))]
             by_name.update({name: (t, rows) for name, rows in names})
         return by_name

@@ -92,6 +92,12 @@ def _config_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
         query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,
         final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
+    if record.sinks:
+        fields.update(attention_sinks=True)
+    if record.expert_bias:
+        fields.update(expert_bias=True)
+    if raw.get("swiglu_limit") is not None:
+        fields.update(swiglu_limit=float(raw["swiglu_limit"]), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
     fields.update(_rope_fields(arch, raw))
     fields.update(_window_fields(record, raw))
     if record.experts:
@@ -169,6 +175,8 @@ def _window_fields(record: Architecture, raw: dict[str, Any]) -> dict[str, Any]:
     if types is None and record.windows == "qwen":
         first = raw.get("max_window_layers", layers)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif types is None and record.windows == "alternate":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     elif types is None and record.windows == "gemma3":
         pattern = raw.get("sliding_window_pattern", 6)
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
@@ -250,6 +258,26 @@ def _stack_experts(names: list[str], arch: Architecture) -> tuple[dict[str, list
     return {stacked: [experts[e] for e in sorted(experts)] for stacked, experts in groups.items()}, single
 
 
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+
+
+def _fused_expert_parts(part: str) -> dict[str, tuple]:
+    """gpt-oss's fused expert tensor ``part`` -> this model's stacked names (under the same
+    prefix), each with its transform and its shape from the fused one's. gate_up_proj
+    [E, H, 2 I] is x @ W with gate and up interleaved column by column ([..., ::2] gate,
+    [..., 1::2] up, as the reference splits them): gate and up are its even and odd columns,
+    transposed to [E, I, H]; down_proj [E, I, H] transposed to [E, H, I]."""
+    if part == "gate_up_proj":
+        return {"gate_proj": (lambda t: t[..., ::2].transpose(-1, -2).contiguous(), lambda s: (s[0], s[2] // 2, s[1])),
+                "up_proj": (lambda t: t[..., 1::2].transpose(-1, -2).contiguous(), lambda s: (s[0], s[2] // 2, s[1]))}
+    if part == "gate_up_proj_bias":
+        return {"gate_bias": (lambda t: t[..., ::2].contiguous(), lambda s: (s[0], s[1] // 2)),
+                "up_bias": (lambda t: t[..., 1::2].contiguous(), lambda s: (s[0], s[1] // 2))}
+    if part == "down_proj":
+        return {"down_proj": (lambda t: t.transpose(-1, -2).contiguous(), lambda s: (s[0], s[2], s[1]))}
+    return {"down_bias": (lambda t: t, lambda s: tuple(s))}
+
+
 class SafetensorsWeights:
     """A directory's safetensors files opened (memory-mapped), read one tensor at a time by its
     text model's HF name (loader.WeightFile: float tensors only, so no blocks)."""
@@ -270,6 +298,14 @@ class SafetensorsWeights:
         self._stacked, renamed = _stack_experts(list(self._files), arch) if arch else ({}, {})
         for ours, theirs in renamed.items():
             self._files[ours] = self._files.pop(theirs)
+        # gpt-oss's fused expert tensors: this model's name -> (the file's entry, transform, shape).
+        self._derived: dict[str, tuple[tuple[Path, Any, str], Any, Any]] = {}
+        if arch is not None and arch.hf_fused_experts:
+            for name in [n for n in self._files if _FUSED_EXPERTS.match(n)]:
+                prefix, part = _FUSED_EXPERTS.match(name).groups()
+                entry = self._files.pop(name)
+                for ours, (transform, shape) in _fused_expert_parts(part).items():
+                    self._derived[prefix + ours] = (entry, transform, shape)
 
     def _entries(self, name: str) -> list[str]:
         return self._stacked.get(name, [name])
@@ -277,11 +313,15 @@ class SafetensorsWeights:
     def names(self) -> list[str]:
         """Every tensor's name in this model's HF naming (experts stacked)."""
         stacked = {part for parts in self._stacked.values() for part in parts}
-        return [n for n in self._files if n not in stacked] + list(self._stacked)
+        return [n for n in self._files if n not in stacked] + list(self._stacked) + list(self._derived)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         out = {}
         for name in self.names():
+            if name in self._derived:
+                (_, handle, key), _, shape = self._derived[name]
+                out[name] = shape(tuple(handle.get_slice(key).get_shape()))
+                continue
             entries = self._entries(name)
             path, handle, key = self._files[entries[0]]
             shape = tuple(handle.get_slice(key).get_shape())
@@ -292,16 +332,21 @@ class SafetensorsWeights:
         """Each tensor's dtype as safetensors names it ("F32", "BF16", "F16")."""
         out = {}
         for name in self.names():
-            _, handle, key = self._files[self._entries(name)[0]]
+            _, handle, key = self._derived[name][0] if name in self._derived else self._files[self._entries(name)[0]]
             out[name] = handle.get_slice(key).get_dtype()
         return out
 
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if name in self._stacked:
             return torch.stack([self.read(part, dtype) for part in self._stacked[name]])
-        path, handle, key = self._files[name]
+        transform = None
+        if name in self._derived:
+            (path, handle, key), transform, _ = self._derived[name]
+        else:
+            path, handle, key = self._files[name]
         try:
-            return handle.get_tensor(key).to(dtype)
+            tensor = handle.get_tensor(key).to(dtype)
+            return tensor if transform is None else transform(tensor)
         except Exception as e:
             raise ModelLoadError(path, f"cannot read tensor {key} ({e})") from e
 

@@ -24,13 +24,32 @@ from nanoserve.model.experts import ACTIVATIONS, ExpertMLP
 
 
 class Attention(Protocol):
-    """`attention(layer_idx, q [N, H, D], k [N, KV, D], v [N, KV, D], *, window=None) -> [N, H, D]`.
+    """`attention(layer_idx, q [N, H, D], k [N, KV, D], v [N, KV, D], *, window=None, sinks=None)
+    -> [N, H, D]`.
 
     Scores are scaled by 1/sqrt(D). ``window`` (only passed by sliding-window layers): a query
-    at position p sees keys at positions p - window + 1 .. p."""
+    at position p sees keys at positions p - window + 1 .. p. ``sinks`` [H] (only passed by
+    layers that have them, gpt-oss): one more logit per head in the softmax's denominator, a
+    sink that takes probability mass and contributes no value."""
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None) -> torch.Tensor: ...
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      sinks: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax([q k^T * scale + mask, sink]) v without the sink's column: attention whose
+    softmax has one more logit per query row, the head's sink (gpt-oss's reference arithmetic,
+    in fp32). q [..., Q, D]; k, v [..., S, D] with the same leading dimensions as q (heads
+    already matched to q's); mask: bool (True: visible) or additive, broadcastable to the
+    scores [..., Q, S], or None (all visible); sinks broadcastable to [..., Q, 1]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 # (cos, sin) for one step's tokens, each [N, 1, head_dim].
@@ -72,7 +91,56 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         return _llama3_inv_freq(inv_freq, scaling)
     if config.rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    if config.rope_type == "yarn":
+        return yarn_parameters(config)[0]
     return inv_freq
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term, 0.1 * mscale * ln(scale) + 1 (1 for no scaling)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [head_dim // 2] and its attention factor (cos and sin are
+    multiplied by it), transformers' ``_compute_yarn_parameters`` arithmetic: each pair blends
+    the interpolated frequency (divided by ``factor``) and the original one, by a linear ramp
+    between the dimensions where beta_fast and beta_slow rotations fit in the original context;
+    ``truncate`` rounds that range out to whole dimensions."""
+    scaling, base, dim = config.rope_scaling or {}, config.rope_theta, config.head_dim
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+def rope_attention_factor(config: ModelConfig, local: bool = False) -> float:
+    """What the rope's cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    return yarn_parameters(config)[1] if config.rope_type == "yarn" and not local else 1.0
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping) -> torch.Tensor:
@@ -114,8 +182,12 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        factor = rope_attention_factor(config, local)
+        cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:  # YaRN: both scaled, as the reference does
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> RotaryTables:
         """(cos, sin) for positions [N]; computed once per step and shared by every layer."""
@@ -137,6 +209,8 @@ class LlamaAttention(nn.Module):
         self.window = config.layer_window(layer_idx)
         # Backends scale scores by 1/sqrt(head_dim); another scale (Gemma's) is folded into q.
         self.query_scale = config.attention_scale * config.head_dim ** 0.5
+        # gpt-oss: each head's learned sink logit (Attention's ``sinks``).
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, attention: Attention) -> torch.Tensor:
         n = x.shape[0]
@@ -150,10 +224,13 @@ class LlamaAttention(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.window is None:
-            out = attention(self.layer_idx, q, k, v)
-        else:
-            out = attention(self.layer_idx, q, k, v, window=self.window)
+        # Only what the layer has is passed: a backend without sinks is called as before.
+        extra = {}
+        if self.window is not None:
+            extra["window"] = self.window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        out = attention(self.layer_idx, q, k, v, **extra)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -296,11 +373,15 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
             out[dst + "self_attn.qkv_proj.bias"] = torch.cat(
                 [take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"], dim=0)
         out[dst + "self_attn.o_proj.weight"] = take(f"{src}self_attn.o_proj.weight")
+        if config.attention_sinks:
+            out[dst + "self_attn.sinks"] = take(f"{src}self_attn.sinks")
         if config.attention_out_bias:
             out[dst + "self_attn.o_proj.bias"] = take(f"{src}self_attn.o_proj.bias")
         mlp = [f"mlp.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
         if config.layer_is_sparse(i):
             mlp = ["mlp.gate.weight", *(f"mlp.experts.{part}" for part in ("gate_proj", "up_proj", "down_proj"))]
+            if config.expert_bias:
+                mlp += ["mlp.gate.bias", *(f"mlp.experts.{part}_bias" for part in ("gate", "up", "down"))]
             if config.shared_expert_intermediate_size:
                 mlp += ["mlp.shared_expert_gate.weight",
                         *(f"mlp.shared_expert.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj"))]
@@ -347,10 +428,17 @@ class DenseCausalAttention:
         return mask[:, None]  # [B, 1, T, T], broadcast over heads
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         b, t = self.batch, self.seq_len
         mask = self._mask(window, q.device)
         q, k, v = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        if sinks is not None:
+            if mask is None:
+                mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out = attend_with_sinks(q, k, v, mask, sinks.view(-1, 1, 1))
+            return out.transpose(1, 2).reshape(b * t, out.shape[1], out.shape[3])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * t, out.shape[1], out.shape[3])
 

@@ -369,8 +369,9 @@ def _pack_experts(module: nn.Module, name: str, full: str, experts: DenseExperts
             raise RuntimeError(f"{full}: experts packed with different zero points {sorted(zeros)}")
         return (*(torch.stack([p[i] for p in packs]) for i in range(3)), zeros.pop())
 
+    gate_up_bias = None if experts.gate_bias is None else torch.cat([experts.gate_bias, experts.up_bias], dim=-1)
     packed = PackedExperts(stacked(gate_up), stacked(down), width, handle, DEQUANT_FROM_ROWS[plan.tier],
-                           experts.activation)
+                           experts.activation, gate_up_bias, experts.down_bias, experts.limit, experts.alpha)
     _replace(module, name, packed)
     return dict.fromkeys(hf.values(), "packed" if from_blocks else "int4")
 

@@ -24,6 +24,7 @@ from nanoserve.serve.protocol import ChatCompletionRequest, ChatMessage, samplin
 from nanoserve.serve.reply import Reply, ReplyDelta, reply_deltas, whole_reply
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tool_calling import ToolPlan, plan_tools, prompt_messages
+from nanoserve.structured.harmony import HARMONY_STOPS, template_is_harmony
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
 # "tool" only where the template names that role itself (a generic template would render it
@@ -69,9 +70,19 @@ async def start_chat(state: ServeState, body: ChatCompletionRequest, id_prefix: 
     # Validate every field before the template and tokenizer run; the budget is settled after.
     params = sampling_params(body, max_tokens=1 if requested is None else requested, logprobs=top,
                              logprobs_param="top_logprobs")
+    harmony = template_is_harmony(template_source(state))
+    if body.reasoning_effort is not None:  # a template that reads it (harmony's) gets it
+        variables = {**(variables or {}), "reasoning_effort": body.reasoning_effort}
     plan, prompt = await chat_prompt(state, body, variables)
-    shape = ReplyShape(plan, reasoning_mode(template_source(state), prompt))
+    if harmony and plan is not None and plan.choice not in ("none", "auto"):
+        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported with this model's harmony "
+                            "format", param="tool_choice", code="invalid_value")
+    shape = ReplyShape(plan, None if harmony else reasoning_mode(template_source(state), prompt), harmony)
     params = replace(params, structured=await reply_structure(state, body, shape))
+    if harmony:  # its channels are special tokens; a reply ends at <|return|> or <|call|>
+        stops = tuple(i for i in map(marker_token_id(state), HARMONY_STOPS) if i is not None)
+        params = replace(params, skip_special_tokens=False,
+                         stop_token_ids=tuple(dict.fromkeys((*params.stop_token_ids, *stops))))
     prompt_ids = await serving.encode(state, prompt, "messages")
     max_tokens = serving.resolve_max_tokens(state, len(prompt_ids), requested, "messages")
     params = replace(params, max_tokens=max_tokens)
@@ -121,6 +132,7 @@ async def render_chat(state: ServeState, messages: list[ChatMessage], add_genera
     check_roles(messages, roles if plan is None or plan.native else tuple(dict.fromkeys((*roles, "tool"))))
     messages = prompt_messages(plan, [m.as_template_dict() for m in messages])
     tools = {"tools": plan.template_tools()} if plan is not None and plan.native else {}
+    tools.update(variables or {})  # e.g. a harmony template's reasoning_effort
     try:
         return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
                                        add_generation_prompt=add_generation_prompt, **(variables or {}), **tools)

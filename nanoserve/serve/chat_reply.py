@@ -12,6 +12,7 @@ from nanoserve.serve.serving import ServeState
 from nanoserve.serve.structured_fields import compile_structure, structure_for
 from nanoserve.serve.tool_calling import ToolPlan, read_reply
 from nanoserve.structured import StructuredOutputs
+from nanoserve.structured.harmony import parse_harmony
 from nanoserve.structured.reasoning import (
     THINK_END,
     closed_in_prompt,
@@ -29,11 +30,14 @@ class ReplyShape:
 
     plan: ToolPlan | None
     reasoning: str | None
+    harmony: bool = False  # a harmony reply (gpt-oss): channels and calls read by structured.harmony
 
     def read(self, text: str, finish_reason: str | None
              ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
         """The whole reply's (reasoning, answer, tool calls, finish reason): reasoning None
         when it had none, answer None when it ended inside its reasoning."""
+        if self.harmony:
+            return self._read_harmony(text, finish_reason)
         thought, answer = None, text
         if self.reasoning is not None:
             thought, answer = split_reasoning(text, opened=self.reasoning == "opened")
@@ -41,6 +45,21 @@ class ReplyShape:
             return thought, None, [], finish_reason
         answer, calls, finish_reason = read_reply(self.plan, answer, finish_reason)
         return thought, answer, calls, finish_reason
+
+    def _read_harmony(self, text: str, finish_reason: str | None
+                      ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
+        thought, content, calls = parse_harmony(text)
+        calls = self.allowed_calls(calls)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return thought, content, calls, finish_reason
+
+    def allowed_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls the request lets a harmony reply make: none without tools (or with
+        tool_choice none), one unless parallel calls are allowed."""
+        if self.plan is None or self.plan.choice == "none":
+            return []
+        return calls if self.plan.parallel else calls[:1]
 
 
 def reasoning_mode(template: str, prompt: str) -> str | None:

@@ -237,6 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # a harmony template's variable
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -18,6 +18,7 @@ from nanoserve.serve import serving
 from nanoserve.serve.chat_reply import ReplyShape
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tool_calling import ToolReplyStream
+from nanoserve.structured.harmony import HarmonyStream
 from nanoserve.structured.reasoning import ReasoningStream
 from nanoserve.structured.tools import ToolCall
 
@@ -77,11 +78,16 @@ async def reply_deltas(state: ServeState, queue: asyncio.Queue, request_id: str,
     could be the start of its end marker held back), the answer as it surely is content (under a
     tool plan, the head that cannot start a call), the rest and the calls once the reply ends."""
     thinking = ReasoningStream(shape.reasoning == "opened") if shape.reasoning is not None else None
-    tools = ToolReplyStream(shape.plan) if shape.plan is not None else None
+    tools = ToolReplyStream(shape.plan) if shape.plan is not None and not shape.harmony else None
+    harmony = HarmonyStream() if shape.harmony else None
     async for delta in serving.deltas(state, queue, request_id):
         output = delta.output
         count = len(output.token_ids)
         text = delta.text
+        if harmony is not None:
+            for step in _harmony_deltas(harmony, shape, delta, count):
+                yield step
+            continue
         if thinking is not None:
             thought, text = thinking.feed(text)
             if output.finished:
@@ -105,6 +111,28 @@ async def reply_deltas(state: ServeState, queue: asyncio.Queue, request_id: str,
         for index, call in enumerate(calls):
             yield ReplyDelta(count, tool_call=call, tool_index=index)
         yield _ending(ReplyDelta(count, logprobs=delta.logprobs), output, finish_reason)
+
+
+def _harmony_deltas(stream: HarmonyStream, shape: ReplyShape, delta: serving.Delta, count: int) -> list[ReplyDelta]:
+    """A harmony reply's deltas: its analysis channel as reasoning and its final channel as text
+    as they stream, its calls (commentary to functions.NAME) once it ends."""
+    output = delta.output
+    thought, text = stream.feed(delta.text)
+    if output.finished:
+        more_thought, more_text = stream.finish()
+        thought, text = thought + more_thought, text + more_text
+    steps = [ReplyDelta(count, reasoning=thought)] if thought else []
+    if not output.finished:
+        if text or delta.logprobs:
+            steps.append(ReplyDelta(count, text=text, logprobs=delta.logprobs))
+        return steps
+    if text:
+        steps.append(ReplyDelta(count, text=text))
+    calls = shape.allowed_calls(stream.calls)
+    steps += [ReplyDelta(count, tool_call=call, tool_index=index) for index, call in enumerate(calls)]
+    finish_reason = "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
+    steps.append(_ending(ReplyDelta(count, logprobs=delta.logprobs), output, finish_reason))
+    return steps
 
 
 def _ending(delta: ReplyDelta, output: RequestOutput, finish_reason: str | None) -> ReplyDelta:

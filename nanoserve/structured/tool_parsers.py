@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 from typing import Protocol
 
+from nanoserve.structured.harmony import HarmonyFormat, template_is_harmony
 from nanoserve.structured.reasoning import marker_prefix_length
 from nanoserve.structured.tools import (
     COMPACT,
@@ -211,12 +212,15 @@ class GenericFormat:
         return generic_tool_prompt(functions, calls_required)
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), GemmaFormat(), GenericFormat())}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), GemmaFormat(),
+                                                      HarmonyFormat(), GenericFormat())}
 
 
 def format_for_template(source: str) -> ToolFormat:
     """The tool-call format a chat template's model was trained on; the generic form where the
     template says nothing about tools."""
+    if template_is_harmony(source):
+        return FORMATS["harmony"]
     if "<tool_call>" in source:
         return FORMATS["hermes"]
     if "[TOOL_CALLS]" in source:

@@ -15,6 +15,11 @@ Padding in ``slot_mapping`` only has to be a legal slot index: the gather reads 
 
 A sliding-window layer (``window``) reads the same row of slots, restricted to its last
 ``window`` cells: column c of a row of length L is visible when L - window <= c < L.
+
+A layer with attention sinks (gpt-oss: ``sinks`` [H], one logit per query head) has one more
+logit in each softmax's denominator that takes probability mass and contributes no value.
+SDPA has no such input: those layers run ``llama.attend_with_sinks`` (the same gathers and
+masks, the softmax in fp32 with the sink's column); the kernel tiers take the sinks themselves.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model import cpu_kernels
+from nanoserve.model.llama import attend_with_sinks
 
 if TYPE_CHECKING:
     from nanoserve.worker.kv_cache import KVCache
@@ -52,9 +58,10 @@ def paged_attention_reference(
     context_lens: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's cached tokens (its last ``window``
-    ones only, when given).
+    ones only, when given; with ``sinks`` [H], each head's sink logit in the softmax).
 
     q [n, H, D]; k_cache, v_cache [num_slots, KV, D] with H a multiple of KV (grouped-query
     heads share a K/V head); slot_mapping [n, W]; context_lens [n] (<= W). Returns [n, H, D]
@@ -76,7 +83,11 @@ def paged_attention_reference(
     scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [n, KV, group, W]
     masked = hidden_columns(context_lens.view(n, 1), width, window)  # [n, W]
     scores.masked_fill_(masked.view(n, 1, 1, width), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:  # the sink's column takes its share of the softmax and is dropped
+        sink = sinks.float().view(1, num_kv_heads, group, 1).expand(n, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     # A row with nothing to attend to softmaxes all -inf into NaN; it attends to nothing instead.
     probs = probs.masked_fill(masked.view(n, 1, 1, width), 0.0).to(values.dtype)
     out = torch.matmul(probs, values)  # [n, KV, group, D]
@@ -91,14 +102,16 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same read as `paged_attention_reference`, through torch's fused SDPA kernel.
+    """The same read as `paged_attention_reference`, through torch's fused SDPA kernel (with
+    ``sinks``: through ``attend_with_sinks``).
 
     The reference stays the oracle (tests pit this against it). A row with context_len 0
     returns zeros, as there.
     """
     mask = window_mask(context_lens, slot_mapping.shape[1], q.dtype, window)
-    out = attend_window(q, k_cache, v_cache, slot_mapping, mask, scale)
+    out = attend_window(q, k_cache, v_cache, slot_mapping, mask, scale, sinks)
     return out * (context_lens > 0).view(-1, 1, 1).to(q.dtype)
 
 
@@ -129,8 +142,10 @@ def attend_window(
     slot_mapping: torch.Tensor,
     mask: torch.Tensor,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [n, H, D] over each row's window through `window_mask`'s mask; [n, H, D].
+    """q [n, H, D] over each row's window through `window_mask`'s mask; [n, H, D] (``sinks``
+    [H]: each head's sink logit in the softmax).
 
     One gather per K and V, then SDPA reads the [n, KV, W, D] view of it by its strides. The
     query heads that share a K/V head are handed to SDPA as that head's query rows
@@ -141,12 +156,15 @@ def attend_window(
     num_kv_heads = k_cache.shape[1]
     keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
     queries = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    if sinks is not None:
+        out = attend_with_sinks(queries, keys, values, mask, sinks.view(num_kv_heads, -1, 1), scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
 
 
 def attend_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  mask: torch.Tensor, queries: int) -> torch.Tensor:
+                  mask: torch.Tensor, queries: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A verify step's read through SDPA: q [rows * queries, H, D] (a row's queries in a run),
     slot_mapping [rows, W], mask [rows, 1, queries * group, W] (each query's own length);
     [rows * queries, H, D]. Each row's cells are gathered once for all its queries, which SDPA
@@ -157,7 +175,11 @@ def attend_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
     grouped = q.view(rows, queries, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
         rows, num_kv_heads, queries * group, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+    if sinks is not None:  # row j * group + g of a K/V head is query j's head g
+        sink = sinks.view(num_kv_heads, 1, group).expand(-1, queries, -1).reshape(num_kv_heads, -1, 1)
+        out = attend_with_sinks(grouped, keys, values, mask, sink)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
     return out.view(rows, num_kv_heads, queries, group, head_dim).transpose(1, 2).reshape(n, num_heads, head_dim)
 
 
@@ -189,13 +211,13 @@ class WindowAttention:
         self.masks: dict[int | None, torch.Tensor] = {}  # by window, built at the first layer of each
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache.index_copy_(0, self.write_slots, k)
         v_cache.index_copy_(0, self.write_slots, v)
         if self.kernel is not None:
             return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
-                                                        q.shape[-1] ** -0.5, self.kernel, window or 0)
+                                                        q.shape[-1] ** -0.5, self.kernel, window or 0, sinks)
         if window not in self.masks:
             mask = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
             if self.queries > 1:  # [rows * Q, 1, 1, W] -> [rows, 1, Q * group, W], query-major
@@ -203,8 +225,8 @@ class WindowAttention:
                 mask = mask.view(rows, self.queries, 1, -1).expand(-1, -1, group, -1).reshape(rows, 1, -1, mask.shape[-1])
             self.masks[window] = mask
         if self.queries > 1:
-            return attend_verify(q, k_cache, v_cache, self.slot_mapping, self.masks[window], self.queries)
-        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window])
+            return attend_verify(q, k_cache, v_cache, self.slot_mapping, self.masks[window], self.queries, sinks)
+        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window], sinks=sinks)
 
 
 @dataclass(frozen=True)
@@ -243,7 +265,7 @@ class PackedPrefillAttention:
         self.masks: dict[int | None, list[torch.Tensor]] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.cache.write_kv(layer, self.write_slots, k, v)
         if window not in self.masks:
             group = q.shape[1] // k.shape[1]
@@ -257,7 +279,7 @@ class PackedPrefillAttention:
             if chunk.context_slots is not None:
                 slots = chunk.context_slots[first_key(chunk, window):]
                 k_i, v_i = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
-            outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask))
+            outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask, sinks))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
@@ -284,7 +306,8 @@ def grouped_causal_mask(start: int, length: int, group: int, dtype: torch.dtype,
     return mask.repeat(group, 1)
 
 
-def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One chunk's causal attention: q [T, H, D] over its sequence's keys k, v [C, KV, D]
     (H a multiple of KV; the last T keys are the chunk's own), with ``grouped_causal_mask``'s
     mask; returns [T, H, D].
@@ -296,7 +319,11 @@ def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     queries = q.view(length, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask)
+    if sinks is not None:  # row g * length + i of a K/V head is its head g
+        sink = sinks.view(num_kv_heads, group, 1).expand(-1, -1, length).reshape(1, num_kv_heads, -1, 1)
+        out = attend_with_sinks(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, sink)
+    else:
+        out = F.scaled_dot_product_attention(queries, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask)
     return out.view(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, num_heads, head_dim)
 
 
@@ -309,7 +336,7 @@ class DecodeThenPrefill:
         self.rows, self.decode, self.prefill = rows, decode, prefill
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = self.rows
-        return torch.cat([self.decode(layer, q[:n], k[:n], v[:n], window=window),
-                          self.prefill(layer, q[n:], k[n:], v[n:], window=window)])
+        return torch.cat([self.decode(layer, q[:n], k[:n], v[:n], window=window, sinks=sinks),
+                          self.prefill(layer, q[n:], k[n:], v[n:], window=window, sinks=sinks)])

@@ -27,7 +27,7 @@
 
 #include <cmath>
 
-#define NANOSERVE_KERNEL_ABI 4
+#define NANOSERVE_KERNEL_ABI 5
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -59,9 +59,11 @@ struct nanoserve_kernel_table {
   // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
   // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
   // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. scratch: attend_scratch floats.
+  // sinks (nullptr: none): each query head's sink logit [group] (gpt-oss), one more term in the
+  // softmax's denominator that contributes no value.
   void (*attend)(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
                  const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out,
-                 int64_t out_stride, int32_t bf16, float* scratch);
+                 int64_t out_stride, int32_t bf16, float* scratch, const float* sinks);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
   void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,

@@ -112,11 +112,11 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
 
 void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
             const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
-            int32_t bf16, float* scratch) {
+            int32_t bf16, float* scratch, const float* sinks) {
   float* scores = scratch;             // [len]
   float* acc = scratch + len;          // [D]
   for (int64_t g = 0; g < group; ++g) {
-    float top = -INFINITY;
+    float top = sinks ? sinks[g] : -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
       float s = 0.f;
       for (int64_t c = 0; c < D; ++c) {
@@ -125,7 +125,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
       scores[t] = s;
       top = std::max(top, s);
     }
-    float total = 0.f;
+    float total = sinks ? std::exp(sinks[g] - top) : 0.f;  // the sink's share: no value
     for (int64_t t = 0; t < len; ++t) total += scores[t] = std::exp(scores[t] - top);
     std::fill(acc, acc + D, 0.f);
     for (int64_t t = 0; t < len; ++t) {

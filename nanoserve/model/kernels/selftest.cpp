@@ -134,9 +134,10 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
 }
 
 void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t group, int64_t D,
-                    int64_t len, bool bf16) {
+                    int64_t len, bool bf16, bool with_sinks) {
   const std::string name = std::string(tier->tier) + " attention group " + std::to_string(group) + " D " +
-                           std::to_string(D) + " len " + std::to_string(len) + (bf16 ? " bf16" : " fp32");
+                           std::to_string(D) + " len " + std::to_string(len) + (bf16 ? " bf16" : " fp32") +
+                           (with_sinks ? " sinks" : "");
   const int64_t KV = 2, cells = len + 7, size = bf16 ? 2 : 4;
   std::vector<float> qf = random_floats(group * D), kf = random_floats(cells * KV * D), vf = random_floats(cells * KV * D);
   std::vector<uint8_t> q(group * D * size), k(cells * KV * D * size), v(cells * KV * D * size);
@@ -148,10 +149,13 @@ void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_ta
   std::vector<uint8_t> out_ref(group * D * size), out(group * D * size);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const size_t head = D * size;  // K/V head 1 of each cell
+  std::vector<float> sinks = random_floats(group);  // a sink above and below the scores alike
+  for (int64_t g = 0; g < group; ++g) sinks[g] *= 4.f;
+  const float* sink_p = with_sinks ? sinks.data() : nullptr;
   ref->attend(q.data(), D, k.data() + head, v.data() + head, KV * D, slots.data(), len, group, D, scale, out_ref.data(), D,
-              bf16, scratch.data());
+              bf16, scratch.data(), sink_p);
   tier->attend(q.data(), D, k.data() + head, v.data() + head, KV * D, slots.data(), len, group, D, scale, out.data(), D,
-               bf16, scratch.data());
+               bf16, scratch.data(), sink_p);
   float top;
   const float diff = max_abs_diff(as_floats(out_ref, bf16, group * D), as_floats(out, bf16, group * D), &top);
   check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * std::max(top, 1.f), name + ": max diff " + std::to_string(diff));
@@ -205,7 +209,9 @@ int main() {
     }
     for (int64_t group : {1, 3, 4}) {
       for (int64_t D : {16, 64, 128}) {
-        for (int64_t len : {1, 7, 16, 33, 300}) test_attention(ref, tier, group, D, len, bf16);
+        for (int64_t len : {1, 7, 16, 33, 300}) {
+          for (bool with_sinks : {false, true}) test_attention(ref, tier, group, D, len, bf16, with_sinks);
+        }
       }
     }
   }

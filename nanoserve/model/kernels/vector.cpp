@@ -371,7 +371,7 @@ inline V::F exp_nonpositive(V::F x) {
 template <typename E>
 void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base, int64_t cache_stride,
                   const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, E* out,
-                  int64_t out_stride, float* scratch) {
+                  int64_t out_stride, float* scratch, const float* sinks) {
   constexpr bool BF16 = sizeof(E) == 2;
   const int64_t C = D / V::LANES, padded = (len + V::LANES - 1) / V::LANES * V::LANES;
   float* qf = scratch;                  // [group, D], q * scale
@@ -395,7 +395,7 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
   }
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * padded;
-    const float top = *std::max_element(row, row + len);
+    const float top = sinks ? std::max(sinks[g], *std::max_element(row, row + len)) : *std::max_element(row, row + len);
     const int64_t whole = len / V::LANES * V::LANES;
     V::F sum = V::fzero();
     for (int64_t t = 0; t < whole; t += V::LANES) {
@@ -403,7 +403,7 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
       V::store(row + t, e);
       sum = V::add(sum, e);
     }
-    float total = V::hsum(sum);
+    float total = V::hsum(sum) + (sinks ? std::exp(sinks[g] - top) : 0.f);  // the sink's share: no value
     for (int64_t t = whole; t < len; ++t) total += row[t] = std::exp(row[t] - top);
     const float inv = 1.f / total;
     for (int64_t t = 0; t < len; ++t) row[t] *= inv;
@@ -429,15 +429,15 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
 
 void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
             const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
-            int32_t bf16, float* scratch) {
+            int32_t bf16, float* scratch, const float* sinks) {
   if (bf16) {
     attend_typed(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_base),
                  static_cast<const uint16_t*>(v_base), cache_stride, slots, len, group, D, scale,
-                 static_cast<uint16_t*>(out), out_stride, scratch);
+                 static_cast<uint16_t*>(out), out_stride, scratch, sinks);
   } else {
     attend_typed(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_base),
                  static_cast<const float*>(v_base), cache_stride, slots, len, group, D, scale,
-                 static_cast<float*>(out), out_stride, scratch);
+                 static_cast<float*>(out), out_stride, scratch, sinks);
   }
 }
 
