@@ -74,17 +74,23 @@ def test_the_template_picks_the_harmony_parser():
 
 
 def test_a_harmony_reply_becomes_openais_message():
+    from nanoserve.serve.chat import openai_message
     from nanoserve.serve.chat_reply import ReplyShape
+    from nanoserve.serve.reply import Reply, Usage
 
-    message, finish = ReplyShape(None, None, harmony=True).message(REASONING_AND_FINAL, "stop")
-    assert message == {"role": "assistant", "content": "Hello! How can I help?",
-                       "reasoning_content": "The user greets; answer briefly."} and finish == "stop"
+    def message(shape: ReplyShape, text: str) -> tuple[dict, str]:
+        thought, answer, calls, finish = shape.read(text, "stop")
+        return openai_message(Reply(answer, thought, calls, finish, None, Usage(0, 0))), finish
+
+    message_, finish = message(ReplyShape(None, None, harmony=True), REASONING_AND_FINAL)
+    assert message_ == {"role": "assistant", "content": "Hello! How can I help?",
+                        "reasoning_content": "The user greets; answer briefly."} and finish == "stop"
 
     class Plan:
         choice, parallel = "auto", True
 
-    message, finish = ReplyShape(Plan(), None, harmony=True).message(TOOL_CALL, "stop")
-    assert finish == "tool_calls" and message["content"] is None
-    assert message["reasoning_content"] == "Need the weather: call the tool."
-    call, = message["tool_calls"]
+    message_, finish = message(ReplyShape(Plan(), None, harmony=True), TOOL_CALL)
+    assert finish == "tool_calls" and message_["content"] is None
+    assert message_["reasoning_content"] == "Need the weather: call the tool."
+    call, = message_["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] == "Paris"
