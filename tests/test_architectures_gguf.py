@@ -106,8 +106,8 @@ def test_a_block_quantised_file_runs_packed_with_its_fp32_dequantised_logits(ggu
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda w: w.add_attn_logit_softcapping(50.0), "attention logit soft-capping (gemma3.attn_logit_softcapping)"),
-    (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
-     "rope scaling type 'yarn' is not supported"),
+    (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE), w.add_rope_scaling_factor(4.0)),
+     "rope scaling type 'longrope' is not supported"),
 ])
 def test_a_gemma3_file_the_model_cannot_run_is_refused(tmp_path, edit, message):
     hf = make_hf_model("gemma3", **GGUF_OVERRIDES["gemma3"])
@@ -124,7 +124,7 @@ def test_an_unknown_architecture_lists_the_supported_ones(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma2' \(supported: llama, qwen2, qwen3, "
-                                             r"gemma3, qwen3moe, qwen2moe\)"):
+                                             r"gemma3, qwen3moe, qwen2moe, gpt-oss\)"):
         load_model(str(tmp_path / "gemma2.gguf"))
 
 
