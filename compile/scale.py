@@ -1,10 +1,11 @@
-"""scale: the sizes people run. For Llama-shaped GGUF files of the 1B, 3B and 8B shapes (random
-weights, ``model_files``), each system alone in a process of its own, one after the other:
+"""scale: the sizes people run. For Llama-shaped GGUF files of the 1B, 3B and 8B shapes, and the
+mixtures of experts (Qwen3-30B-A3B's shape, a small Mixtral-style one) (random weights,
+``model_files``), each system alone in a process of its own, one after the other:
 seconds to load (to ready), peak resident memory (``getrusage``) after loading and over the whole
 run, resident weight bytes, decode tokens/s at batches 1 and 8 (nanoserve compiled ``auto``),
 time to first token of a 512-token prompt, and batch 1's weight bytes per step over its step
 time against the host's read bandwidth (a streaming read of a buffer larger than the last-level
-cache): nanoserve against llama.cpp on the same file
+cache; of an expert tensor, the routed experts only): nanoserve against llama.cpp on the same file
 (``python compilebench.py scale``; ``--sizes 1b --types Q4_0`` for one file).
 Writes ``compile/results/runs/scale[-TAG].csv`` and ``.png``.
 """
@@ -68,7 +69,7 @@ def _median_step(steps) -> float:
     return statistics.median(steps.decode_steps)
 
 
-def measure_nanoserve(path: Path, batches: Sequence[int]) -> dict:
+def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[int, ...] | None = None) -> dict:
     from compile.floor import step_weight_bytes
     from compile.interleave import EngineSteps
     from compile.ttft import nanoserve_ttft
@@ -76,7 +77,7 @@ def measure_nanoserve(path: Path, batches: Sequence[int]) -> dict:
 
     started = time.perf_counter()
     engine = build_engine(str(path), max_batch_size=max(batches), max_model_len=MAX_MODEL_LEN, compile=True, warmup="eager",
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, width_buckets=width_buckets)
     row = dict(load_s=time.perf_counter() - started, rss_load_gb=_peak_rss_gb(),
                weights_gb=engine.stats().weight_bytes / 1e9, load_stages=engine.stats().load_stages)
     vocab = engine.model.config.vocab_size
@@ -114,10 +115,15 @@ def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
             peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), NEW_TOKENS))
         row[f"tok_s_b{batch}"] = batch / step
         if batch == 1:
-            # A step reads every tensor but the embedding table (a few rows of it), unless it is the head too.
+            # A step reads every tensor but the embedding table (a few rows of it), unless it is the
+            # head too; of an expert tensor, the routed experts only.
             names = {t.name for t in ckpt.reader.tensors}
-            row["step_bytes_b1"] = sum(int(t.n_bytes) for t in ckpt.reader.tensors
-                                       if t.name != "token_embd.weight" or "output.weight" not in names)
+            arch = ckpt.architecture
+            experts = int(ckpt.metadata.get(f"{arch}.expert_count", 0) or 0)
+            share = int(ckpt.metadata.get(f"{arch}.expert_used_count", 0) or 0) / experts if experts else 1.0
+            row["step_bytes_b1"] = int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
+                                           for t in ckpt.reader.tensors
+                                           if t.name != "token_embd.weight" or "output.weight" not in names))
             row["step_s_b1"] = step
     prompt = text_prompt(Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)), TTFT_TOKENS)
     llama_ttft(peer, prompt[:WARMUP_TOKENS])
@@ -132,10 +138,13 @@ def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
     return row
 
 
-def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, str]) -> dict:
+def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, str],
+              width_buckets: tuple[int, ...] | None = None) -> dict:
     """One system's measurements in a fresh process (its own peak RSS and nothing else running)."""
     command = [sys.executable, "-m", "compile.scale", "--worker", system, str(path),
                "--batches", ",".join(map(str, batches))]
+    if width_buckets:
+        command += ["--width-buckets", ",".join(map(str, width_buckets))]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env},
                           cwd=Path(__file__).resolve().parent.parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -168,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "kernels to it (with a fresh inductor cache); compare with --llama-cpp-path")
     parser.add_argument("--llama-cpp-path", type=Path, help="a folder holding another llama-cpp-python build "
                         "(e.g. one without AVX-512, installed with pip --target), put first on the peer's path")
+    parser.add_argument("--width-buckets", type=lambda text: tuple(int(w) for w in text.split(",")),
+                        help="nanoserve's decode width buckets (default: the engine's, doubling to the context): "
+                             "fewer graphs to compile for a big model, e.g. 64,1024 covers this benchmark's steps")
     parser.add_argument("--worker", nargs=2, metavar=("SYSTEM", "FILE"), help=argparse.SUPPRESS)
     add_output_options(parser)
     args = parser.parse_args(argv)
@@ -175,8 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         system, path = args.worker
         torch.set_grad_enabled(False)
-        measure = measure_nanoserve if system == "nanoserve" else measure_llama_cpp
-        print(json.dumps(measure(Path(path), batches)))
+        if system == "nanoserve":
+            print(json.dumps(measure_nanoserve(Path(path), batches, args.width_buckets)))
+        else:
+            print(json.dumps(measure_llama_cpp(Path(path), batches)))
         return 0
     host = host_description()
     floor = read_bandwidth()
@@ -196,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue  # the 8B row is the Q4_K_M file people run
             path = model_file(args.models_dir, size, file_type)
             for system in systems:
-                measured = run_alone(system, path, batches, worker_env(system, args.tier, args.llama_cpp_path))
+                measured = run_alone(system, path, batches, worker_env(system, args.tier, args.llama_cpp_path),
+                                     args.width_buckets if system == "nanoserve" else None)
                 row = {**host, "file": path.name, "system": system, "file_gb": path.stat().st_size / 1e9, **measured}
                 if "step_s_b1" in row:
                     row["read_gbps_b1"] = row["step_bytes_b1"] / row["step_s_b1"] / 1e9
