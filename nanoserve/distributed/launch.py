@@ -13,10 +13,18 @@ tensor_parallel_size=N)``) spawns ranks 1..N-1 itself and joins them over a free
 under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the same call joins the
 launched ranks through env://, and on every rank but 0 it serves plans until rank 0 closes,
 then exits the process.
+
+Every process leaves cleanly: rank 0's ``close`` (and, for an engine never closed, the
+interpreter's exit, through ``_leave_at_exit``) sends Stop, waits for every rank to have left its
+loop, then destroys the process groups; every other rank closes its worker and destroys them
+before it exits. A process group left to the interpreter's teardown can abort the process
+("terminate called without an active exception": a C++ thread of gloo or the store still
+joinable when its object goes).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -100,7 +108,11 @@ def build_tensor_parallel(model, spec: WorkerSpec, size: int, timeout: float) ->
         joined = _join(rank, size, "env://", spec.device, timeout)
         if rank > 0:
             raise SystemExit(serve_plans(model, spec, joined))
-        return _driving_worker(model, spec, joined, workers=[])
+        try:
+            return _driving_worker(model, spec, joined, workers=[])
+        except BaseException:
+            _leave_process_group()
+            raise
     port = free_port()
     if not spec.device.startswith("cuda"):
         # The ranks share this host's cores: each takes its part (the workers get the same count).
@@ -121,8 +133,7 @@ def build_tensor_parallel(model, spec: WorkerSpec, size: int, timeout: float) ->
         return _driving_worker(model, spec, joined, workers)
     except BaseException:
         _kill(workers)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
         raise
 
 
@@ -145,6 +156,7 @@ def _join(rank: int, size: int, init_method: str, device: str, timeout_seconds: 
     timeout = timedelta(seconds=timeout_seconds)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=timeout)
+    _register_exit()
     control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
     startup = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return Rank(rank, size, dist.group.WORLD, control, startup)
@@ -169,7 +181,9 @@ def _exit_with_parent(parent: int) -> None:
 
 def serve_plans(model, spec: WorkerSpec, joined: Rank) -> int:
     """A rank > 0: build its worker, then apply each plan of rank 0 until Stop. Returns the
-    process's exit code (a fault is logged and leaves the process group)."""
+    process's exit code; either way the worker is closed and the process groups destroyed
+    (a fault is logged)."""
+    worker = None
     try:
         worker = build_worker(model, spec, joined)
         joined.ready()
@@ -178,6 +192,7 @@ def serve_plans(model, spec: WorkerSpec, joined: Rank) -> int:
             if isinstance(message, StepPlan):
                 worker.execute(message)
             elif isinstance(message, Stop):
+                _goodbye(joined)  # rank 0 tears down only once every rank is out of its loop
                 return 0
             else:
                 raise RuntimeError(f"unknown message from rank 0: {message!r}")
@@ -185,7 +200,40 @@ def serve_plans(model, spec: WorkerSpec, joined: Rank) -> int:
         logger.exception("tensor-parallel rank %d failed", joined.rank)
         return 1
     finally:
+        if worker is not None:
+            worker.close()
+        _leave_process_group()
+
+
+def _goodbye(joined: Rank) -> None:
+    """After Stop: every rank meets here once out of its loop, so none tears its groups down
+    under another's collective."""
+    dist.barrier(group=joined.control)
+
+
+def _leave_process_group() -> None:
+    """Destroy every process group of this process (nothing if there is none)."""
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_drivers: weakref.WeakSet = weakref.WeakSet()  # rank 0's drivers still open in this process
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_leave_at_exit)
+        _exit_registered = True
+
+
+def _leave_at_exit() -> None:
+    """At the interpreter's exit, while it is whole: close the drivers left open (their ranks get
+    Stop), then destroy the process groups, before any C++ object holding a thread goes."""
+    for driver in list(_drivers):
+        driver.close()
+    _leave_process_group()
 
 
 def _receive(joined: Rank):
@@ -201,6 +249,7 @@ class Driver:
     def __init__(self, joined: Rank, workers: list) -> None:
         self.joined, self.workers = joined, workers
         self.closed = False
+        _drivers.add(self)
 
     def send(self, message) -> None:
         if self.closed:
@@ -217,17 +266,18 @@ class Driver:
         if self.closed:
             return
         self.closed = True
-        if healthy and all(w.is_alive() for w in self.workers):
+        _drivers.discard(self)
+        if healthy and all(w.is_alive() for w in self.workers) and dist.is_initialized():
             try:
                 dist.broadcast_object_list([Stop()], src=0, group=self.joined.control)
+                _goodbye(self.joined)
             except Exception:
                 logger.exception("tensor-parallel stop message failed")
         deadline = time.monotonic() + (JOIN_SECONDS if healthy else 0.0)
         for w in self.workers:
             w.join(max(0.0, deadline - time.monotonic()))
         _kill(self.workers)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
 
 
 def _kill(workers: list) -> None:
@@ -254,7 +304,9 @@ class DrivingWorker:
             raise
 
     def close(self) -> None:
+        """Stop every rank and leave the process groups, then close rank 0's own worker."""
         self.driver.close()
+        self.worker.close()
 
 
 def _driving_worker(model, spec: WorkerSpec, joined: Rank, workers: list) -> DrivingWorker:

@@ -18,7 +18,7 @@ from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from nanoserve.structured import StructuredOutputs
 from nanoserve.structured.tool_parsers import FORMATS, GenericFormat, ToolFormat, format_for_template
-from nanoserve.structured.tools import Function, ParsedReply, ToolCall, strict_parameters
+from nanoserve.structured.tools import Function, ParsedReply, ToolCall, distinct_calls, strict_parameters
 
 _TAKES_TOOLS = re.compile(r"\btools\b")  # a template that reads the `tools` variable
 
@@ -48,7 +48,9 @@ class ToolPlan:
         if self.choice == "none":
             return None
         if isinstance(self.format, GenericFormat):
-            return StructuredOutputs(json=self.format.reply_schema(self.allowed, self.calls_required, self.parallel))
+            # Several calls allowed: a call repeating an earlier one closes the list (the repeat guard).
+            return StructuredOutputs(json=self.format.reply_schema(self.allowed, self.calls_required, self.parallel),
+                                     distinct_calls=self.parallel)
         if not self.calls_required:
             return None
         marker = {"marker_id": self.marker_id} if self.marker_id is not None else {}
@@ -61,8 +63,8 @@ class ToolPlan:
         if self.choice == "none":
             return ParsedReply(text, [])
         reply = self.format.parse(text)
-        if not self.parallel:
-            reply.tool_calls = reply.tool_calls[:1]
+        # One call unless several are allowed; never the same call twice (a repeat does nothing more).
+        reply.tool_calls = distinct_calls(reply.tool_calls)[:None if self.parallel else 1]
         return reply
 
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch as llguidance_torch
+import torch
 
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.masks import TokenMasks
 from nanoserve.structured.spec import StructuredOutputs
+from nanoserve.structured.tools import RepeatGuard
 
 
 class GrammarViolation(RuntimeError):
@@ -27,14 +29,21 @@ class GrammarViolation(RuntimeError):
 class RequestGrammar:
     """One request's matcher. With ``after`` the constraint starts only once the reply's bytes
     contain it (a thinking model's ``</think>``, however it was tokenized); until then decoding
-    is free. ``token_bytes`` gives a token's bytes."""
+    is free. ``token_bytes`` gives a token's bytes. ``guard`` (a tool-call envelope's
+    RepeatGuard) sees the bytes of every token the matcher takes."""
 
     def __init__(self, matcher: llguidance.LLMatcher, after: bytes = b"",
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+                 token_bytes: Callable[[int], bytes] | None = None, guard: RepeatGuard | None = None) -> None:
         self.matcher = matcher
         self.after, self.token_bytes = after, token_bytes
         self.started = not after
+        self.guard = guard
         self._tail = b""
+
+    @property
+    def closing(self) -> bool:
+        """Whether the next token should close the call list where the grammar allows (a repeat)."""
+        return self.guard is not None and self.guard.closing
 
     def accept(self, token_id: int, ends_reply: bool) -> bool:
         """Advance on a sampled token; True when the grammar is complete (nothing can follow).
@@ -49,6 +58,8 @@ class RequestGrammar:
         if not self.matcher.consume_token(token_id):
             raise GrammarViolation(f"structured output: token {token_id} breaks the grammar "
                                    f"({self.matcher.get_error() or 'not allowed here'})")
+        if self.guard is not None:
+            self.guard.feed(self.token_bytes(token_id))
         return self.matcher.is_stopped()
 
 
@@ -69,6 +80,7 @@ class StructuredDecoding:
         self.mask_seconds = 0.0  # time filling masks (on the worker, beside the forward)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._closers: torch.Tensor | None = None  # the bitmask of RepeatGuard.CLOSERS' tokens
 
     def grammar_for(self, spec: StructuredOutputs) -> RequestGrammar:
         """A new request's grammar. Raises StructuredOutputError (bad grammar) or ValueError
@@ -76,7 +88,8 @@ class StructuredDecoding:
         if self.compiler is None:
             raise ValueError("structured outputs need the model's tokenizer; this engine has none")
         after = spec.after.encode() if spec.after else b""
-        grammar = RequestGrammar(self.compiler.matcher(spec), after, self.compiler.token_bytes)
+        guard = RepeatGuard() if spec.distinct_calls else None
+        grammar = RequestGrammar(self.compiler.matcher(spec), after, self.compiler.token_bytes, guard)
         self.requests += 1
         return grammar
 
@@ -89,7 +102,8 @@ class StructuredDecoding:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-masks")
             self._executor = llguidance.LLExecutor()
         matchers = [grammars[row].matcher for row in rows]
-        return PendingMasks(rows, self._worker.submit(self._fill, matchers))
+        closing = [i for i, row in enumerate(rows) if grammars[row].closing]  # read here: the loop's state
+        return PendingMasks(rows, self._worker.submit(self._fill, matchers, closing))
 
     def finish_masks(self, pending: PendingMasks | None, grammars: Sequence[RequestGrammar | None]
                      ) -> tuple[TokenMasks | None, dict[int, str]]:
@@ -104,12 +118,29 @@ class StructuredDecoding:
                   for row in pending.rows if grammars[row].matcher.is_error()}
         return TokenMasks(pending.rows, bitmask), failed
 
-    def _fill(self, matchers: list[llguidance.LLMatcher]):
+    def _fill(self, matchers: list[llguidance.LLMatcher], closing: Sequence[int] = ()):
         start = time.perf_counter()
         bitmask = llguidance_torch.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)
         llguidance_torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
                                                      bitmask)
+        for i in closing:
+            narrowed = bitmask[i] & self.closers()
+            if narrowed.any():  # else the list cannot close here (mid-call): the grammar's mask stands
+                bitmask[i] = narrowed
         return bitmask, time.perf_counter() - start
+
+    def closers(self) -> torch.Tensor:
+        """The bitmask of the tokens that are exactly one of RepeatGuard.CLOSERS (``]``, ``]}``)."""
+        if self._closers is None:
+            vocabulary = self.compiler.vocabulary
+            words = [0] * llguidance_torch.allocate_token_bitmask(1, self.compiler.vocab_size).shape[1]
+            for text in RepeatGuard.CLOSERS:
+                ids = vocabulary.tokenize_str(text)
+                if len(ids) == 1 and vocabulary.decode_bytes(ids) == text.encode():
+                    words[ids[0] // 32] |= 1 << (ids[0] % 32)
+            mask = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+            self._closers = mask
+        return self._closers
 
     def close(self) -> None:
         if self._worker is not None:

@@ -24,7 +24,9 @@ class StructuredOutputs:
     or GBNF: a grammar with ``::=`` rules), ``json_object`` (any JSON object).
 
     ``after`` holds text after which the constraint starts (a thinking model's ``</think>``):
-    until the reply contains it, decoding is free. Raises ValueError naming the field."""
+    until the reply contains it, decoding is free. ``distinct_calls`` (with ``json``, the generic
+    tool-call envelope) guards the envelope's list of calls: a call repeating an earlier one
+    closes it (``nanoserve.structured.tools.RepeatGuard``). Raises ValueError naming the field."""
 
     json: str | None = None
     regex: str | None = None
@@ -32,6 +34,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool = False
     after: str | None = None
+    distinct_calls: bool = False
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):

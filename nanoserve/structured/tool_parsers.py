@@ -22,6 +22,7 @@ from nanoserve.structured.tools import (
     ParsedReply,
     ToolCall,
     as_call,
+    call_limit,
     call_schema,
     envelope_schema,
     generic_tool_prompt,
@@ -52,6 +53,11 @@ def _json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
 
 
+def _more_calls(functions: Sequence[Function], separator: str, parallel: bool) -> str:
+    """A grammar's tail for the calls after the first: none, or up to ``call_limit`` in all."""
+    return f" ({json.dumps(separator)} call){{0,{call_limit(functions) - 1}}}" if parallel else ""
+
+
 def _content(text: str) -> str | None:
     return text.strip() or None
 
@@ -73,7 +79,7 @@ class HermesFormat:
         return ParsedReply(_content(self._CALL.sub("", text)), calls)
 
     def call_grammar(self, functions: Sequence[Function], parallel: bool = True) -> str:
-        more = ' ("\\n" call)*' if parallel else ""
+        more = _more_calls(functions, "\n", parallel)
         return (f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
                 f"body: {_json_rule(call_schema(functions))}")
 
@@ -98,7 +104,7 @@ class Llama3JsonFormat:
         return ParsedReply(None, calls) if calls and all(calls) else ParsedReply(text, [])
 
     def call_grammar(self, functions: Sequence[Function], parallel: bool = True) -> str:
-        more = ' (";" call)*' if parallel else ""
+        more = _more_calls(functions, ";", parallel)
         return f'start: call{more}\ncall: {_json_rule(call_schema(functions, "parameters"))}'
 
 
@@ -126,7 +132,8 @@ class MistralFormat:
     def call_grammar(self, functions: Sequence[Function], parallel: bool = True, marker_id: int | None = None) -> str:
         """``marker_id``: the vocabulary's [TOOL_CALLS] token, which the grammar then requires as
         that token (a special token is no text); without it, the marker is written as text."""
-        calls = {"type": "array", "items": call_schema(functions), "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        calls = {"type": "array", "items": call_schema(functions), "minItems": 1,
+                 "maxItems": call_limit(functions) if parallel else 1}
         marker = f"<[{marker_id}]>" if marker_id is not None else f'"{self.MARKER}"'
         return f"start: {marker} calls\ncalls: {_json_rule(calls)}"
 
@@ -176,7 +183,7 @@ class GemmaFormat:
         return ast.literal_eval(node)
 
     def call_grammar(self, functions: Sequence[Function], parallel: bool = True) -> str:
-        more = ' (", " call)*' if parallel else ""
+        more = _more_calls(functions, ", ", parallel)
         rules = [f'start: "```tool_code\\n[" call{more} "]\\n```"', "call: " + " | ".join(
             f"call_{i}" for i in range(len(functions)))]
         for i, function in enumerate(functions):

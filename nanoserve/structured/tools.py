@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMPACT = {"whitespace_flexible": False}  # llguidance's per-schema options (x-guidance)
+# Calls one reply may make where several are allowed (parallel_tool_calls). OpenAI's API has no
+# count field, so the bound is ours: every grammar that writes several calls closes after this many,
+# so a model that keeps calling (the same call, over and over) ends its reply instead of running
+# to the token limit. Eight covers an agent's usual fan-out (one call per city, per file); a
+# request declaring more tools than that may call each of them once.
+MAX_PARALLEL_CALLS = 8
+
+
+def call_limit(functions: Sequence[Function]) -> int:
+    """The most calls one reply may make where several are allowed (see MAX_PARALLEL_CALLS)."""
+    return max(MAX_PARALLEL_CALLS, len(functions))
 
 
 @dataclass(frozen=True)
@@ -73,9 +84,10 @@ def call_schema(functions: Sequence[Function], arguments_key: str = "arguments")
 
 
 def envelope_schema(functions: Sequence[Function], calls_required: bool, parallel: bool = True) -> dict[str, Any]:
-    """The generic form's reply: {"tool_calls": [call, ...]} (one call unless `parallel`), or
-    (unless calls are required) {"content": "..."}, a plain answer."""
-    array = {"type": "array", "items": call_schema(functions), "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    """The generic form's reply: {"tool_calls": [call, ...]} (one call unless `parallel`, then at
+    most `call_limit`), or (unless calls are required) {"content": "..."}, a plain answer."""
+    array = {"type": "array", "items": call_schema(functions), "minItems": 1,
+             "maxItems": call_limit(functions) if parallel else 1}
     calls = {"type": "object", "properties": {"tool_calls": array},
              "required": ["tool_calls"], "additionalProperties": False}
     if calls_required:
@@ -145,3 +157,85 @@ def as_call(call: Any, arguments_keys: tuple[str, ...] = ("arguments", "paramete
     if isinstance(arguments, str):
         return ToolCall(call["name"], arguments)
     return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def distinct_calls(calls: Sequence[ToolCall]) -> list[ToolCall]:
+    """`calls` without the ones repeating an earlier call (the same name and the same arguments,
+    however their keys are ordered or spaced): a repeated call does nothing the first did not."""
+    seen, out = set(), []
+    for call in calls:
+        if (key := call_key(call.name, call.arguments)) not in seen:
+            seen.add(key)
+            out.append(call)
+    return out
+
+
+def call_key(name: str, arguments: Any) -> tuple[str, str]:
+    """A call's identity: its name and its arguments as canonical JSON (text that is not JSON
+    stands for itself)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return name, arguments
+    return name, json.dumps(arguments, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+class RepeatGuard:
+    """The repeat guard of the generic envelope ``{"tool_calls": [call, ...]}`` where several calls
+    are allowed. JSON schema cannot say "no call twice" in a form llguidance enforces (it has no
+    ``uniqueItems``, and the arguments are any JSON), so the host watches the reply's bytes as the
+    grammar accepts them: once a call completes that repeats an earlier one (``call_key``),
+    ``closing`` is set and the step's mask is narrowed to the tokens that close the list (``]``,
+    ``]}``) wherever the grammar allows one, so the envelope closes at the first point it can.
+    The repeat itself is already written; the reply is read back without it (``distinct_calls``).
+    The list's bound (``call_limit``, in the grammar) still holds if a repeat cannot be caught."""
+
+    CLOSERS = ("]", "]}")  # the texts of the tokens that may close the list
+
+    def __init__(self) -> None:
+        self.closing = False
+        self.calls = 0  # completed calls
+        self._stack: list[int] = []  # open brackets ({ or [) outside strings
+        self._in_string = self._escaped = False
+        self._call = bytearray()  # the call being written (from its opening brace)
+        self._seen: set[tuple[str, str]] = set()
+
+    def feed(self, data: bytes) -> None:
+        """The bytes of an accepted token."""
+        for byte in data:
+            inside_call = len(self._stack) >= 3  # {"tool_calls": [ {the call ...
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif byte == 0x5C:  # backslash
+                    self._escaped = True
+                elif byte == 0x22:
+                    self._in_string = False
+            elif byte == 0x22:
+                self._in_string = True
+            elif byte in (0x7B, 0x5B):  # { [
+                self._stack.append(byte)
+                if self._stack == [0x7B, 0x5B, 0x7B]:
+                    inside_call, self._call = True, bytearray()
+            elif byte in (0x7D, 0x5D) and self._stack:  # } ]
+                self._stack.pop()
+                if self._stack == [0x7B, 0x5B]:
+                    self._call.append(byte)
+                    self._completed(bytes(self._call))
+                    continue
+            if inside_call:
+                self._call.append(byte)
+
+    def _completed(self, text: bytes) -> None:
+        self.calls += 1
+        try:
+            call = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return
+        key = call_key(call["name"], call.get("arguments", {}))
+        if key in self._seen:
+            self.closing = True
+        self._seen.add(key)

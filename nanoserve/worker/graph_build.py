@@ -119,6 +119,9 @@ class BuildJob:
     keys: dict[Shape, GraphKey]
 
 
+JOIN_SECONDS = 30.0  # how long close waits for the reader to finish the graph it is loading
+
+
 class BackgroundBuilder:
     """The parent's side: ``request`` a shape (first come, first built; a repeated request moves
     it to the front), ``ready`` the graphs loaded since the last call. ``close`` ends the child."""
@@ -192,6 +195,10 @@ class BackgroundBuilder:
         if self._child.poll() is None:
             self._child.kill()
         self._child.wait()
+        # The reader ends at the child's end of output (after any graph it is loading): joined, so
+        # no thread of the engine's is still inside torch when the process exits.
+        if self._reader is not threading.current_thread():
+            self._reader.join(JOIN_SECONDS)
         for stream in (self._child.stdin, self._child.stdout):
             with contextlib.suppress(OSError, ValueError):
                 stream.close()
