@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    RopeScalingType,
+)
 
 from nanoserve.model_path import default_model_path
 
@@ -62,10 +69,15 @@ SHAPES = {
     # SmolLM2's vocabulary: ~0.3 GB under the real file's 151,936-token embedding and head.
     "30b-a3b": Shape(2048, 48, 32, 4, 6144, tied=False, arch="qwen3moe", head_dim=128, experts=128,
                      experts_used=8, expert_ffn=768, context=40960),
+    # gpt-oss-20b (24 layers, 2880 wide, 64/8 heads of 64, 32 experts of 2880, 4 used; sinks,
+    # biases, every other layer a 128-token window, YaRN), its experts MXFP4 as every gpt-oss GGUF.
+    "gpt-oss-20b": Shape(2880, 24, 64, 8, 2880, tied=False, arch="gpt-oss", head_dim=64, experts=32,
+                         experts_used=4, expert_ffn=2880, context=131072),
     # A small Mixtral-style file (a llama GGUF with experts): 8 experts of 5632, 2 used, 8 layers.
     "moe-small": Shape(2048, 8, 32, 8, 5632, tied=True, experts=8, experts_used=2, expert_ffn=5632),
 }
-FILE_TYPES = ("Q4_0", "Q4_K_M", "Q8_0")
+# MXFP4_MOE: gpt-oss's experts MXFP4, everything else Q8_0 (as the gpt-oss GGUFs people download).
+FILE_TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "MXFP4_MOE")
 
 
 MLP_PARTS = ("ffn_gate", "ffn_up", "ffn_down")
@@ -75,8 +87,8 @@ EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 def tensor_types(shape: Shape, file_type: str) -> dict[str, Q]:
     """Each tensor's type as llama.cpp's quantiser chooses it for ``file_type`` (norms and
     routers are F32, written apart)."""
-    body = {"Q4_0": Q.Q4_0, "Q4_K_M": Q.Q4_K, "Q8_0": Q.Q8_0}[file_type]
-    head = Q.Q8_0 if file_type == "Q8_0" else Q.Q6_K
+    body = {"Q4_0": Q.Q4_0, "Q4_K_M": Q.Q4_K, "Q8_0": Q.Q8_0, "MXFP4_MOE": Q.Q8_0}[file_type]
+    head = Q.Q8_0 if file_type in ("Q8_0", "MXFP4_MOE") else Q.Q6_K
     types = {"token_embd.weight": head if shape.tied else body}
     if not shape.tied:
         types["output.weight"] = head
@@ -87,6 +99,8 @@ def tensor_types(shape: Shape, file_type: str) -> dict[str, Q]:
             kind = body
             if file_type == "Q4_K_M" and part in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits:
                 kind = Q.Q6_K
+            if file_type == "MXFP4_MOE" and part in EXPERT_PARTS:
+                kind = Q.MXFP4
             types[f"blk.{i}.{part}.weight"] = kind
     return types
 
@@ -118,7 +132,18 @@ def float_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
     """The F32 tensors by GGUF name: the norms (ones), a qwen3moe file's per-head q/k norms, and
     each expert layer's router [experts, hidden]."""
     out = {"output_norm.weight": (shape.hidden,)}
+    q, kv = shape.heads * shape.head_size, shape.kv_heads * shape.head_size
     for i in range(shape.layers):
+        if shape.arch == "gpt-oss":  # biases everywhere, a sink per head, the MLP's pre-norm post_attention_norm
+            out |= {f"blk.{i}.attn_norm.weight": (shape.hidden,), f"blk.{i}.post_attention_norm.weight": (shape.hidden,),
+                    f"blk.{i}.attn_q.bias": (q,), f"blk.{i}.attn_k.bias": (kv,), f"blk.{i}.attn_v.bias": (kv,),
+                    f"blk.{i}.attn_output.bias": (shape.hidden,), f"blk.{i}.attn_sinks.weight": (shape.heads,),
+                    f"blk.{i}.ffn_gate_inp.weight": (shape.experts, shape.hidden),
+                    f"blk.{i}.ffn_gate_inp.bias": (shape.experts,),
+                    f"blk.{i}.ffn_gate_exps.bias": (shape.experts, shape.expert_ffn),
+                    f"blk.{i}.ffn_up_exps.bias": (shape.experts, shape.expert_ffn),
+                    f"blk.{i}.ffn_down_exps.bias": (shape.experts, shape.hidden)}
+            continue
         out |= {f"blk.{i}.attn_norm.weight": (shape.hidden,), f"blk.{i}.ffn_norm.weight": (shape.hidden,)}
         if shape.arch == "qwen3moe":
             out |= {f"blk.{i}.attn_q_norm.weight": (shape.head_size,), f"blk.{i}.attn_k_norm.weight": (shape.head_size,)}
@@ -181,7 +206,7 @@ def write_model(path: Path, shape: Shape, file_type: str, seed: int = 0) -> Path
     writer.add_key_length(shape.head_size)
     writer.add_value_length(shape.head_size)
     writer.add_rope_dimension_count(shape.head_size)
-    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_freq_base(150000.0 if shape.arch == "gpt-oss" else 500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)
     if shape.experts:
@@ -189,6 +214,11 @@ def write_model(path: Path, shape: Shape, file_type: str, seed: int = 0) -> Path
         writer.add_expert_used_count(shape.experts_used)
         if not mixtral:
             writer.add_expert_feed_forward_length(shape.expert_ffn)
+    if shape.arch == "gpt-oss":
+        writer.add_sliding_window(128)
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
     _copy_tokenizer(source, writer)
     types, shapes, floats = tensor_types(shape, file_type), tensor_shapes(shape), float_tensors(shape)
     for name, dims in floats.items():
@@ -202,9 +232,9 @@ def write_model(path: Path, shape: Shape, file_type: str, seed: int = 0) -> Path
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims in floats.items():
-        router = name.endswith("ffn_gate_inp.weight")  # random scores route tokens to varied experts
-        writer.write_tensor_data(rng.normal(0.0, 0.02, dims).astype(np.float32) if router
-                                 else np.ones(dims, dtype=np.float32))
+        norm = name.endswith("norm.weight")  # ones; routers, biases and sinks small random numbers
+        writer.write_tensor_data(np.ones(dims, dtype=np.float32) if norm
+                                 else rng.normal(0.0, 0.02, dims).astype(np.float32))
     for name, dims in shapes.items():
         rows = int(np.prod(dims[:-1]))
         writer.write_tensor_data(random_blocks(types[name], rows, dims[-1], rng).reshape(*dims[:-1], -1))

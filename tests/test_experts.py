@@ -262,15 +262,15 @@ def test_expert_metadata_that_contradicts_itself_is_refused_in_one_line(tmp_path
 
 
 def test_random_expert_files_of_the_benchmark_load_packed_and_generate(tmp_path):
-    """compile/model_files' expert shapes (Qwen3-MoE and Mixtral-style), in miniature."""
+    """compile/model_files' expert shapes (Qwen3-MoE, Mixtral-style, gpt-oss with MXFP4 experts), in miniature."""
     from compile.model_files import Shape, write_model
 
-    for arch in ("qwen3moe", "llama"):
-        shape = Shape(256, 2, 4, 2, 512, tied=arch == "llama", arch=arch, head_dim=64 if arch == "qwen3moe" else None,
+    for arch, file_type in (("qwen3moe", "Q4_K_M"), ("llama", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE")):
+        shape = Shape(256, 2, 4, 2, 512, tied=arch == "llama", arch=arch, head_dim=None if arch == "llama" else 64,
                       experts=8, experts_used=2, expert_ffn=256)
-        path = write_model(tmp_path / f"{arch}.gguf", shape, "Q4_K_M")
+        path = write_model(tmp_path / f"{arch}.gguf", shape, file_type)
         engine = build_engine(str(path), max_batch_size=2, max_model_len=64, kv_cache_bytes=1 << 22)
-        assert engine.model.config.architecture == ("qwen3moe" if arch == "qwen3moe" else "mixtral")
+        assert engine.model.config.architecture == {"llama": "mixtral", "gpt-oss": "gptoss"}.get(arch, arch)
         assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.layers)
         out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                               use_tqdm=False)
