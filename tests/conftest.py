@@ -280,6 +280,25 @@ def served(engine, model_name: str, api_key: str | None, **app_options):
     assert not loop.alive
 
 
+def random_smollm2_shaped(smollm2_path, **config_overrides):
+    """(model, tokenizer): SmolLM2's tokenizer (from the GGUF's metadata only) and a random model
+    in its shape with 2 layers (and ``config_overrides``), its logits flattened so that sampling
+    does not only ever repeat the input token."""
+    import dataclasses
+
+    from nanoserve.model.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.synthetic import random_model, smollm2_135m_config
+    from nanoserve.model.tokenizer import Tokenizer
+
+    metadata = GGUFCheckpoint.open(smollm2_path).metadata
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(smollm2_path))
+    config = dataclasses.replace(smollm2_135m_config(max_position_embeddings=1024), num_layers=2, **config_overrides)
+    model = random_model(config, seed=0)
+    with torch.no_grad():
+        model.norm.weight.fill_(0.005)
+    return model, tokenizer
+
+
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

@@ -278,22 +278,11 @@ def test_random_expert_files_of_the_benchmark_load_packed_and_generate(tmp_path)
 
 
 def test_an_expert_model_is_served_to_the_openai_client(smollm2_path):
-    import dataclasses
-
     openai = pytest.importorskip("openai")
-    from conftest import served
+    from conftest import random_smollm2_shaped, served
 
-    from nanoserve.model.gguf_loader import GGUFCheckpoint
-    from nanoserve.model.synthetic import random_model, smollm2_135m_config
-    from nanoserve.model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_gguf_metadata(GGUFCheckpoint.open(smollm2_path).metadata, source=str(smollm2_path))
-    config = dataclasses.replace(smollm2_135m_config(max_position_embeddings=512), num_layers=2,
-                                 architecture="qwen3moe", num_experts=8, num_experts_per_tok=2,
-                                 moe_intermediate_size=256)
-    model = random_model(config, seed=0)
-    with torch.no_grad():
-        model.norm.weight.fill_(0.005)
+    model, tokenizer = random_smollm2_shaped(smollm2_path, architecture="qwen3moe", num_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=256)
     options = dict(max_batch_size=4, max_model_len=256, kv_cache_bytes=8 << 20, block_size=16)
     messages = [{"role": "user", "content": "Name three experts."}]
     greedy = SamplingParams(temperature=0.0, max_tokens=12)

@@ -7,23 +7,18 @@ tokenizer and chat template, so text, templates and detokenization are the real 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import served  # noqa: E402
+from conftest import random_smollm2_shaped, served  # noqa: E402
 
 from nanoserve.engine import SamplingParams, build_engine  # noqa: E402
-from nanoserve.model.gguf_loader import GGUFCheckpoint  # noqa: E402
-from nanoserve.model.synthetic import random_model, smollm2_135m_config  # noqa: E402
-from nanoserve.model.tokenizer import Tokenizer  # noqa: E402
 
 API_KEY = "sk-nanoserve-test"
 MODEL = "smollm2-test"
@@ -35,13 +30,7 @@ MESSAGES = [{"role": "user", "content": "Write a haiku about paged attention."}]
 @pytest.fixture(scope="module")
 def model_and_tokenizer(smollm2_path):
     """SmolLM2's tokenizer (read from the GGUF's metadata only) and a random 2-layer model in its shape."""
-    metadata = GGUFCheckpoint.open(smollm2_path).metadata
-    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(smollm2_path))
-    config = dataclasses.replace(smollm2_135m_config(max_position_embeddings=1024), num_layers=2)
-    model = random_model(config, seed=0)
-    with torch.no_grad():  # flatten the logits, or sampling only ever repeats the input token
-        model.norm.weight.fill_(0.005)
-    return model, tokenizer
+    return random_smollm2_shaped(smollm2_path)
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,19 @@ chat template (as tests/test_serve_messages.py), so text, templates and tool gra
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import served  # noqa: E402
+from conftest import random_smollm2_shaped, served  # noqa: E402
 
 from nanoserve.engine import SamplingParams, build_engine  # noqa: E402
-from nanoserve.model.gguf_loader import GGUFCheckpoint  # noqa: E402
-from nanoserve.model.synthetic import random_model, smollm2_135m_config  # noqa: E402
-from nanoserve.model.tokenizer import ChatTemplate, Tokenizer  # noqa: E402
+from nanoserve.model.tokenizer import ChatTemplate  # noqa: E402
 
 MODEL = "smollm2-test"
 ENGINE_OPTIONS = dict(max_batch_size=4, max_model_len=512, kv_cache_bytes=24 << 20, block_size=16)
@@ -42,13 +38,7 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(smollm2_path):
-    metadata = GGUFCheckpoint.open(smollm2_path).metadata
-    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(smollm2_path))
-    config = dataclasses.replace(smollm2_135m_config(max_position_embeddings=1024), num_layers=2)
-    model = random_model(config, seed=0)
-    with torch.no_grad():  # flatten the logits, or sampling only ever repeats the input token
-        model.norm.weight.fill_(0.005)
-    return model, tokenizer
+    return random_smollm2_shaped(smollm2_path)
 
 
 @pytest.fixture(scope="module")

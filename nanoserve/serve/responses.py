@@ -34,10 +34,7 @@ class ResponsesSse:
     """The Responses API's server-sent events: `event: TYPE` then `data: JSON` for each
     (TYPE, dict); an `error` event once the stream has begun; no terminator."""
 
-    @staticmethod
-    def event(event: tuple[str, dict]) -> str:
-        name, data = event
-        return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    event = staticmethod(serving.named_event)
 
     @staticmethod
     def error(exc: ApiError) -> str:

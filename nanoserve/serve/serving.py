@@ -212,14 +212,17 @@ class OpenAISse:
     done = "data: [DONE]\n\n"
 
 
+def named_event(event: tuple[str, dict]) -> str:
+    """One server-sent event with a name: `event: NAME` then `data: JSON`."""
+    name, data = event
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 class AnthropicSse:
     """Anthropic's server-sent events: `event: NAME` then `data: JSON` for each (NAME, dict),
     an `error` event once the stream has begun, and no terminator (message_stop ends it)."""
 
-    @staticmethod
-    def event(event: tuple[str, dict]) -> str:
-        name, data = event
-        return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    event = staticmethod(named_event)
 
     @staticmethod
     def error(exc: ApiError) -> str:
