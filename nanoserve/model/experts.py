@@ -46,6 +46,8 @@ def _routed_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, li
 
 def _mix(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
     """out[r] = sum over r's slots s of weights[r, s] * expert(ids[r, s], x[r]), experts in order."""
+    if x.shape[0] == 1:  # a batch-1 decode step: the row through its experts, no gathering
+        return _mix_one(x, ids[0].tolist(), weights[0].tolist(), expert)
     out = torch.zeros_like(x)
     order, counts = _routed_pairs(ids, num_experts)
     k = ids.shape[1]
@@ -73,6 +75,15 @@ def glu(activation: str, gate: torch.Tensor, up: torch.Tensor, limit: float, alp
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None, e: int) -> torch.Tensor:
     return y if bias is None else y + bias[e]
+
+
+def _mix_one(x: torch.Tensor, ids: list[int], weights: list[float], expert) -> torch.Tensor:
+    """One row: its experts' outputs times their weights (exact in x's dtype: the weights are
+    its values), added in expert order from zero as the many-row path adds them."""
+    out = torch.zeros_like(x)
+    for e, weight in sorted(zip(ids, weights)):
+        out = out + (expert(e, x) * weight).to(out.dtype)
+    return out
 
 
 @torch.library.custom_op("nanoserve::experts_dense", mutates_args=())
