@@ -109,16 +109,19 @@ def harmony_gguf(path):
 
 class ScriptedSampler(Sampler):
     """Plays back `reply` (token ids) whatever the logits say: each row's next token is the
-    script's token at its reply's length (the end of text past it). Records every prompt."""
+    script's token at its reply's length (the end of text past it); with `reply` None, samples
+    as ever. Records every prompt."""
 
     def __init__(self, end_id: int):
         super().__init__()
-        self.reply: list[int] = []
+        self.reply: list[int] | None = []
         self.prompts: list[list[int]] = []
         self.end_id = end_id
 
     def __call__(self, logits, params, generators, histories=None, masks=None) -> SamplerOutput:
         assert histories is not None, "the scripted engine passes every row's history"
+        if self.reply is None:  # unscripted: the model's own greedy choice (within any grammar)
+            return super().__call__(logits, params, generators, histories, masks)
         chosen = []
         for prompt, output in histories:
             if not output and list(prompt) not in self.prompts:
@@ -258,3 +261,37 @@ def test_the_tool_result_goes_back_and_the_answer_comes(scripted, stream):
              '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
              f'{json.dumps(json.dumps(RESULT))}<|end|><|start|>assistant')
     assert prompt.endswith(turns), prompt
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+BOUNDED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+                 {"type": "function", "function": {"name": "get_time", "parameters": ZONE}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_choices_force_a_harmony_call(scripted, stream, tool_choice):
+    """Unscripted: the random model's greedy reply under the harmony call grammar is a call,
+    with arguments valid by the function's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    _, sampler, _ = scripted
+    sampler.reply = None
+    try:
+        request = dict(model=MODEL, messages=QUESTION, tools=BOUNDED_TOOLS, tool_choice=tool_choice,
+                       temperature=0, max_tokens=120)
+        if stream:
+            chunks = [c for c in scripted[0].chat.completions.create(**request, stream=True) if c.choices]
+            calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = scripted[0].chat.completions.create(**request).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+    finally:
+        sampler.reply = []
+    assert finish == "tool_calls" and len(calls) == 1
+    name = calls[0].function.name
+    assert name in ("get_weather", "get_time") if tool_choice == "required" else name == "get_time"
+    jsonschema.validate(json.loads(calls[0].function.arguments), {"get_weather": CITY, "get_time": ZONE}[name])

@@ -74,9 +74,6 @@ async def start_chat(state: ServeState, body: ChatCompletionRequest, id_prefix: 
     if body.reasoning_effort is not None:  # a template that reads it (harmony's) gets it
         variables = {**(variables or {}), "reasoning_effort": body.reasoning_effort}
     plan, prompt = await chat_prompt(state, body, variables)
-    if harmony and plan is not None and plan.choice not in ("none", "auto"):
-        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported with this model's harmony "
-                            "format", param="tool_choice", code="invalid_value")
     shape = ReplyShape(plan, None if harmony else reasoning_mode(template_source(state), prompt), harmony)
     params = replace(params, structured=await reply_structure(state, body, shape))
     if harmony:  # its channels are special tokens; a reply ends at <|return|> or <|call|>
