@@ -94,3 +94,14 @@ def test_a_harmony_reply_becomes_openais_message():
     assert message_["reasoning_content"] == "Need the weather: call the tool."
     call, = message_["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] == "Paris"
+
+
+def test_the_call_grammar_names_the_marker_tokens_it_has():
+    from nanoserve.structured.tools import Function
+
+    functions = [Function("get_weather", "", {"type": "object"}), Function("get_time", "", {"type": "object"})]
+    ids = {"<|channel|>": 7, "<|constrain|>": 8, "<|message|>": 9, "<|call|>": None}
+    grammar = FORMATS["harmony"].call_grammar(functions, marker_ids=ids)
+    assert grammar.startswith('start: <[7]> "commentary to=" call\ncall: call_0 | call_1\n')
+    assert 'call_1: "functions.get_time " <[8]> "json" <[9]> arguments_1 "<|call|>"' in grammar
+    assert "<[" not in FORMATS["harmony"].call_grammar(functions)  # no such tokens: the markers as text

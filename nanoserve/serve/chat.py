@@ -74,9 +74,6 @@ async def start_chat(state: ServeState, body: ChatCompletionRequest, id_prefix: 
     if body.reasoning_effort is not None:  # a template that reads it (harmony's) gets it
         variables = {**(variables or {}), "reasoning_effort": body.reasoning_effort}
     plan, prompt = await chat_prompt(state, body, variables)
-    if harmony and plan is not None and plan.choice not in ("none", "auto"):
-        raise ApiError(400, "tool_choice: only \"auto\" and \"none\" are supported with this model's harmony "
-                            "format", param="tool_choice", code="invalid_value")
     shape = ReplyShape(plan, None if harmony else reasoning_mode(template_source(state), prompt), harmony)
     params = replace(params, structured=await reply_structure(state, body, shape))
     if harmony:  # its channels are special tokens; a reply ends at <|return|> or <|call|>
@@ -131,11 +128,11 @@ async def render_chat(state: ServeState, messages: list[ChatMessage], add_genera
     # Outside a native template, tool results are rewritten as user turns (prompt_messages).
     check_roles(messages, roles if plan is None or plan.native else tuple(dict.fromkeys((*roles, "tool"))))
     messages = prompt_messages(plan, [m.as_template_dict() for m in messages])
-    tools = {"tools": plan.template_tools()} if plan is not None and plan.native else {}
-    tools.update(variables or {})  # e.g. a harmony template's reasoning_effort
+    extra = {"tools": plan.template_tools()} if plan is not None and plan.native else {}
+    extra.update(variables or {})  # e.g. a harmony template's reasoning_effort
     try:
         return await asyncio.to_thread(state.tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt, **(variables or {}), **tools)
+                                       add_generation_prompt=add_generation_prompt, **extra)
     except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception on bad roles
         raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
                        code="invalid_value") from exc

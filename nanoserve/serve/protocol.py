@@ -198,7 +198,18 @@ class ChatMessage(StrictModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             message["name"] = self.name
+        if self.role == "assistant" and (thinking := self.reasoning()):
+            message["thinking"] = thinking  # gpt-oss's template writes it as the turn's analysis
         return message
+
+    def reasoning(self) -> str | None:
+        """An assistant turn's reasoning as a client sends it back: OpenAI-style
+        ``reasoning_content`` (what this server replies with), ``reasoning`` or ``thinking``."""
+        extra = self.model_extra or {}
+        for key in ("reasoning_content", "reasoning", "thinking"):
+            if isinstance(extra.get(key), str) and extra[key]:
+                return extra[key]
+        return None
 
 
 def _arguments(call: FunctionCall) -> Any:

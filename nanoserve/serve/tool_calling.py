@@ -33,6 +33,7 @@ class ToolPlan:
     choice: str  # "none" (tools declared, no call: only the history is rendered), "auto", "required", "named"
     parallel: bool  # more than one call per reply
     marker_id: int | None = None  # the vocabulary's own call marker token, where the format has one (Mistral)
+    marker_ids: dict[str, int | None] | None = None  # the format's marker tokens' ids, where it has several (harmony)
 
     @property
     def native(self) -> bool:
@@ -54,6 +55,8 @@ class ToolPlan:
         if not self.calls_required:
             return None
         marker = {"marker_id": self.marker_id} if self.marker_id is not None else {}
+        if self.marker_ids is not None:
+            marker = {"marker_ids": self.marker_ids}
         return StructuredOutputs(grammar=self.format.call_grammar(self.allowed, self.parallel, **marker))
 
     def template_tools(self) -> list[dict] | None:
@@ -98,7 +101,8 @@ def plan_tools(body: ChatCompletionRequest, template_source: str, parser: str | 
     return ToolPlan(fmt, functions, allowed, "named" if named else choice,
                     # one call a reply unless the request allows more (llama-server's default)
                     parallel=not named and body.parallel_tool_calls is True,
-                    marker_id=token_id(marker) if marker else None)
+                    marker_id=token_id(marker) if marker else None,
+                    marker_ids={m: token_id(m) for m in fmt.MARKERS} if hasattr(fmt, "MARKERS") else None)
 
 
 def _parameters(function) -> dict:

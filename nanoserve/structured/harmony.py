@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nanoserve.structured.reasoning import marker_prefix_length
-from nanoserve.structured.tools import Function, ParsedReply, ToolCall
+from nanoserve.structured.tools import COMPACT, Function, ParsedReply, ToolCall
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 BODY_ENDS = (END, RETURN, CALL)
 HARMONY_STOPS = (RETURN, CALL)  # the tokens a harmony reply stops at
+MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
 REASONING_EFFORTS = ("low", "medium", "high")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
@@ -145,6 +146,7 @@ class HarmonyFormat:
     tools); the reasoning and the answer are the other channels."""
 
     name, native = "harmony", True
+    MARKERS = MARKERS  # the special tokens its call grammar names (plan_tools finds their ids)
 
     def content_prefix(self, text: str) -> int:
         return 0  # the raw reply is markers and channels: it is read whole
@@ -153,5 +155,22 @@ class HarmonyFormat:
         _, content, calls = parse_harmony(text)
         return ParsedReply(content.strip() if content and content.strip() else None, calls)
 
-    def call_grammar(self, functions: Sequence[Function], parallel: bool = True) -> str:
-        raise NotImplementedError("tool_choice required or named is not enforced for harmony replies yet")
+    def call_grammar(self, functions: Sequence[Function], parallel: bool = True,
+                     marker_ids: Mapping[str, int | None] | None = None) -> str:
+        """One call (a harmony reply stops at its ``<|call|>``, so ``parallel`` changes nothing):
+        ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>``,
+        the arguments by the function's schema. ``marker_ids``: the vocabulary's marker tokens,
+        which the grammar then requires as those tokens (a special token is no text); a marker
+        without one is written as text."""
+        def marker(text: str) -> str:
+            token = (marker_ids or {}).get(text)
+            return f"<[{token}]>" if token is not None else json.dumps(text)
+
+        rules = [f'start: {marker(CHANNEL)} "commentary to=" call',
+                 "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        for i, function in enumerate(functions):
+            rules.append(f'call_{i}: {json.dumps(f"functions.{function.name} ")} {marker(CONSTRAIN)} "json" '
+                         f"{marker(MESSAGE)} arguments_{i} {marker(CALL)}")
+            rules.append(f"arguments_{i}: %json " + json.dumps({**function.parameters, "x-guidance": COMPACT},
+                                                               ensure_ascii=False))
+        return "\n".join(rules)
