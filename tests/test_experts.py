@@ -293,3 +293,29 @@ def test_an_expert_model_is_served_to_the_openai_client(smollm2_path):
             streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
                 model="moe", messages=messages, temperature=0, max_tokens=12, stream=True) if chunk.choices)
     assert got.choices[0].message.content == want.text == streamed
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_paged_engine_greedy_equals_transformers_at_batches_1_and_8(reference, mode):
+    """Through the paged cache with chunked prefill, eager and compiled (no recompile), one
+    prompt alone and eight together: transformers' greedy tokens and logprobs, up to where its
+    top two are too close to tell apart."""
+    import random
+
+    from engine_oracle_helpers import engine_for, generate, greedy
+    from test_architectures_engine import MAX_TOKENS, TOLERANCE, assert_matches_transformers
+    name, model, directory = reference
+    ours, _ = load_model(str(directory), dtype=torch.float32, with_tokenizer=False)
+    options = dict(compile=True, compile_backend="inductor", row_buckets=(1, 2, 4, 8), width_buckets=(64,),
+                   warmup="eager") if mode == "compiled" else {}
+    torch._dynamo.reset()
+    engine = engine_for(ours, max_num_batched_tokens=24, max_batch_size=8, kv_cache_bytes=1 << 22, max_model_len=64,
+                        **options)
+    rng = random.Random(1)
+    batch = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 30))] for _ in range(8)]
+    for prompts in (batch[:1], batch):
+        for output, prompt in zip(generate(engine, prompts, greedy(MAX_TOKENS, logprobs=2)), prompts):
+            assert_matches_transformers(output, model, prompt, TOLERANCE)
+    if mode == "compiled":
+        assert engine.stats().recompiles_after_warmup == 0
+    engine.check_drained()
