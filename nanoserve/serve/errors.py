@@ -6,6 +6,9 @@ under Anthropic's routes (/v1/messages...) in Anthropic's: ``{"type": "error", "
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -113,3 +116,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response(request.url.path)
+
+
+@contextmanager
+def renamed_fields(names: Sequence[tuple[re.Pattern, str]]) -> Iterator[None]:
+    """An ApiError raised inside names another protocol's fields (the chat path's) as this
+    request names them: each (pattern, name) substituted in its message and its param."""
+    try:
+        yield
+    except ApiError as exc:
+        for pattern, name in names:
+            exc.message = pattern.sub(name, exc.message)
+            if exc.param is not None:
+                exc.param = pattern.sub(name, exc.param)
+        raise

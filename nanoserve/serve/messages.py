@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
 
 from starlette.requests import Request
 
 from nanoserve.serve import serving
 from nanoserve.serve.chat import ChatJob, chat_prompt, start_chat
 from nanoserve.serve.chat_reply import template_source
-from nanoserve.serve.errors import ApiError
+from nanoserve.serve.errors import renamed_fields
 from nanoserve.serve.messages_protocol import CountTokensRequest, MessagesRequest, to_chat
 from nanoserve.serve.reply import Reply
 from nanoserve.serve.serving import AnthropicSse, ServeState
@@ -30,7 +29,7 @@ _FIELD_NAMES = [(re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1
 
 async def create_message(state: ServeState, body: MessagesRequest, request: Request):
     state.check_model(body.model)
-    with _anthropic_names():
+    with renamed_fields(_FIELD_NAMES):
         job = await start_chat(state, to_chat(body), id_prefix="msg", id_sep="_",
                                variables=body.template_variables(template_source(state)))
     if body.stream:
@@ -47,22 +46,11 @@ async def create_message(state: ServeState, body: MessagesRequest, request: Requ
 async def count_message_tokens(state: ServeState, body: CountTokensRequest) -> dict:
     """The prompt's tokens as /v1/messages would render it (system, tools, the thinking switch)."""
     state.check_model(body.model)
-    with _anthropic_names():
+    with renamed_fields(_FIELD_NAMES):
         chat = to_chat(body)
         chat.check_supported()
         _, prompt = await chat_prompt(state, chat, body.template_variables(template_source(state)))
     return {"input_tokens": len(await serving.encode(state, prompt, "messages"))}
-
-
-@contextmanager
-def _anthropic_names():
-    """An ApiError's message names this request's fields, not the chat request's."""
-    try:
-        yield
-    except ApiError as exc:
-        for pattern, name in _FIELD_NAMES:
-            exc.message = pattern.sub(name, exc.message)
-        raise
 
 
 def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str | None:

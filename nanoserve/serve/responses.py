@@ -9,14 +9,13 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
 
 from starlette.requests import Request
 
 from nanoserve.serve import serving
 from nanoserve.serve.chat import ChatJob, start_chat
 from nanoserve.serve.chat_reply import template_source
-from nanoserve.serve.errors import ApiError
+from nanoserve.serve.errors import ApiError, renamed_fields
 from nanoserve.serve.reply import Reply
 from nanoserve.serve.responses_protocol import ResponsesRequest, to_chat
 from nanoserve.serve.serving import ServeState
@@ -46,7 +45,7 @@ class ResponsesSse:
 
 async def create_response(state: ServeState, body: ResponsesRequest, request: Request):
     state.check_model(body.model)
-    with _responses_names():
+    with renamed_fields(_FIELD_NAMES):
         job = await start_chat(state, to_chat(body), id_prefix="resp", id_sep="_",
                                variables=body.template_variables(template_source(state)))
     if body.stream:
@@ -54,19 +53,6 @@ async def create_response(state: ServeState, body: ResponsesRequest, request: Re
     reply = await job.reply(state, request)
     return _response(state, body, job, _items(reply, body), _status(reply.finish_reason),
                      reply.usage.completion_tokens)
-
-
-@contextmanager
-def _responses_names():
-    """An ApiError names this request's fields, not the chat request's."""
-    try:
-        yield
-    except ApiError as exc:
-        for pattern, name in _FIELD_NAMES:
-            exc.message = pattern.sub(name, exc.message)
-            if exc.param is not None:
-                exc.param = pattern.sub(name, exc.param)
-        raise
 
 
 def _item_id(prefix: str) -> str:
