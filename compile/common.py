@@ -45,7 +45,9 @@ class DecodeWorkload:
     transformers: bool = True
     llama_cpp: bool = True
     threads: int = field(default_factory=torch.get_num_threads)
-    llama_repack: bool = False  # llama.cpp's weight repacking (compile/llama_peer.py says why off)
+    # llama.cpp's weight repacking: "both" runs its defaults (repacked) and unrepacked side by side,
+    # "auto" its defaults alone; either falls back to unrepacked, saying so, where repacking crashes.
+    llama_repack: str = "both"
     kv_cache_bytes: int | None = None
 
     @property

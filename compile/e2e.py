@@ -43,7 +43,9 @@ from compile.interleave import TRANSFORMERS, EngineSteps, interleaved_run, load_
 from nanoserve.engine import build_engine
 
 LLAMA_CPP = llama_peer.NAME
-COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_tok_s", "vs_llama", "vs_llama_p10", "vs_llama_p90",
+LLAMA_UNREPACKED = f"{llama_peer.NAME} (repacking off)"
+COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_cpp", "llama_tok_s", "vs_llama", "llama_norepack_tok_s",
+           "vs_llama_norepack", "vs_llama_p10", "vs_llama_p90",
            "hf_tok_s", "vs_hf", "step_ms", "floor_ms", "bw_floor_ms", "x_floor", "x_bw_floor", "llama_x_bw_floor",
            "outside_forward", "same_as_hf", "same_as_llama"]
 
@@ -53,7 +55,9 @@ class Peers:
     """The systems every pass is compared with; either may be absent."""
 
     reference: object | None = None  # transformers' model
-    llama: llama_peer.LlamaCpp | None = None
+    llama: llama_peer.LlamaCpp | None = None  # as its users run it (llama_peer.repack_mode)
+    llama_mode: llama_peer.RepackMode | None = None
+    llama_unrepacked: llama_peer.LlamaCpp | None = None  # beside repacked defaults, where asked
     llama_weight_bytes: int = 0
 
     @classmethod
@@ -61,10 +65,19 @@ class Peers:
         peers = cls(reference=load_reference(work.model) if work.transformers else None)
         path = llama_peer.gguf_of(work.model) if work.llama_cpp else None
         if path is not None:
-            peers.llama = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads,
-                                              repack=work.llama_repack)
+            wanted = "auto" if work.llama_repack == "both" else work.llama_repack
+            peers.llama, peers.llama_mode = llama_peer.load_as_run(path, max(work.batches), work.max_len,
+                                                                   work.threads, wanted)
+            if work.llama_repack == "both" and peers.llama_mode.repack:
+                peers.llama_unrepacked = llama_peer.LlamaCpp(path, max(work.batches), work.max_len, work.threads,
+                                                             repack=False)
             peers.llama_weight_bytes = gguf_tensor_bytes(path)
         return peers
+
+    def close(self) -> None:
+        for peer in (self.llama, self.llama_unrepacked):
+            if peer is not None:
+                peer.close()
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -89,6 +102,8 @@ def one_pass(engines: dict, peers: Peers, prompts: list[list[int]], new_tokens: 
     everyone = dict(arms)
     if peers.llama is not None:
         everyone[LLAMA_CPP] = llama_peer.LlamaCppSteps(peers.llama, prompts, new_tokens)
+    if peers.llama_unrepacked is not None:
+        everyone[LLAMA_UNREPACKED] = llama_peer.LlamaCppSteps(peers.llama_unrepacked, prompts, new_tokens)
     return interleaved_run(everyone, prompts, new_tokens, peers.reference), arms
 
 
@@ -116,6 +131,8 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
                        read_gb_s=bandwidth / 1e9,
                        outside_forward=arm.outside_forward)
             row.update(x_floor=row["step_ms"] / row["floor_ms"], x_bw_floor=row["step_ms"] / row["bw_floor_ms"])
+            if peers.llama_mode is not None:
+                row["llama_cpp"] = peers.llama_mode.label
             if LLAMA_CPP in result.decode_steps:
                 row["llama_x_bw_floor"] = row["llama_step_ms"] / (peers.llama_weight_bytes / bandwidth * 1e3)
             rows.append(row)
@@ -128,7 +145,7 @@ def _speed(result, mode: str, batch: int) -> dict:
     ours = result.decode_steps[mode]
     step = statistics.median(ours)
     row = dict(tok_s=batch / step, step_ms=step * 1e3)
-    for peer, key in ((LLAMA_CPP, "llama"), (TRANSFORMERS, "hf")):
+    for peer, key in ((LLAMA_CPP, "llama"), (LLAMA_UNREPACKED, "llama_norepack"), (TRANSFORMERS, "hf")):
         if peer not in result.decode_steps:
             continue
         theirs = result.decode_steps[peer]
@@ -152,8 +169,7 @@ def run(work: DecodeWorkload) -> list[dict]:
     try:
         return [row for weights in work.weights for row in measure_format(work, weights, peers)]
     finally:
-        if peers.llama is not None:
-            peers.llama.close()
+        peers.close()
 
 
 def write_plot(results: list[dict], path: Path) -> None:
@@ -200,8 +216,10 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorklo
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp arm")
     parser.add_argument("--kv-cache-bytes", type=int, default=defaults.kv_cache_bytes)
     parser.add_argument("--threads", type=int, default=defaults.threads, help="llama.cpp's threads (default: torch's)")
-    parser.add_argument("--llama-repack", action="store_true",
-                        help="let llama.cpp repack its weights (AMX); crashes in llama_decode on some VMs")
+    parser.add_argument("--llama-repack", choices=("both", "auto", "on", "off"), default=defaults.llama_repack,
+                        help="llama.cpp's weights: 'auto' runs its defaults (repacked) where they work here, else "
+                             "unrepacked, saying why; 'both' (the default) adds an unrepacked arm beside repacked "
+                             "defaults; 'on' fails where repacking crashes; 'off' never repacks")
     add_output_options(parser)
 
 

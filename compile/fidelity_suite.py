@@ -60,7 +60,7 @@ def at_least_as_faithful(row: dict, bar: dict) -> bool:
 
 
 def llama_cpp_logits(model: str, token_ids: list[int], threads: int) -> torch.Tensor:
-    peer = llama_peer.LlamaCpp(resolve_model_path(model), 1, len(token_ids), threads)
+    peer, _ = llama_peer.load_as_run(resolve_model_path(model), 1, len(token_ids), threads)
     try:
         return torch.from_numpy(llama_peer.teacher_forced_logits(peer, token_ids))
     finally:

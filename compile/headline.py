@@ -2,7 +2,9 @@
 transformers and llama.cpp (`python compilebench.py`, the default suite, `make bench`).
 
 The e2e suite's workload (compile/e2e.py) cut to what a newcomer came for: the ``auto``
-weights at batches 1, 8 and 32, every system interleaved step by step in one pass per batch.
+weights at batches 1, 8 and 32, every system interleaved step by step in one pass per batch;
+llama.cpp as its users run it (weights repacked), beside it unrepacked, or unrepacked alone where
+its default crashes on the host (the ``llama_cpp`` column says which).
 A compiled engine builds its decode graphs before the timed steps (warmup="eager"): about 15 s a
 bucket on 2 cores the first time, then loaded from the compile cache in a fraction of a second. The full grids are ``e2e`` and ``decode``.
 """
@@ -24,12 +26,12 @@ from compile.common import (
     save_figure,
     write_results,
 )
-from compile.e2e import LLAMA_CPP, TRANSFORMERS, add_workload_options, run, workload_from
+from compile.e2e import LLAMA_CPP, LLAMA_UNREPACKED, TRANSFORMERS, add_workload_options, run, workload_from
 from nanoserve.model import cpu_kernels
 
 DEFAULTS = DecodeWorkload(weights=("auto",), batches=(1, 8, 32))
 SYSTEMS = {"nanoserve eager": "eager_tok_s", "nanoserve compiled": "compile_tok_s",
-           TRANSFORMERS + " fp32": "hf_tok_s", LLAMA_CPP: "llama_tok_s"}
+           TRANSFORMERS + " fp32": "hf_tok_s", LLAMA_CPP: "llama_tok_s", LLAMA_UNREPACKED: "llama_norepack_tok_s"}
 
 
 def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
@@ -42,10 +44,10 @@ def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
                                                                  batch=r["batch"]))
         row[f"{r['mode']}_tok_s"] = r["tok_s"]
         row[f"{r['mode']}_x_bw_floor"] = r["x_bw_floor"]
-        for key in ("hf_tok_s", "llama_tok_s"):
+        for key in ("hf_tok_s", "llama_tok_s", "llama_norepack_tok_s", "llama_cpp"):
             if key in r:
                 row[key] = r[key]  # one pass for every mode: the same figure on each
-        for key in ("vs_llama", "vs_hf"):
+        for key in ("vs_llama", "vs_llama_norepack", "vs_hf"):
             if key in r:
                 row[f"{r['mode']}_{key}"] = r[key]
     return list(table.values())
@@ -53,8 +55,9 @@ def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
 
 def columns(rows: list[dict]) -> list[str]:
     present = dict.fromkeys(key for row in rows for key in row)
-    order = ["cpu", "kernels", "dtype", "weights", "batch", "eager_tok_s", "compile_tok_s", "hf_tok_s", "llama_tok_s",
-             "compile_vs_llama", "eager_vs_llama", "compile_vs_hf", "eager_vs_hf",
+    order = ["cpu", "kernels", "dtype", "weights", "batch", "eager_tok_s", "compile_tok_s", "hf_tok_s", "llama_cpp",
+             "llama_tok_s", "llama_norepack_tok_s", "compile_vs_llama", "eager_vs_llama", "compile_vs_llama_norepack",
+             "compile_vs_hf", "eager_vs_hf",
              "compile_x_bw_floor", "eager_x_bw_floor"]
     return [key for key in order if key in present]
 

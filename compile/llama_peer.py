@@ -9,7 +9,12 @@ over its logits, which is the same work as the engine's decode step.
 from __future__ import annotations
 
 import ctypes
+import functools
+import signal
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,23 +35,30 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def _silent_log():
+    import llama_cpp
+
+    return llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+
+
 class LlamaCpp:
     """One llama.cpp model and context: up to ``max_rows`` sequences of ``max_len`` tokens each,
     up to ``max_batch_tokens`` tokens per ``decode`` call, on ``threads`` threads.
 
-    ``repack`` lets llama.cpp repack the weights into its extra buffer types (AMX tiles where
-    the CPU lists AMX). Off by default: on this project's VM, whose CPU lists AMX, every
-    ``llama_decode`` over repacked weights segfaults (llama-cpp-python's own high-level API
-    too); without it llama.cpp runs the GGUF blocks through its AVX-512 dot products."""
+    ``repack``: llama.cpp's default, the weights repacked into its extra buffer types
+    (interleaved rows for its AVX-512/AVX2/NEON kernels, AMX tiles where the CPU lists AMX).
+    On some hosts every ``llama_decode`` over repacked weights segfaults (AMX on this project's
+    Sapphire Rapids VM): ``repack_mode`` finds out in a child process before a run relies on it."""
 
     def __init__(self, path: Path, max_rows: int, max_len: int, threads: int,
-                 max_batch_tokens: int = 512, repack: bool = False) -> None:
+                 max_batch_tokens: int = 512, repack: bool = True) -> None:
         import llama_cpp
 
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
-        self._silence_log = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-        llama_cpp.llama_log_set(self._silence_log, ctypes.c_void_p())  # its load log is pages long
+        # its load log is pages long; the callback is process-wide in llama.cpp, so it must outlive every peer
+        llama_cpp.llama_log_set(_silent_log(), ctypes.c_void_p())
         model_params = llama_cpp.llama_model_default_params()
         model_params.use_extra_bufts = repack
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
@@ -176,3 +188,62 @@ def gguf_of(model: str) -> Path | None:
         return path
     print(f"llama.cpp: {path} is not a GGUF file, so its arm is skipped")
     return None
+
+
+@dataclass(frozen=True)
+class RepackMode:
+    """How a run's llama.cpp holds its weights, and what to print beside its figures."""
+
+    repack: bool
+    label: str  # "defaults (repacking on)", or why it is off
+
+
+def repack_crash(path: Path, threads: int, timeout_s: float = 300.0) -> str | None:
+    """Whether llama.cpp's default (repacked weights) decodes ``path`` on this host: None if a
+    child process loads it and decodes a prompt and a step, else how the child died."""
+    command = [sys.executable, "-m", "compile.llama_peer", "--probe", str(path), str(threads)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                              cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        return f"no answer in {timeout_s:.0f} s"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return f"killed by {signal.Signals(-done.returncode).name}"
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+    return f"exit {done.returncode}" + (f": {tail[0]}" if tail else "")
+
+
+def repack_mode(path: Path, wanted: str, threads: int) -> RepackMode:
+    """``wanted``: "auto" (llama.cpp's default where it runs here, else off, saying why), "on" or "off"."""
+    if wanted == "off":
+        return RepackMode(False, "repacking off (asked)")
+    crash = repack_crash(path, threads)
+    if crash is None:
+        return RepackMode(True, "defaults (repacking on)")
+    if wanted == "on":
+        raise RuntimeError(f"llama.cpp with repacked weights fails on this host ({crash})")
+    return RepackMode(False, f"repacking off: its default crashes here ({crash})")
+
+
+def load_as_run(path: Path, max_rows: int, max_len: int, threads: int, wanted: str = "auto",
+                max_batch_tokens: int = 512) -> tuple[LlamaCpp, RepackMode]:
+    """llama.cpp as its users run it (``repack_mode``), and the label its figures carry."""
+    mode = repack_mode(path, wanted, threads)
+    print(f"llama.cpp: {mode.label}")
+    return LlamaCpp(path, max_rows, max_len, threads, max_batch_tokens, repack=mode.repack), mode
+
+
+def _probe(path: Path, threads: int) -> None:
+    peer = LlamaCpp(path, 1, 64, threads, max_batch_tokens=32, repack=True)
+    n = 8
+    wants_logits = np.zeros(n, dtype=np.int8)
+    wants_logits[-1] = 1
+    peer.decode(np.arange(1, n + 1), np.arange(n), np.zeros(n, dtype=np.int32), wants_logits)
+    peer.decode(np.array([1]), np.array([n]), np.zeros(1, dtype=np.int32), np.ones(1, dtype=np.int8))
+    peer.close()
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--probe":
+    _probe(Path(sys.argv[2]), int(sys.argv[3]))

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,14 +43,13 @@ from compile.common import (
 from compile.floor import read_bandwidth
 from compile.model_files import FILE_TYPES, SHAPES, model_file
 
-SYSTEMS = ("nanoserve", "llama.cpp")
 NEW_TOKENS = 24  # decode steps timed per batch, after a warm-up run of the same shape
 PROMPT_TOKENS = 32
 TTFT_TOKENS = 512
 TTFT_REPEATS = 2  # after a warm-up prefill of WARMUP_TOKENS (an 8B file's 512-token prefill takes a minute)
 WARMUP_TOKENS = 64
 MAX_MODEL_LEN = 1024
-COLUMNS = ("file", "system", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
+COLUMNS = ("file", "system", "llama_cpp", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
            "tok_s_b8", "ttft_512_s", "read_gbps_b1", "of_floor_b1")
 
 
@@ -99,13 +99,13 @@ def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[i
     return row
 
 
-def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
+def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
     from compile.ttft import llama_ttft
     from nanoserve.model.gguf_loader import GGUFCheckpoint
     from nanoserve.model.tokenizer import Tokenizer
 
     started = time.perf_counter()
-    peer = llama_peer.LlamaCpp(path, max(batches), MAX_MODEL_LEN, torch.get_num_threads())
+    peer = llama_peer.LlamaCpp(path, max(batches), MAX_MODEL_LEN, torch.get_num_threads(), repack=repack)
     row = dict(load_s=time.perf_counter() - started, rss_load_gb=_peak_rss_gb())
     ckpt = GGUFCheckpoint.open(path)
     row["weights_gb"] = sum(int(t.n_bytes) for t in ckpt.reader.tensors) / 1e9  # it runs the file's blocks
@@ -139,19 +139,32 @@ def measure_llama_cpp(path: Path, batches: Sequence[int]) -> dict:
 
 
 def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, str],
-              width_buckets: tuple[int, ...] | None = None) -> dict:
+              width_buckets: tuple[int, ...] | None = None, repack: bool = True) -> dict:
     """One system's measurements in a fresh process (its own peak RSS and nothing else running)."""
     command = [sys.executable, "-m", "compile.scale", "--worker", system, str(path),
-               "--batches", ",".join(map(str, batches))]
+               "--batches", ",".join(map(str, batches)), "--llama-repack", "on" if repack else "off"]
     if width_buckets:
         command += ["--width-buckets", ",".join(map(str, width_buckets))]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env},
                           cwd=Path(__file__).resolve().parent.parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode < 0:
+        return dict(error=f"killed by {signal.Signals(-done.returncode).name}")
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return dict(error=f"exit {done.returncode}: {' | '.join(tail)}")
     return json.loads(lines[-1])
+
+
+def arms(llama_cpp: bool, repack: str) -> list[tuple[str, bool, str]]:
+    """The (system, llama.cpp repacking, label) runs per file: llama.cpp with its defaults
+    (repacking on) and, with ``both``, unrepacked too (the two differ by up to 2x on some CPUs)."""
+    runs = [("nanoserve", False, "")]
+    if llama_cpp and repack in ("both", "on"):
+        runs.append(("llama.cpp", True, "defaults (repacking on)"))
+    if llama_cpp and repack in ("both", "off"):
+        runs.append(("llama.cpp", False, "repacking off"))
+    return runs
 
 
 def worker_env(system: str, tier: str | None, llama_cpp_path: Path | None) -> dict[str, str]:
@@ -173,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "nanoserve-scale",
                         help="where the random GGUF files are written (once) and kept")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--llama-repack", choices=("both", "on", "off"), default="both",
+                        help="llama.cpp's arms: its defaults (weights repacked: 'on'), unrepacked ('off'), or both "
+                             "(the default); a crashed arm is a row saying how it died")
     parser.add_argument("--tier", choices=("avx2",), help="force nanoserve's kernel tier and cap torch's own "
                         "kernels to it (with a fresh inductor cache); compare with --llama-cpp-path")
     parser.add_argument("--llama-cpp-path", type=Path, help="a folder holding another llama-cpp-python build "
@@ -190,18 +206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if system == "nanoserve":
             print(json.dumps(measure_nanoserve(Path(path), batches, args.width_buckets)))
         else:
-            print(json.dumps(measure_llama_cpp(Path(path), batches)))
+            print(json.dumps(measure_llama_cpp(Path(path), batches, repack=args.llama_repack != "off")))
         return 0
     host = host_description()
     floor = read_bandwidth()
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}; "
           f"read bandwidth floor {floor / 1e9:.1f} GB/s")
-    systems = ["nanoserve"]
-    if args.no_llama_cpp:
-        pass
-    elif llama_peer.available():
-        systems.append("llama.cpp")
-    else:
+    with_llama = not args.no_llama_cpp and llama_peer.available()
+    if not args.no_llama_cpp and not with_llama:
         print(llama_peer.ABSENT)
     rows = []
     for size in args.sizes:
@@ -209,10 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if size == "8b" and file_type == "Q4_0":
                 continue  # the 8B row is the Q4_K_M file people run
             path = model_file(args.models_dir, size, file_type)
-            for system in systems:
+            for system, repack, label in arms(with_llama, args.llama_repack):
                 measured = run_alone(system, path, batches, worker_env(system, args.tier, args.llama_cpp_path),
-                                     args.width_buckets if system == "nanoserve" else None)
+                                     args.width_buckets if system == "nanoserve" else None, repack)
                 row = {**host, "file": path.name, "system": system, "file_gb": path.stat().st_size / 1e9, **measured}
+                if label:
+                    row["llama_cpp"] = label
                 if "step_s_b1" in row:
                     row["read_gbps_b1"] = row["step_bytes_b1"] / row["step_s_b1"] / 1e9
                     row["of_floor_b1"] = row["read_gbps_b1"] * 1e9 / floor
@@ -228,16 +242,20 @@ def _plot(rows: Sequence[dict], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     files = list(dict.fromkeys(r["file"] for r in rows))
+    runs = list(dict.fromkeys((r["system"], r.get("llama_cpp", "")) for r in rows))
+    width = 0.8 / len(runs)
     for ax, (column, label) in zip(axes, [("load_s", "load to ready (s)"), ("rss_peak_gb", "peak RSS (GB)"),
                                           ("tok_s_b1", "decode tok/s, batch 1")]):
-        for offset, system in enumerate(SYSTEMS):
-            values = [next((r.get(column, 0) for r in rows if r["file"] == f and r["system"] == system), 0)
+        for offset, (system, mode) in enumerate(runs):
+            values = [next((r.get(column, 0) for r in rows
+                            if r["file"] == f and (r["system"], r.get("llama_cpp", "")) == (system, mode)), 0)
                       for f in files]
-            ax.bar([i + 0.4 * offset for i in range(len(files))], values, width=0.4, label=system)
-        ax.set_xticks([i + 0.2 for i in range(len(files))])
+            ax.bar([i + width * offset for i in range(len(files))], values, width=width,
+                   label=f"{system} ({mode})" if mode else system)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(files))])
         ax.set_xticklabels([f.removeprefix("random-").removesuffix(".gguf") for f in files], fontsize=8)
         ax.set_title(label)
-    axes[0].legend()
+    axes[0].legend(fontsize="small")
     fig.tight_layout()
     save_figure(fig, path)
 

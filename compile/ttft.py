@@ -59,11 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}")
     engine = build_engine(args.model, max_batch_size=1, max_model_len=max(lengths) + 16, enable_prefix_caching=False,
                           compile=False)
-    peer = None
+    peer, llama_mode = None, None
     if not args.no_llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)
     elif not args.no_llama_cpp and (path := llama_peer.gguf_of(args.model)) is not None:
-        peer = llama_peer.LlamaCpp(path, 1, max(lengths) + 16, torch.get_num_threads())
+        peer, llama_mode = llama_peer.load_as_run(path, 1, max(lengths) + 16, torch.get_num_threads())
     rows = []
     for length in lengths:
         prompt = text_prompt(engine.tokenizer, length)
@@ -79,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = dict(**host, weights=engine.stats().weights, prompt_tokens=length,
                    nanoserve_s=statistics.median(ours))
         if theirs:
-            row.update(llama_s=statistics.median(theirs), vs_llama=statistics.median(theirs) / row["nanoserve_s"])
+            row.update(llama_s=statistics.median(theirs), vs_llama=statistics.median(theirs) / row["nanoserve_s"],
+                       llama_cpp=llama_mode.label)
         rows.append(row)
         print(format_table(rows[-1:], list(rows[-1])), flush=True)
     if peer is not None:

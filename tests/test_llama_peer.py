@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile.llama_peer import LlamaCpp, LlamaCppSteps, teacher_forced_logits
+from compile.llama_peer import LlamaCpp, LlamaCppSteps, RepackMode, repack_mode, teacher_forced_logits
 from nanoserve.model.llama import dense_forward
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[peers]')")
@@ -17,7 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once up
 
 @pytest.fixture(scope="module")
 def peer(smollm2_path):
-    peer = LlamaCpp(smollm2_path, max_rows=len(PROMPTS), max_len=64, threads=2, max_batch_tokens=16)
+    # Unrepacked, which runs on every host (repacked weights crash llama_decode on some).
+    peer = LlamaCpp(smollm2_path, max_rows=len(PROMPTS), max_len=64, threads=2, max_batch_tokens=16, repack=False)
     yield peer
     peer.close()
 
@@ -45,3 +46,25 @@ def test_batched_steps_decode_every_row_to_the_same_length(peer, smollm2):
     ids = prompts[0] + steps.tokens[0]
     alone = teacher_forced_logits(peer, ids).argmax(-1)[len(prompts[0]) - 1:-1].tolist()
     assert sum(a == b for a, b in zip(alone, steps.tokens[0])) >= 5
+
+
+def test_llama_cpp_runs_as_its_users_do_or_says_why_not(smollm2_path):
+    mode = repack_mode(smollm2_path, "auto", threads=2)
+    if mode.repack:
+        assert mode.label == "defaults (repacking on)"
+    else:  # its default died in a child process; this one lives on to say how
+        assert mode.label.startswith("repacking off: its default crashes here (")
+    assert repack_mode(smollm2_path, "off", threads=2) == RepackMode(False, "repacking off (asked)")
+
+
+def test_e2e_compares_with_llama_cpps_defaults_and_unrepacked_beside_them(smollm2_path):
+    from compile.common import DecodeWorkload
+    from compile.e2e import run
+
+    work = DecodeWorkload(model=str(smollm2_path), weights=("auto",), modes=("eager",), batches=(1,),
+                          prompt_len=6, new_tokens=3, transformers=False, llama_repack="both")
+    [row] = run(work)
+    mode = repack_mode(smollm2_path, "auto", threads=work.threads)
+    assert row["llama_cpp"] == mode.label and row["llama_tok_s"] > 0
+    # the unrepacked arm runs beside repacked defaults; where those crash it is the only arm
+    assert ("llama_norepack_tok_s" in row) == mode.repack
