@@ -13,7 +13,8 @@ says otherwise; ``--chunk-rows 8`` measures the path a decode step of a few rows
 forward of the whole text is a prompt's path, which may run a dense copy). ``--reference``
 measures against another model's fp32 logits (the unquantised file a quantised one was made
 from), and ``--llama-quantise IQ4_XS`` runs the default model as llama.cpp's quantiser writes
-that file type from the model's F32 file (compile/quantised_files.py), against that F32 file.
+that file type from the model's F32 file (compile/quantised_files.py), against that F32 file;
+with ``--padded``, from that model laid out 768 wide, where every row takes the type.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--llama-quantise", choices=sorted(quantised_files.FILE_TYPES),
                         help="the default model as llama.cpp's quantiser writes this file type from the "
                              "model's F32 file (made once under --models-dir), against that F32 file")
+    parser.add_argument("--padded", action="store_true",
+                        help="with --llama-quantise: quantise the model laid out 768 wide (the same function, "
+                             "every row a multiple of 256), so no tensor falls back from its type")
     parser.add_argument("--models-dir", type=Path, default=quantised_files.MODELS,
                         help="where --llama-quantise keeps its files (default: build/models)")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip the llama.cpp row")
@@ -149,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.llama_quantise:
         if args.model != DEFAULT_MODEL:
             parser.error("--llama-quantise makes its file from the default model; leave --model out")
-        args.model = str(quantised_files.quantised_file(args.llama_quantise, args.models_dir))
-        args.reference = args.reference or str(quantised_files.float_file(args.models_dir))
+        args.model = str(quantised_files.quantised_file(args.llama_quantise, args.models_dir, padded=args.padded))
+        unquantised = quantised_files.padded_file if args.padded else quantised_files.float_file
+        args.reference = args.reference or str(unquantised(args.models_dir))
         print(f"{Path(args.model).name}: {quantised_files.tensor_type_counts(Path(args.model))}")
     args.weights = formats_for(args.model, args.weights, FORMATS)
     if args.llama_cpp and not llama_peer.available():
