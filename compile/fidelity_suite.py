@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> list[dict]:
           "in fp32" + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
     reference = teacher_forced_logits(fp32.model, token_ids)
     del fp32
-    reference_name = resolve_model_path(against).name if against != DEFAULT_MODEL else DEFAULT_MODEL
+    reference_name = resolve_model_path(against).name
     rows = []
     for weights in args.weights:
         logits, seconds = timed(teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
@@ -150,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
+    if args.padded and not args.llama_quantise:
+        parser.error("--padded lays out the model --llama-quantise quantises; name a file type with it")
     if args.llama_quantise:
         if args.model != DEFAULT_MODEL:
             parser.error("--llama-quantise makes its file from the default model; leave --model out")

@@ -7,8 +7,10 @@ each type with its own tensor mix, as anyone downloading a GGUF would get it. A 
 super-block type cannot hold a row of this model's 576 (every linear but ffn_down, and the
 tied embedding), so llama.cpp falls back there to a 32-weight type (IQ4_XS to IQ4_NL, Q3_K to
 Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0): its "Q3_K_M" file of this model holds no Q3_K
-at all, and ``tensor_type_counts`` says what a file holds. The files are written once under
-``MODELS`` (git-ignored) and reused.
+at all, and ``tensor_type_counts`` says what a file holds. ``padded_file`` lays the model out
+768 wide, the same function with every row a multiple of 256, so that a file quantised from it
+holds each type where llama.cpp's mix puts it. The files are written once under ``MODELS``
+(git-ignored) and reused.
 """
 
 from __future__ import annotations
