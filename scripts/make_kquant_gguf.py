@@ -33,7 +33,7 @@ def check(path: Path, max_tokens: int = 24) -> None:
     engine = build_engine(str(path), max_batch_size=1, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = engine.generate([PROMPT], params, use_tqdm=False)[0]
-    print(f"  nanoserve weight types: {engine.stats()['weight_types']}")
+    print(f"  nanoserve weight types: {engine.stats().weight_types}")
     print(f"  nanoserve: {out.text!r}")
     prompt = engine.tokenizer.encode(PROMPT)
     peer = LlamaCpp(path, max_rows=1, max_len=256, threads=2)
