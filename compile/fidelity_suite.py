@@ -10,7 +10,11 @@ format is marked at least as faithful when it is no worse on all three: top-1 ag
 and the perplexity ratio's distance from 1. ``--model`` reads another GGUF file (a
 multi-type K-quant file, say) in place of the default, in ``auto`` weights unless ``--weights``
 says otherwise; ``--chunk-rows 8`` measures the path a decode step of a few rows takes (one
-forward of the whole text is a prompt's path, which may run a dense copy).
+forward of the whole text is a prompt's path, which may run a dense copy). ``--reference``
+measures against another model's fp32 logits (the unquantised file a quantised one was made
+from), and ``--llama-quantise IQ4_XS`` runs the default model as llama.cpp's quantiser writes
+that file type from the model's F32 file (compile/quantised_files.py), against that F32 file;
+with ``--padded``, from that model laid out 768 wide, where every row takes the type.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from compile import llama_peer
+from compile import llama_peer, quantised_files
 from compile.common import (
     FIDELITY_TEXT,
     WEIGHT_CHOICES,
@@ -82,23 +86,35 @@ def text_ids(tokenizer, text: Path, max_tokens: int | None, limit: int) -> list[
     return token_ids
 
 
+def same_vocabulary(reference: torch.Tensor, logits: torch.Tensor, model: str, against: str) -> torch.Tensor:
+    """``logits``, refused unless they are over the reference's vocabulary."""
+    if logits.shape != reference.shape:
+        raise ValueError(f"{model} gives logits {tuple(logits.shape)}, its reference {against} "
+                         f"{tuple(reference.shape)}: a reference must share the model's vocabulary")
+    return logits
+
+
 def run(args: argparse.Namespace) -> list[dict]:
-    fp32 = engine_in(args.model, "fp32")
+    against = args.reference or args.model
+    fp32 = engine_in(against, "fp32")
     token_ids = text_ids(fp32.tokenizer, args.text, args.max_tokens, fp32.model.config.max_position_embeddings)
-    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format against {args.model} in fp32"
-          + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
+    print(f"fidelity: {len(token_ids)} tokens of {args.text.name}, each format of {args.model} against {against} "
+          "in fp32" + (f", {args.chunk_rows} rows per forward" if args.chunk_rows else ", one forward"))
     reference = teacher_forced_logits(fp32.model, token_ids)
     del fp32
+    reference_name = resolve_model_path(against).name
     rows = []
     for weights in args.weights:
         logits, seconds = timed(teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
                                 args.chunk_rows)
-        rows.append(metrics_row(weights, reference, logits, token_ids, seconds))
+        logits = same_vocabulary(reference, logits, args.model, against)
+        rows.append(metrics_row(weights, reference, logits, token_ids, seconds) | dict(reference=reference_name))
         print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     if args.llama_cpp:
         logits, seconds = timed(llama_cpp_logits, args.model, token_ids, args.threads)
+        logits = same_vocabulary(reference, logits, args.model, against)
         bar = metrics_row(f"{llama_peer.NAME} ({resolve_model_path(args.model).name})", reference, logits,
-                          token_ids, seconds)
+                          token_ids, seconds) | dict(reference=reference_name)
         for row in rows:
             row["at_least_llama"] = "yes" if at_least_as_faithful(row, bar) else "no"
         rows.append(bar)
@@ -119,10 +135,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk-rows", type=int, default=None,
                         help="feed the text this many tokens per forward (the row count packed layers see); "
                              "default: one forward")
+    parser.add_argument("--reference", default=None,
+                        help="the model whose fp32 logits every row is measured against, sharing the model's "
+                             "vocabulary (default: the model's own fp32 dequantisation)")
+    parser.add_argument("--llama-quantise", choices=sorted(quantised_files.FILE_TYPES),
+                        help="the default model as llama.cpp's quantiser writes this file type from the "
+                             "model's F32 file (made once under --models-dir), against that F32 file")
+    parser.add_argument("--padded", action="store_true",
+                        help="with --llama-quantise: quantise the model laid out 768 wide (the same function, "
+                             "every row a multiple of 256), so no tensor falls back from its type")
+    parser.add_argument("--models-dir", type=Path, default=quantised_files.MODELS,
+                        help="where --llama-quantise keeps its files (default: build/models)")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip the llama.cpp row")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
+    if args.padded and not args.llama_quantise:
+        parser.error("--padded lays out the model --llama-quantise quantises; name a file type with it")
+    if args.llama_quantise:
+        if args.model != DEFAULT_MODEL:
+            parser.error("--llama-quantise makes its file from the default model; leave --model out")
+        args.model = str(quantised_files.quantised_file(args.llama_quantise, args.models_dir, padded=args.padded))
+        unquantised = quantised_files.padded_file if args.padded else quantised_files.float_file
+        args.reference = args.reference or str(unquantised(args.models_dir))
+        print(f"{Path(args.model).name}: {quantised_files.tensor_type_counts(Path(args.model))}")
     args.weights = formats_for(args.model, args.weights, FORMATS)
     if args.llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)

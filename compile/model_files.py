@@ -4,8 +4,10 @@ memory and decode speed where the weights no longer fit in a cache.
 No such file ships on PyPI, and speed, memory and load time depend on a file's shapes and block
 types, not on what its weights learned. So the blocks are written directly: random codes, and
 scales drawn so that each weight is small (|w| ~ 0.02, as trained weights are), in llama.cpp's
-layouts, with the tensor types llama.cpp's quantiser picks for that file type (Q4_K_M: Q6_K for
-the output, for attn_v and ffn_down on its "more bits" layers; a tied embedding as the output).
+layouts, with the tensor types llama.cpp's quantiser picks for that file type (``tensor_types``:
+Q4_K_M's Q6_K on its "more bits" layers, Q3_K_M's Q4_K / Q5_K, IQ4_XS's Q5_K; a tied embedding
+as the output). ``F32`` writes the matrices as random floats instead: the unquantised file
+llama.cpp's quantiser starts from, which the tests quantise to check ``tensor_types``.
 The vocabulary, tokenizer and chat template are the packaged SmolLM2 file's (49,152 tokens).
 Writing one is a pass of random bytes: seconds for a 1B file, about a minute for an 8B one.
 """
@@ -77,7 +79,14 @@ SHAPES = {
     "moe-small": Shape(2048, 8, 32, 8, 5632, tied=True, experts=8, experts_used=2, expert_ffn=5632),
 }
 # MXFP4_MOE: gpt-oss's experts MXFP4, everything else Q8_0 (as the gpt-oss GGUFs people download).
-FILE_TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "MXFP4_MOE")
+FILE_TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "MXFP4_MOE", "IQ4_XS", "Q3_K_M")
+# Each file type's type for a matrix no rule of llama.cpp's quantiser singles out.
+BODY_TYPES = {"Q4_0": Q.Q4_0, "Q4_K_M": Q.Q4_K, "Q8_0": Q.Q8_0, "MXFP4_MOE": Q.Q8_0, "IQ4_XS": Q.IQ4_XS,
+              "Q3_K_M": Q.Q3_K, "F32": Q.F32}
+# llama.cpp's fallback for a row its type's 256-weight super-blocks cannot hold (llama-quant.cpp's
+# tensor_type_fallback): a 32-weight type.
+FALLBACK_TYPES = {Q.IQ4_XS: Q.IQ4_NL, Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1,
+                  Q.Q6_K: Q.Q8_0}
 
 
 MLP_PARTS = ("ffn_gate", "ffn_up", "ffn_down")
@@ -85,23 +94,60 @@ EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def tensor_types(shape: Shape, file_type: str) -> dict[str, Q]:
-    """Each tensor's type as llama.cpp's quantiser chooses it for ``file_type`` (norms and
-    routers are F32, written apart)."""
-    body = {"Q4_0": Q.Q4_0, "Q4_K_M": Q.Q4_K, "Q8_0": Q.Q8_0, "MXFP4_MOE": Q.Q8_0}[file_type]
-    head = Q.Q8_0 if file_type in ("Q8_0", "MXFP4_MOE") else Q.Q6_K
+    """Each tensor's type as llama.cpp's quantiser chooses it for ``file_type`` without an
+    importance matrix (llama-quant.cpp's llama_tensor_get_type, for a llama-like architecture;
+    norms and routers are F32, written apart):
+
+    - the output, or a tied embedding: Q6_K (Q8_0 for Q8_0 and MXFP4_MOE, or a row not a multiple
+      of 256); an untied embedding: the body type;
+    - Q4_K_M: attn_v and ffn_down Q6_K on the "more bits" layers (the first and last eighth,
+      every third between);
+    - Q3_K_M: attn_v Q5_K on the first two layers, Q4_K after; attn_output Q4_K; ffn_down Q5_K on
+      the first sixteenth of the layers, Q4_K after; attn_q, attn_k, ffn_gate and ffn_up Q3_K;
+    - IQ4_XS: attn_v Q5_K when 4 or more query heads share a K/V head; ffn_down Q5_K on the
+      first eighth of the layers; the rest IQ4_XS;
+    - with 8 experts (Mixtral's rules), in Q3_K_M and IQ4_XS: attn_v and attn_k Q8_0, attn_output
+      Q5_K (llama.cpp's Q4_K_M has them too; this module's Q4_K_M files keep the layout their
+      recorded figures ran);
+    - a row whose width is not a multiple of a 256-weight type's super-block falls back to a
+      32-weight type (FALLBACK_TYPES)."""
+    body = BODY_TYPES[file_type]
+    head = Q.Q8_0 if file_type in ("Q8_0", "MXFP4_MOE") or shape.hidden % 256 else Q.Q6_K
+    if file_type == "F32":
+        head = Q.F32
     types = {"token_embd.weight": head if shape.tied else body}
     if not shape.tied:
         types["output.weight"] = head
     n = shape.layers
+    eight_experts = shape.experts == 8 and file_type in ("Q3_K_M", "IQ4_XS")
     for i in range(n):
         more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
         for part in ("attn_q", "attn_k", "attn_v", "attn_output", *(EXPERT_PARTS if shape.experts else MLP_PARTS)):
             kind = body
-            if file_type == "Q4_K_M" and part in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits:
+            down = part in ("ffn_down", "ffn_down_exps")
+            if file_type == "Q4_K_M" and (part == "attn_v" or down) and more_bits:
                 kind = Q.Q6_K
+            elif file_type == "Q3_K_M" and part == "attn_v":
+                kind = Q.Q5_K if i < 2 else Q.Q4_K
+            elif file_type == "Q3_K_M" and part == "attn_output":
+                kind = Q.Q4_K
+            elif file_type == "Q3_K_M" and down:
+                kind = Q.Q5_K if i < n // 16 else Q.Q4_K
+            elif file_type == "IQ4_XS" and part == "attn_v" and shape.heads // shape.kv_heads >= 4:
+                kind = Q.Q5_K
+            elif file_type == "IQ4_XS" and down and i < n // 8:
+                kind = Q.Q5_K
+            if eight_experts and part in ("attn_v", "attn_k"):
+                kind = Q.Q8_0
+            elif eight_experts and part == "attn_output":
+                kind = Q.Q5_K
             if file_type == "MXFP4_MOE" and part in EXPERT_PARTS:
                 kind = Q.MXFP4
             types[f"blk.{i}.{part}.weight"] = kind
+    shapes = tensor_shapes(shape)
+    for name, kind in types.items():
+        if kind in FALLBACK_TYPES and shapes[name][-1] % GGML_QUANT_SIZES[kind][0]:
+            types[name] = FALLBACK_TYPES[kind]
     return types
 
 
@@ -154,7 +200,9 @@ def float_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random blocks [rows, row bytes] of ``qtype`` whose weights are about 0.02 in size: random
-    codes, and each block's fp16 scale (and minimum) set so."""
+    codes, and each block's fp16 scale (and minimum) set so (F32: the weights themselves)."""
+    if qtype == Q.F32:
+        return rng.normal(0.0, 0.02, (rows, cols)).astype(np.float32).view(np.uint8)
     block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
     count = rows * (cols // block_weights)
     blocks = np.frombuffer(rng.bytes(count * block_bytes), dtype=np.uint8).reshape(count, block_bytes).copy()

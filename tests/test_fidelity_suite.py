@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
+import torch
+
 from compile import fidelity_suite, llama_peer
 from compile.common import formats_for, result_stem
 
@@ -55,3 +58,29 @@ def test_at_least_as_faithful_needs_no_worse_on_all_three_figures():
     assert not fidelity_suite.at_least_as_faithful(dict(top1=0.96, mean_kl=0.002, ppl_ratio=1.0), bar)
     assert not fidelity_suite.at_least_as_faithful(dict(top1=0.98, mean_kl=0.004, ppl_ratio=1.0), bar)
     assert not fidelity_suite.at_least_as_faithful(dict(top1=0.98, mean_kl=0.002, ppl_ratio=0.997), bar)
+
+
+def test_reference_measures_every_row_against_another_models_logits(tiny_llama_dir, tmp_path, monkeypatch):
+    """A copy of the model with its weights nudged, against the original: even its fp32 row
+    moves off the metrics' zero, and the CSV names the reference."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    nudged = tmp_path / "nudged"
+    shutil.copytree(tiny_llama_dir, nudged)
+    weights = load_file(nudged / "model.safetensors")
+    save_file({name: w + 0.01 * torch.randn_like(w) for name, w in weights.items()}, nudged / "model.safetensors",
+              metadata={"format": "pt"})
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    status = fidelity_suite.main(["--model", str(nudged), "--reference", str(tiny_llama_dir), "--text", str(SHORT_TEXT),
+                                  "--weights", "fp32", "--max-tokens", "40", "--out", str(tmp_path)])
+    assert status == 0
+    with (tmp_path / "fidelity-nudged.csv").open() as f:
+        (row,) = csv.DictReader(f)
+    assert row["reference"] == Path(tiny_llama_dir).name and float(row["mean_kl"]) > 0.0
+
+
+def test_a_reference_over_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="vocabulary"):
+        fidelity_suite.same_vocabulary(torch.zeros(5, 320), torch.zeros(5, 49152), "a.gguf", "b.gguf")
