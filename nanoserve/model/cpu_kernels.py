@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,14 +356,33 @@ def pack_gguf(blocks: np.ndarray, qtype: int, rows: int, cols: int,
     as (codes, scales, mins) in the layout ``pack_groups`` makes from its GroupCodes, in one pass
     over the bytes (gguf_pack.cpp); ``row_order``: the file row of each row. The bytes are read,
     never written, so a read-only view of a memory-mapped file serves."""
+    return pack_gguf_parts([(blocks, rows, row_order)], qtype, cols)
+
+
+def pack_gguf_parts(parts: Sequence[tuple[np.ndarray, int, np.ndarray | None]], qtype: int, cols: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tensors of one type and width, each (bytes, rows, row order) as ``pack_gguf`` takes
+    one, packed as the one weight they stack into along their rows: written in place, the same
+    bytes as packing each and concatenating."""
     if not _ops_loaded():
         raise RuntimeError("nanoserve's CPU ops did not build; unpack the blocks instead (BlockTensor.group_codes)")
     with warnings.catch_warnings():  # a read-only memory map: torch warns that it cannot be written
         warnings.simplefilter("ignore", UserWarning)
+        data = [torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1)) for blocks, _, _ in parts]
+    orders = [torch.empty(0, dtype=torch.int64) if order is None else
+              torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64)) for _, _, order in parts]
+    return torch.ops.nanoserve.pack_gguf(data, qtype, [rows for _, rows, _ in parts], cols, orders)
+
+
+def gguf_codes(blocks: np.ndarray, qtype: int, rows: int, cols: int, scalar: bool = False) -> torch.Tensor:
+    """The codes [rows, cols] uint8 that ``pack_gguf`` reads from a block tensor's bytes: through
+    its vectorised decoders, or (``scalar``) its scalar reference ones."""
+    if not _ops_loaded():
+        raise RuntimeError("nanoserve's CPU ops did not build")
+    with warnings.catch_warnings():  # read-only bytes: as pack_gguf_parts
+        warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1))
-    order = torch.empty(0, dtype=torch.int64) if row_order is None else torch.from_numpy(
-        np.ascontiguousarray(row_order, dtype=np.int64))
-    return torch.ops.nanoserve.pack_gguf(data, qtype, rows, cols, order)
+    return torch.ops.nanoserve.gguf_codes(data, qtype, rows, cols, scalar)
 
 
 def _super_records(factors) -> torch.Tensor:

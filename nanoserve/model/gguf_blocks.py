@@ -294,11 +294,12 @@ class StackedBlocks:
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(codes, scales, mins, zero point) as ``cpu_kernels.pack_groups`` lays them out, made
-        by ``cpu_kernels.pack_gguf`` part by part (blocks of 16 rows are independent, so the
-        parts' packings stack)."""
-        packed = [cpu_kernels.pack_gguf(p.data, int(p.qtype), p.rows, p.cols, p.row_order) for p in self.parts]
-        codes, scales, mins = (torch.cat([p[i] for p in packed]) for i in range(3))
-        return codes, scales, mins, ZERO_POINTS.get(self.parts[0].qtype, 0)
+        by ``cpu_kernels.pack_gguf_parts`` in one pass over the parts into the stacked tensors
+        (blocks of 16 rows are independent, so the parts' packings stack)."""
+        first = self.parts[0]
+        codes, scales, mins = cpu_kernels.pack_gguf_parts([(p.data, p.rows, p.row_order) for p in self.parts],
+                                                          int(first.qtype), first.cols)
+        return codes, scales, mins, ZERO_POINTS.get(first.qtype, 0)
 
 
 @dataclass(frozen=True)

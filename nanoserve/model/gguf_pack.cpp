@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "kernels/common.h"
 
@@ -35,7 +36,8 @@ struct BlockType {
 constexpr int16_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int16_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-BlockType block_type(int64_t qtype) {
+// The block type's record ({} where qtype is none of the above).
+constexpr BlockType block_type_of(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return {32, 18, 4, 32, false};
     case Q4_1: return {32, 20, 4, 32, true};
@@ -51,7 +53,13 @@ BlockType block_type(int64_t qtype) {
     case IQ4_XS: return {256, 136, 8, 32, false};
     case MXFP4: return {32, 17, 5, 32, false};    // table value + 16
   }
-  TORCH_CHECK(false, "GGUF type ", qtype, " does not pack from its blocks");
+  return {0, 0, 0, 0, false};
+}
+
+BlockType block_type(int64_t qtype) {
+  const BlockType t = block_type_of(qtype);
+  TORCH_CHECK(t.weights, "GGUF type ", qtype, " does not pack from its blocks");
+  return t;
 }
 
 // The types whose numbers are super-block records (an fp16 number times int8 multipliers).
@@ -66,7 +74,7 @@ uint16_t fp16_bits(const uint8_t* p) {
 }
 
 // Q4_K's and Q5_K's 6-bit scale (mins = false) or minimum of group g (0..7) from its 12 bytes.
-uint8_t k_scale(const uint8_t* s, int g, bool mins) {
+inline uint8_t k_scale(const uint8_t* s, int g, bool mins) {
   const int lo = mins ? 4 : 0;
   if (g < 4) return s[g + lo] & 63;
   const uint8_t low = mins ? (s[g + 4] >> 4) : (s[g + 4] & 15);
@@ -162,6 +170,103 @@ void store_codes(const uint8_t (*c)[32], int bits, uint8_t* dst) {
   }
 }
 
+// The vectorised path of the types without a table: group_codes and store_codes per type and
+// storage width, as loops of a fixed count over bytes with shifts uniform across them (which the
+// compiler turns into vector code at the baseline instruction set: no target flags, so the
+// library runs on any CPU of its architecture) and 64-bit words of 8 codes. Equal to the scalar
+// ones above byte for byte (tests/test_gguf_pack.py).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the 8-code words are little-endian");
+
+// True for the block types decoded by decode_group (the table types keep group_codes).
+constexpr bool vectorised(int64_t qtype) { return qtype != IQ4_NL && qtype != IQ4_XS && qtype != MXFP4; }
+
+// The 8 bits of a byte, bit i as byte i of the word (0 or 1).
+inline uint64_t spread_bits(uint8_t bits) {
+  const uint64_t x = (bits * 0x0101010101010101ull) & 0x8040201008040201ull;  // byte i: bit i, in place
+  return ((x + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;           // nonzero -> 1
+}
+
+// group_codes of a type decode_group holds (vectorised(QT)).
+template <int64_t QT>
+inline void decode_group(const uint8_t* __restrict row, int64_t g, uint8_t* __restrict out) {
+  static_assert(vectorised(QT), "the table types decode through group_codes");
+  constexpr BlockType t = block_type_of(QT);
+  if constexpr (QT == Q8_0) {
+    const uint8_t* qs = row + g * t.bytes + 2;
+    for (int i = 0; i < 32; ++i) out[i] = qs[i] ^ 0x80;  // int8 c -> c + 128
+  } else if constexpr (t.weights == 32) {  // Q4_0, Q4_1, Q5_0, Q5_1
+    constexpr bool five = t.bits == 5;
+    constexpr int at = t.has_mins ? 4 : 2;  // the high bits, then (or else) the nibbles
+    const uint8_t* b = row + g * t.bytes;
+    const uint8_t* qs = b + at + (five ? 4 : 0);
+    for (int i = 0; i < 16; ++i) {
+      out[i] = qs[i] & 15;
+      out[16 + i] = qs[i] >> 4;
+    }
+    if constexpr (five) {
+      for (int j = 0; j < 4; ++j) {  // byte j of the high bits: weights 8 j .. 8 j + 7
+        uint64_t word;
+        memcpy(&word, out + 8 * j, 8);
+        word |= spread_bits(b[at + j]) << 4;
+        memcpy(out + 8 * j, &word, 8);
+      }
+    }
+  } else if constexpr (QT == Q6_K) {  // as group_codes
+    const int64_t s = g / 8, gg = g % 8;
+    const int half = static_cast<int>(gg / 4), quarter = static_cast<int>(gg % 4);
+    const uint8_t* ql = row + s * 210 + 64 * half + 32 * (quarter % 2);
+    const uint8_t* qh = row + s * 210 + 128 + 32 * half;
+    const int low_shift = 4 * (quarter / 2), high_shift = 2 * quarter;
+    for (int i = 0; i < 32; ++i) out[i] = ((ql[i] >> low_shift) & 15) | (((qh[i] >> high_shift) & 3) << 4);
+  } else if constexpr (QT == Q2_K || QT == Q3_K) {
+    const int64_t s = g / 8, gg = g % 8;
+    const uint8_t* b = row + s * t.bytes;
+    const uint8_t* qs = b + (QT == Q2_K ? 16 : 32) + 32 * (gg / 4);
+    const int shift = static_cast<int>(2 * (gg % 4));
+    for (int i = 0; i < 32; ++i) {
+      out[i] = ((qs[i] >> shift) & 3) | (QT == Q3_K ? ((b[i] >> gg) & 1) << 2 : 0);
+    }
+  } else {  // Q4_K, Q5_K
+    const int64_t s = g / 8, gg = g % 8;
+    constexpr bool five = QT == Q5_K;
+    const uint8_t* b = row + s * t.bytes;
+    const uint8_t* qs = b + (five ? 48 : 16) + 32 * (gg / 2);
+    const int shift = static_cast<int>(4 * (gg % 2));
+    for (int i = 0; i < 32; ++i) out[i] = ((qs[i] >> shift) & 15) | (five ? ((b[16 + i] >> gg) & 1) << 4 : 0);
+  }
+}
+
+// The 4 codes of bytes 0..3 of `word`'s low 32 bits (bit `bit` of each) as a nibble, byte i at bit i.
+inline uint32_t bit_nibble(uint32_t word, int bit) { return (((word >> bit) & 0x01010101u) * 0x01020408u) >> 24; }
+
+// store_codes at storage width BITS.
+template <int BITS>
+inline void store_codes_words(const uint8_t (*c)[32], uint8_t* __restrict dst) {
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < 16; ++r) memcpy(dst + (j * 16 + r) * 4, c[r] + 4 * j, 4);
+    return;
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < 16; ++r) {
+      uint64_t word;
+      memcpy(&word, c[r] + 8 * j, 8);
+      const uint32_t lanes = static_cast<uint32_t>((word & 0x0F0F0F0Full) | ((word >> 28) & 0xF0F0F0F0ull));
+      memcpy(dst + (j * 16 + r) * 4, &lanes, 4);
+    }
+  for (int bit = 4; bit < BITS; ++bit) {
+    uint8_t* plane = dst + 256 + 64 * (bit - 4);
+    for (int j = 0; j < 4; ++j)
+      for (int half = 0; half < 2; ++half)
+        for (int p = 0; p < 8; ++p) {
+          uint32_t even, odd;
+          memcpy(&even, c[2 * p] + 8 * j + 4 * half, 4);
+          memcpy(&odd, c[2 * p + 1] + 8 * j + 4 * half, 4);
+          plane[16 * j + 8 * half + p] = static_cast<uint8_t>(bit_nibble(even, bit) | (bit_nibble(odd, bit) << 4));
+        }
+  }
+}
+
 // MXFP4's scale 2^(e - 128) (gguf's e8m0_to_fp32_half: E8M0's 2^(e - 127) times the half its
 // doubled values leave out) as fp32 bits; fp16 holds it for e in 104..143, as these fp16 bits.
 uint32_t e8m0_half_fp32(uint8_t e) { return e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23; }
@@ -185,18 +290,24 @@ int8_t iq4_xs_scale(const uint8_t* blk, int h) {
   return static_cast<int8_t>((low | (high << 4)) - 32);
 }
 
-// Rows [16 b, 16 b + 16) of the weight: their codes, and their numbers as fp16 (MXFP4: fp16 or,
-// with fp32, fp32) bits per scale group (blocks of 32) or as super-block records (the rest).
-void pack_block(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, const int64_t* order, int64_t k, int64_t b,
-                bool fp32, uint8_t* codes, uint8_t* scales, uint8_t* mins) {
-  const BlockType t = block_type(qtype);
-  const uint8_t* rows[16];
-  for (int r = 0; r < 16; ++r) rows[r] = blocks + (order ? order[16 * b + r] : 16 * b + r) * row_bytes;
+// Output rows [16 b, 16 b + 16) of the weight, read from `rows`: their codes, and their numbers
+// as fp16 (MXFP4: fp16 or, with fp32, fp32) bits per scale group (blocks of 32) or as
+// super-block records (the rest).
+template <int64_t QT>
+void pack_block(const uint8_t* const* rows, int64_t k, int64_t b, bool fp32, uint8_t* codes, uint8_t* scales,
+                uint8_t* mins) {
+  constexpr int64_t qtype = QT;
+  constexpr BlockType t = block_type_of(QT);
   const int64_t groups = k / 32, group_bytes = 64 * t.bits;  // code bytes of 16 rows x 32 weights
-  uint8_t c[16][32];
+  alignas(64) uint8_t c[16][32];
   for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < 16; ++r) group_codes(qtype, rows[r], g, c[r]);
-    store_codes(c, t.bits, codes + (b * groups + g) * group_bytes);
+    if constexpr (vectorised(QT)) {
+      for (int r = 0; r < 16; ++r) decode_group<QT>(rows[r], g, c[r]);
+      store_codes_words<t.bits>(c, codes + (b * groups + g) * group_bytes);
+    } else {
+      for (int r = 0; r < 16; ++r) group_codes(qtype, rows[r], g, c[r]);
+      store_codes(c, t.bits, codes + (b * groups + g) * group_bytes);
+    }
   }
   if (qtype == MXFP4) {  // [n / 16, groups, 16] fp16 or fp32 bits of 2^(e - 128)
     for (int64_t g = 0; g < groups; ++g)
@@ -255,54 +366,136 @@ void pack_block(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, const i
   }
 }
 
-// blocks: uint8 [n, row_bytes], the tensor's blocks as the file holds them; row_order (int64 [n]
-// or empty): the file row of each output row. -> (codes, scales, mins) as cpu_kernels.pack_groups
-// lays them out; mins is empty for a format with a zero point.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(const at::Tensor& blocks, int64_t qtype, int64_t n,
-                                                         int64_t k, const at::Tensor& row_order) {
-  const BlockType t = block_type(qtype);
-  TORCH_CHECK(n % 16 == 0 && k % t.weights == 0 && k % 32 == 0, "a ", n, " x ", k,
-              " weight does not pack in blocks of 16 rows and whole blocks of ", t.weights);
-  const int64_t row_bytes = k / t.weights * t.bytes;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.numel() == n * row_bytes,
-              "blocks must be contiguous uint8 of ", n * row_bytes, " bytes, got ", blocks.numel());
-  const int64_t* order = nullptr;
-  if (row_order.numel()) {
-    TORCH_CHECK(row_order.scalar_type() == at::kLong && row_order.is_contiguous() && row_order.numel() == n,
-                "row_order must be contiguous int64 [", n, "]");
-    order = row_order.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(order[i] >= 0 && order[i] < n, "row_order must lie in [0, ", n, ")");
+// The types pack_block and decode_group are instantiated for, by gguf's type number.
+#define NANOSERVE_GGUF_TYPES(X) \
+  X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_NL) X(IQ4_XS) X(MXFP4)
+
+using PackBlock = void (*)(const uint8_t* const*, int64_t, int64_t, bool, uint8_t*, uint8_t*, uint8_t*);
+
+PackBlock pack_block_of(int64_t qtype) {
+  switch (qtype) {
+#define NANOSERVE_CASE(T) case T: return &pack_block<T>;
+    NANOSERVE_GGUF_TYPES(NANOSERVE_CASE)
+#undef NANOSERVE_CASE
   }
-  const auto bytes = blocks.options();
+  TORCH_CHECK(false, "GGUF type ", qtype, " does not pack from its blocks");
+}
+
+// parts: uint8 [rows_i, row_bytes] each, block tensors of one type and width k as the file holds
+// them, stacked along their rows in the output; row_orders (int64 [rows_i] or empty, one per
+// part): the part's row of each of its output rows. -> (codes, scales, mins) of the stacked
+// weight as cpu_kernels.pack_groups lays them out; mins is empty for a format with a zero point.
+// Written in place, once: no part is packed apart and copied.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(at::TensorList parts, int64_t qtype, at::IntArrayRef rows,
+                                                         int64_t k, at::TensorList row_orders) {
+  const BlockType t = block_type(qtype);
+  TORCH_CHECK(!parts.empty() && parts.size() == rows.size() && parts.size() == row_orders.size(),
+              "pack_gguf takes one row count and one row order per part");
+  const int64_t row_bytes = k / t.weights * t.bytes;
+  std::vector<const uint8_t*> src(parts.size());
+  std::vector<const int64_t*> order(parts.size(), nullptr);
+  std::vector<int64_t> first_block(parts.size() + 1, 0);  // each part's first output block of 16 rows
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const int64_t n = rows[p];
+    TORCH_CHECK(n % 16 == 0 && k % t.weights == 0 && k % 32 == 0, "a ", n, " x ", k,
+                " weight does not pack in blocks of 16 rows and whole blocks of ", t.weights);
+    const at::Tensor& blocks = parts[p];
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.numel() == n * row_bytes,
+                "blocks must be contiguous uint8 of ", n * row_bytes, " bytes, got ", blocks.numel());
+    src[p] = blocks.data_ptr<uint8_t>();
+    const at::Tensor& row_order = row_orders[p];
+    if (row_order.numel()) {
+      TORCH_CHECK(row_order.scalar_type() == at::kLong && row_order.is_contiguous() && row_order.numel() == n,
+                  "row_order must be contiguous int64 [", n, "]");
+      order[p] = row_order.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(order[p][i] >= 0 && order[p][i] < n, "row_order must lie in [0, ", n, ")");
+    }
+    first_block[p + 1] = first_block[p] + n / 16;
+  }
+  const int64_t n = first_block.back() * 16;
+  const auto bytes = parts[0].options();
   at::Tensor codes = at::empty({n * k * t.bits / 8}, bytes), scales, mins;
   if (is_k_quant(qtype)) {
     const int64_t record = nanoserve::super_record_bytes(t.group);
     scales = at::empty({n / 16, k / 256, record}, bytes);
     mins = t.has_mins ? at::empty({n / 16, k / 256, record}, bytes) : at::empty({n / 16, k / 256, 0}, bytes);
   }
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
   // MXFP4's scales are fp16 where fp16 holds every one of them (as cpu_kernels.pack_groups
   // decides), else fp32: a first pass over the exponent bytes (one in 17).
   bool fp32 = false;
   if (qtype == MXFP4) {
-    for (int64_t i = 0; i < n * k / 32 && !fp32; ++i) fp32 = !e8m0_half_in_fp16(src[i * 17]);
+    for (size_t p = 0; p < parts.size(); ++p)
+      for (int64_t i = 0; i < rows[p] * k / 32 && !fp32; ++i) fp32 = !e8m0_half_in_fp16(src[p][i * 17]);
   }
   if (!is_k_quant(qtype)) {
     scales = at::empty({n / 16, k / 32, 16}, bytes.dtype(fp32 ? at::kInt : at::kShort));
     mins = at::empty({n / 16, t.has_mins ? k / 32 : 0, 16}, bytes.dtype(at::kShort));
   }
+  auto* c = codes.data_ptr<uint8_t>();
   auto* d = static_cast<uint8_t*>(scales.data_ptr());
   auto* m = static_cast<uint8_t*>(mins.data_ptr());
+  const PackBlock pack = pack_block_of(qtype);
   at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) pack_block(qtype, src, row_bytes, order, k, b, fp32, codes.data_ptr<uint8_t>(), d, m);
+    size_t p = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      while (b >= first_block[p + 1]) ++p;  // b rises within a thread's range
+      const int64_t local = b - first_block[p];
+      const uint8_t* block_rows[16];
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = 16 * local + r;
+        block_rows[r] = src[p] + (order[p] ? order[p][row] : row) * row_bytes;
+      }
+      pack(block_rows, k, b, fp32, c, d, m);
+    }
   });
   return {codes, scales, mins};
+}
+
+// The codes [n, k] of a block tensor's rows, one byte each, as pack_gguf reads them: through the
+// vectorised decoders, or (scalar) through group_codes. Tests pin the one to the other.
+template <int64_t QT>
+void decode_rows(const uint8_t* src, int64_t n, int64_t k, bool scalar, uint8_t* out) {
+  const int64_t row_bytes = k / block_type_of(QT).weights * block_type_of(QT).bytes;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t g = 0; g < k / 32; ++g) {
+      uint8_t* dst = out + r * k + 32 * g;
+      if constexpr (vectorised(QT)) {
+        if (!scalar) {
+          decode_group<QT>(src + r * row_bytes, g, dst);
+          continue;
+        }
+      }
+      group_codes(QT, src + r * row_bytes, g, dst);
+    }
+}
+
+at::Tensor gguf_codes(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k, bool scalar) {
+  const BlockType t = block_type(qtype);
+  TORCH_CHECK(k % t.weights == 0 && k % 32 == 0, "a row of ", k, " is no whole number of blocks of ", t.weights);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.numel() == n * (k / t.weights) * t.bytes,
+              "blocks must be contiguous uint8 of ", n * (k / t.weights) * t.bytes, " bytes, got ", blocks.numel());
+  at::Tensor out = at::empty({n, k}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  switch (qtype) {
+#define NANOSERVE_CASE(T) \
+  case T:                 \
+    decode_rows<T>(src, n, k, scalar, out.data_ptr<uint8_t>()); \
+    break;
+    NANOSERVE_GGUF_TYPES(NANOSERVE_CASE)
+#undef NANOSERVE_CASE
+  }
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nanoserve, lib) {
-  lib.def("pack_gguf(Tensor blocks, int qtype, int n, int k, Tensor row_order) -> (Tensor, Tensor, Tensor)");
+  lib.def("pack_gguf(Tensor[] parts, int qtype, int[] rows, int k, Tensor[] row_orders) -> (Tensor, Tensor, Tensor)");
+  lib.def("gguf_codes(Tensor blocks, int qtype, int n, int k, bool scalar) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) { lib.impl("pack_gguf", &pack_gguf); }
+TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
+  lib.impl("pack_gguf", &pack_gguf);
+  lib.impl("gguf_codes", &gguf_codes);
+}

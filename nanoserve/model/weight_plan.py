@@ -331,9 +331,10 @@ def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | Sta
 
 def _pack_experts(module: nn.Module, name: str, full: str, experts: DenseExperts, plan: WeightPlan,
                   sources: Mapping[str, WeightSource]) -> dict[str, str]:
-    """Pack a layer's experts expert by expert (int4 plans on nanoserve's kernels): gate and up of
-    each expert stacked into one matrix, from the file's blocks where it has them (a GGUF's
-    expert tensors), else rounded to int4 groups; returns their HF weights' modes. Elsewhere (fp32,
+    """Pack a layer's experts (int4 plans on nanoserve's kernels): gate and up of each expert
+    stacked into one matrix, from the file's blocks where it has them (a GGUF's expert tensors,
+    every expert in one pass), else rounded to int4 groups expert by expert; returns their HF
+    weights' modes. Elsewhere (fp32,
     bf16, int8, or torch's kernel) the experts stay float matrices in the compute dtype."""
     hf = {part: f"{_hf_name(full + '.weight').removesuffix('.weight')}.{part}"
           for part in ("gate_proj", "up_proj", "down_proj")}
@@ -358,22 +359,38 @@ def _pack_experts(module: nn.Module, name: str, full: str, experts: DenseExperts
         return cpu_kernels.pack_groups(source.codes, source.scales, source.mins, source.bits, source.scale_factors,
                                        source.min_factors)
 
-    gate_up, down = [], []
-    for e in range(num):
-        gate_up.append(pack([weight("gate_proj", e), weight("up_proj", e)]))
-        down.append(pack([weight("down_proj", e)]))
-
-    def stacked(packs: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def stacked(parts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Every expert's ``parts`` (stacked rows) packed, as [experts, ...] tensors."""
+        if from_blocks:
+            whole = _pack_expert_blocks([tuple(found[part].experts[e] for part in parts) for e in range(num)])
+            if whole is not None:
+                return whole
+        packs = [pack([weight(part, e) for part in parts]) for e in range(num)]
         zeros = {p[3] for p in packs}
         if len(zeros) != 1:  # experts of one tensor share their format, so their zero point
             raise RuntimeError(f"{full}: experts packed with different zero points {sorted(zeros)}")
         return (*(torch.stack([p[i] for p in packs]) for i in range(3)), zeros.pop())
 
     gate_up_bias = None if experts.gate_bias is None else torch.cat([experts.gate_bias, experts.up_bias], dim=-1)
-    packed = PackedExperts(stacked(gate_up), stacked(down), width, handle, DEQUANT_FROM_ROWS[plan.tier],
+    packed = PackedExperts(stacked(["gate_proj", "up_proj"]), stacked(["down_proj"]), width, handle,
+                           DEQUANT_FROM_ROWS[plan.tier],
                            experts.activation, gate_up_bias, experts.down_bias, experts.limit, experts.alpha)
     _replace(module, name, packed)
     return dict.fromkeys(hf.values(), "packed" if from_blocks else "int4")
+
+
+def _pack_expert_blocks(per_expert: list[tuple[BlockTensor, ...]],
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """Each expert's block tensors (its rows stacked) packed in one pass into [experts, ...]
+    tensors, the bytes of stacking each expert's own packing (blocks of 16 rows pack on their own,
+    and every expert has as many); None where the parts differ in type or width."""
+    parts = tuple(p for expert in per_expert for p in expert)
+    if len({(p.qtype, p.cols) for p in parts}) != 1:
+        return None
+    codes, scales, mins, zero_point = StackedBlocks(parts).pack()
+    experts = len(per_expert)
+    return (codes.view(experts, -1), *(t.view(experts, t.shape[0] // experts, *t.shape[1:]) for t in (scales, mins)),
+            zero_point)
 
 
 def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan) -> Int8Linear:
