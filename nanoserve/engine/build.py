@@ -15,7 +15,6 @@ from nanoserve.distributed.launch import build_tensor_parallel
 from nanoserve.engine.config import EngineConfig, default_compile
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
-from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.scheduler import Scheduler, check_token_budget
 from nanoserve.engine.threads import apply_threads
 from nanoserve.model import cpu_kernels
@@ -28,6 +27,7 @@ from nanoserve.spec.speculator import NgramProposals, Speculator
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets
 from nanoserve.worker.build import WorkerSpec, build_worker
+from nanoserve.worker.sampler import Sampler
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
 # K/V heads and head size): a 135M model's 16k tokens are ~0.75 GB in fp32, an 8B's ~2 GB in bf16.

@@ -179,7 +179,7 @@ class DraftProposer:
                                            tuple(state.table.slots(end)), is_last=False))
             if not chunks:
                 return
-            self.worker.execute(StepPlan((), None, tuple(chunks)))
+            self.worker.forward(StepPlan((), None, tuple(chunks)))
 
     def _step(self, requests: list[Request], fed: list[tuple[int, int, list[int], tuple[int, ...]]]) -> torch.Tensor:
         """One draft forward: row i feeds ``fed[i]`` = (token, position, its slots, the tokens after
@@ -195,7 +195,7 @@ class DraftProposer:
                             tuple(extra) if verify else (), tuple(tuple(f[2][1:]) for f in fed) if verify else (),
                             queries)
         start = time.perf_counter()
-        logits = self.worker.execute(StepPlan((), batch, ())).logits
+        logits = self.worker.forward(StepPlan((), batch, ())).logits
         self.step_seconds += time.perf_counter() - start
         self.steps += 1
         if queries == 1:
