@@ -5,7 +5,7 @@ for a plan and the worker to execute it: the worker runs the forward and chooses
 row's tokens (worker/sampling.py), under the masks of the rows a grammar constrains, which a
 thread fills beside the forward (structured/decoding.py). The engine commits them: the scheduler
 hears what each row kept, and each token goes to output processing (outputs.py: grammar,
-detokenize, stop conditions). With speculation (nanoserve/spec) a decode row also feeds the
+detokenize, stop conditions). With speculation (nanoserve/speculative) a decode row also feeds the
 tokens its proposer guessed, the worker verifies them (acceptance.py: a prefix accepted, one
 token of the target's after it), the row is trimmed to what it kept, and the rows propose again
 for the next step. ``generate`` and ``stream`` loop over ``step``. The host side (scheduler,
@@ -33,7 +33,7 @@ from nanoserve.engine.stats import EngineStats
 from nanoserve.engine.threads import apply_threads
 from nanoserve.model.chat_templates import with_chat_template
 from nanoserve.model.quant import tensor_bytes
-from nanoserve.spec.speculator import Speculator
+from nanoserve.speculative.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.decoding import StructuredDecoding
 from nanoserve.worker.plan import StepPlan

@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.masks import PendingMasks, TokenMasks
-from nanoserve.structured.spec import StructuredOutputs
+from nanoserve.structured.params import StructuredOutputs
 from nanoserve.structured.tools import RepeatGuard
 
 

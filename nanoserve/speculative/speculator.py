@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from nanoserve.spec.adaptive import SpeculationLength
-from nanoserve.spec.config import SpeculativeConfig
-from nanoserve.spec.ngram import NgramProposer
+from nanoserve.speculative.adaptive import SpeculationLength
+from nanoserve.speculative.config import SpeculativeConfig
+from nanoserve.speculative.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from nanoserve.engine.request import Request
