@@ -33,9 +33,8 @@ class Arm(Protocol):
 
 @dataclass
 class StepTiming:
-    """Wall time of whole pure-decode steps and of the worker's execution inside them (host
-    clock; on a GPU the execution figure includes waiting for the device, since sampling reads
-    the tokens back)."""
+    """Wall time of whole pure-decode steps and of the worker's forward inside them (the
+    worker's own measure, ``StepOutput.seconds``: on a GPU the device is synchronised first)."""
 
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -54,17 +53,16 @@ class EngineSteps:
         self.engine = engine
         self.ids = [engine.add_request(p, params) for p in prompts]
         self.timing = StepTiming()
-        self._forward: float | None = None  # the worker's seconds in the step being timed, if pure decode
+        self._forward: float | None = None  # the worker's forward seconds in the step being timed, if pure decode
         execute = engine.worker.execute
 
-        def timed(plan):
-            started = time.perf_counter()
-            out = execute(plan)
+        def timed(plan, sampling=None):
+            out = execute(plan, sampling)
             if plan.decode is not None and not plan.prefill:
-                self._forward = time.perf_counter() - started
+                self._forward = out.seconds
             return out
 
-        engine.worker.execute = timed  # this run's engine, timed from outside
+        engine.worker.execute = timed  # this run's engine: each step's forward as the worker measured it
         self.durations: list[float] = []
         self.outputs: dict[str, list[int]] = {}
 

@@ -56,7 +56,7 @@ def plan_step(engine: Engine, requests: list[Request]) -> tuple[int, int]:
 
 def decode_once(engine: Engine, requests: list[Request]) -> torch.Tensor:
     """One eager decode step over rows 0..len(requests)-1, planned and run as the engine does."""
-    return engine.worker.execute(StepPlan((), decode_batch(engine, requests), ())).logits
+    return engine.worker.forward(StepPlan((), decode_batch(engine, requests), ())).logits
 
 
 def measure_rows(engine: Engine, run: PlanningRun, rows: int) -> dict:

@@ -7,7 +7,7 @@ Three parts (``--rows``, default all three):
 * ``ngram``: prompt lookup where the reply copies its input, batch 1, nanoserve compiled with
   ``auto`` weights, ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
   "prompt_lookup_min": 2}`` against the same engine without speculation. Two workloads: ``code``
-  asks for a Python file (compile/texts/spec_code.txt, a frozen copy of nanoserve/spec/ngram.py)
+  asks for a Python file (compile/texts/spec_code.txt, a frozen copy of nanoserve/speculative/ngram.py)
   to be rewritten with one name changed, otherwise unchanged; ``quote`` asks for a summary of the
   opening of compile/texts/fidelity.txt that quotes its key sentences verbatim. Beside it
   llama.cpp on the same GGUF file and the same token ids, through llama-cpp-python's ``Llama``

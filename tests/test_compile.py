@@ -61,7 +61,7 @@ def test_compiled_logits_match_eager_within_1e4(tiny):
         for p in PROMPTS:
             e.add_request(p, greedy(8))
         e.step()  # prefill
-        logits.append(e.worker.execute(e.scheduler.schedule()).logits.clone())  # the first decode step
+        logits.append(e.worker.forward(e.scheduler.schedule()).logits.clone())  # the first decode step
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 

@@ -9,9 +9,9 @@ import torch
 from conftest import while_unfinished
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.engine.sampler import Sampler
 from nanoserve.model.llama import dense_forward
 from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.worker.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
@@ -44,7 +44,7 @@ class _FailingForSeed(Sampler):
 
 def test_a_request_whose_sampling_raises_fails_alone(tiny, alone):
     engine = engine_for(tiny)
-    engine.sampler = _FailingForSeed()
+    engine.worker.sampler = _FailingForSeed()
     bad = SamplingParams(temperature=1.0, seed=666, max_tokens=6)
     outputs = engine.generate(PROMPTS + [[11, 12]], [GREEDY] * 4 + [bad], use_tqdm=False)
     assert [o.token_ids for o in outputs[:4]] == alone
@@ -56,7 +56,7 @@ def test_seeded_neighbours_of_a_failing_row_keep_their_tokens(tiny):
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     expected = engine_for(tiny).generate([[3, 4]], seeded, use_tqdm=False)[0].token_ids
     engine = engine_for(tiny)
-    engine.sampler = _FailingForSeed()
+    engine.worker.sampler = _FailingForSeed()
     bad = SamplingParams(temperature=1.0, seed=666, max_tokens=6)
     outputs = engine.generate([[3, 4], [5, 6]], [seeded, bad], use_tqdm=False)
     assert outputs[0].token_ids == expected and outputs[1].finish_reason == "error"

@@ -31,10 +31,10 @@ class CompactionMachine(RuleBasedStateMachine):
         self.live: list[str] = []
         execute = self.engine.worker.execute
 
-        def execute_then_check(plan):
+        def execute_then_check(plan, sampling=None):
             # Between steps the table may wait on moves the next plan carries; once a plan is
             # applied, every running row's cells are its block table's.
-            out = execute(plan)
+            out = execute(plan, sampling)
             running = len(self.engine.scheduler.running)
             check_slots_agree(self.engine.worker.cache.slot_table, self.engine.scheduler.blocks.tables, range(running))
             return out

@@ -24,8 +24,8 @@ openai = pytest.importorskip("openai")
 from conftest import served  # noqa: E402
 from gguf_files import V, tiny_chat_gguf  # noqa: E402
 
-from nanoserve.engine.sampler import Sampler, SamplerOutput  # noqa: E402
 from nanoserve.engine.sampling_params import SamplingParams  # noqa: E402
+from nanoserve.worker.sampler import Sampler, SamplerOutput  # noqa: E402
 
 MODEL = "gpt-oss-tiny"
 HARMONY_SPECIALS = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
@@ -138,7 +138,7 @@ def scripted(tmp_path_factory):
     model, tokenizer = load_model(str(harmony_gguf(tmp_path_factory.mktemp("harmony") / "harmony.gguf")))
     engine = build_engine(model, tokenizer=tokenizer, max_batch_size=2, max_model_len=2048, compile=False)
     sampler = ScriptedSampler(tokenizer.backend.token_to_id("<|return|>"))
-    engine.sampler = sampler
+    engine.worker.sampler = sampler
     with pytest.MonkeyPatch.context() as patch:
         # Every row's (prompt, output) reaches the sampler (the engine passes them for penalties).
         patch.setattr(SamplingParams, "uses_penalties", property(lambda self: True))

@@ -23,7 +23,7 @@ from nanoserve.model.synthetic import random_model, tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = random_model(tiny_config(), seed=5)
 # Lower layers first: a module may import its own package and the packages before it.
-LAYERS = ["model", "cache", "worker", "distributed", "spec", "engine", "serve"]
+LAYERS = ["model", "cache", "worker", "distributed", "speculative", "engine", "serve"]
 
 
 def test_the_block_manager_and_its_package_import_no_torch():

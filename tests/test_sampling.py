@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nanoserve.engine.sampler import Sampler, apply_top_k_top_p
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.worker.sampler import Sampler, apply_top_k_top_p
 
 
 @pytest.mark.parametrize("field,value", [

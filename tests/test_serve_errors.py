@@ -16,10 +16,10 @@ httpx = pytest.importorskip("httpx")
 from conftest import served  # noqa: E402
 
 from nanoserve.engine import build_engine  # noqa: E402
-from nanoserve.engine.sampler import Sampler  # noqa: E402
 from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
 from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
 from nanoserve.serve.protocol import IGNORED_FIELDS  # noqa: E402
+from nanoserve.worker.sampler import Sampler  # noqa: E402
 
 API_KEY = "sk-test-key"
 MAX_MODEL_LEN = 64
@@ -224,14 +224,14 @@ def test_streamed_request_failure_is_reported_in_band(client, server):
     """A request the engine fails mid-stream (its own sampling raised) ends with an OpenAI
     error event, then [DONE]; the server keeps serving."""
     engine = server.engine_loop.engine
-    original = engine.sampler
-    engine.sampler = _FailingForSeed()
+    original = engine.worker.sampler
+    engine.worker.sampler = _FailingForSeed()
     try:
         body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "stream": True, "seed": 666}
         with client.stream("POST", "/v1/completions", json=body) as response:
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     finally:
-        engine.sampler = original
+        engine.worker.sampler = original
     assert events[-1] == "[DONE]"
     assert "planted" in json.loads(events[-2])["error"]["message"]
     assert_still_serving(client)

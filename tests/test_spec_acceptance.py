@@ -4,10 +4,10 @@ the target's law (chi-square over many trials), seeded rows reproduce, failures 
 import pytest
 import torch
 
-from nanoserve.engine.acceptance import RowVerdict, verify
-from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.structured.masks import TokenMasks
+from nanoserve.worker.acceptance import RowVerdict, verify
+from nanoserve.worker.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0.0)
 VOCAB = 40

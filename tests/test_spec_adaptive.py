@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.spec.adaptive import FIRST_PROBE_WAIT, MAX_PROBE_WAIT, SpeculationLength, best_k
+from nanoserve.speculative.adaptive import FIRST_PROBE_WAIT, MAX_PROBE_WAIT, SpeculationLength, best_k
 
 MAX_K = 8
 

@@ -12,8 +12,8 @@ import compilebench
 from compile import spec_bench
 from compile.spec_bench import LLAMA_CPP, NANOSERVE, compare
 
-# The draft method lands in nanoserve/spec/draft.py; until then its arms report their error.
-HAS_DRAFT = importlib.util.find_spec("nanoserve.spec.draft") is not None
+# The draft method lands in nanoserve/speculative/draft.py; until then its arms report their error.
+HAS_DRAFT = importlib.util.find_spec("nanoserve.speculative.draft") is not None
 
 
 def read_rows(path):
@@ -93,7 +93,7 @@ def test_compilebench_spec_on_a_tiny_model_writes_every_row_with_its_counters(ti
         assert rows[-1]["error"] and rows[-1]["tok_s"] == ""
 
 
-@pytest.mark.skipif(not HAS_DRAFT, reason="nanoserve.spec.draft has not landed")
+@pytest.mark.skipif(not HAS_DRAFT, reason="nanoserve.speculative.draft has not landed")
 def test_compilebench_spec_draft_rows_say_whether_the_tokens_are_the_targets(tiny_llama_dir, tmp_path):
     # The tiny model's draft costs as much as its target, so an adaptive row would rightly not
     # speculate once that is measured: a fixed k keeps the draft rows drafting.

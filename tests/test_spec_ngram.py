@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.spec.ngram import NgramProposer
+from nanoserve.speculative.ngram import NgramProposer
 
 
 def reference_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:

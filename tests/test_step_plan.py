@@ -36,23 +36,23 @@ def assert_data_only(value, where: str = "plan") -> None:
 
 
 def replaying_into(engine, replica) -> list[StepPlan]:
-    """Make every plan `engine` executes go, pickled and deep-copied, through `replica`'s worker
-    too, and its output compared; returns the list the plans are recorded in."""
+    """Make every plan `engine` executes go, pickled and deep-copied, through `replica`'s worker's
+    forward too, and its output compared; returns the list the plans are recorded in."""
     plans: list[StepPlan] = []
-    execute = engine.worker.execute
+    forward = engine.worker.forward
 
-    def execute_and_replay(plan: StepPlan):
+    def forward_and_replay(plan: StepPlan):
         assert_data_only(plan)
         sent = pickle.loads(pickle.dumps(copy.deepcopy(plan)))
         assert sent == plan
-        out = execute(plan)
-        again = replica.worker.execute(sent)
+        out = forward(plan)
+        again = replica.worker.forward(sent)
         torch.testing.assert_close(again.logits, out.logits, rtol=0, atol=0)
         assert again.prompt_logprobs == out.prompt_logprobs and again.prompt_errors == out.prompt_errors
         plans.append(plan)
         return out
 
-    engine.worker.execute = execute_and_replay
+    engine.worker.forward = forward_and_replay
     return plans
 
 
@@ -103,7 +103,7 @@ def test_a_compiled_engine_runs_exactly_the_windows_its_plans_name():
                         row_buckets=(2, 4), width_buckets=(16, 32, 128))
     plans = []
     execute = engine.worker.execute
-    engine.worker.execute = lambda plan: (plans.append(plan), execute(plan))[1]
+    engine.worker.execute = lambda plan, sampling=None: (plans.append(plan), execute(plan, sampling))[1]
     for prompt_len, tokens in ((3, 20), (12, 4), (5, 9)):
         engine.add_request(list(range(1, prompt_len + 1)), greedy(tokens))
     run(engine)

@@ -28,28 +28,23 @@ SHARED = list(range(10, 30))  # a prefix the later prompts find cached
 PROMPTS = [SHARED + [1, 2, 3], SHARED + [4, 5], list(range(40, 61)), [7, 8, 9], SHARED + [6]]
 
 
-class Recording:
-    """The engine's worker, keeping each step's logits."""
+def run_recorded(engine, prompts, params):
+    """Run the prompts, keeping each step's logits (its worker's forward's: under tensor
+    parallelism rank 0's, where the driving worker runs its own)."""
+    worker = getattr(engine.worker, "worker", engine.worker)
+    forward, logits = worker.forward, []
 
-    def __init__(self, worker) -> None:
-        self.worker, self.logits = worker, []
-
-    def execute(self, plan):
-        out = self.worker.execute(plan)
-        self.logits.append(out.logits.clone())
+    def recording(plan):
+        out = forward(plan)
+        logits.append(out.logits.clone())
         return out
 
-    def __getattr__(self, name):
-        return getattr(self.worker, name)
-
-
-def run_recorded(engine, prompts, params):
-    engine.worker = Recording(engine.worker)
+    worker.forward = recording
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     done = {}
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [done[i] for i in ids], engine.worker.logits, engine.stats()
+    return [done[i] for i in ids], logits, engine.stats()
 
 
 def assert_close(got: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> None:

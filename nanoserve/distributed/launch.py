@@ -1,10 +1,11 @@
 """Starting the ranks of a tensor-parallel worker and driving them, one plan per step.
 
-Rank 0 holds the engine (scheduler, tokenizer, sampler, the server) around a ``DrivingWorker``;
-every rank holds a ``Worker`` and nothing else: its shard of the weights and the cache of its
-K/V heads, built by the same ``build_worker`` from the same ``WorkerSpec``. Each step rank 0
-broadcasts the plan (pickled, over a gloo group of its own) and every rank runs
-``worker.execute(plan)``, prompt scoring included (its LM head gathers over every rank); the
+Rank 0 holds the engine (scheduler, tokenizer, the server) around a ``DrivingWorker``; every
+rank holds a ``Worker`` and nothing else: its shard of the weights and the cache of its K/V
+heads, built by the same ``build_worker`` from the same ``WorkerConfig``. Each step rank 0
+broadcasts the plan (pickled, over a gloo group of its own) and every rank runs its forward,
+prompt scoring included (its LM head gathers over every rank); rank 0's worker alone then
+samples, from its own logits: the step's sampling inputs and tokens never leave rank 0. The
 forward's collectives run on the compute group (gloo on the CPU, NCCL on CUDA) whose timeout
 bounds how long a missing rank can stall a step.
 
@@ -41,9 +42,10 @@ import torch.multiprocessing as mp
 
 from nanoserve.distributed.shard import check_float_model, check_tensor_parallel, parallelize, shard_weights
 from nanoserve.model.loader import load_config
-from nanoserve.worker.build import WorkerSpec, build_worker
+from nanoserve.worker.build import WorkerConfig, build_worker
 from nanoserve.worker.plan import StepPlan
-from nanoserve.worker.worker import StepOutput, Worker
+from nanoserve.worker.sampling import StepSampling
+from nanoserve.worker.worker import ForwardOutput, StepOutput, Worker, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, int(os.environ.get("LOCAL_RANK", rank))
 
 
-def build_tensor_parallel(model, spec: WorkerSpec, size: int, timeout: float) -> DrivingWorker:
+def build_tensor_parallel(model, spec: WorkerConfig, size: int, timeout: float) -> DrivingWorker:
     """Rank 0's worker over ``size`` ranks (module docstring: the two launches); ``timeout`` is
     how long, in seconds, a collective may wait for a rank."""
     arch = load_config(model) if isinstance(model, str) else model.config
@@ -143,7 +145,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_device(spec: WorkerSpec, local_rank: int) -> WorkerSpec:
+def _rank_device(spec: WorkerConfig, local_rank: int) -> WorkerConfig:
     """Each rank on its own GPU (cuda or cuda:k -> cuda:<local rank>); the CPU is shared."""
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
@@ -162,7 +164,7 @@ def _join(rank: int, size: int, init_method: str, device: str, timeout_seconds: 
     return Rank(rank, size, dist.group.WORLD, control, startup)
 
 
-def _worker_main(rank: int, size: int, port: int, model, spec: WorkerSpec, timeout: float, parent: int,
+def _worker_main(rank: int, size: int, port: int, model, spec: WorkerConfig, timeout: float, parent: int,
                  threads: int) -> None:
     """A spawned rank's process: join, build its worker, serve plans; leave when rank 0 does."""
     torch.set_num_threads(threads)
@@ -179,7 +181,7 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def serve_plans(model, spec: WorkerSpec, joined: Rank) -> int:
+def serve_plans(model, spec: WorkerConfig, joined: Rank) -> int:
     """A rank > 0: build its worker, then apply each plan of rank 0 until Stop. Returns the
     process's exit code; either way the worker is closed and the process groups destroyed
     (a fault is logged)."""
@@ -190,7 +192,7 @@ def serve_plans(model, spec: WorkerSpec, joined: Rank) -> int:
         while True:
             message = _receive(joined)
             if isinstance(message, StepPlan):
-                worker.execute(message)
+                worker.execute(message)  # the forward only: rank 0 samples
             elif isinstance(message, Stop):
                 _goodbye(joined)  # rank 0 tears down only once every rank is out of its loop
                 return 0
@@ -288,20 +290,35 @@ def _kill(workers: list) -> None:
 
 
 class DrivingWorker:
-    """Rank 0's worker: each plan goes to every rank, then runs here on rank 0's shard. The
-    same interface as a ``Worker`` (``execute``, ``close``), and rank 0's parts to report."""
+    """Rank 0's worker: each plan goes to every rank, then runs here on rank 0's shard, which
+    samples. The same interface as a ``Worker`` (``execute``, ``forward``, ``stats``,
+    ``check_slots``, ``close``), and rank 0's parts to report."""
 
     def __init__(self, worker: Worker, driver: Driver) -> None:
         self.worker, self.driver = worker, driver
         self.model, self.cache, self.decode_step, self.device = worker.model, worker.cache, worker.decode_step, worker.device
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, sampling: StepSampling | None = None) -> StepOutput:
         try:
             self.driver.send(plan)
-            return self.worker.execute(plan)
+            return self.worker.execute(plan, sampling)
         except Exception:
             self.driver.close(healthy=False)
             raise
+
+    def forward(self, plan: StepPlan) -> ForwardOutput:
+        try:
+            self.driver.send(plan)
+            return self.worker.forward(plan)
+        except Exception:
+            self.driver.close(healthy=False)
+            raise
+
+    def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    def check_slots(self, tables, rows) -> None:
+        self.worker.check_slots(tables, rows)
 
     def close(self) -> None:
         """Stop every rank and leave the process groups, then close rank 0's own worker."""
@@ -309,7 +326,7 @@ class DrivingWorker:
         self.worker.close()
 
 
-def _driving_worker(model, spec: WorkerSpec, joined: Rank, workers: list) -> DrivingWorker:
+def _driving_worker(model, spec: WorkerConfig, joined: Rank, workers: list) -> DrivingWorker:
     worker = build_worker(model, spec, joined)
     joined.ready()  # the first plan's bounded broadcast must not wait on a rank still loading
     driver = Driver(joined, workers)

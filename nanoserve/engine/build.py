@@ -15,7 +15,6 @@ from nanoserve.distributed.launch import build_tensor_parallel
 from nanoserve.engine.config import EngineConfig, default_compile
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
-from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.scheduler import Scheduler, check_token_budget
 from nanoserve.engine.threads import apply_threads
 from nanoserve.model import cpu_kernels
@@ -24,10 +23,11 @@ from nanoserve.model.llama import LlamaModel
 from nanoserve.model.loader import load_config, load_tokenizer
 from nanoserve.model.quant import DENSE_FROM_ROWS
 from nanoserve.model.weight_plan import WeightPlan
-from nanoserve.spec.speculator import NgramProposals, Speculator
+from nanoserve.speculative.speculator import NgramProposals, Speculator
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets
-from nanoserve.worker.build import WorkerSpec, build_worker
+from nanoserve.worker.build import WorkerConfig, build_worker
+from nanoserve.worker.sampler import Sampler
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
 # K/V heads and head size): a 135M model's 16k tokens are ~0.75 GB in fp32, an 8B's ~2 GB in bf16.
@@ -96,14 +96,14 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     return engine
 
 
-def _speculator(config: EngineConfig, target, spec: WorkerSpec, vocab_size: int) -> Speculator:
+def _speculator(config: EngineConfig, target, spec: WorkerConfig, vocab_size: int) -> Speculator:
     """The proposer the speculative config names: an n-gram lookup, or a draft model (its own
     ``model``, else the target's file or model object) in ``draft_weights``. A model object
     drafts as it is unless draft weights other than "auto" are asked for."""
     speculative = config.speculative
     if speculative.method == "ngram":
         return Speculator(speculative, NgramProposals(speculative))
-    from nanoserve.spec.draft import build_draft  # a second model: only when asked for
+    from nanoserve.speculative.draft import build_draft  # a second model: only when asked for
 
     source = speculative.model if speculative.model is not None else target
     if isinstance(source, str) or speculative.draft_weights != "auto":
@@ -115,7 +115,7 @@ def _speculator(config: EngineConfig, target, spec: WorkerSpec, vocab_size: int)
 
 
 def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
-                 dtype: torch.dtype, compile: bool) -> WorkerSpec:
+                 dtype: torch.dtype, compile: bool) -> WorkerConfig:
     """What every rank's worker is built from: the pool's shape, the decode grid, the kernel tier."""
     # The tier running the packed weights; with dense bf16 weights the decode attention still
     # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
@@ -123,7 +123,7 @@ def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight
     if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
         tier = cpu_kernels.resolve_tier()
     kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
-    return WorkerSpec(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
+    return WorkerConfig(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
                       pool.max_model_len, SCRATCH_BLOCK * config.block_size,
                       _buckets(config, pool.max_model_len, kernel, compile), compile, config.compile_mode,
                       config.compile_backend, tier, config.warmup,
@@ -131,7 +131,7 @@ def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight
                       max_queries=1 + (config.speculative.num_speculative_tokens if config.speculative else 0))
 
 
-def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerSpec) -> ResolvedConfig:
+def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig) -> ResolvedConfig:
     chunked, budget = config.enable_chunked_prefill, config.max_num_batched_tokens
     return ResolvedConfig(
         weights=spec.weights.name if spec.weights else _format_name(spec.dtype), weight_plan=spec.weights,

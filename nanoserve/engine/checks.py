@@ -8,10 +8,9 @@ from collections import Counter
 
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.cache.gates import check_pool_agrees, fail_if
-from nanoserve.worker.gates import check_plan_addressing, check_plan_fresh, check_slots_agree
+from nanoserve.worker.gates import check_plan_addressing, check_plan_fresh
 from nanoserve.worker.plan import StepPlan
-from nanoserve.worker.slot_table import SlotTable
-from nanoserve.worker.worker import StepOutput
+from nanoserve.worker.worker import StepOutput, Worker
 
 
 def check_plan_against_blocks(plan: StepPlan, blocks: BlockManager) -> None:
@@ -53,7 +52,7 @@ def check_step(plan: StepPlan, blocks: BlockManager) -> None:
     check_plan_against_blocks(plan, blocks)
 
 
-def check_applied(result: StepOutput, slot_table: SlotTable, blocks: BlockManager) -> None:
+def check_applied(result: StepOutput, worker: Worker, blocks: BlockManager) -> None:
     """After the worker ran a plan: the decode rows' addressing is their block tables' and
     fresh, and the slot table equals the block tables on every live row."""
     if result.decode is not None:
@@ -61,4 +60,4 @@ def check_applied(result: StepOutput, slot_table: SlotTable, blocks: BlockManage
         check_plan_fresh(result.decode, blocks.tables)
     rows = blocks.live_rows
     if rows:
-        check_slots_agree(slot_table, blocks.tables, rows)
+        worker.check_slots(blocks.tables, rows)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.spec.config import SpeculativeConfig
+from nanoserve.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch

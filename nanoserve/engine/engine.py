@@ -1,45 +1,43 @@
 """The engine: requests in, tokens out, many requests sharing each decode step.
 
 Follow a token: ``add_request`` tokenizes and validates (inputs.py); ``step`` asks the scheduler
-for a plan, the worker to execute it (while a thread fills the token masks of the rows a grammar
-constrains: structured/decoding.py), the sampler for one token per sampled row, and hands
-each token to output processing (outputs.py: detokenize, stop conditions). With speculation
-(nanoserve/spec) a decode row also feeds the tokens its proposer guessed, the step verifies them
-(acceptance.py: a prefix accepted, one token of the target's after it), the row is trimmed to
-what it kept, and the rows propose again for the next step. ``generate`` and
-``stream`` loop over ``step``. The host side (scheduler, block manager, requests) and the
-device side (the worker: model, K/V, slot table) share nothing: the plan goes down, the step
-output comes back.
+for a plan and the worker to execute it: the worker runs the forward and chooses every sampled
+row's tokens (worker/sampling.py), under the masks of the rows a grammar constrains, which a
+thread fills beside the forward (structured/decoding.py). The engine commits them: the scheduler
+hears what each row kept, and each token goes to output processing (outputs.py: grammar,
+detokenize, stop conditions). With speculation (nanoserve/speculative) a decode row also feeds the
+tokens its proposer guessed, the worker verifies them (acceptance.py: a prefix accepted, one
+token of the target's after it), the row is trimmed to what it kept, and the rows propose again
+for the next step. ``generate`` and ``stream`` loop over ``step``. The host side (scheduler,
+block manager, requests) and the device side (the worker: model, K/V, slot table, logits) share
+nothing: the plan and the rows' sampling inputs go down, tokens come back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from nanoserve.engine.acceptance import verify
 from nanoserve.engine.checks import check_applied, check_step
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.inputs import InputProcessor, Prompt, RequestError, as_prompt_list
 from nanoserve.engine.outputs import OutputProcessor
 from nanoserve.engine.request import Request, RequestOutput
 from nanoserve.engine.resolved import ResolvedConfig
-from nanoserve.engine.sampler import Sampler, sample_isolated
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
 from nanoserve.engine.threads import apply_threads
 from nanoserve.model.chat_templates import with_chat_template
 from nanoserve.model.quant import tensor_bytes
-from nanoserve.spec.speculator import Speculator
+from nanoserve.speculative.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
-from nanoserve.structured.decoding import GrammarViolation, StructuredDecoding
-from nanoserve.structured.masks import split_masks
+from nanoserve.structured.decoding import StructuredDecoding
 from nanoserve.worker.plan import StepPlan
+from nanoserve.worker.sampling import RowSampling, StepSampling
 from nanoserve.worker.worker import StepOutput, Worker
 
 
@@ -65,7 +63,6 @@ class Engine:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, resolved.max_model_len, config.device)
         self.outputs = OutputProcessor(self.eos_token_ids, resolved.max_model_len)
-        self.sampler = Sampler()
         self.structured = StructuredDecoding(structured_compiler(tokenizer, self.vocab_size, self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -114,44 +111,30 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step: schedule a plan, execute it, sample and update; return the requests
-        that moved (or finished).
-
-        What belongs to one request (its sampling, its prompt scoring, its detokenizing) fails
-        that request alone, with ``finish_reason="error"``. Anything else raising (the model,
-        the worker, the scheduler, a gate) is an engine fault: it propagates, since the engine's
-        state can no longer be trusted."""
+        """Schedule, execute (the worker chooses the tokens), commit, propose; returns the requests
+        that moved. A fault of one request's own (its sampling, prompt scoring, detokenizing,
+        grammar) fails it alone (``finish_reason="error"``); anything else raising is an engine
+        fault and propagates: the engine's state can no longer be trusted."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         plan = self.scheduler.schedule()
-        if plan is None:
-            if self._left:  # requests aborted since the last step: the proposer's state for them goes
-                self._propose()
-            return outputs
-        if self.checks:
-            check_step(plan, self.scheduler.blocks)
-        # Masks depend only on tokens already accepted: filled on a thread while the forward runs.
-        grammars = [self.requests[request_id].grammar for request_id in plan.sampled]
-        pending_masks = self.structured.start_masks(grammars)
-        timed = self.speculator is not None and plan.decode is not None  # a speculating engine prices its steps
-        before, start = (self._graph_work(), time.perf_counter()) if timed else (None, 0.0)
-        result = self.worker.execute(plan)
-        masks, broken = self.structured.finish_masks(pending_masks, grammars)
-        if timed:
-            # A step beside prefill chunks, or one that built a graph or ran eagerly for want of one,
-            # says nothing of a step's price.
-            typical = not plan.prefill and self._graph_work() == before
-            self.speculator.record_step(time.perf_counter() - start, plan.decode.queries, typical)
-        if self.checks:
-            check_applied(result, self.worker.cache.slot_table, self.scheduler.blocks)
-        self._take_pooled(plan, result)
-        outputs += self._update(plan, result, masks, broken)
-        if self.speculator is not None:
+        if plan is not None:
+            outputs += self._commit(plan, *self._execute(plan))
+        if self.speculator is not None and (plan is not None or self._left):
             self._propose()
         return outputs
 
-    def _graph_work(self) -> tuple[int, int]:
-        stats = self.worker.decode_step.stats
-        return self.worker.decode_step.graphs_built, stats.eager_steps
+    def _execute(self, plan: StepPlan) -> tuple[StepOutput, dict[int, str]]:
+        """The worker's output, and the sampled rows whose grammar broke (row -> why). Masks
+        depend only on tokens already accepted: a thread fills them while the forward runs."""
+        if self.checks:
+            check_step(plan, self.scheduler.blocks)
+        sampled = [self.requests[request_id] for request_id in plan.sampled]
+        grammars = [r.grammar for r in sampled]
+        pending = self.structured.start_masks(grammars)
+        result = self.worker.execute(plan, StepSampling([row_sampling(r) for r in sampled], pending))
+        if self.checks:
+            check_applied(result, self.worker, self.scheduler.blocks)
+        return result, self.structured.finish_masks(pending, grammars)[1]
 
     def _propose(self) -> None:
         """The rows decoding next step propose their tokens (after this step's tokens joined
@@ -161,115 +144,36 @@ class Engine:
             self._left = set()
         self.speculator.propose(self.scheduler.running[:self.scheduler.num_decoding])
 
-    def _update(self, plan: StepPlan, result: StepOutput, masks, broken: dict[int, str]) -> list[RequestOutput]:
-        """Sample one token per sampled row (within its grammar's mask; a verifying row's tokens
-        come from ``_verify``) and hand each to its request; finish the requests that ended or failed. Returns the outputs of the requests
-        that moved."""
-        failed = self._take_prompt_logprobs(plan, result)  # request -> why it failed
+    def _commit(self, plan: StepPlan, result: StepOutput, broken: dict[int, str]) -> list[RequestOutput]:
+        """Verifying rows keep the K/V of what they accepted; each sampled row's tokens join its
+        request (a stop ends it there), and the requests that ended or failed finish."""
         sampled = [self.requests[request_id] for request_id in plan.sampled]
+        self.scheduler.update(plan, result)
+        if self.speculator is not None:
+            self.speculator.update(plan, result, sampled)
+        failed = self.outputs.take_chunk_results(plan, result, self.requests)  # request -> why it failed
         failed.update((sampled[row], message) for row, message in broken.items())
-        logits, done = result.logits, 0
-        if plan.decode is not None and plan.decode.queries > 1:
-            done = plan.decode.num_rows
-            split = plan.decode.num_tokens
-            head, masks = split_masks(masks, done)
-            self._verify(plan, logits[:split], sampled[:done], head, failed)
-            logits = logits[split:]
-        rest = sampled[done:]
-        if rest:
-            histories = [(r.prompt_token_ids, r.output_token_ids) for r in rest] \
-                if any(r.params.uses_penalties for r in rest) else None
-            # A reranking row's logits are its output: copied before sampling (which may filter in place).
-            ranked = {row: logits[row].float().cpu().clone() for row, r in enumerate(rest) if r.params.pooling == "rank"}
-            token_ids, logprobs, bad = sample_isolated(self.sampler, logits, [r.params for r in rest],
-                                                       [r.generator for r in rest], histories, masks)
-            failed.update((rest[row], message) for row, message in bad.items())
-            for row, (request, token_id, logprob) in enumerate(zip(rest, token_ids.tolist(), logprobs)):
-                if request in failed:
-                    self._finish(request, "error", failed.pop(request))
-                elif request.params.pooling is not None:
-                    self._finish_pooled(request, ranked.get(row))
-                elif request.params.max_tokens == 0:
-                    self._finish(request, "length")  # prefill only: the prompt was the work
-                elif (end := self._append(request, token_id, logprob)) is not None:
-                    self._finish(request, *end)
+        failed.update((r, row.error) for r, row in zip(sampled, result.rows) if row.error is not None)
+        for request, row in zip(sampled, result.rows):
+            if request in failed:
+                self._finish(request, "error", failed.pop(request))
+            elif request.params.pooling is not None:
+                self._finish_pooled(request, row.ranked)
+            elif request.params.max_tokens == 0:
+                self._finish(request, "length")  # prefill only: the prompt was the work
+            elif (end := self.outputs.append_tokens(request, row.token_ids, row.logprobs)) is not None:
+                self._finish(request, *end)
         for request, message in failed.items():  # a chunk that failed before its last one
             self._finish(request, "error", message)
             sampled.append(request)
         return [self.outputs.output(r) for r in sampled]
 
-    def _verify(self, plan: StepPlan, logits, requests: list[Request], masks, failed: dict[Request, str]) -> None:
-        """A verify step's decode rows: accept a prefix of each row's proposals and one token of
-        the target's (nanoserve.engine.acceptance), trim the row to the K/V of what it accepted,
-        then hand the tokens to the request one at a time (a stop ends it there)."""
-        decode = plan.decode
-        proposals = [list(p) for p in decode.proposals]
-        histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests] \
-            if any(r.params.uses_penalties for r in requests) else None
-        draft_probs = [r.spec_probs[:len(p)] if p and r.spec_probs is not None else None
-                       for r, p in zip(requests, proposals)]
-        verdicts, bad = verify(self.sampler, logits, proposals, [r.params for r in requests],
-                               [r.generator for r in requests], histories, masks,
-                               draft_probs if any(q is not None for q in draft_probs) else None)
-        failed.update((requests[row], message) for row, message in bad.items())
-        for i, (request, verdict) in enumerate(zip(requests, verdicts)):
-            request.spec_probs = None
-            if request in failed or verdict is None:
-                self.scheduler.keep(request, decode.positions[i] + 1)  # nothing past its fed token is kept
-                self._finish(request, "error", failed.pop(request, "verification failed"))
-                continue
-            if proposals[i]:
-                self.speculator.record(request, len(proposals[i]), verdict.accepted)
-            # The fed token and the accepted proposals have their K/V; the rest of the row goes.
-            self.scheduler.keep(request, decode.positions[i] + 1 + verdict.accepted)
-            for token_id, logprob in zip(verdict.token_ids, verdict.logprobs):
-                if (end := self._append(request, token_id, logprob)) is not None:
-                    self._finish(request, *end)
-                    break
-
-    def _append(self, request: Request, token_id: int, logprob) -> tuple[str, str | None] | None:
-        """The token joins the request; its grammar (if any) advances first, and a token that
-        completes the grammar ends the reply."""
-        complete = False
-        if request.grammar is not None:
-            ends = (token_id in self.eos_token_ids and not request.params.ignore_eos) \
-                or token_id in request.params.stop_token_ids
-            try:
-                complete = request.grammar.accept(token_id, ends)
-            except GrammarViolation as exc:
-                return "error", str(exc)
-        return self.outputs.append_token(request, token_id, logprob, complete)
-
-    def _take_prompt_logprobs(self, plan: StepPlan, result: StepOutput) -> dict[Request, str]:
-        """Each scored chunk's prompt logprobs join its request's (a prefill restarted by
-        preemption rescores from its start: the same positions, the same values)."""
-        for index, scored in result.prompt_logprobs.items():
-            chunk = plan.prefill[index]
-            request = self.requests[chunk.request_id]
-            request.prompt_logprobs = (request.prompt_logprobs or [None])[:chunk.start + 1] + scored
-        return {self.requests[plan.prefill[index].request_id]: error for index, error in result.prompt_errors.items()}
-
-    def _take_pooled(self, plan: StepPlan, result: StepOutput) -> None:
-        """Each pooling chunk's part joins its request's pooled state (a mean's sum restarts with
-        a chunk from position 0: a recompute after preemption)."""
-        for index, part in result.pooled.items():
-            chunk = plan.prefill[index]
-            request = self.requests.get(chunk.request_id)
-            if request is None:
-                continue
-            if chunk.pool != "mean":
-                request.pooled = part
-            elif chunk.start == 0 or request.pooled is None:
-                request.pooled, request.pooled_count = part, chunk.length
-            else:
-                request.pooled, request.pooled_count = request.pooled + part, request.pooled_count + chunk.length
-
-    def _finish_pooled(self, request: Request, logits) -> None:
+    def _finish_pooled(self, request: Request, ranked) -> None:
         """A pooled request's prompt is done: its vector (for "rank", the last position's logits)
         is its output, and it finishes ("length": prefill only); its blocks and row go back."""
         pooling = request.params.pooling
         if pooling == "rank":
-            request.pooled = logits
+            request.pooled = ranked
         elif pooling == "mean" and request.pooled is not None:
             if request.pooled_count != len(request.prompt_token_ids):
                 request.pooled = None  # some positions were never computed: no mean to give
@@ -355,17 +259,16 @@ class Engine:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s, d, blocks = self.scheduler.stats, self.worker.decode_step.stats, self.scheduler.blocks
-        self.worker.decode_step.poll()
-        ready, building, pending = self.worker.decode_step.graph_counts()
-        slot_table, config, resolved = self.worker.cache.slot_table, self.config, self.resolved
+        s, w, blocks = self.scheduler.stats, self.worker.stats(), self.scheduler.blocks
+        d, config, resolved = w.decode, self.config, self.resolved
         counts = {k: v for k, v in dataclasses.asdict(s).items() if k != "decode_rows_total"}  # the scheduler's counters
         return EngineStats(
             **counts, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=slot_table.windows,
-            gathers=slot_table.gathers, blocks_free=blocks.pool.num_free, blocks_total=blocks.pool.num_blocks,
-            compiled=resolved.compile, graphs_built=self.worker.decode_step.graphs_built, graphs_loaded=d.graphs_loaded,
-            graphs_ready=ready, graphs_building=building, graphs_pending=pending, eager_steps=d.eager_steps,
+            mean_decode_rows=s.decode_rows_total / max(s.decode_steps, 1), windows=w.windows,
+            gathers=w.gathers, blocks_free=blocks.pool.num_free, blocks_total=blocks.pool.num_blocks,
+            compiled=resolved.compile, graphs_built=w.graphs_built, graphs_loaded=d.graphs_loaded,
+            graphs_ready=w.graphs_ready, graphs_building=w.graphs_building, graphs_pending=w.graphs_pending,
+            eager_steps=d.eager_steps,
             recompiles_after_warmup=d.recompiles_after_warmup, warmup_seconds=d.warmup_seconds,
             graph_load_seconds=d.load_seconds, bucket_hits=dict(d.bucket_hits), padding_waste=d.waste.ratio,
             weights=resolved.weights, weight_bytes=self.weight_bytes, weight_types=dict(self.weight_types),
@@ -385,8 +288,9 @@ class Engine:
             return {}
         s = self.speculator.stats
         draft = getattr(self.speculator.proposer, "worker", None)  # a draft model's worker
-        graphs = {} if draft is None else dict(spec_draft_graphs_built=draft.decode_step.graphs_built,
-                                               spec_draft_recompiles=draft.decode_step.stats.recompiles_after_warmup)
+        drafted = None if draft is None else draft.stats()
+        graphs = {} if drafted is None else dict(spec_draft_graphs_built=drafted.graphs_built,
+                                                 spec_draft_recompiles=drafted.decode.recompiles_after_warmup)
         return dict(**graphs, spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
                     spec_proposed_tokens=s.proposed, spec_accepted_tokens=s.accepted,
                     spec_acceptance_rate=s.acceptance_rate, spec_mean_accepted_length=s.mean_accepted_length,
@@ -407,6 +311,12 @@ class Engine:
         if problems:
             raise AssertionError("engine not drained: " + "; ".join(problems))
 
+
+
+def row_sampling(request: Request) -> RowSampling:
+    """What the worker needs to choose the request's next tokens (its proposals' law, if drawn)."""
+    return RowSampling(request.params, request.generator, (request.prompt_token_ids, request.output_token_ids),
+                       request.spec_probs)
 
 
 def structured_compiler(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler | None:

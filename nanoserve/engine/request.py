@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.cache.prefix_cache import BlockHashes
-from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.worker.scoring import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nanoserve.structured.spec import StructuredOutputs
+from nanoserve.structured.params import StructuredOutputs
 
 INT64_MAX = 2**63 - 1  # every integer field must fit the int64 tensors the sampler builds
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a uint64

@@ -28,11 +28,15 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.worker.bucketing import Buckets, step_shape
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
+
+if TYPE_CHECKING:
+    from nanoserve.worker.worker import StepOutput
 
 
 @dataclass
@@ -159,13 +163,17 @@ class Scheduler:
             slots.append(tuple(placed or ()))
         return (tuple(proposals), tuple(slots)) if any(proposals) else ((), ())
 
-    def keep(self, request: Request, num_tokens: int) -> None:
-        """After a verify step: the request's row keeps the K/V of its first ``num_tokens``
-        tokens (those of the accepted proposals), the rest go, with the blocks they took."""
-        row = request.row
-        if row is not None and num_tokens < self.blocks.num_tokens(row):
-            self.blocks.truncate(row, num_tokens)
-            self._row_changes.append(RowTrim(row, num_tokens))
+    def update(self, plan: StepPlan, output: StepOutput) -> None:
+        """After the worker ran ``plan``: in a verify step each decode row keeps the K/V of its
+        fed token and of the proposals it accepted; the rest go, with the blocks they took."""
+        decode = plan.decode
+        if decode is None or decode.queries == 1:
+            return
+        for row, position, sampled in zip(decode.row_ids, decode.positions, output.rows):
+            num_tokens = position + 1 + sampled.accepted
+            if num_tokens < self.blocks.num_tokens(row):
+                self.blocks.truncate(row, num_tokens)
+                self._row_changes.append(RowTrim(row, num_tokens))
 
     def _schedule_prefill(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 import jinja2
 from starlette.requests import Request
 
-from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
 from nanoserve.serve.chat_reply import (
     ReplyShape,
@@ -25,6 +24,7 @@ from nanoserve.serve.reply import Reply, ReplyDelta, reply_deltas, whole_reply
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.tool_calling import ToolPlan, plan_tools, prompt_messages
 from nanoserve.structured.harmony import HARMONY_STOPS, template_is_harmony
+from nanoserve.worker.scoring import TokenLogprobs
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what every chat template takes
 # "tool" only where the template names that role itself (a generic template would render it

@@ -9,12 +9,12 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from nanoserve.engine import RequestOutput
-from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
 from nanoserve.serve.errors import ApiError
 from nanoserve.serve.protocol import CompletionRequest, sampling_params
 from nanoserve.serve.serving import ServeState
 from nanoserve.serve.structured_fields import structure_for
+from nanoserve.worker.scoring import TokenLogprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nanoserve.engine import RequestOutput
-from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve import serving
 from nanoserve.serve.chat_reply import ReplyShape
 from nanoserve.serve.serving import ServeState
@@ -21,6 +20,7 @@ from nanoserve.serve.tool_calling import ToolReplyStream
 from nanoserve.structured.harmony import HarmonyStream
 from nanoserve.structured.reasoning import ReasoningStream
 from nanoserve.structured.tools import ToolCall
+from nanoserve.worker.scoring import TokenLogprobs
 
 
 @dataclass

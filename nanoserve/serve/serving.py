@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from nanoserve.engine import RequestError, RequestOutput, SamplingParams
-from nanoserve.engine.sampler import TokenLogprobs
 from nanoserve.serve.engine_loop import EngineLoop, EngineStopped, Overloaded
 from nanoserve.serve.errors import ApiError, quoted
 from nanoserve.serve.limits import RETRY_AFTER_SECONDS
+from nanoserve.worker.scoring import TokenLogprobs
 
 logger = logging.getLogger("nanoserve.serve")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the filters removed gets this

@@ -11,7 +11,7 @@ from nanoserve.serve.errors import ApiError
 from nanoserve.serve.protocol import _SamplingFields
 from nanoserve.serve.serving import COMPILE_TIMEOUT
 from nanoserve.structured import StructuredOutputError, StructuredOutputs
-from nanoserve.structured.spec import KINDS
+from nanoserve.structured.params import KINDS
 
 GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 

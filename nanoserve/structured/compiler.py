@@ -19,7 +19,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from nanoserve.structured.spec import StructuredOutputError, StructuredOutputs
+from nanoserve.structured.params import StructuredOutputError, StructuredOutputs
 
 # JSON is emitted compact: no optional whitespace, so a model cannot pad a reply with blanks
 # until max_tokens runs out, and a field's value is the next thing after its key.

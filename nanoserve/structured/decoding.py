@@ -10,15 +10,14 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch as llguidance_torch
 import torch
 
 from nanoserve.structured.compiler import GrammarCompiler
-from nanoserve.structured.masks import TokenMasks
-from nanoserve.structured.spec import StructuredOutputs
+from nanoserve.structured.masks import PendingMasks, TokenMasks
+from nanoserve.structured.params import StructuredOutputs
 from nanoserve.structured.tools import RepeatGuard
 
 
@@ -61,12 +60,6 @@ class RequestGrammar:
         if self.guard is not None:
             self.guard.feed(self.token_bytes(token_id))
         return self.matcher.is_stopped()
-
-
-@dataclass
-class PendingMasks:
-    rows: list[int]
-    future: concurrent.futures.Future  # -> (bitmask, seconds spent filling it)
 
 
 class StructuredDecoding:

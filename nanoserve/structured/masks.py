@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,18 @@ class TokenMasks:
             return None
         index = self.rows.index(row)
         return TokenMasks([0], self.bitmask[index:index + 1])
+
+
+@dataclass
+class PendingMasks:
+    """A step's masks being filled beside the forward: ``future`` gives (bitmask, seconds spent
+    filling it) for sampled rows ``rows``. The worker waits for them after its forward."""
+
+    rows: list[int]
+    future: concurrent.futures.Future
+
+    def wait(self) -> TokenMasks:
+        return TokenMasks(self.rows, self.future.result()[0])
 
 
 def split_masks(masks: TokenMasks | None, n: int) -> tuple[TokenMasks | None, TokenMasks | None]:

@@ -1,4 +1,4 @@
-"""build_worker: a model (loaded here when named) and a resolved ``WorkerSpec`` in, a Worker out.
+"""build_worker: a model (loaded here when named) and a resolved ``WorkerConfig`` in, a Worker out.
 
 The spec is plain, picklable data that the engine's build resolves once from what was asked;
 every tensor-parallel rank builds its worker from the same spec, with its shard.
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
+class WorkerConfig:
     """What a worker is built from, resolved: the weights' plan (None: dense in ``dtype``), the
     activations' and K/V dtype, the device, the pool's shape (``num_kv_heads`` is the whole
     model's; a rank holds its share), the decode grid and compile options, the kernel tier that
@@ -66,7 +66,7 @@ class Shard(Protocol):
     def parallelize(self, model: LlamaModel) -> None: ...
 
 
-def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None = None) -> Worker:
+def build_worker(model: str | LlamaModel, spec: WorkerConfig, shard: Shard | None = None) -> Worker:
     """A worker over ``model`` (a name or path loaded here without its tokenizer, or a built
     ``LlamaModel``: packed per ``spec.weights`` in place, or copied first when ``shard`` cuts
     it), and a K/V cache of its K/V heads."""
@@ -107,7 +107,7 @@ def build_worker(model: str | LlamaModel, spec: WorkerSpec, shard: Shard | None 
     return Worker(model, cache, step, checks=spec.checks)
 
 
-def _prepare_graphs(step: DecodeStep, model: LlamaModel, spec: WorkerSpec, kv_bytes: int) -> None:
+def _prepare_graphs(step: DecodeStep, model: LlamaModel, spec: WorkerConfig, kv_bytes: int) -> None:
     """Load the cached graphs; build the rest now (warmup) or in a background process, which
     rebuilds this worker from the model as it is now (packed; sent hollow: no weights)."""
     spec = dataclasses.replace(spec, weights=None)

@@ -1,44 +1,87 @@
 """The worker: a model, its K/V cache and its decode step, applying step plans on the device.
 
-``execute(plan)`` is the whole interface: the plan is all the worker is told (it never reads
-the scheduler or its block manager), and ``StepOutput`` all it answers. An eager step with both
-decode rows and prefill chunks runs them as one forward (the decode rows' tokens first, then
-the chunks'), so every layer's weights are read once a step; each part keeps its own attention.
-A compiled decode step runs its fixed-shape graph and the chunks in an eager forward beside it.
-A tensor-parallel rank is one worker applying the same plans.
+``execute(plan, sampling)`` is the whole interface: the plan is all the worker is told about the
+batch (it never reads the scheduler or its block manager), ``sampling`` what choosing each
+sampled row's tokens needs, and ``StepOutput`` all it answers: tokens, never logits. An eager
+step with both decode rows and prefill chunks runs them as one forward (the decode rows' tokens
+first, then the chunks'), so every layer's weights are read once a step; each part keeps its own
+attention. A compiled decode step runs its fixed-shape graph and the chunks in an eager forward
+beside it. A tensor-parallel rank is one worker applying the same plans; rank 0's samples.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.cache.blocks import BlockTable
 from nanoserve.worker.attention import (
     ChunkContext,
     DecodeThenPrefill,
     PackedPrefillAttention,
     WindowAttention,
 )
-from nanoserve.worker.decode_step import DecodeStep
-from nanoserve.worker.gates import check_decode_follows, check_mapping_is_window, check_window_intact
+from nanoserve.worker.decode_step import DecodeStats, DecodeStep
+from nanoserve.worker.gates import (
+    check_decode_follows,
+    check_mapping_is_window,
+    check_slots_agree,
+    check_window_intact,
+)
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
 from nanoserve.worker.plan import PrefillChunk, RowFree, RowMove, StepPlan
+from nanoserve.worker.sampler import Sampler
+from nanoserve.worker.sampling import SampledRow, StepSampling, sample_step
 from nanoserve.worker.scoring import TokenLogprobs, score_prompt
 
 
 @dataclass
-class StepOutput:
-    """Logits [len(plan.sampled), vocab], in the plan's ``sampled`` order; each scoring chunk's
-    prompt logprobs (by chunk index: one per ``score_targets``), or why its scoring failed; and
-    the decode rows' addressing, for the gates that check it against the block tables."""
+class ForwardOutput:
+    """A forward's results: logits [len(plan.sampled), vocab], in the plan's ``sampled`` order
+    (a verifying row's 1 + k in a run); each scoring chunk's prompt logprobs (by chunk index: one
+    per ``score_targets``), or why its scoring failed; the decode rows' addressing, for the gates
+    that check it against the block tables; each pooling chunk's part, by chunk index."""
 
     logits: torch.Tensor
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_errors: dict[int, str] = field(default_factory=dict)
     decode: DecodePlan | None = None
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # by chunk index: PrefillChunk.pool's part
+
+
+@dataclass
+class StepOutput:
+    """A step's answer: one ``SampledRow`` per ``plan.sampled`` row (none on a rank that does not
+    sample), the forward's prompt logprobs, addressing and pooled parts (``ForwardOutput``), and
+    the step's own price: its forward's seconds (the device synchronised), and the graphs built
+    and decode steps run eagerly for want of one while it ran."""
+
+    rows: list[SampledRow]
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_errors: dict[int, str] = field(default_factory=dict)
+    decode: DecodePlan | None = None
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+    graphs_built: int = 0
+    eager_steps: int = 0
+
+
+@dataclass
+class WorkerStats:
+    """What ``EngineStats`` reports of the worker: its decode step's counters and graphs, and the
+    slot table's window and gather reads."""
+
+    decode: DecodeStats
+    graphs_built: int
+    graphs_ready: int
+    graphs_building: int
+    graphs_pending: int
+    windows: int
+    gathers: int
 
 
 class Worker:
@@ -49,15 +92,36 @@ class Worker:
         self.model, self.cache, self.decode_step = model, cache, decode_step
         self.device = cache.device
         self.checks = checks
+        self.sampler = Sampler()
 
     def close(self) -> None:
         """Stop the decode step's background graph builder (a tensor-parallel worker also stops its ranks)."""
         self.decode_step.close()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, sampling: StepSampling | None = None) -> StepOutput:
+        """Run the plan's forward, then choose every sampled row's tokens (worker/sampling.py)
+        under the step's masks, waited for only now: they are filled beside the forward. Without
+        ``sampling`` (a tensor-parallel rank past 0) the forward alone runs."""
+        step = self.decode_step
+        built, eager = step.graphs_built, step.stats.eager_steps
+        start = time.perf_counter()
+        forward = self.forward(plan)
+        if self.device.type == "cuda":  # an asynchronous device: the step is priced by its work, not its dispatch
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        rows = []
+        if sampling is not None:
+            masks = sampling.masks.wait() if sampling.masks is not None else None
+            rows = sample_step(self.sampler, plan, forward.logits, sampling, masks)
+        return StepOutput(rows, forward.prompt_logprobs, forward.prompt_errors, forward.decode, forward.pooled,
+                          seconds, step.graphs_built - built, step.stats.eager_steps - eager)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> ForwardOutput:
         """Apply the plan in order (row changes, the decode rows' cells and buffers, the chunks'
-        cells) and run its forward(s)."""
+        cells) and run its forward(s); the logits stay on the device (a draft model's proposer
+        chooses from them itself)."""
         for change in plan.row_changes:
             if isinstance(change, RowMove):
                 self.cache.move(change.src, change.dst, change.length)
@@ -84,7 +148,19 @@ class Worker:
             logits.append(self._prefill(plan.prefill, decode if together else None, scored, errors, pooled))
         if self.checks and decode is not None:
             check_window_intact(decode)
-        return StepOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode, pooled)
+        return ForwardOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode, pooled)
+
+    def stats(self) -> WorkerStats:
+        """The decode step's counters and graphs (graphs a background builder finished swapped in
+        first), and the slot table's reads."""
+        step, table = self.decode_step, self.cache.slot_table
+        step.poll()
+        ready, building, pending = step.graph_counts()
+        return WorkerStats(step.stats, step.graphs_built, ready, building, pending, table.windows, table.gathers)
+
+    def check_slots(self, tables: Sequence[BlockTable], rows: Sequence[int]) -> None:
+        """The debug gate after a step: the slot table equals the host's block ``tables`` on ``rows``."""
+        check_slots_agree(self.cache.slot_table, tables, rows)
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], decode: DecodePlan | None,
                  scored: dict[int, list[TokenLogprobs]], errors: dict[int, str],

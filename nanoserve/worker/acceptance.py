@@ -1,4 +1,4 @@
-"""Exact acceptance of speculative proposals, host side: the target's logits at each row's
+"""Exact acceptance of speculative proposals, on the worker: the target's logits at each row's
 1 + k positions decide how many of the row's k proposals stand, and give one more token.
 
 Contract: every emitted token has the law non-speculative decoding would give it (greedy rows:
@@ -10,13 +10,16 @@ of p(y) (Leviathan et al. 2023; Chen et al. 2023). A deterministic proposer is q
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.engine.sampler import Sampler, exponential_race
-from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.structured.masks import TokenMasks
+from nanoserve.worker.sampler import Sampler, exponential_race
 from nanoserve.worker.scoring import TokenLogprobs, gather_logprobs
+
+if TYPE_CHECKING:
+    from nanoserve.engine.sampling_params import SamplingParams  # plain data: the type alone
 
 __all__ = ["RowVerdict", "verify"]
 

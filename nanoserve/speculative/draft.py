@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.cache.blocks import BlockPool, BlockTable
-from nanoserve.spec.config import SpeculativeConfig
+from nanoserve.speculative.config import SpeculativeConfig
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, step_shape
-from nanoserve.worker.build import WorkerSpec, build_worker
+from nanoserve.worker.build import WorkerConfig, build_worker
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, StepPlan
 from nanoserve.worker.worker import Worker
 
@@ -179,7 +179,7 @@ class DraftProposer:
                                            tuple(state.table.slots(end)), is_last=False))
             if not chunks:
                 return
-            self.worker.execute(StepPlan((), None, tuple(chunks)))
+            self.worker.forward(StepPlan((), None, tuple(chunks)))
 
     def _step(self, requests: list[Request], fed: list[tuple[int, int, list[int], tuple[int, ...]]]) -> torch.Tensor:
         """One draft forward: row i feeds ``fed[i]`` = (token, position, its slots, the tokens after
@@ -195,7 +195,7 @@ class DraftProposer:
                             tuple(extra) if verify else (), tuple(tuple(f[2][1:]) for f in fed) if verify else (),
                             queries)
         start = time.perf_counter()
-        logits = self.worker.execute(StepPlan((), batch, ())).logits
+        logits = self.worker.forward(StepPlan((), batch, ())).logits
         self.step_seconds += time.perf_counter() - start
         self.steps += 1
         if queries == 1:
@@ -228,7 +228,7 @@ class DraftProposer:
 
 
 def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtype: torch.dtype,
-                target_spec: WorkerSpec, target_vocab: int, distribution: Distribution) -> DraftProposer:
+                target_spec: WorkerConfig, target_vocab: int, distribution: Distribution) -> DraftProposer:
     """A draft proposer for the speculative ``config``: ``source`` (a path, or a LlamaModel used
     as it is where ``plan`` is None) held in ``plan`` / ``dtype``, beside a target built with
     ``target_spec``: a pool of the target's size in tokens, rows for the steps that speculate,

@@ -2,8 +2,8 @@
 the next (a proposer's tokens, as many as the row's adaptive length allows), and the counts.
 
 The scheduler takes a row's ``spec_tokens`` into the next plan (cutting them to what fits);
-the worker writes K/V for all of them in one verify forward; the engine accepts a prefix
-(nanoserve.engine.acceptance) and trims the row to it. Which rows speculate is decided here:
+the worker writes K/V for all of them in one verify forward and accepts a prefix
+(nanoserve.worker.acceptance); the scheduler trims the row to it. Which rows speculate is decided here:
 none in a step of ``disable_by_batch_size`` rows or more, none under a grammar (this engine
 does not check proposals against a grammar: a constrained row decodes one token a step), none
 with fewer than two tokens left to emit.
@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from nanoserve.spec.adaptive import SpeculationLength
-from nanoserve.spec.config import SpeculativeConfig
-from nanoserve.spec.ngram import NgramProposer
+from nanoserve.speculative.adaptive import SpeculationLength
+from nanoserve.speculative.config import SpeculativeConfig
+from nanoserve.speculative.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from nanoserve.engine.request import Request
+    from nanoserve.worker.plan import StepPlan
+    from nanoserve.worker.worker import StepOutput
 
 
 # One more verified token's price in decode steps until one is measured (StepTimes): a step
@@ -202,6 +204,21 @@ class Speculator:
         self.stats.accepted += accepted
         if self.config.adaptive:
             self._length(request.request_id).record(proposed, accepted)
+
+    def update(self, plan: StepPlan, output: StepOutput, requests: list[Request]) -> None:
+        """A step's outcome (``requests``: the plan's sampled ones): a decode step's price, then
+        each verifying row's count of proposals that stood."""
+        decode = plan.decode
+        if decode is None:
+            return
+        # A step beside prefill chunks, or one that built a graph or ran eagerly for want of one,
+        # says nothing of a step's price.
+        typical = not plan.prefill and not output.graphs_built and not output.eager_steps
+        self.record_step(output.seconds, decode.queries, typical)
+        if decode.queries > 1:
+            for request, proposals, row in zip(requests, decode.proposals, output.rows):
+                if proposals and row.error is None:
+                    self.record(request, len(proposals), row.accepted)
 
     def record_step(self, seconds: float, queries: int, typical: bool) -> None:
         """A decode step's forward time, ``queries`` a row (1: no verify); only a ``typical``

@@ -9,12 +9,15 @@ tokens do not depend on what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.structured.masks import TokenMasks, apply_token_masks
 from nanoserve.worker.scoring import TokenLogprobs, gather_logprobs
+
+if TYPE_CHECKING:
+    from nanoserve.engine.sampling_params import SamplingParams  # plain data: the type alone
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "exponential_race", "gather_logprobs", "sample_isolated"]
 
