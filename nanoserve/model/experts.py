@@ -8,9 +8,10 @@ op sorts the step's (row, expert) pairs by expert and, per active expert, gather
 gate and up, the activation, down, and adds the result times the routing weight into the output
 (in expert order, as the reference does). Packed experts hold each expert as its own group-wise
 matrix (``cpu_kernels`` layout, the experts stacked along a leading dimension), packed expert by
-expert from the file's blocks: a step reads only the routed experts' bytes. An expert with many
-rows (a prompt) dequantises its matrix and runs a dense GEMM, as a packed linear does
-(``quant.DEQUANT_FROM_ROWS``).
+expert from the file's blocks: a step reads only the routed experts' bytes. A decode-sized step
+runs every expert in two grouped kernel calls (gate and up of every routed pair, then down), with
+no per-expert Python; in a prompt's step an expert with many rows dequantises its matrix and
+runs a dense GEMM, as a packed linear does (``quant.DEQUANT_FROM_ROWS``).
 """
 
 from __future__ import annotations
@@ -115,9 +116,14 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
                    alpha: float) -> torch.Tensor:
     """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
     gate and up as one [2 I, H] matrix per expert, down [H, I]; optional biases [E, 2 I] (gate's
-    then up's) and [E, H]."""
+    then up's) and [E, H]. A step of fewer than ``dequant_from_rows`` rows (a decode step: no
+    expert can reach the dequantise path) runs whole in the grouped kernel (_grouped_step)."""
     hidden = x.shape[1]
     ops = torch.ops.nanoserve
+    if x.shape[0] < dequant_from_rows:
+        return _grouped_step(x, ids, weights, (gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero),
+                             (down_codes, down_scales, down_mins, down_zero), intermediate, tier, activation,
+                             gate_up_bias, down_bias, limit, alpha)
 
     def product(rows, codes, scales, mins, zero, n, k):
         if rows.shape[0] >= dequant_from_rows:
@@ -133,6 +139,26 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         return _biased(y, down_bias, e)
 
     return _mix(x, ids, weights, gate_up_codes.shape[0], expert)
+
+
+def _grouped_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple, down: tuple,
+                  intermediate: int, tier: int, activation: str, gate_up_bias: torch.Tensor | None,
+                  down_bias: torch.Tensor | None, limit: float, alpha: float) -> torch.Tensor:
+    """Every routed (row, expert) pair of the step at once: gate and up of all pairs in one
+    grouped kernel call (``nanoserve::experts_mm``, each expert's codes read once for its rows),
+    the activation, down of all pairs in another, then each row's pairs weighted and summed (in
+    fp32, rounded once to x's dtype)."""
+    rows, top_k = ids.shape
+    ids = ids.contiguous()
+    gate_up_out = torch.ops.nanoserve.experts_mm(x, ids, *gate_up, tier)  # [rows, k, 2 I]
+    if gate_up_bias is not None:
+        gate_up_out = gate_up_out + gate_up_bias[ids]
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    h = glu(activation, gate, up, limit, alpha).reshape(rows * top_k, intermediate)
+    y = torch.ops.nanoserve.experts_mm(h, ids, *down, tier)  # [rows, k, H]
+    if down_bias is not None:
+        y = y + down_bias[ids]
+    return torch.bmm(weights.float().unsqueeze(1), y.float()).squeeze(1).to(x.dtype)
 
 
 @experts_packed.register_fake
