@@ -150,3 +150,34 @@ def test_packed_experts_decode_step_equals_the_dequantised_experts(tier, qtype, 
     want = _dense_step(experts, x, ids, weights)
     assert got.shape == x.shape and got.dtype == dtype
     assert (got.float() - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_compiled_decode_of_packed_experts_never_recompiles_as_routing_changes(tmp_path, monkeypatch):
+    """A compiled engine over an expert GGUF packed for the kernels: its decode steps go through
+    the grouped kernel with a new routing nearly every step, and nothing recompiles (the op's
+    fake gives static shapes whatever the routing)."""
+    from compile.model_files import Shape, write_model
+    from nanoserve.engine import SamplingParams, build_engine
+    from nanoserve.model import experts as experts_module
+
+    shape = Shape(256, 2, 4, 2, 512, tied=False, arch="qwen3moe", head_dim=64, experts=8, experts_used=2,
+                  expert_ffn=256)
+    path = write_model(tmp_path / "moe.gguf", shape, "Q4_K_M")
+    routings = []
+    grouped = experts_module._grouped_step
+
+    def recorded(x, ids, *args):
+        routings.append(tuple(ids.flatten().tolist()))
+        return grouped(x, ids, *args)
+
+    monkeypatch.setattr(experts_module, "_grouped_step", recorded)
+    engine = build_engine(str(path), compile=True, compile_backend="inductor", warmup="eager", max_batch_size=4,
+                          max_model_len=128, kv_cache_bytes=1 << 22, row_buckets=(1, 2, 4), width_buckets=(32, 64, 128))
+    assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.layers)
+    routings.clear()
+    out = engine.generate([[1, 2, 3], [5, 6, 7, 8, 9], [11] * 4], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                                   ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [24] * 3
+    stats = engine.stats()
+    assert stats.recompiles_after_warmup == 0 and stats.eager_steps == 0
+    assert len(set(routings)) > 24  # two layers a step, the routing new in most of them
