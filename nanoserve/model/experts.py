@@ -118,12 +118,25 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     gate and up as one [2 I, H] matrix per expert, down [H, I]; optional biases [E, 2 I] (gate's
     then up's) and [E, H]. A step of fewer than ``dequant_from_rows`` rows (a decode step: no
     expert can reach the dequantise path) runs whole in the grouped kernel (_grouped_step)."""
+    gate_up = (gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero)
+    down = (down_codes, down_scales, down_mins, down_zero)
+    if x.shape[0] < dequant_from_rows:
+        return _grouped_step(x, ids, weights, gate_up, down, intermediate, tier, activation, gate_up_bias, down_bias,
+                             limit, alpha)
+    return _per_expert_step(x, ids, weights, gate_up, down, intermediate, tier, dequant_from_rows, activation,
+                            gate_up_bias, down_bias, limit, alpha)
+
+
+def _per_expert_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: tuple, down: tuple,
+                     intermediate: int, tier: int, dequant_from_rows: int, activation: str,
+                     gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, limit: float,
+                     alpha: float) -> torch.Tensor:
+    """Expert by expert over its rows (_mix): an expert with ``dequant_from_rows`` rows or more
+    dequantises its matrices for a dense GEMM, one with fewer runs the packed products."""
     hidden = x.shape[1]
     ops = torch.ops.nanoserve
-    if x.shape[0] < dequant_from_rows:
-        return _grouped_step(x, ids, weights, (gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero),
-                             (down_codes, down_scales, down_mins, down_zero), intermediate, tier, activation,
-                             gate_up_bias, down_bias, limit, alpha)
+    gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero = gate_up
+    down_codes, down_scales, down_mins, down_zero = down
 
     def product(rows, codes, scales, mins, zero, n, k):
         if rows.shape[0] >= dequant_from_rows:
