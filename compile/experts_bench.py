@@ -1,8 +1,9 @@
 """experts: one mixture-of-experts layer's step of packed experts, expert by expert (each active
 expert's packed products called from Python, as before the grouped kernel) against the grouped
-kernel (every routed pair's gate and up in one call, down in another), on Qwen3-30B-A3B's layer
-shape (hidden 2048, 128 experts of 768, 8 a token) with random Q4_K experts packed from their
-blocks (`python compilebench.py experts [--tier T] [--rows 1 8]`, also
+kernel (every routed pair's gate and up in one call, down in another; in a prompt, experts with
+DEQUANT_FROM_ROWS rows or more dequantised as before), on Qwen3-30B-A3B's layer shape (hidden
+2048, 128 experts of 768, 8 a token) with random Q4_K experts packed from their blocks
+(`python compilebench.py experts [--tier T] [--rows 1 8 64 512]`, also
 `python -m compile.experts_bench`), written to ``compile/results/runs/experts_step-<tier>.csv``.
 
 Every step draws a new routing, so the experts' codes stream from memory as in a real decode
@@ -24,7 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from compile.common import add_output_options, format_table, result_stem, write_results
 from compile.model_files import random_blocks
 from nanoserve.model import cpu_kernels
-from nanoserve.model.experts import _grouped_step, _per_expert_step
+from nanoserve.model.experts import PackedStep, _packed_step, _per_expert_step
 from nanoserve.model.gguf_blocks import BlockTensor, StackedBlocks
 from nanoserve.model.quant import DEQUANT_FROM_ROWS
 
@@ -47,11 +48,11 @@ def measure(rows: int, repeats: int, tier: str, experts: int, qtype: Q) -> dict:
     down = packed_experts(qtype, experts, HIDDEN, WIDTH, seed=1)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, HIDDEN, generator=generator).to(dtype)
-    common = (gate_up, down, WIDTH, handle)
+    experts_ = PackedStep(gate_up, down, WIDTH, handle, "silu", None, None, 0.0, 1.0)
+    dequant_from_rows = DEQUANT_FROM_ROWS[tier]
     arms = {
-        "per_expert": lambda ids, w: _per_expert_step(x, ids, w, *common, DEQUANT_FROM_ROWS[tier], "silu", None, None,
-                                                      0.0, 1.0),
-        "grouped": lambda ids, w: _grouped_step(x, ids, w, *common, "silu", None, None, 0.0, 1.0),
+        "per_expert": lambda ids, w: _per_expert_step(x, ids, w, experts_, dequant_from_rows),
+        "grouped": lambda ids, w: _packed_step(x, ids, w, experts_, dequant_from_rows),
     }
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(repeats + 1):  # the first pass warms up and is dropped

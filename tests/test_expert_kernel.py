@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from compile.model_files import random_blocks
 from nanoserve.model import cpu_kernels
-from nanoserve.model.experts import PackedExperts, glu
+from nanoserve.model.experts import PackedExperts, PackedStep, _packed_step, _per_expert_step, glu
 from nanoserve.model.gguf_blocks import BlockTensor, StackedBlocks
 
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]  # ours, the reference included
@@ -86,13 +86,27 @@ def test_grouped_products_are_each_pair_through_its_expert(tier, qtype, routing,
         assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_skipped_pairs_are_zeros_and_leave_the_others_as_they_were(tier):
+    codes, scales, mins, zero = stacked_experts(Q.Q5_K, 32, 256, 3)
+    handle = cpu_kernels.handle(tier)
+    x, ids = torch.randn(4, 256), torch.tensor([[0, 1], [1, 2], [3, 1], [1, 1]])
+    everything = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, handle)
+    skipped = ids == 1
+    got = torch.ops.nanoserve.experts_mm(x, ids.masked_fill(skipped, -1), codes, scales, mins, zero, handle)
+    assert torch.equal(got[~skipped], everything[~skipped]) and not got[skipped].any()
+    none = torch.ops.nanoserve.experts_mm(x, torch.full_like(ids, -1), codes, scales, mins, zero, handle)
+    assert not none.any()
+
+
 def test_grouped_products_refuse_what_they_cannot_read():
     handle = cpu_kernels.handle("scalar")
     codes, scales, mins, zero = stacked_experts(Q.Q4_K, 16, 256, 0)
     x, ids = torch.randn(2, 256), torch.tensor([[0, 5], [1, 2]])
     torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, handle)  # what fits
-    with pytest.raises(RuntimeError, match="expert ids must lie"):
-        torch.ops.nanoserve.experts_mm(x, torch.tensor([[0, 6], [1, 2]]), codes, scales, mins, zero, handle)
+    for bad in (6, -2):
+        with pytest.raises(RuntimeError, match="expert ids must lie"):
+            torch.ops.nanoserve.experts_mm(x, torch.tensor([[0, bad], [1, 2]]), codes, scales, mins, zero, handle)
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.nanoserve.experts_mm(torch.randn(3, 256), ids, codes, scales, mins, zero, handle)
     with pytest.raises(RuntimeError, match="ids must be"):
@@ -152,6 +166,31 @@ def test_packed_experts_decode_step_equals_the_dequantised_experts(tier, qtype, 
     assert (got.float() - want).abs().max() <= 0.03 * want.abs().max()
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_the_packed_step_equals_the_expert_by_expert_step(tier, rows):
+    """The grouped step against the one it replaced (each expert's products called one by one):
+    at decode sizes all through the grouped kernel; at a prompt's (``dequant_from_rows`` rows
+    or more) the experts with that many pairs dequantised, the rest grouped."""
+    hidden, width, top_k, dequant_from_rows = 256, 256, 3, 16
+    dtype = cpu_kernels.compute_dtype(tier)
+    experts = PackedStep(stacked_experts(Q.Q4_K, 2 * width, hidden, 4), stacked_experts(Q.Q6_K, hidden, width, 5),
+                         width, cpu_kernels.handle(tier), "silu", None, None, 0.0, 1.0)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:top_k] for _ in range(rows)])
+    ids[:, 0] = 4  # expert 4 in every row: past dequant_from_rows in a prompt
+    others = ids[:, 1:]
+    others[others == 4] = 0
+    weights = torch.softmax(torch.randn(rows, top_k, generator=generator), -1).to(dtype)
+    counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
+    if rows >= dequant_from_rows:  # both kinds of expert in the step
+        assert (counts >= dequant_from_rows).any() and ((counts > 0) & (counts < dequant_from_rows)).any()
+    got = _packed_step(x, ids, weights, experts, dequant_from_rows)
+    want = _per_expert_step(x, ids, weights, experts, dequant_from_rows)
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()
+
+
 def test_compiled_decode_of_packed_experts_never_recompiles_as_routing_changes(tmp_path, monkeypatch):
     """A compiled engine over an expert GGUF packed for the kernels: its decode steps go through
     the grouped kernel with a new routing nearly every step, and nothing recompiles (the op's
@@ -164,13 +203,13 @@ def test_compiled_decode_of_packed_experts_never_recompiles_as_routing_changes(t
                   expert_ffn=256)
     path = write_model(tmp_path / "moe.gguf", shape, "Q4_K_M")
     routings = []
-    grouped = experts_module._grouped_step
+    grouped = experts_module._grouped_outputs
 
     def recorded(x, ids, *args):
         routings.append(tuple(ids.flatten().tolist()))
         return grouped(x, ids, *args)
 
-    monkeypatch.setattr(experts_module, "_grouped_step", recorded)
+    monkeypatch.setattr(experts_module, "_grouped_outputs", recorded)
     engine = build_engine(str(path), compile=True, compile_backend="inductor", warmup="eager", max_batch_size=4,
                           max_model_len=128, kv_cache_bytes=1 << 22, row_buckets=(1, 2, 4), width_buckets=(32, 64, 128))
     assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.layers)

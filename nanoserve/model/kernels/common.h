@@ -76,7 +76,8 @@ struct nanoserve_kernel_table {
                           const int64_t* rows, int64_t count, void* out, int32_t out_bf16);
   // A mixture-of-experts layer's routed products, every expert of a step in one call. Pair
   // p = row * top_k + slot (p < rows * top_k) goes to expert e = ids[p] (int64, below the
-  // expert count: the caller checks), whose weight of N x K is packed at w + e * w_stride and
+  // expert count: the caller checks; a negative id skips the pair, its output row left as it
+  // was, for the caller to fill otherwise), whose weight of N x K is packed at w + e * w_stride and
   // its scales and minimums at d + e * scale_stride, m + e * scale_stride (bytes). out[p, N]
   // (row stride N; bf16 bits if out_bf16, else fp32) = that weight times activation row p if
   // x_per_pair, else row p / top_k; xq, xd, xs, xsum as quantize_rows wrote them for those rows
@@ -244,17 +245,21 @@ inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, 
 }
 
 // A step's (row, slot) pairs grouped by expert: experts[j] (ascending) takes pairs
-// pairs[starts[j] .. starts[j + 1]), each expert's pairs in their own order (experts_mm's tasks).
+// pairs[starts[j] .. starts[j + 1]), each expert's pairs in their own order (experts_mm's tasks);
+// pairs of negative ids are in none.
 struct ExpertGroups {
   std::vector<int64_t> pairs, starts, experts;
 
-  ExpertGroups(const int64_t* ids, int64_t count) : pairs(count) {
-    for (int64_t p = 0; p < count; ++p) pairs[p] = p;
+  ExpertGroups(const int64_t* ids, int64_t count) {
+    for (int64_t p = 0; p < count; ++p) {
+      if (ids[p] >= 0) pairs.push_back(p);
+    }
     std::stable_sort(pairs.begin(), pairs.end(), [ids](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-    for (int64_t i = 0; i < count; ++i) {
+    const int64_t grouped = static_cast<int64_t>(pairs.size());
+    for (int64_t i = 0; i < grouped; ++i) {
       if (i == 0 || ids[pairs[i]] != ids[pairs[i - 1]]) starts.push_back(i), experts.push_back(ids[pairs[i]]);
     }
-    starts.push_back(count);
+    starts.push_back(grouped);
   }
 };
 
