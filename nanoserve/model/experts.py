@@ -3,15 +3,16 @@ every active expert over the rows routed to it.
 
 The grouped operation is a torch op (``nanoserve::experts_dense``, ``nanoserve::experts_packed``)
 with a fake that says only "a tensor shaped like x": which experts a step routes to is data, so
-the compiled decode graph keeps its static shapes and never recompiles on routing. Inside, the
-op sorts the step's (row, expert) pairs by expert and, per active expert, gathers its rows, runs
-gate and up, the activation, down, and adds the result times the routing weight into the output
-(in expert order, as the reference does). Packed experts hold each expert as its own group-wise
-matrix (``cpu_kernels`` layout, the experts stacked along a leading dimension), packed expert by
-expert from the file's blocks: a step reads only the routed experts' bytes. A decode-sized step
-runs every expert in two grouped kernel calls (gate and up of every routed pair, then down), with
-no per-expert Python; in a prompt's step an expert with many rows dequantises its matrix and
-runs a dense GEMM, as a packed linear does (``quant.DEQUANT_FROM_ROWS``).
+the compiled decode graph keeps its static shapes and never recompiles on routing. Float experts
+(``experts_dense``): the op sorts the step's (row, expert) pairs by expert and, per active
+expert, gathers its rows, runs gate and up, the activation, down, and adds the result times the
+routing weight into the output (in expert order, as the reference does). Packed experts hold
+each expert as its own group-wise matrix (``cpu_kernels`` layout, the experts stacked along a
+leading dimension), packed expert by expert from the file's blocks: a step reads only the routed
+experts' bytes. Their step runs every routed pair in two grouped kernel calls (gate and up of
+every pair, then down; ``nanoserve::experts_mm``), with no per-expert Python; in a prompt's step
+an expert with many rows dequantises its matrix and runs a dense GEMM instead, as a packed linear
+does (``quant.DEQUANT_FROM_ROWS``).
 """
 
 from __future__ import annotations
