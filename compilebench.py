@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from compile import (
     decode_bench,
     e2e,
+    experts_bench,
     fidelity_suite,
     headline,
     linear_bench,
@@ -35,6 +36,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": serve_bench.main,
     "ttft": ttft.main,
     "linear": linear_bench.main,
+    "experts": experts_bench.main,
     "tp": tp_bench.main,
     "scale": scale.main,
     "structured": structured_bench.main,

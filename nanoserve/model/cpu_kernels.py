@@ -13,6 +13,11 @@ from memory once for all rows.
 ``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0)`` is
 the decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots
 (a sliding-window layer's ``window``: over the last ``window`` of them).
+``torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero_point, tier)`` is a
+mixture-of-experts step's every routed product in one call: experts stacked along a leading
+dimension, ``ids`` [rows, top_k], out [rows, top_k, N] with ``out[r, s]`` expert ``ids[r, s]``
+times ``x[r]`` (or ``x[r * top_k + s]``, a row per pair); each expert's block of codes is read
+once for all of its rows.
 
 The tiers (``kernels/``, one source tree): ``avx512-vnni`` (vpdpbusd on 512 bits), ``avx-vnni``
 (vpdpbusd on 256 bits), ``avx2`` (vpmaddubsw + vpmaddwd), ``neon-dot`` (sdot), ``neon``
@@ -112,6 +117,7 @@ def _ops_loaded() -> bool:
                 return False
             log.warning("nanoserve's CPU kernels did not build with OpenMP (%s); trying one thread", error)
     torch.library.register_fake("nanoserve::group_mm")(_output_like)
+    torch.library.register_fake("nanoserve::experts_mm")(_experts_output_like)
     torch.library.register_fake("nanoserve::decode_attention")(_attention_output_like)
     torch.library.register_fake("nanoserve::dequantize")(_dequantized_like)
     torch.library.register_fake("nanoserve::dequantize_rows")(_rows_like)
@@ -213,6 +219,11 @@ def _build(tier: Tier) -> Path:
 def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int,
                  tier: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
+
+
+def _experts_output_like(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                         mins: torch.Tensor, zero_point: int, tier: int) -> torch.Tensor:
+    return x.new_empty((ids.shape[0], ids.shape[1], 16 * scales.shape[1]))
 
 
 def _dequantized_like(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int, n: int, k: int,

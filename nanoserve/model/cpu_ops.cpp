@@ -184,6 +184,72 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return out;
 }
 
+// Every routed product of a mixture-of-experts step: ids [rows, top_k] int64 below E, experts
+// stacked codes [E, ...], scales and mins [E, ...] (each expert as group_mm takes its weight of
+// N x K), x [rows, K] (a row's slots share it) or [rows * top_k, K] (a row per pair) ->
+// out [rows, top_k, N] in x's dtype, out[r, s] = w_{ids[r, s]} x[r] or x[r * top_k + s]; an id
+// of -1 skips its pair, whose output is zeros (a prompt's busiest experts go another way). The work splits over threads by
+// (expert, output block) tasks, each thread a share of their cost: a block's read and its
+// expert's rows (a prompt's experts have very different numbers of rows).
+at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& d,
+                      const at::Tensor& m, int64_t zero_point, int64_t handle) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64 "
+              "[rows, top_k], got ", ids.sizes(), " ", ids.scalar_type());
+  TORCH_CHECK(codes.dim() == 2 && d.dim() == 4 && m.dim() == 4 && codes.size(0) == d.size(0) &&
+              m.size(0) == d.size(0) && codes.size(0) > 0 && codes.is_contiguous() && d.is_contiguous() &&
+              m.is_contiguous(), "experts must be stacked contiguously: codes [E, bytes], scales and mins [E, ...] "
+              "as group_mm takes one expert's, got ", codes.sizes(), ", ", d.sizes(), ", ", m.sizes());
+  const int64_t rows = ids.size(0), top_k = ids.size(1), pairs = rows * top_k, E = codes.size(0);
+  TORCH_CHECK(x.dim() == 2 && (x.size(0) == rows || x.size(0) == pairs), "x must be [rows, K] or [rows * top_k, K] "
+              "for ids ", ids.sizes(), ", got ", x.sizes());
+  const int64_t K = x.size(1), N = 16 * d.size(1);
+  const nanoserve_format format = format_of(codes[0], d[0], m[0], zero_point, N, K);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) {  // an expert past the stack would read past its codes
+    TORCH_CHECK(id[p] >= -1 && id[p] < E, "expert ids must lie in [-1, ", E, ") (-1: skip the pair), got ", id[p]);
+  }
+  at::Tensor out = at::empty({rows, top_k, N}, x.options());
+  const nanoserve::ExpertGroups groups(id, pairs);
+  if (static_cast<int64_t>(groups.pairs.size()) < pairs) {
+    out.masked_fill_(ids.eq(-1).unsqueeze(-1), 0);
+  }
+  const int64_t blocks = N / 16, experts = static_cast<int64_t>(groups.experts.size()), tasks = experts * blocks;
+  if (tasks == 0) return out;
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  const int64_t M = x.size(0), G = K / 32;
+  at::Tensor scratch = at::empty({2 * M * K + 28 * M * G}, x.options().dtype(at::kChar));  // as group_mm's
+  int8_t* xq = scratch.data_ptr<int8_t>();
+  float* xd = reinterpret_cast<float*>(xq + 2 * M * K);
+  float* xs = xd + M * G;
+  int32_t* sums = reinterpret_cast<int32_t*>(xs + 2 * M * G);
+  quantize_into(tier, x, xq, xd, xs, sums);
+  // a task of expert j costs about READ + its rows, READ rows' worth of arithmetic for reading its block
+  constexpr int64_t READ = 2;
+  int64_t total = 0;
+  for (int64_t j = 0; j < experts; ++j) total += blocks * (READ + groups.starts[j + 1] - groups.starts[j]);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  const auto first_task = [&](int64_t thread) {  // the first task from thread / threads of the total cost on
+    const int64_t target = total * thread / threads;
+    int64_t before = 0;
+    for (int64_t j = 0; j < experts; ++j) {
+      const int64_t cost = READ + groups.starts[j + 1] - groups.starts[j];
+      if (before + blocks * cost > target) return j * blocks + (target - before + cost - 1) / cost;
+      before += blocks * cost;
+    }
+    return tasks;
+  };
+  const int64_t scale_stride = d[0].numel() * d.element_size();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) {
+      tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.numel() ? m.data_ptr() : nullptr,
+                      codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, xq, xd, xs, sums,
+                      first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
+                      x.scalar_type() == at::kBFloat16);
+    }
+  });
+  return out;
+}
+
 // The packed weight of n x k back as a dense [n, k] tensor in `dtype` (fp32 or bf16).
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point, int64_t n,
                       int64_t k, at::ScalarType dtype, int64_t handle) {
@@ -301,6 +367,8 @@ TORCH_LIBRARY(nanoserve, lib) {
   lib.def("cpu_features() -> str");
   lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
   lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier) -> Tensor");
+  lib.def("experts_mm(Tensor x, Tensor ids, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier) "
+          "-> Tensor");
   lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int zero_point, int n, int k, ScalarType dtype, "
           "int tier) -> Tensor");
   lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, int zero_point, Tensor rows, int n, int k, "
@@ -316,6 +384,7 @@ TORCH_LIBRARY(nanoserve, lib) {
 TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
   lib.impl("quantize_rows", &quantize_rows);
   lib.impl("group_mm", &group_mm);
+  lib.impl("experts_mm", &experts_mm);
   lib.impl("group_dots", &group_dots);
   lib.impl("dequantize", &dequantize);
   lib.impl("dequantize_rows", &dequantize_rows);

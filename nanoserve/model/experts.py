@@ -3,17 +3,21 @@ every active expert over the rows routed to it.
 
 The grouped operation is a torch op (``nanoserve::experts_dense``, ``nanoserve::experts_packed``)
 with a fake that says only "a tensor shaped like x": which experts a step routes to is data, so
-the compiled decode graph keeps its static shapes and never recompiles on routing. Inside, the
-op sorts the step's (row, expert) pairs by expert and, per active expert, gathers its rows, runs
-gate and up, the activation, down, and adds the result times the routing weight into the output
-(in expert order, as the reference does). Packed experts hold each expert as its own group-wise
-matrix (``cpu_kernels`` layout, the experts stacked along a leading dimension), packed expert by
-expert from the file's blocks: a step reads only the routed experts' bytes. An expert with many
-rows (a prompt) dequantises its matrix and runs a dense GEMM, as a packed linear does
-(``quant.DEQUANT_FROM_ROWS``).
+the compiled decode graph keeps its static shapes and never recompiles on routing. Float experts
+(``experts_dense``): the op sorts the step's (row, expert) pairs by expert and, per active
+expert, gathers its rows, runs gate and up, the activation, down, and adds the result times the
+routing weight into the output (in expert order, as the reference does). Packed experts hold
+each expert as its own group-wise matrix (``cpu_kernels`` layout, the experts stacked along a
+leading dimension), packed expert by expert from the file's blocks: a step reads only the routed
+experts' bytes. Their step runs every routed pair in two grouped kernel calls (gate and up of
+every pair, then down; ``nanoserve::experts_mm``), with no per-expert Python; in a prompt's step
+an expert with many rows dequantises its matrix and runs a dense GEMM instead, as a packed linear
+does (``quant.DEQUANT_FROM_ROWS``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -115,24 +119,96 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
                    alpha: float) -> torch.Tensor:
     """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
     gate and up as one [2 I, H] matrix per expert, down [H, I]; optional biases [E, 2 I] (gate's
-    then up's) and [E, H]."""
-    hidden = x.shape[1]
-    ops = torch.ops.nanoserve
+    then up's) and [E, H]. Runs _packed_step."""
+    experts = PackedStep((gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero),
+                         (down_codes, down_scales, down_mins, down_zero), intermediate, tier, activation, gate_up_bias,
+                         down_bias, limit, alpha)
+    return _packed_step(x, ids, weights, experts, dequant_from_rows)
 
-    def product(rows, codes, scales, mins, zero, n, k):
-        if rows.shape[0] >= dequant_from_rows:
-            return F.linear(rows, ops.dequantize(codes, scales, mins, zero, n, k, rows.dtype, tier))
-        return ops.group_mm(rows, codes, scales, mins, zero, tier)
 
-    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up = _biased(product(rows, gate_up_codes[e], gate_up_scales[e], gate_up_mins[e], gate_up_zero,
-                                  2 * intermediate, hidden), gate_up_bias, e)
+@dataclass(frozen=True)
+class PackedStep:
+    """A layer's packed experts as experts_packed receives them: gate_up and down each (codes,
+    scales, mins, zero point) with one leading index per expert, the tier's handle, the
+    activation (``glu``'s) and the optional biases."""
+
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+    intermediate: int
+    tier: int
+    activation: str
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    limit: float
+    alpha: float
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        y = product(glu(activation, gate, up, limit, alpha), down_codes[e], down_scales[e], down_mins[e], down_zero,
-                    hidden, intermediate)
-        return _biased(y, down_bias, e)
+        return glu(self.activation, gate, up, self.limit, self.alpha)
 
-    return _mix(x, ids, weights, gate_up_codes.shape[0], expert)
+
+def _packed_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedStep,
+                 dequant_from_rows: int) -> torch.Tensor:
+    """Every routed pair through the grouped kernel (_grouped_outputs: a layer's experts in two
+    calls), except, in a step of ``dequant_from_rows`` rows or more (a prompt), the pairs of the
+    experts with that many: those experts dequantise their matrices for a dense GEMM each, as a
+    packed linear does. Then each row's pairs weighted and summed (in fp32, rounded once)."""
+    rows, top_k = ids.shape
+    busy: list[int] = []
+    if rows >= dequant_from_rows:
+        counts = torch.bincount(ids.reshape(-1), minlength=experts.gate_up[0].shape[0])
+        busy = (counts >= dequant_from_rows).nonzero().flatten().tolist()
+    grouped_ids = ids.masked_fill(torch.isin(ids, torch.tensor(busy, dtype=ids.dtype)), -1) if busy else ids
+    y = _grouped_outputs(x, grouped_ids, experts)
+    flat_ids, flat = ids.reshape(-1), y.view(rows * top_k, -1)
+    for e in busy:
+        pairs = (flat_ids == e).nonzero().flatten()
+        flat[pairs] = _dequantised_expert(x.index_select(0, pairs // top_k), e, experts)
+    return torch.bmm(weights.float().unsqueeze(1), y.float()).squeeze(1).to(x.dtype)
+
+
+def _grouped_outputs(x: torch.Tensor, ids: torch.Tensor, experts: PackedStep) -> torch.Tensor:
+    """Each routed pair's expert output [rows, top_k, H] (x's dtype): gate and up of every pair in
+    one grouped kernel call (``nanoserve::experts_mm``, each expert's codes read once for all its
+    rows), the activation, down of every pair in another. Pairs of id -1 are left unwritten."""
+    rows, top_k = ids.shape
+    ids = ids.contiguous()
+    gate_up = torch.ops.nanoserve.experts_mm(x, ids, *experts.gate_up, experts.tier)  # [rows, k, 2 I]
+    if experts.gate_up_bias is not None:
+        gate_up = gate_up + experts.gate_up_bias[ids]
+    h = experts.glu(gate_up).reshape(rows * top_k, experts.intermediate)
+    y = torch.ops.nanoserve.experts_mm(h, ids, *experts.down, experts.tier)  # [rows, k, H]
+    if experts.down_bias is not None:
+        y = y + experts.down_bias[ids]
+    return y
+
+
+def _expert_product(rows: torch.Tensor, e: int, weight: tuple, tier: int, dense: bool) -> torch.Tensor:
+    """rows times expert e's matrix of ``weight`` (codes, scales, mins, zero point): through its
+    dequantised matrix (``dense``) or the packed product."""
+    codes, scales, mins, zero = (*(t[e] for t in weight[:3]), weight[3])
+    if not dense:
+        return torch.ops.nanoserve.group_mm(rows, codes, scales, mins, zero, tier)
+    n, k = 16 * scales.shape[0], rows.shape[1]
+    return F.linear(rows, torch.ops.nanoserve.dequantize(codes, scales, mins, zero, n, k, rows.dtype, tier))
+
+
+def _dequantised_expert(rows: torch.Tensor, e: int, experts: PackedStep, dense: bool = True) -> torch.Tensor:
+    """Expert e on its rows [n, H], one product at a time: gate and up, the activation, down."""
+    gate_up = _biased(_expert_product(rows, e, experts.gate_up, experts.tier, dense), experts.gate_up_bias, e)
+    y = _expert_product(experts.glu(gate_up), e, experts.down, experts.tier, dense)
+    return _biased(y, experts.down_bias, e)
+
+
+def _per_expert_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedStep,
+                     dequant_from_rows: int) -> torch.Tensor:
+    """The step expert by expert from Python (_mix), each expert's products a call of their
+    own (dequantised from ``dequant_from_rows`` rows): what the grouped kernel replaced, kept as
+    the baseline its benchmark and tests compare with."""
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return _dequantised_expert(rows, e, experts, dense=rows.shape[0] >= dequant_from_rows)
+
+    return _mix(x, ids, weights, experts.gate_up[0].shape[0], expert)
 
 
 @experts_packed.register_fake

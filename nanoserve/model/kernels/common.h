@@ -25,9 +25,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
-#define NANOSERVE_KERNEL_ABI 5
+#define NANOSERVE_KERNEL_ABI 6
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -72,6 +74,20 @@ struct nanoserve_kernel_table {
   // read from a tied LM head's codes.
   void (*dequantize_rows)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
                           const int64_t* rows, int64_t count, void* out, int32_t out_bf16);
+  // A mixture-of-experts layer's routed products, every expert of a step in one call. Pair
+  // p = row * top_k + slot (p < rows * top_k) goes to expert e = ids[p] (int64, below the
+  // expert count: the caller checks; a negative id skips the pair, its output row left as it
+  // was, for the caller to fill otherwise), whose weight of N x K is packed at w + e * w_stride and
+  // its scales and minimums at d + e * scale_stride, m + e * scale_stride (bytes). out[p, N]
+  // (row stride N; bf16 bits if out_bf16, else fp32) = that weight times activation row p if
+  // x_per_pair, else row p / top_k; xq, xd, xs, xsum as quantize_rows wrote them for those rows
+  // (rows * top_k, or rows). The work is a list of tasks: the experts ids names, ascending, times
+  // their N / 16 output blocks (ExpertGroups); this call does tasks [task_begin, task_end). Each
+  // task reads its block's codes once for all of the expert's rows.
+  void (*experts_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
+                     int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
+                     int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+                     int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16);
 };
 }
 
@@ -227,6 +243,25 @@ inline void dequantize_row(nanoserve_format f, const uint8_t* w, const void* d, 
     out_bf16 ? dequantize_row_typed<8, true>(w, d, m, f, K, n, out) : dequantize_row_typed<8, false>(w, d, m, f, K, n, out);
   }
 }
+
+// A step's (row, slot) pairs grouped by expert: experts[j] (ascending) takes pairs
+// pairs[starts[j] .. starts[j + 1]), each expert's pairs in their own order (experts_mm's tasks);
+// pairs of negative ids are in none.
+struct ExpertGroups {
+  std::vector<int64_t> pairs, starts, experts;
+
+  ExpertGroups(const int64_t* ids, int64_t count) {
+    for (int64_t p = 0; p < count; ++p) {
+      if (ids[p] >= 0) pairs.push_back(p);
+    }
+    std::stable_sort(pairs.begin(), pairs.end(), [ids](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+    const int64_t grouped = static_cast<int64_t>(pairs.size());
+    for (int64_t i = 0; i < grouped; ++i) {
+      if (i == 0 || ids[pairs[i]] != ids[pairs[i - 1]]) starts.push_back(i), experts.push_back(ids[pairs[i]]);
+    }
+    starts.push_back(grouped);
+  }
+};
 
 // Every output row of blocks [block_begin, block_end) into out [N, K] (a prompt's dense GEMM).
 inline void dequantize_portable(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t K,

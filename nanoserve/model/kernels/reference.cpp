@@ -110,6 +110,35 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
   }
 }
 
+// Each pair alone: its activation row copied out and multiplied by its expert's block as
+// group_mm's one row.
+void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
+                int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
+                int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+                int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
+  const ExpertGroups groups(ids, rows * top_k);
+  const int64_t blocks = N / 16, G = K / GROUP, M = x_per_pair ? rows * top_k : rows, size = out_bf16 ? 2 : 4;
+  std::vector<int8_t> q(2 * K);
+  std::vector<float> q_d(G), q_s(2 * G);
+  std::vector<int32_t> q_sum(4 * G);
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    const int64_t j = task / blocks, b = task % blocks, e = groups.experts[j];
+    const void* d_e = static_cast<const char*>(d) + e * scale_stride;
+    const void* m_e = m ? static_cast<const char*>(m) + e * scale_stride : m;
+    for (int64_t i = groups.starts[j]; i < groups.starts[j + 1]; ++i) {
+      const int64_t p = groups.pairs[i], x = x_per_pair ? p : p / top_k;
+      std::copy(xq + x * K, xq + (x + 1) * K, q.begin());
+      std::copy(xq + M * K + x * K, xq + M * K + (x + 1) * K, q.begin() + K);
+      std::copy(xd + x * G, xd + (x + 1) * G, q_d.begin());
+      std::copy(xs + 2 * x * G, xs + 2 * (x + 1) * G, q_s.begin());
+      std::copy(xsum + 2 * x * G, xsum + 2 * (x + 1) * G, q_sum.begin());
+      std::copy(xsum + 2 * M * G + 2 * x * G, xsum + 2 * M * G + 2 * (x + 1) * G, q_sum.begin() + 2 * G);
+      group_mm(f, w + e * w_stride, d_e, m_e, N, K, b, b + 1, 1, q.data(), q_d.data(), q_s.data(), q_sum.data(),
+               static_cast<char*>(out) + p * N * size, out_bf16);
+    }
+  }
+}
+
 void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
             const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
             int32_t bf16, float* scratch, const float* sinks) {
@@ -137,7 +166,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
 
 const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, "scalar", quantize_rows, group_mm, group_dots,
                                       attend, dequantize_portable,
-                                      dequantize_rows_portable};
+                                      dequantize_rows_portable, experts_mm};
 
 }  // namespace
 

@@ -133,6 +133,95 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
   check(dense == dense_ref, name + ": dequantised weight");
 }
 
+// A step's routing: rows x top_k expert ids of E experts.
+struct Routing {
+  const char* what;
+  int64_t rows, top_k;
+  std::vector<int64_t> ids;
+};
+
+// Uneven routings of E = 6 experts: one row; every row to expert 1 in slot 0 while experts 3
+// and 5 get none; every row to one expert; pairs skipped (negative ids); random ids (duplicates
+// within a row too).
+std::vector<Routing> routings() {
+  std::vector<Routing> out = {{"one row", 1, 3, {4, 0, 2}}, {"one expert", 3, 1, {5, 5, 5}},
+                              {"skipped pairs", 3, 2, {-1, 2, 0, -1, 2, 2}}};
+  Routing uneven{"uneven", 9, 2, {}};
+  for (int64_t r = 0; r < 9; ++r) uneven.ids.push_back(1), uneven.ids.push_back(2 * (r % 3));
+  out.push_back(uneven);
+  Routing random{"random", 17, 4, {}};
+  std::uniform_int_distribution<int64_t> expert(0, 5);
+  for (int64_t i = 0; i < 17 * 4; ++i) random.ids.push_back(expert(rng));
+  out.push_back(random);
+  return out;
+}
+
+// experts_mm against the reference, its tasks split over two calls as the glue splits them over
+// threads; activations one row per row of the step, or one per pair.
+void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
+                  int64_t N, int64_t K, const Routing& routing, bool x_per_pair, bool bf16) {
+  const std::string name = std::string(tier->tier) + " experts " + std::to_string(f.bits) + "-bit group " +
+                           std::to_string(f.group) + " scales " + std::to_string(f.scale_kind) + " zero point " +
+                           std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " " +
+                           routing.what + (x_per_pair ? " per pair" : " per row") + (bf16 ? " bf16" : " fp32");
+  const int64_t E = 6, H = K / f.group, G = K / 32, pairs = routing.rows * routing.top_k;
+  const int64_t M = x_per_pair ? pairs : routing.rows, w_stride = N * K * f.bits / 8;
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::vector<uint8_t> w(E * w_stride);
+  for (auto& b : w) b = static_cast<uint8_t>(byte(rng));
+  std::vector<uint16_t> d, m;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::vector<uint16_t> de = random_scales(N * H, f.scale_kind, f.group), me = random_scales(N * H, f.scale_kind, f.group);
+    d.insert(d.end(), de.begin(), de.end());
+    m.insert(m.end(), me.begin(), me.end());
+  }
+  const int64_t scale_stride = 2 * static_cast<int64_t>(d.size()) / E;
+  std::vector<float> xf = random_floats(M * K);
+  std::vector<uint8_t> x(M * K * (bf16 ? 2 : 4));
+  for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
+  std::vector<int8_t> xq(2 * M * K);
+  std::vector<float> xd(M * G), xs(2 * M * G);
+  std::vector<int32_t> sum(4 * M * G);
+  ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq.data(), xd.data(), xs.data(), sum.data());
+  const int64_t tasks = static_cast<int64_t>(nanoserve::ExpertGroups(routing.ids.data(), pairs).experts.size()) * (N / 16);
+  std::vector<uint8_t> out_ref(pairs * N * 4), out(pairs * N * 4);
+  ref->experts_mm(f, w.data(), d.data(), m.data(), w_stride, scale_stride, N, K, routing.rows, routing.top_k,
+                  routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), 0, tasks,
+                  out_ref.data(), bf16);
+  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, tasks / 2}, {tasks / 2, tasks}}) {
+    tier->experts_mm(f, w.data(), d.data(), m.data(), w_stride, scale_stride, N, K, routing.rows, routing.top_k,
+                     routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), begin, end,
+                     out.data(), bf16);
+  }
+  float scale;
+  const float diff = max_abs_diff(as_floats(out_ref, bf16, pairs * N), as_floats(out, bf16, pairs * N), &scale);
+  check(scale > 0.f && diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale,
+        name + ": products, max diff " + std::to_string(diff) + " of " + std::to_string(scale));
+  // the reference itself: pair p is its expert's weight times its row, as group_mm's one row;
+  // a skipped pair's output is left as it was (zeros)
+  bool alone = true;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t e = routing.ids[p], row = x_per_pair ? p : p / routing.top_k;
+    if (e < 0) {
+      const auto first = out.begin() + p * N * (bf16 ? 2 : 4);
+      alone = alone && std::all_of(first, first + N * (bf16 ? 2 : 4), [](uint8_t b) { return b == 0; });
+      continue;
+    }
+    std::vector<int8_t> q(2 * K);
+    std::copy(xq.begin() + row * K, xq.begin() + (row + 1) * K, q.begin());
+    std::copy(xq.begin() + (M + row) * K, xq.begin() + (M + row + 1) * K, q.begin() + K);
+    std::vector<int32_t> q_sum(4 * G);
+    std::copy(sum.begin() + 2 * row * G, sum.begin() + 2 * (row + 1) * G, q_sum.begin());
+    std::copy(sum.begin() + 2 * (M + row) * G, sum.begin() + 2 * (M + row + 1) * G, q_sum.begin() + 2 * G);
+    std::vector<uint8_t> one(N * 4);
+    ref->group_mm(f, w.data() + e * w_stride, reinterpret_cast<const char*>(d.data()) + e * scale_stride,
+                  reinterpret_cast<const char*>(m.data()) + e * scale_stride, N, K, 0, N / 16, 1, q.data(),
+                  xd.data() + row * G, xs.data() + 2 * row * G, q_sum.data(), one.data(), bf16);
+    alone = alone && std::equal(one.begin(), one.begin() + N * (bf16 ? 2 : 4), out_ref.begin() + p * N * (bf16 ? 2 : 4));
+  }
+  check(alone, name + ": the reference is each pair through group_mm alone");
+}
+
 void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t group, int64_t D,
                     int64_t len, bool bf16, bool with_sinks) {
   const std::string name = std::string(tier->tier) + " attention group " + std::to_string(group) + " D " +
@@ -201,6 +290,20 @@ int main() {
               for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
                 const nanoserve_format format{bits, group, scale_kind, zero_point};
                 test_products(ref, tier, format, s[0], s[1], rows, bf16);
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int32_t bits : {4, 5, 6, 8}) {  // every format again, through the experts' products
+      for (int32_t group : {32, 16}) {
+        for (int32_t scale_kind : {0, 1, 2}) {
+          for (int32_t zero_point : {0, 1 << (bits - 1), 4}) {
+            if (zero_point == 4 && bits != 4) continue;
+            for (const Routing& routing : routings()) {
+              for (bool x_per_pair : {false, true}) {
+                test_experts(ref, tier, {bits, group, scale_kind, zero_point}, 48, 256, routing, x_per_pair, bf16);
               }
             }
           }

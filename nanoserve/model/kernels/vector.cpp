@@ -123,14 +123,14 @@ inline V::I finish_codes(V::A a) {
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
 // over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
-// k < 16 in both layouts). Row r's codes at + r * stride, int8 in -127..127; sums[r * sum_stride
-// + h], the sums of those codes per half, undo the byte tiers' flip to signed codes and, with a
+// k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127; sums[row[r] *
+// sum_stride + h], the sums of those codes per half, undo the byte tiers' flip to signed codes and, with a
 // zero point z, make the sums those of c - z. Each code vector is loaded once for all rows; each
 // sum is split over two accumulators (the halves, or even and odd j with few rows), so dependent
 // multiply-adds do not wait on each other.
 template <int BITS, bool SPLIT, int R, bool LO = true>
-inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, int64_t stride,
-                       const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t zero_point,
+inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
+                       int64_t stride, const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t zero_point,
                        V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
@@ -145,8 +145,8 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
     const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<BITS>(j);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      ah[c][r] = dot_codes<BITS>(ah[c][r], code, hi_x + r * stride + at);
-      if constexpr (LO) al[c][r] = dot_codes<BITS>(al[c][r], code, lo_x + r * stride + at);
+      ah[c][r] = dot_codes<BITS>(ah[c][r], code, hi_x + row[r] * stride + at);
+      if constexpr (LO) al[c][r] = dot_codes<BITS>(al[c][r], code, lo_x + row[r] * stride + at);
     }
   }
   const auto finish = [](V::A a) { return finish_codes<BITS>(a); };
@@ -164,12 +164,12 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
     // the byte tiers without unsigned products multiplied the codes as c - 128
     const int32_t offset = (BITS == 8 && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
     if (offset != 0) {
-      const int32_t* sh = sum_hi + r * sum_stride;
+      const int32_t* sh = sum_hi + row[r] * sum_stride;
       #pragma GCC unroll 2
       for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
         hi[h][r] = V::iadd(hi[h][r], V::iset1(offset * (SPLIT ? sh[h] : sh[0] + sh[1])));
         if constexpr (LO) {
-          const int32_t* sl = sum_lo + r * sum_stride;
+          const int32_t* sl = sum_lo + row[r] * sum_stride;
           lo[h][r] = V::iadd(lo[h][r], V::iset1(offset * (SPLIT ? sl[h] : sl[0] + sl[1])));
         }
       }
@@ -210,17 +210,36 @@ struct Format {
   static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
 };
 
-// One block of 16 outputs for R rows (from row r0): for each group, each code vector is loaded
-// (from cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32
-// sums stay in registers across the groups. d, m: the block's first scale and minimum (none in
-// a symmetric format, whose zero point the integer sums take out); out: row r0's first output of
-// the block.
-template <typename F, int R>
-void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
+// Which activation rows a block16 call multiplies, and where each one's outputs go (in rows of
+// ldo from out): consecutive rows from r0 into consecutive rows (group_mm), or some of a step's
+// routed pairs, pair p reading activation row p / per_x and writing output row p (experts_mm).
+struct RowRun {
+  int64_t r0;
+  int64_t in(int r) const { return r0 + r; }
+  int64_t out(int r) const { return r; }
+};
+
+struct RoutedPairs {
+  const int64_t* pairs;
+  int64_t per_x;  // pairs per activation row: top_k, or 1 where each pair has its own row
+  int64_t in(int r) const { return pairs[r] / per_x; }
+  int64_t out(int r) const { return pairs[r]; }
+};
+
+// One block of 16 outputs for R rows (`rows`): for each group, each code vector is loaded (from
+// cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
+// stay in registers across the groups. d, m: the block's first scale and minimum (none in a
+// symmetric format, whose zero point the integer sums take out); out: the block's first output
+// of output row 0.
+template <typename F, int R, typename Rows>
+void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
              int64_t ldo, nanoserve_format f) {
   const int64_t G = K / GROUP, scale_bytes = F::scale_bytes(f.scale_kind);
   const bool symmetric = f.zero_point != 0;
+  int64_t in[R];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) in[r] = rows.in(r);
   V::F acc[SUB][R];
   #pragma GCC unroll 16
   for (int s = 0; s < SUB; ++s) {
@@ -239,9 +258,8 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
-      group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + r0 * K + g * GROUP, xq + M * K + r0 * K + g * GROUP, K,
-                                       xsum + r0 * 2 * G + 2 * g, xsum + 2 * M * G + r0 * 2 * G + 2 * g, 2 * G,
-                                       f.zero_point, hi, lo);
+      group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + g * GROUP, xq + M * K + g * GROUP, in, K, xsum + 2 * g,
+                                       xsum + 2 * M * G + 2 * g, 2 * G, f.zero_point, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
@@ -249,13 +267,13 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
-          acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[(r0 + r) * G + g])), acc[s][r]);
+          acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[in[r] * G + g])), acc[s][r]);
         }
         if (!symmetric) {
           const V::F mv = load_scales<F::SPLIT>(f.scale_kind, m, at);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            const float* x_sums = xs + (r0 + r) * 2 * G + 2 * g;  // the activations' sums per half
+            const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums per half
             acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
           }
         }
@@ -265,19 +283,19 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
   #pragma GCC unroll 16
   for (int s = 0; s < SUB; ++s) {
     #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) store_out(out, r * ldo + V::LANES * s, acc[s][r], out_bf16);
+    for (int r = 0; r < R; ++r) store_out(out, rows.out(r) * ldo + V::LANES * s, acc[s][r], out_bf16);
   }
 }
 
-// R rows or fewer (down to 1) from row r0: the template for the count.
-template <typename F, int R = F::ROWS>
-void rows_block(int rows, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, int64_t r0,
+// R rows or fewer (down to 1) of `rows`: the template for the count.
+template <typename F, int R = F::ROWS, typename Rows>
+void rows_block(int count, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<F, R - 1>(rows, w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, f);
+    if (count < R) return rows_block<F, R - 1>(count, w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
   }
-  block16<F, R>(w, d, m, K, M, r0, xq, xd, xs, xsum, out, out_bf16, ldo, f);
+  block16<F, R>(w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
@@ -292,7 +310,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
     for (int64_t r = 0; r < M; r += F::ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
       rows_block<F>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
-                    static_cast<const char*>(m) + b * scale_bytes, K, M, r, xq, xd, xs, xsum,
+                    static_cast<const char*>(m) + b * scale_bytes, K, M, RowRun{r}, xq, xd, xs, xsum,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
   }
@@ -328,6 +346,41 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
   with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16), f);
 }
 
+// Tasks (expert j of the step's, ascending; output block b) as ExpertGroups lists them: each
+// task's block multiplies its expert's pairs F::ROWS at a time, the codes read from memory once.
+template <typename F>
+struct ExpertsMm {
+  static void run(const uint8_t* w, const void* d, const void* m, int64_t w_stride, int64_t scale_stride, int64_t N,
+                  int64_t K, int64_t rows, int64_t top_k, const int64_t* ids, bool x_per_pair, const int8_t* xq,
+                  const float* xd, const float* xs, const int32_t* xsum, int64_t task_begin, int64_t task_end,
+                  void* out, bool out_bf16, nanoserve_format f) {
+    const ExpertGroups groups(ids, rows * top_k);
+    const int64_t blocks = N / 16, G = K / GROUP, block_bytes = G * F::GROUP_BYTES;
+    const int64_t scale_bytes = G * F::scale_bytes(f.scale_kind), M = x_per_pair ? rows * top_k : rows;
+    const int64_t size = out_bf16 ? 2 : 4, per_x = x_per_pair ? 1 : top_k;
+    for (int64_t task = task_begin; task < task_end; ++task) {
+      const int64_t j = task / blocks, b = task % blocks, e = groups.experts[j];
+      const int64_t first = groups.starts[j], count = groups.starts[j + 1] - first;
+      const uint8_t* w_b = w + e * w_stride + b * block_bytes;
+      const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
+      const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
+      for (int64_t i = 0; i < count; i += F::ROWS) {
+        rows_block<F>(static_cast<int>(std::min<int64_t>(F::ROWS, count - i)), w_b, d_b, m_b, K, M,
+                      RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs, xsum,
+                      static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
+      }
+    }
+  }
+};
+
+void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
+                int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
+                int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+                int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
+  with_format<ExpertsMm>(f, w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, static_cast<bool>(x_per_pair),
+                         xq, xd, xs, xsum, task_begin, task_end, out, static_cast<bool>(out_bf16), f);
+}
+
 template <typename F>
 struct GroupDots {
   static void run(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
@@ -339,8 +392,9 @@ struct GroupDots {
         for (int s = 0; s < SUB; ++s) {
           int32_t lanes[V::LANES];
           V::I sums[F::PER][1], unused[F::PER][1];
+          const int64_t row[1] = {0};
           group_sums<F::BITS, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
-                                                  nullptr, 0, x_sums, nullptr, 0, 0, sums, unused);
+                                                  nullptr, row, 0, x_sums, nullptr, 0, 0, sums, unused);
           for (int h = 0; h < F::PER; ++h) {
             V::istore(lanes, sums[h][0]);
             for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
@@ -443,7 +497,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
 
 const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, TIER_NAME, quantize_rows, group_mm, group_dots,
                                       attend, dequantize_portable,
-                                      dequantize_rows_portable};
+                                      dequantize_rows_portable, experts_mm};
 
 }  // namespace
 
