@@ -27,7 +27,7 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 def check(path: Path, max_tokens: int = 24) -> None:
     """Greedy continuations of PROMPT by nanoserve (packed) and by llama.cpp (the benchmarks'
     peer arm, compile/llama_peer.py, which keeps llama.cpp off its AMX repacking), printed."""
-    from compile.llama_peer import LlamaCpp, LlamaCppSteps
+    from compile.llama_peer import LlamaCppSteps, load_as_run
     from nanoserve.engine import SamplingParams, build_engine
 
     engine = build_engine(str(path), max_batch_size=1, max_model_len=256)
@@ -36,7 +36,7 @@ def check(path: Path, max_tokens: int = 24) -> None:
     print(f"  nanoserve weight types: {engine.stats().weight_types}")
     print(f"  nanoserve: {out.text!r}")
     prompt = engine.tokenizer.encode(PROMPT)
-    peer = LlamaCpp(path, max_rows=1, max_len=256, threads=2)
+    peer, _ = load_as_run(path, max_rows=1, max_len=256, threads=2)
     steps = LlamaCppSteps(peer, [prompt], max_tokens)
     while not steps.done:
         steps.step()
