@@ -203,3 +203,20 @@ def write_results(rows: Sequence[dict], out: Path, stem: str,
         plot(rows, written[1])
     print("wrote " + ", ".join(str(path) for path in written))
     return written
+
+
+def add_tier_options(parser: argparse.ArgumentParser) -> None:
+    """--threads and --tier, for suites that time the kernels themselves."""
+    from nanoserve.model import cpu_kernels
+
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tier", default="auto", choices=[c for c in cpu_kernels.CHOICES if c != "torch"])
+
+
+def apply_tier_options(args: argparse.Namespace) -> str:
+    """Sets torch's threads where asked; the kernel tier the run uses."""
+    from nanoserve.model import cpu_kernels
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return cpu_kernels.resolve_tier(args.tier)

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from compile.common import add_output_options, format_table, result_stem, write_results
+from compile.common import (
+    add_output_options,
+    add_tier_options,
+    apply_tier_options,
+    format_table,
+    result_stem,
+    write_results,
+)
 from compile.model_files import random_blocks
 from nanoserve.model import cpu_kernels
 from nanoserve.model.experts import PackedStep, _packed_step, _per_expert_step
@@ -74,13 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--experts", type=int, default=EXPERTS, help="experts in the layer (fewer: less memory)")
     parser.add_argument("--type", default="Q4_K", choices=["Q4_0", "Q4_K", "Q6_K", "Q8_0", "MXFP4"])
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--tier", default="auto", choices=[c for c in cpu_kernels.CHOICES if c != "torch"])
+    add_tier_options(parser)
     add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
-    tier = cpu_kernels.resolve_tier(args.tier)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    tier = apply_tier_options(args)
     print(format_table([], COLUMNS))
     results = []
     for rows in args.rows:

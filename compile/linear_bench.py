@@ -21,7 +21,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from compile.common import add_output_options, format_table, result_stem, write_results
+from compile.common import (
+    add_output_options,
+    add_tier_options,
+    apply_tier_options,
+    format_table,
+    result_stem,
+    write_results,
+)
 from nanoserve.model import cpu_kernels
 from nanoserve.model.group_codes import quantize_int4, quantize_int8_groups
 from nanoserve.model.quant import GroupLinear, Int8GroupLinear
@@ -75,13 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--tier", default="auto", choices=[c for c in cpu_kernels.CHOICES if c != "torch"])
+    add_tier_options(parser)
     add_output_options(parser, plot=False)
     args = parser.parse_args(argv)
-    tier = cpu_kernels.resolve_tier(args.tier)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    tier = apply_tier_options(args)
     print(format_table([], COLUMNS))
     results = []
     for shape in args.shapes:
