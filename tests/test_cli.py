@@ -154,3 +154,20 @@ def test_the_kernel_tier_and_sizes_in_words():
     assert kernel_tier("avx2") == "avx2"
     assert kernel_tier(None).startswith("none")  # fp32 weights, or a GPU
     assert [format_bytes(n) for n in (1 << 30, 256 << 20, 532480)] == ["1.00 GiB", "256.0 MiB", "520.0 KiB"]
+
+
+def test_an_eager_engine_imports_neither_dynamo_nor_inductor():
+    # torch.compile's machinery costs about a second of start-up: only a compiled graph pays it
+    # (llguidance's torch helpers compile at import, so the grammar masks are filled without them).
+    code = ("import sys\n"
+            "from nanoserve.engine.build import build_engine\n"
+            "from nanoserve.engine.sampling_params import SamplingParams\n"
+            "from nanoserve.structured.params import StructuredOutputs\n"
+            "e = build_engine(compile=False)\n"
+            "out = e.generate(['Yes or no?'], SamplingParams(max_tokens=4, structured=StructuredOutputs("
+            "choice=['yes', 'no'])), use_tqdm=False)\n"
+            "assert out[0].text in ('yes', 'no'), out\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'llguidance.torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

@@ -20,7 +20,7 @@ from nanoserve.engine.threads import apply_threads
 from nanoserve.model import cpu_kernels
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.loader import load_config, load_tokenizer
+from nanoserve.model.loader import read_header
 from nanoserve.model.quant import DENSE_FROM_ROWS
 from nanoserve.model.weight_plan import WeightPlan
 from nanoserve.speculative.speculator import NgramProposals, Speculator
@@ -65,7 +65,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     apply_threads(config.threads)  # before the load, whose packing runs on them too
     named = isinstance(model, str)
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
-    arch = load_config(model) if named else model.config
+    header = read_header(model) if named else None  # the host side's one read of the file
+    arch = header.config if header is not None else model.config
     pool = _plan_pool(arch, config, dtype)
     compile = config.compile if config.compile is not None else default_compile()
     spec = _worker_spec(config, arch, pool, weight_plan, dtype, compile)
@@ -86,8 +87,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
                           chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
                           buckets=spec.buckets)
     started = time.perf_counter()
-    if tokenizer is None and named:
-        tokenizer = load_tokenizer(model)
+    if tokenizer is None and header is not None:
+        tokenizer = header.tokenizer()
     tokenizer_seconds = time.perf_counter() - started
     speculator = _speculator(config, model, spec, arch.vocab_size) if config.speculative is not None else None
     engine = Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)

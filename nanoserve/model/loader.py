@@ -45,10 +45,33 @@ def build_model(config: ModelConfig, hf_weights: Mapping[str, torch.Tensor],
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+@dataclass
+class ModelHeader:
+    """What the host side reads of a model argument, the file opened once: its config, and the
+    source its tokenizer is built from (no weights are read)."""
+
+    path: Path
+    config: ModelConfig
+    checkpoint: GGUFCheckpoint | None  # None for a HF directory
+
+    def tokenizer(self) -> Tokenizer:
+        if self.checkpoint is None:
+            return Tokenizer.from_hf_dir(self.path)
+        return Tokenizer.from_gguf_metadata(self.checkpoint.metadata, source=str(self.path))
+
+
+def read_header(model: str) -> ModelHeader:
+    """The ModelHeader of a model argument (opening a GGUF parses its vocabulary: do it once)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return ModelHeader(path, checked_hf_config(path), None)
+    checkpoint = GGUFCheckpoint.open(path)
+    return ModelHeader(path, checked_gguf_config(checkpoint), checkpoint)
+
+
 def load_config(model: str) -> ModelConfig:
     """Only the ModelConfig of a model argument (no weights are read)."""
-    path = resolve_model_path(model)
-    return checked_hf_config(path) if path.is_dir() else checked_gguf_config(GGUFCheckpoint.open(path))
+    return read_header(model).config
 
 
 def load_tokenizer(model: str) -> Tokenizer:

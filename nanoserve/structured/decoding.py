@@ -12,13 +12,17 @@ import time
 from collections.abc import Callable, Sequence
 
 import llguidance
-import llguidance.torch as llguidance_torch
 import torch
 
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.masks import PendingMasks, TokenMasks
 from nanoserve.structured.params import StructuredOutputs
 from nanoserve.structured.tools import RepeatGuard
+
+
+def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """`rows` masks of `vocab_size` bits in int32 words, every token allowed (llguidance's layout)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 class GrammarViolation(RuntimeError):
@@ -113,9 +117,11 @@ class StructuredDecoding:
 
     def _fill(self, matchers: list[llguidance.LLMatcher], closing: Sequence[int] = ()):
         start = time.perf_counter()
-        bitmask = llguidance_torch.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)
-        llguidance_torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
-                                                     bitmask)
+        bitmask = token_bitmask(len(matchers), self.compiler.vocab_size)
+        # llguidance writes each row's words in parallel with the GIL released (what its torch helper
+        # does, without that module's import-time torch.compile, which costs a second of start-up).
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                               bitmask.shape[1] * bitmask.element_size(), len(matchers))
         for i in closing:
             narrowed = bitmask[i] & self.closers()
             if narrowed.any():  # else the list cannot close here (mid-call): the grammar's mask stands
@@ -126,7 +132,7 @@ class StructuredDecoding:
         """The bitmask of the tokens that are exactly one of RepeatGuard.CLOSERS (``]``, ``]}``)."""
         if self._closers is None:
             vocabulary = self.compiler.vocabulary
-            words = [0] * llguidance_torch.allocate_token_bitmask(1, self.compiler.vocab_size).shape[1]
+            words = [0] * token_bitmask(1, self.compiler.vocab_size).shape[1]
             for text in RepeatGuard.CLOSERS:
                 ids = vocabulary.tokenize_str(text)
                 if len(ids) == 1 and vocabulary.decode_bytes(ids) == text.encode():
