@@ -18,6 +18,9 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     decode = describe_graphs(stats) if resolved.compile else "eager decode"
     rows = f"{config.max_batch_size} row{'s' if config.max_batch_size != 1 else ''}"
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stats.load_stages.items())
+    rest = load_seconds - sum(stats.load_stages.values())
+    if stages and rest >= 0.05:  # the engine's own build (K/V pool, worker, graphs' start) adds up the line
+        stages += f", engine {rest:.1f} s"
     file_note = f" (the file: {format_bytes(stats.file_bytes)})" if stats.file_bytes else ""
     lines = [
         f"model {model}: loaded in {load_seconds:.1f} s on {config.device}" + (f" ({stages})" if stages else ""),

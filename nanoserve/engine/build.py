@@ -65,7 +65,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     apply_threads(config.threads)  # before the load, whose packing runs on them too
     named = isinstance(model, str)
     weight_plan, dtype = resolve_weights(config.weights, config.dtype, config.device, named_model=named)
+    started = time.perf_counter()
     header = read_header(model) if named else None  # the host side's one read of the file
+    header_seconds = time.perf_counter() - started
     arch = header.config if header is not None else model.config
     pool = _plan_pool(arch, config, dtype)
     compile = config.compile if config.compile is not None else default_compile()
@@ -77,7 +79,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     if config.tensor_parallel_size > 1:
         worker = build_tensor_parallel(model, spec, config.tensor_parallel_size, config.tensor_parallel_timeout)
     else:
-        worker = build_worker(model, spec)
+        worker = build_worker(header if header is not None else model, spec)  # the file opened once
     # What the cached K/V depend on besides the tokens: a prefix cache keys its blocks by it.
     source = model if named else f"{type(model).__name__}@{id(model):x}"
     blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
@@ -92,8 +94,10 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     tokenizer_seconds = time.perf_counter() - started
     speculator = _speculator(config, model, spec, arch.vocab_size) if config.speculative is not None else None
     engine = Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)
-    if named:  # the load line's stages: the file's, then the tokenizer's build (a large vocabulary's takes seconds)
-        engine.load_stages["tokenizer"] = tokenizer_seconds
+    if named:  # the load line's stages: the file's (its metadata read once, here), then the tokenizer's build
+        stages = engine.load_stages
+        engine.load_stages = {"metadata": header_seconds + stages.pop("metadata", 0.0), **stages,
+                              "tokenizer": tokenizer_seconds}
     return engine
 
 

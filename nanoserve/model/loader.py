@@ -93,7 +93,7 @@ def has_chat_template(model: str) -> bool:
 PROGRESS_FROM_BYTES = 1 << 30  # a file this large loads with a progress bar over its layers
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+def load_model(model: str | ModelHeader = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", weights: WeightPlan | None = None,
                shard: Callable[[LlamaModel, dict[str, GroupCodes]], dict[str, GroupCodes]] | None = None,
                with_tokenizer: bool = True) -> tuple[LlamaModel, Tokenizer | None]:
@@ -106,9 +106,10 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
     ever made. ``shard`` (tensor parallelism) cuts the float model and its block groups to one
     rank's part before they are packed, and returns the groups it kept: that path builds the
     whole float model first. ``with_tokenizer=False`` (a tensor-parallel rank's worker) reads no
-    tokenizer and returns None for it.
+    tokenizer and returns None for it. A ModelHeader is a file already opened (read_header).
     """
-    path = resolve_model_path(model)
+    header = model if isinstance(model, ModelHeader) else None
+    path = header.path if header is not None else resolve_model_path(model)
     timer = LoadTimer()
     if path.is_dir():
         config = checked_hf_config(path)
@@ -116,8 +117,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
         timer.lap("metadata")
         tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     else:
-        ckpt = GGUFCheckpoint.open(path)
-        config = checked_gguf_config(ckpt)
+        ckpt = header.checkpoint if header is not None else GGUFCheckpoint.open(path)
+        config = header.config if header is not None else checked_gguf_config(ckpt)
         weights_file = GGUFWeights(ckpt, config)
         timer.lap("metadata")
         tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)) if with_tokenizer else None

@@ -16,7 +16,7 @@ import torch
 
 from nanoserve.cache.gates import check_table_fits
 from nanoserve.model.llama import LlamaModel
-from nanoserve.model.loader import load_model
+from nanoserve.model.loader import ModelHeader, load_model
 from nanoserve.model.weight_plan import WeightPlan, pack_model
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets
@@ -66,11 +66,11 @@ class Shard(Protocol):
     def parallelize(self, model: LlamaModel) -> None: ...
 
 
-def build_worker(model: str | LlamaModel, spec: WorkerConfig, shard: Shard | None = None) -> Worker:
-    """A worker over ``model`` (a name or path loaded here without its tokenizer, or a built
-    ``LlamaModel``: packed per ``spec.weights`` in place, or copied first when ``shard`` cuts
-    it), and a K/V cache of its K/V heads."""
-    if isinstance(model, str):
+def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shard: Shard | None = None) -> Worker:
+    """A worker over ``model`` (a name or path, or a file the host already opened, loaded here
+    without its tokenizer; or a built ``LlamaModel``: packed per ``spec.weights`` in place, or
+    copied first when ``shard`` cuts it), and a K/V cache of its K/V heads."""
+    if isinstance(model, (str, ModelHeader)):
         model, _ = load_model(model, dtype=spec.dtype, device=spec.device, weights=spec.weights,
                               shard=None if shard is None else shard.shard, with_tokenizer=False)
     else:
