@@ -12,12 +12,14 @@
 //            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
 //   6 bits:  the 5-bit layout, then 64 bytes of sixth bits (bit 5) in the same order, 384 bytes
 //   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
-//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format); or, as a K-quant holds
-//            them, per block and super-block of 256 k a record of 16 fp16 super-scales, then
-//            S = 256 / group rows of 16 int8 multipliers: d = super * multiplier. A symmetric
-//            format stores no m: m = -zero_point * d
+//   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format), or exponent bytes e for
+//            d = 2^(e - 128) (SCALES_E8M0: MXFP4's scale, its table's values doubled); or, as a
+//            K-quant holds them, per block and super-block of 256 k a record of 16 fp16
+//            super-scales, then S = 256 / group rows of 16 int8 multipliers: d = super *
+//            multiplier. A symmetric format stores no m: m = -zero_point * d
 // Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
-// m[n, h], c unsigned, of 4, 5, 6 or 8 bits.
+// m[n, h], c unsigned, of 4, 5, 6 or 8 bits; or, in a format with a code table (IQ4_NL, IQ4_XS,
+// MXFP4: 4-bit codes, the file's nibbles), w[n, k] = d[n, h] * table[c[n, k]], no m.
 // Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
 // -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
 // xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16).
@@ -29,15 +31,18 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 6
+#define NANOSERVE_KERNEL_ABI 7
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
 struct nanoserve_format {
   int32_t bits;         // the codes' storage: 4, 5, 6 or 8 bits a code (the layouts above)
   int32_t group;        // weights per scale and minimum along K: 32, or 16 (Q6_K)
-  int32_t scale_kind;   // d and m as SCALES_FP16, SCALES_FP32 or SCALES_SUPER (K % 256 == 0)
+  int32_t scale_kind;   // d and m as SCALES_FP16, SCALES_FP32, SCALES_SUPER (K % 256 == 0) or SCALES_E8M0
   int32_t zero_point;   // 0: a minimum m per group; else m = -zero_point * d (Q4_0 8, Q8_0 128...), none stored
+  // nullptr, or 16 int8 values a 4-bit code stands for: w = d * table[c], no m (zero_point 0).
+  // The tiers look the nibble up in a register (pshufb, tbl) before their int8 dot.
+  const int8_t* table;
 };
 
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
@@ -55,8 +60,8 @@ struct nanoserve_kernel_table {
                    int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd,
                    const float* xs, const int32_t* xsum, void* out, int32_t out_bf16);
   // The raw integer group sums out[n, h] = sum_k c[n, group h + k] * x[group h + k] (unsigned
-  // codes, x int8 in -127..127, group 32 or 16), through the same instructions as group_mm: tiers
-  // are tested on these.
+  // codes, or with a table its values table[c]; x int8 in -127..127, group 32 or 16), through the
+  // same instructions as group_mm: tiers are tested on these.
   void (*group_dots)(nanoserve_format format, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
   // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
   // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
@@ -176,7 +181,16 @@ inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2]
   }
 }
 
-enum { SCALES_FP16 = 0, SCALES_FP32 = 1, SCALES_SUPER = 2 };
+enum { SCALES_FP16 = 0, SCALES_FP32 = 1, SCALES_SUPER = 2, SCALES_E8M0 = 3 };
+
+// An exponent byte's scale 2^(e - 128), exact in fp32 (gguf's e8m0_to_fp32_half: e 0 and 1 are
+// fp32 subnormals).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Bytes of a super-block's record of scales: 16 fp16 super-scales and S rows of 16 multipliers.
 constexpr int64_t super_record_bytes(int64_t group) { return 32 + 16 * (256 / group); }
@@ -186,6 +200,7 @@ constexpr int64_t super_record_bytes(int64_t group) { return 32 + 16 * (256 / gr
 inline float load_scale(const void* p, int64_t i, int32_t kind, int64_t group) {
   if (kind == SCALES_FP32) return static_cast<const float*>(p)[i];
   if (kind == SCALES_FP16) return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+  if (kind == SCALES_E8M0) return e8m0_half(static_cast<const uint8_t*>(p)[i]);
   const int64_t per_record = 256 / group, h = i / 16, r = i % 16;
   const uint8_t* record = static_cast<const uint8_t*>(p) + (h / per_record) * super_record_bytes(group);
   uint16_t super;
@@ -196,7 +211,8 @@ inline float load_scale(const void* p, int64_t i, int32_t kind, int64_t group) {
 // Bytes of codes per group of 32 for a block of 16 outputs.
 constexpr int64_t group_bytes(int bits) { return 64 * bits; }
 
-// The code of output r (of 16) at k (of 32) within one group of a block (the layout above).
+// The code of output r (of 16) at k (of 32) within one group of a block (the layout above); with
+// a table, its nibble (code_value gives what it stands for).
 inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) {
   if (bits == 8) return wg[64 * (k / 4) + 4 * r + k % 4];
   const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
@@ -209,8 +225,11 @@ inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) 
   return code;
 }
 
-// Output row n of the weight, out[k] = d * c + m over its K codes (out fp32, or bf16 bits); each
-// group's 32 codes are read first, so the loops stay simple enough to vectorise.
+// What code c multiplies: itself, or its table's value.
+inline int32_t code_value(const int8_t* table, uint8_t c) { return table ? table[c] : c; }
+
+// Output row n of the weight, out[k] = d * c + m (or d * table[c]) over its K codes (out fp32,
+// or bf16 bits); each group's 32 codes are read first, so the loops stay simple enough to vectorise.
 template <int BITS, bool BF16>
 inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m, nanoserve_format f, int64_t K,
                                  int64_t n, void* out) {
@@ -218,11 +237,13 @@ inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m,
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + (b * G + g) * group_bytes(BITS);
     float codes[GROUP];
-    for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_in_group(wg, BITS, r, k));
+    for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_value(f.table, code_in_group(wg, BITS, r, k)));
     for (int64_t h = 0; h < per; ++h) {
       const int64_t at = ((b * G + g) * per + h) * 16 + r;
       const float scale = load_scale(d, at, f.scale_kind, f.group);
-      const float low = f.zero_point ? -static_cast<float>(f.zero_point) * scale : load_scale(m, at, f.scale_kind, f.group);
+      const float low = f.table ? 0.f
+                        : f.zero_point ? -static_cast<float>(f.zero_point) * scale
+                                       : load_scale(m, at, f.scale_kind, f.group);
       for (int64_t k = h * group; k < (h + 1) * group; ++k) {
         if constexpr (BF16) static_cast<uint16_t*>(out)[g * GROUP + k] = float_to_bf16(scale * codes[k] + low);
         else static_cast<float*>(out)[g * GROUP + k] = scale * codes[k] + low;

@@ -63,7 +63,7 @@ void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, cons
       const uint8_t* wg = w + ((n / 16) * G + g) * bytes_per_group;
       int32_t sum = 0;
       for (int64_t k = h * f.group - g * GROUP; k < (h + 1) * f.group - g * GROUP; ++k) {
-        sum += code_in_group(wg, f.bits, n % 16, k) * x[g * GROUP + k];
+        sum += code_value(f.table, code_in_group(wg, f.bits, n % 16, k)) * x[g * GROUP + k];
       }
       out[n * H + h] = sum;
     }
@@ -71,8 +71,8 @@ void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, cons
 }
 
 // Per group of 32 and scale group h within it (one, or two halves of 16), the integer sums of
-// the codes with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m * xs over h's k
-// (m = -zero_point * d in a symmetric format).
+// the codes (a table's values) with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m *
+// xs over h's k (m = -zero_point * d in a symmetric format; none with a table).
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
               int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
               const int32_t*, void* out, int32_t out_bf16) {
@@ -84,7 +84,7 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = w + (b * G + g) * bytes_per_group;
       for (int64_t r = 0; r < 16; ++r) {
-        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_in_group(wg, f.bits, r, k);
+        for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_value(f.table, code_in_group(wg, f.bits, r, k));
       }
       for (int64_t row = 0; row < M; ++row) {
         const int8_t* hi = xq + row * K + g * GROUP;
@@ -97,7 +97,9 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
             for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
             const int64_t at = ((b * G + g) * per + h) * 16 + r;
             const float d_at = load_scale(d, at, f.scale_kind, f.group);
-            const float low = f.zero_point ? -static_cast<float>(f.zero_point) * d_at : load_scale(m, at, f.scale_kind, f.group);
+            const float low = f.table ? 0.f
+                              : f.zero_point ? -static_cast<float>(f.zero_point) * d_at
+                                             : load_scale(m, at, f.scale_kind, f.group);
             acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * (d_at * xd[row * G + g]);
             acc[row * 16 + r] += low * x_sum;
           }

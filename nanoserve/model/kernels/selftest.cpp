@@ -58,10 +58,17 @@ std::vector<float> as_floats(const std::vector<uint8_t>& raw, bool bf16, size_t 
 }
 
 // Scales or minimums of a format, n of them (of blocks of 16 outputs, K = 256 k): fp16 bits;
-// fp32 (a K-quant's exact d * sc, fp16 times a 6-bit integer); or super-block records of fp16
-// super-scales and int8 multipliers (common.h). Magnitudes about 2^-5 .. 2^3.
+// fp32 (a K-quant's exact d * sc, fp16 times a 6-bit integer); super-block records of fp16
+// super-scales and int8 multipliers (common.h); or exponent bytes (2^-10 .. 2^3). Magnitudes
+// about 2^-5 .. 2^3.
 std::vector<uint16_t> random_scales(size_t n, int32_t kind, int64_t group) {
   if (kind == nanoserve::SCALES_FP16) return random_fp16(n);
+  if (kind == nanoserve::SCALES_E8M0) {
+    std::vector<uint16_t> raw((n + 1) / 2);
+    std::uniform_int_distribution<int> exponent(118, 131);
+    for (size_t i = 0; i < n; ++i) reinterpret_cast<uint8_t*>(raw.data())[i] = static_cast<uint8_t>(exponent(rng));
+    return raw;
+  }
   if (kind == nanoserve::SCALES_SUPER) {
     const int64_t records = n / 16 / (256 / group);
     std::vector<uint16_t> raw(records * nanoserve::super_record_bytes(group) / 2);
@@ -84,9 +91,41 @@ std::vector<uint16_t> random_scales(size_t n, int32_t kind, int64_t group) {
   return raw;
 }
 
+// The code tables the formats carry: none, IQ4_NL's (and IQ4_XS's) and MXFP4's doubled E2M1.
+const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t E2M1_TABLE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+const int8_t* const TABLES[] = {nullptr, IQ4_TABLE, E2M1_TABLE};
+
+std::string table_name(const int8_t* table) {
+  return table == IQ4_TABLE ? " table iq4" : table == E2M1_TABLE ? " table e2m1" : "";
+}
+
+// The formats tried: every storage width and group with each kind of scales, minimums held or a
+// zero point (2^(bits - 1): Q4_0, Q5_0, Q6_K, Q8_0; 4: Q3_K's 3-bit codes in the 4-bit layout),
+// and the 4-bit codes through each table (IQ4_NL, IQ4_XS, MXFP4: no minimums, no zero point).
+// Exponent-byte scales with 4-bit codes only (MXFP4's).
+std::vector<nanoserve_format> formats() {
+  std::vector<nanoserve_format> out;
+  for (int32_t bits : {4, 5, 6, 8}) {
+    for (int32_t group : {32, 16}) {
+      for (int32_t scale_kind : {0, 1, 2, 3}) {
+        if (scale_kind == nanoserve::SCALES_E8M0 && bits != 4) continue;
+        for (int32_t zero_point : {0, 1 << (bits - 1), 4}) {
+          if (zero_point == 4 && bits != 4) continue;
+          for (const int8_t* table : TABLES) {
+            if (table && (bits != 4 || zero_point != 0)) continue;
+            out.push_back({bits, group, scale_kind, zero_point, table});
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
 void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
                    int64_t N, int64_t K, int64_t M, bool bf16) {
-  const std::string name = std::string(tier->tier) + " " + std::to_string(f.bits) + "-bit group " +
+  const std::string name = std::string(tier->tier) + " " + std::to_string(f.bits) + "-bit" + table_name(f.table) + " group " +
                            std::to_string(f.group) + " scales " + std::to_string(f.scale_kind) + " " +
                            "zero point " + std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " rows " + std::to_string(M) +
                            (bf16 ? " bf16" : " fp32");
@@ -160,7 +199,8 @@ std::vector<Routing> routings() {
 // threads; activations one row per row of the step, or one per pair.
 void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
                   int64_t N, int64_t K, const Routing& routing, bool x_per_pair, bool bf16) {
-  const std::string name = std::string(tier->tier) + " experts " + std::to_string(f.bits) + "-bit group " +
+  const std::string name = std::string(tier->tier) + " experts " + std::to_string(f.bits) + "-bit" +
+                           table_name(f.table) + " group " +
                            std::to_string(f.group) + " scales " + std::to_string(f.scale_kind) + " zero point " +
                            std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " " +
                            routing.what + (x_per_pair ? " per pair" : " per row") + (bf16 ? " bf16" : " fp32");
@@ -278,36 +318,15 @@ int main() {
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
   const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {48, 256}, {32, 1536}};
   for (bool bf16 : {true, false}) {
-    for (int32_t bits : {4, 5, 6, 8}) {
-      for (int32_t group : {32, 16}) {
-        for (int32_t scale_kind : {0, 1, 2}) {
-          // 0: minimums held; 2^(bits - 1): the symmetric formats (Q4_0, Q5_0 and MXFP4, Q6_K, Q8_0
-          // and IQ4_*); 4: Q3_K's 3-bit codes in the 4-bit layout
-          for (int32_t zero_point : {0, 1 << (bits - 1), 4}) {
-            if (zero_point == 4 && bits != 4) continue;
-            for (const auto& s : shapes) {
-              if (scale_kind == nanoserve::SCALES_SUPER && s[1] % 256) continue;  // super-blocks of 256
-              for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) {
-                const nanoserve_format format{bits, group, scale_kind, zero_point};
-                test_products(ref, tier, format, s[0], s[1], rows, bf16);
-              }
-            }
-          }
-        }
+    for (const nanoserve_format& format : formats()) {
+      for (const auto& s : shapes) {
+        if (format.scale_kind == nanoserve::SCALES_SUPER && s[1] % 256) continue;  // super-blocks of 256
+        for (int64_t rows : {1, 2, 3, 5, 8, 9, 17}) test_products(ref, tier, format, s[0], s[1], rows, bf16);
       }
     }
-    for (int32_t bits : {4, 5, 6, 8}) {  // every format again, through the experts' products
-      for (int32_t group : {32, 16}) {
-        for (int32_t scale_kind : {0, 1, 2}) {
-          for (int32_t zero_point : {0, 1 << (bits - 1), 4}) {
-            if (zero_point == 4 && bits != 4) continue;
-            for (const Routing& routing : routings()) {
-              for (bool x_per_pair : {false, true}) {
-                test_experts(ref, tier, {bits, group, scale_kind, zero_point}, 48, 256, routing, x_per_pair, bf16);
-              }
-            }
-          }
-        }
+    for (const nanoserve_format& format : formats()) {  // every format again, through the experts' products
+      for (const Routing& routing : routings()) {
+        for (bool x_per_pair : {false, true}) test_experts(ref, tier, format, 48, 256, routing, x_per_pair, bf16);
       }
     }
     for (int64_t group : {1, 3, 4}) {
