@@ -23,6 +23,9 @@ struct Simd {
   static I low_nibbles(I b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
   static I flip(I b) { return b; }
+  // A 16-byte table in every 128-bit lane, and each nibble's entry of it (vpshufb).
+  static I load_table(const uint8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I lookup(I table, I nibbles) { return _mm512_shuffle_epi8(table, nibbles); }
   // Codes | value where their bit (one per byte, 64 from bits) is set.
   static I or_bit(I codes, const uint8_t* bits, int, char value) {
     uint64_t mask;
@@ -79,6 +82,9 @@ struct Simd {
   static I load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low_nibbles(I b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
+  // A 16-byte table in both 128-bit lanes, and each nibble's entry of it (vpshufb).
+  static I load_table(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I lookup(I table, I nibbles) { return _mm256_shuffle_epi8(table, nibbles); }
   // Codes | value where their bit (one per byte: the 32 bits of vector s) is set.
   static I or_bit(I codes, const uint8_t* bits, int s, char value) {
     uint32_t word;

@@ -89,13 +89,15 @@ inline void store_out(void* out, int64_t at, V::F v, bool bf16) {
 // The code vector j (of 8) of one group for the vector s of outputs: it multiplies the 4
 // activations at k offset code_offset(j) of the group. 5- and 6-bit codes are the 4-bit vector
 // with each fifth (sixth) bit, from the bit planes after the group's nibbles, set back as 16 (32).
-template <int BITS>
-inline V::C code_vector(const uint8_t* wg, int s, int j) {
+// A table's 4-bit codes are looked up in `lut` (lut_register), which gives them as byte codes.
+template <int BITS, bool LUT = false>
+inline V::C code_vector(const uint8_t* wg, int s, int j, V::C lut) {
   if constexpr (BITS == 8) {
     return V::flip(V::load_codes(wg + 64 * j + 4 * V::LANES * s));
   } else {
     const V::C b = V::load_codes(wg + 64 * (j / 2) + 4 * V::LANES * s);
     const V::C low = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
+    if constexpr (LUT) return V::lookup(lut, low);
     if constexpr (BITS == 4) return low;
     const V::C five = V::or_bit(low, wg + 256 + 8 * j, s, 16);
     if constexpr (BITS == 5) return five;
@@ -103,21 +105,33 @@ inline V::C code_vector(const uint8_t* wg, int s, int j) {
   }
 }
 
+// A table's 16 values as the register code_vector looks nibbles up in: each value v as the
+// byte code v + 128 (a byte code with zero point 128, whose sums group_sums corrects), flipped
+// as the tier flips byte codes (to v itself on the tiers that multiply signed codes).
+inline V::C lut_register(const int8_t* table) {
+  uint8_t biased[16];
+  for (int i = 0; i < 16; ++i) biased[i] = static_cast<uint8_t>(table[i]) ^ 0x80;
+  return V::flip(V::load_table(biased));
+}
+
+// The zero point group_sums takes out of a format's sums: a table's byte codes' 128.
+inline int32_t sums_zero_point(nanoserve_format f) { return f.table ? 128 : f.zero_point; }
+
 template <int BITS>
 constexpr int code_offset(int j) { return BITS == 8 ? 4 * j : 8 * (j / 2) + 4 * (j % 2); }
 
-template <int BITS>
+template <int BITS, bool LUT>
 inline V::A dot_codes(V::A acc, V::C code, const int8_t* x) {
-  if constexpr (BITS == 4) return V::dot_nibbles(acc, code, x);
-  else if constexpr (BITS == 5 || BITS == 6) return V::dot_wide(acc, code, x);
-  else return V::dot_bytes(acc, code, x);
+  if constexpr (LUT || BITS == 8) return V::dot_bytes(acc, code, x);
+  else if constexpr (BITS == 4) return V::dot_nibbles(acc, code, x);
+  else return V::dot_wide(acc, code, x);
 }
 
-template <int BITS>
+template <int BITS, bool LUT>
 inline V::I finish_codes(V::A a) {
-  if constexpr (BITS == 4) return V::finish_nibbles(a);
-  else if constexpr (BITS == 5 || BITS == 6) return V::finish_wide(a);
-  else return V::finish_bytes(a);
+  if constexpr (LUT || BITS == 8) return V::finish_bytes(a);
+  else if constexpr (BITS == 4) return V::finish_nibbles(a);
+  else return V::finish_wide(a);
 }
 
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
@@ -127,9 +141,10 @@ inline V::I finish_codes(V::A a) {
 // sum_stride + h], the sums of those codes per half, undo the byte tiers' flip to signed codes and, with a
 // zero point z, make the sums those of c - z. Each code vector is loaded once for all rows; each
 // sum is split over two accumulators (the halves, or even and odd j with few rows), so dependent
-// multiply-adds do not wait on each other.
-template <int BITS, bool SPLIT, int R, bool LO = true>
-inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
+// multiply-adds do not wait on each other. LUT: 4-bit codes through the table in `lut`, as
+// byte codes (zero_point 128: sums_zero_point).
+template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true>
+inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
                        int64_t stride, const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t zero_point,
                        V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
@@ -141,15 +156,15 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
   }
   #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
-    const V::C code = code_vector<BITS>(wg, s, j);
+    const V::C code = code_vector<BITS, LUT>(wg, s, j, lut);
     const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<BITS>(j);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      ah[c][r] = dot_codes<BITS>(ah[c][r], code, hi_x + row[r] * stride + at);
-      if constexpr (LO) al[c][r] = dot_codes<BITS>(al[c][r], code, lo_x + row[r] * stride + at);
+      ah[c][r] = dot_codes<BITS, LUT>(ah[c][r], code, hi_x + row[r] * stride + at);
+      if constexpr (LO) al[c][r] = dot_codes<BITS, LUT>(al[c][r], code, lo_x + row[r] * stride + at);
     }
   }
-  const auto finish = [](V::A a) { return finish_codes<BITS>(a); };
+  const auto finish = [](V::A a) { return finish_codes<BITS, LUT>(a); };
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     #pragma GCC unroll 2
@@ -162,7 +177,7 @@ inline void group_sums(const uint8_t* wg, int s, const int8_t* hi_x, const int8_
       if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
     }
     // the byte tiers without unsigned products multiplied the codes as c - 128
-    const int32_t offset = (BITS == 8 && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
+    const int32_t offset = ((BITS == 8 || LUT) && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
     if (offset != 0) {
       const int32_t* sh = sum_hi + row[r] * sum_stride;
       #pragma GCC unroll 2
@@ -185,6 +200,10 @@ inline V::F load_scales(int kind, const void* p, int64_t i) {
     return V::load(static_cast<const float*>(p) + i);
   } else if (kind == SCALES_FP16) {
     return V::load_fp16(static_cast<const uint16_t*>(p) + i);
+  } else if (kind == SCALES_E8M0) {
+    float lanes[V::LANES];
+    for (int l = 0; l < V::LANES; ++l) lanes[l] = e8m0_half(static_cast<const uint8_t*>(p)[i + l]);
+    return V::load(lanes);
   } else {
     constexpr int64_t group = SPLIT ? 16 : 32, per_record = 256 / group;
     const int64_t h = i / 16, lane = i % 16;
@@ -194,17 +213,19 @@ inline V::F load_scales(int kind, const void* p, int64_t i) {
   }
 }
 
-// What of a weight format the code is specialised on: the codes' storage bits and scale groups
-// of 16 (the scales' kind and the zero point are run-time values).
-template <int BITS_, bool SPLIT_>
+// What of a weight format the code is specialised on: the codes' storage bits, scale groups of
+// 16 and a code table (the scales' kind, the zero point and the table's values are run-time values).
+template <int BITS_, bool SPLIT_, bool LUT_ = false>
 struct Format {
   static constexpr int BITS = BITS_;
   static constexpr bool SPLIT = SPLIT_;
+  static constexpr bool LUT = LUT_;
   static constexpr int PER = SPLIT ? 2 : 1;                         // scale groups per group of 32
   static constexpr int64_t GROUP_BYTES = group_bytes(BITS);          // codes of 16 outputs x 32 k
   // their scales (or minimums): a super-block record spread over its 8 groups of 32
   static int64_t scale_bytes(int kind) {
-    return kind == SCALES_SUPER ? super_record_bytes(32 / PER) / 8 : 16 * PER * (kind == SCALES_FP32 ? 4 : 2);
+    if (kind == SCALES_SUPER) return super_record_bytes(32 / PER) / 8;
+    return 16 * PER * (kind == SCALES_FP32 ? 4 : kind == SCALES_E8M0 ? 1 : 2);
   }
   // Rows sharing each code vector: split sums hold twice the accumulators.
   static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
@@ -236,7 +257,10 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
              int64_t ldo, nanoserve_format f) {
   const int64_t G = K / GROUP, scale_bytes = F::scale_bytes(f.scale_kind);
-  const bool symmetric = f.zero_point != 0;
+  const bool symmetric = f.zero_point != 0 || f.table;  // no minimums stored
+  V::C lut{};
+  if constexpr (F::LUT) lut = lut_register(f.table);
+  const int32_t zero_point = sums_zero_point(f);
   int64_t in[R];
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) in[r] = rows.in(r);
@@ -258,8 +282,8 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
-      group_sums<F::BITS, F::SPLIT, R>(wg, s, xq + g * GROUP, xq + M * K + g * GROUP, in, K, xsum + 2 * g,
-                                       xsum + 2 * M * G + 2 * g, 2 * G, f.zero_point, hi, lo);
+      group_sums<F::BITS, F::LUT, F::SPLIT, R>(wg, s, lut, xq + g * GROUP, xq + M * K + g * GROUP, in, K,
+                                               xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, zero_point, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
@@ -316,16 +340,17 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
   }
 }
 
-template <template <typename> class Op, int BITS, typename... Args>
+template <template <typename> class Op, int BITS, bool LUT = false, typename... Args>
 void with_group(nanoserve_format f, Args... args) {
-  if (f.group == 16) Op<Format<BITS, true>>::run(args...);
-  else Op<Format<BITS, false>>::run(args...);
+  if (f.group == 16) Op<Format<BITS, true, LUT>>::run(args...);
+  else Op<Format<BITS, false, LUT>>::run(args...);
 }
 
-// The format's template instance for a runtime format.
+// The format's template instance for a runtime format (a table's codes are 4-bit).
 template <template <typename> class Op, typename... Args>
 void with_format(nanoserve_format f, Args... args) {
-  if (f.bits == 4) with_group<Op, 4>(f, args...);
+  if (f.table) with_group<Op, 4, true>(f, args...);
+  else if (f.bits == 4) with_group<Op, 4>(f, args...);
   else if (f.bits == 5) with_group<Op, 5>(f, args...);
   else if (f.bits == 6) with_group<Op, 6>(f, args...);
   else with_group<Op, 8>(f, args...);
@@ -383,7 +408,9 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
 
 template <typename F>
 struct GroupDots {
-  static void run(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
+  static void run(const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out, nanoserve_format f) {
+    V::C lut{};
+    if constexpr (F::LUT) lut = lut_register(f.table);
     const int64_t G = K / GROUP, H = G * F::PER, block_bytes = G * F::GROUP_BYTES;
     for (int64_t b = 0; b < N / 16; ++b) {
       for (int64_t g = 0; g < G; ++g) {
@@ -393,8 +420,9 @@ struct GroupDots {
           int32_t lanes[V::LANES];
           V::I sums[F::PER][1], unused[F::PER][1];
           const int64_t row[1] = {0};
-          group_sums<F::BITS, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, x + g * GROUP,
-                                                  nullptr, row, 0, x_sums, nullptr, 0, 0, sums, unused);
+          group_sums<F::BITS, F::LUT, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, lut,
+                                                          x + g * GROUP, nullptr, row, 0, x_sums, nullptr, 0,
+                                                          sums_zero_point(f), sums, unused);
           for (int h = 0; h < F::PER; ++h) {
             V::istore(lanes, sums[h][0]);
             for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
@@ -406,9 +434,9 @@ struct GroupDots {
 };
 
 void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
-  f.zero_point = 0;  // the raw sums of the codes: no scales, no zero point
+  f.zero_point = 0;  // the raw sums of the codes (a table's values): no scales, no zero point
   f.scale_kind = SCALES_FP16;
-  with_format<GroupDots>(f, w, N, K, x, out);
+  with_format<GroupDots>(f, w, N, K, x, out, f);
 }
 
 // e^x for x <= 0 (softmax after its maximum is taken out): x = n ln2 + f with |f| <= ln2 / 2,
