@@ -22,6 +22,9 @@ struct Simd {
   static C low_nibbles(C b) { return vandq_s8(b, vdupq_n_s8(0x0F)); }
   static C high_nibbles(C b) { return vreinterpretq_s8_u8(vshrq_n_u8(vreinterpretq_u8_s8(b), 4)); }
   static C flip(C b) { return veorq_s8(b, vdupq_n_s8(static_cast<int8_t>(0x80))); }
+  // A 16-byte table, and each nibble's entry of it (tbl).
+  static C load_table(const uint8_t* p) { return vreinterpretq_s8_u8(vld1q_u8(p)); }
+  static C lookup(C table, C nibbles) { return vqtbl1q_s8(table, vreinterpretq_u8_s8(nibbles)); }
   // Codes | value where their bit (one per byte: the 16 bits of vector s) is set.
   static C or_bit(C codes, const uint8_t* bits, int s, char value) {
     const uint8x16_t spread = vcombine_u8(vdup_n_u8(bits[2 * s]), vdup_n_u8(bits[2 * s + 1]));
