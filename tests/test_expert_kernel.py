@@ -41,21 +41,24 @@ def stacked_experts(qtype: Q, n: int, k: int, seed: int) -> tuple[torch.Tensor, 
     return (*(torch.stack([p[i] for p in packs]) for i in range(3)), packs[0][3])
 
 
-def _format(qtype: Q) -> tuple[int, int, str, int]:
-    """(code bits, scale group, scales' kind, zero point) of ``qtype``'s packed experts."""
-    codes, scales, _, zero = stacked_experts(qtype, 16, 256, 0)
-    if scales.dtype == torch.uint8:  # super-block records: 32 bytes of super-scales, 16 per scale group
+def _format(qtype: Q) -> tuple[int, int, str, int, bool]:
+    """(code bits, scale group, scales' kind, zero point, a code table) of ``qtype``'s packed experts."""
+    codes, scales, mins, zero = stacked_experts(qtype, 16, 256, 0)
+    if scales.dtype == torch.uint8 and scales.shape[3] == 16:  # exponent bytes
+        kind, group = "e8m0", 256 // scales.shape[2]
+    elif scales.dtype == torch.uint8:  # super-block records: 32 bytes of super-scales, 16 per scale group
         kind, group = "super", 256 // ((scales.shape[3] - 32) // 16)
     else:
         kind, group = {torch.int16: "fp16", torch.int32: "fp32"}[scales.dtype], 256 // scales.shape[2]
-    return 8 * codes[0].numel() // (16 * 256), group, kind, zero
+    return 8 * codes[0].numel() // (16 * 256), group, kind, zero, cpu_kernels.is_code_table(mins)
 
 
 def test_the_block_types_cover_every_format_a_gguf_packs_to():
     assert {_format(q) for q in TYPES} == {
-        (4, 32, "fp16", 0), (4, 32, "fp16", 8), (5, 32, "fp16", 0), (5, 32, "fp16", 16), (8, 32, "fp16", 128),
-        (4, 32, "super", 0), (5, 32, "super", 0), (6, 16, "super", 32), (4, 16, "super", 0), (4, 16, "super", 4),
-        (8, 32, "super", 128)}
+        (4, 32, "fp16", 0, False), (4, 32, "fp16", 8, False), (5, 32, "fp16", 0, False), (5, 32, "fp16", 16, False),
+        (8, 32, "fp16", 128, False), (4, 32, "super", 0, False), (5, 32, "super", 0, False),
+        (6, 16, "super", 32, False), (4, 16, "super", 0, False), (4, 16, "super", 4, False),
+        (4, 32, "fp16", 0, True), (4, 32, "super", 0, True), (4, 32, "e8m0", 0, True)}
 
 
 @pytest.mark.parametrize("tier", TIERS)

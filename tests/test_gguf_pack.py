@@ -1,7 +1,7 @@
 """gguf_pack.cpp's vectorised path: its decoders read the same codes as the scalar ones, byte
-for byte, for every block type they serve, and packing stacked parts in one pass lays out the
-same bytes as packing their unpacked codes (pack_groups), at widths that are no multiple of a
-super-block where the type allows it."""
+for byte, for every block type, and packing stacked parts in one pass lays out the same bytes as
+packing their unpacked codes (pack_groups; the table types: their nibbles, numbers and table),
+at widths that are no multiple of a super-block where the type allows it."""
 
 from __future__ import annotations
 
@@ -12,14 +12,23 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from compile.model_files import random_blocks
 from nanoserve.model import cpu_kernels
-from nanoserve.model.gguf_blocks import CODE_BITS, PACKED_TYPES, BlockTensor, StackedBlocks
+from nanoserve.model.gguf_blocks import (
+    CODE_BITS,
+    IQ4_VALUES,
+    MXFP4_VALUES,
+    PACKED_TYPES,
+    BlockTensor,
+    StackedBlocks,
+)
 
 Q = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not cpu_kernels._ops_loaded(), reason="nanoserve's CPU ops did not build on this host")
-# The types the vectorised decoders serve (the table types IQ4_NL, IQ4_XS and MXFP4 keep the scalar ones).
-VECTORISED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# Each type's codes as read (before any widening to the storage bits): Q3_K's are 3 bits (q + 4 h).
-READ_BITS = {**CODE_BITS, Q.Q3_K: 3}
+TYPES = sorted(PACKED_TYPES, key=lambda q: q.value)
+# The types packed as the file's nibbles with a code table in place of the mins.
+TABLED = {Q.IQ4_NL: IQ4_VALUES, Q.IQ4_XS: IQ4_VALUES, Q.MXFP4: MXFP4_VALUES}
+# Each type's codes as read (before any widening to the storage bits): Q3_K's are 3 bits (q + 4 h),
+# the table types' the file's 4-bit nibbles.
+READ_BITS = {**CODE_BITS, Q.Q3_K: 3, **dict.fromkeys(TABLED, 4)}
 
 
 def _widths(qtype: Q) -> tuple[int, ...]:
@@ -29,7 +38,7 @@ def _widths(qtype: Q) -> tuple[int, ...]:
     return (32, 96, 160, 1024) if block == 32 else (256, 768)
 
 
-@pytest.mark.parametrize("qtype", VECTORISED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_the_vectorised_decoders_read_the_scalar_decoders_codes(qtype):
     rng = np.random.default_rng(int(qtype))
     for cols in _widths(qtype):
@@ -48,7 +57,7 @@ def test_the_decoders_refuse_a_row_of_no_whole_number_of_blocks():
         cpu_kernels.gguf_codes(np.zeros(144, dtype=np.uint8), int(Q.Q4_K), 1, 128)
 
 
-@pytest.mark.parametrize("qtype", sorted(PACKED_TYPES, key=lambda q: q.value), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_stacked_parts_pack_in_one_pass_as_their_unpacked_codes(qtype):
     rng = np.random.default_rng(100 + int(qtype))
     for cols in _widths(qtype)[1:]:
@@ -57,9 +66,16 @@ def test_stacked_parts_pack_in_one_pass_as_their_unpacked_codes(qtype):
                       for rows, ordered in ((32, True), (16, False), (48, True)))
         stacked = StackedBlocks(parts)
         want = stacked.group_codes()
+        got = stacked.pack()
+        if qtype in TABLED:  # the nibbles as they are read, the numbers as they are, the table
+            nibbles = torch.cat([cpu_kernels.gguf_codes(p.data if p.row_order is None else p.data[p.row_order],
+                                                        int(qtype), p.rows, cols) for p in parts])
+            assert torch.equal(got[0], cpu_kernels.pack_nibbles(nibbles)), cols
+            assert torch.equal(cpu_kernels.per_group(got[1]), want.scales), cols
+            assert torch.equal(got[2], torch.from_numpy(TABLED[qtype]).to(torch.int8)) and got[3] == 0
+            continue
         packed = cpu_kernels.pack_groups(want.codes, want.scales, want.mins, want.bits, want.scale_factors,
                                          want.min_factors)
-        got = stacked.pack()
         for name, a, b in zip(("codes", "scales", "mins"), packed[:3], got[:3]):
             assert a.dtype == b.dtype and torch.equal(a, b), (cols, name)
         assert packed[3] == got[3]

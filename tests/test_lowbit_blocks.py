@@ -1,8 +1,10 @@
 """The low-bit GGUF block types people download (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) run packed:
-each is held exactly in a format the kernels already run (gguf_blocks' docstring), so the codes
-read from random but valid blocks dequantise to gguf's own values bit for bit, the packed
-products on every kernel tier this host runs equal gguf's dequantisation times the input within
-the int8-activation tolerance, the pack from the file's bytes equals the unpacked path, and a
+each is held exactly (gguf_blocks' docstring), unpacked in a wider format and packed from the
+file's bytes in the kernels' formats (the table types as the file's nibbles with their code
+table, in about the file's bytes), so the codes read from random but valid blocks dequantise to
+gguf's own values bit for bit, the packed products on every kernel tier this host runs equal
+gguf's dequantisation times the input within the int8-activation tolerance, the pack from the
+file's bytes equals the unpacked path (the table types: the file's nibbles and numbers), and a
 tiny llama GGUF whose linears are in these types loads, generates, and gives the fp32
 dequantised model's logits."""
 
@@ -18,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model import cpu_kernels
+from nanoserve.model import cpu_kernels, gguf_blocks
 from nanoserve.model.errors import ModelLoadError
 from nanoserve.model.gguf_blocks import LOW_BIT, WIDENED_BITS, BlockTensor, StackedBlocks, group_codes
 from nanoserve.model.group_codes import as_torch_int4
@@ -35,11 +37,14 @@ OUR_TIERS = [t for t in KERNELS if t != "torch"]
 # As test_quant_types: the kernels' output against the exact fp32 product, within this share of
 # the largest |output| (int8 activation codes, bf16 activations and output where the tier computes bf16).
 OUTPUT_TOLERANCE = 2 ** -7
-# What each type is held as: (code bits, scale group, zero point; 0: minimums held).
+# What each type is held as unpacked (GroupCodes): (code bits, scale group, zero point; 0:
+# minimums held).
 HELD = {Q.Q2_K: (2, 16, 0), Q.Q3_K: (3, 16, 4), Q.IQ4_NL: (8, 32, 128), Q.IQ4_XS: (8, 32, 128), Q.MXFP4: (5, 32, 16)}
+# The table types packed from their blocks: the file's nibbles through these values.
+TABLES = {Q.IQ4_NL: gguf_blocks.IQ4_VALUES, Q.IQ4_XS: gguf_blocks.IQ4_VALUES, Q.MXFP4: gguf_blocks.MXFP4_VALUES}
 # Bits a weight held by the kernels (codes and numbers), and in the file (gguf_blocks' docstring).
-BITS_HELD = {Q.Q2_K: (5.125, 2.625), Q.Q3_K: (4.5625, 3.4375), Q.IQ4_NL: (8.5, 4.5), Q.IQ4_XS: (8.3125, 4.25),
-             Q.MXFP4: (5.5, 4.25)}
+BITS_HELD = {Q.Q2_K: (5.125, 2.625), Q.Q3_K: (4.5625, 3.4375), Q.IQ4_NL: (4.5, 4.5), Q.IQ4_XS: (4.3125, 4.25),
+             Q.MXFP4: (4.25, 4.25)}
 
 
 def valid_blocks(qtype: Q, rows: int, cols: int, seed: int, exponents: tuple[int, int] = (118, 131)) -> np.ndarray:
@@ -114,15 +119,20 @@ def test_the_codes_are_the_files():
 
 def test_mxfp4_is_exact_over_the_exponents_gguf_keeps_finite():
     """Every exponent up to 251 (2^-128, an fp32 subnormal, to 2^123): bit for bit gguf's values,
-    and held in fp32 where fp16 cannot hold a scale."""
+    unpacked and packed (the exponent bytes themselves, their scales computed by the kernels)."""
     rows, cols = 32, 256
     data = valid_blocks(Q.MXFP4, rows, cols, seed=5, exponents=(0, 252))
     source = group_codes(data, Q.MXFP4, rows, cols)
-    assert torch.equal(source.dequantize(), gguf_weight(data, Q.MXFP4, rows, cols))
+    reference = gguf_weight(data, Q.MXFP4, rows, cols)
+    assert torch.equal(source.dequantize(), reference)
     if OUR_TIERS:
-        packed = StackedBlocks((BlockTensor(Q.MXFP4, data, rows, cols),)).pack()
-        assert packed[1].dtype == torch.int32  # fp32 bits
-        assert torch.equal(cpu_kernels.per_group(packed[1]), source.scales)
+        codes, scales, table, zero = StackedBlocks((BlockTensor(Q.MXFP4, data, rows, cols),)).pack()
+        assert scales.dtype == torch.uint8 and zero == 0  # the file's exponent bytes
+        assert torch.equal(cpu_kernels.per_group(scales), source.scales)
+        for tier in OUR_TIERS:
+            dense = torch.ops.nanoserve.dequantize(codes, scales, table, zero, rows, cols, torch.float32,
+                                                   cpu_kernels.handle(tier))
+            assert torch.equal(dense, reference), tier
 
 
 def torch_format_weight(source) -> torch.Tensor:
@@ -157,12 +167,23 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
         return
     # Read back, the layer holds the file's codes and numbers and dequantises to gguf's values.
     source = weight.group_codes()
-    bits, group, zero_point = HELD[qtype]
-    assert layer.zero_point == zero_point and (layer.mins.numel() == 0) == (zero_point > 0)
-    assert layer.codes.numel() * 8 == n * k * cpu_kernels.storage_bits(bits)
-    assert torch.equal(cpu_kernels.unpack_codes(layer.codes, n, k), source.codes)
-    assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
-    held = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.mins)) * 8 / (n * k)
+    held_codes = cpu_kernels.unpack_codes(layer.codes, n, k)
+    if qtype in TABLES:  # the file's nibbles, 4 bits each, standing for their table's values
+        assert layer.zero_point == 0 and torch.equal(layer.mins, torch.from_numpy(TABLES[qtype]).to(torch.int8))
+        assert layer.codes.numel() * 2 == n * k and int(held_codes.max()) < 16
+        assert torch.equal(layer.mins[held_codes.long()].int() + HELD[qtype][2], source.codes.int())
+        assert torch.equal(layer.held_numbers()[0], source.scales) and not layer.held_numbers()[1].any()
+    else:
+        bits, group, zero_point = HELD[qtype]
+        assert layer.zero_point == zero_point and (layer.mins.numel() == 0) == (zero_point > 0)
+        assert layer.codes.numel() * 8 == n * k * cpu_kernels.storage_bits(bits)
+        assert torch.equal(held_codes, source.codes)
+        assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
+    held_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.mins))
+    if qtype in TABLES:  # the file's bytes, give or take IQ4_XS's records (1/68 more) and the table
+        assert held_bytes <= data.nbytes * 1.015 + 16
+        held_bytes -= 16
+    held = held_bytes * 8 / (n * k)
     assert (held, 8 * data.nbytes / (n * k)) == BITS_HELD[qtype] == WIDENED_BITS[qtype.name]
     dense = torch.ops.nanoserve.dequantize(layer.codes, layer.scales, layer.mins, layer.zero_point, n, k,
                                            torch.float32, layer.handle)
@@ -172,13 +193,25 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
 @pytest.mark.skipif(not OUR_TIERS, reason="nanoserve's CPU ops did not build on this host")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_packing_from_the_files_bytes_equals_packing_the_unpacked_codes(qtype):
+    """The table types: the file's nibbles packed as 4-bit codes, its numbers as they are
+    (IQ4_NL's fp16 d, IQ4_XS's super-block records, MXFP4's exponent bytes) and the table."""
     rows, cols = 48, 512
     data = valid_blocks(qtype, rows, cols, seed=7)
-    tensor = BlockTensor(qtype, data, rows, cols, np.random.default_rng(3).permutation(rows))
+    order = np.random.default_rng(3).permutation(rows)
+    tensor = BlockTensor(qtype, data, rows, cols, order)
     codes = tensor.group_codes()
+    got = StackedBlocks((tensor,)).pack()
+    if qtype in TABLES:
+        nibbles = cpu_kernels.gguf_codes(data[order], int(qtype), rows, cols, scalar=True)
+        assert torch.equal(got[0], cpu_kernels.pack_nibbles(nibbles))
+        assert torch.equal(cpu_kernels.per_group(got[1]), codes.scales)
+        if qtype == Q.IQ4_XS:  # records as pack_groups writes a K-quant's
+            assert torch.equal(got[1], cpu_kernels.pack_groups(codes.codes, codes.scales, codes.mins, codes.bits,
+                                                               codes.scale_factors, codes.min_factors)[1])
+        assert torch.equal(got[2], torch.from_numpy(TABLES[qtype]).to(torch.int8)) and got[3] == 0
+        return
     want = cpu_kernels.pack_groups(codes.codes, codes.scales, codes.mins, codes.bits, codes.scale_factors,
                                    codes.min_factors)
-    got = StackedBlocks((tensor,)).pack()
     for name, a, b in zip(("codes", "scales", "mins"), want[:3], got[:3]):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert want[3] == got[3]
@@ -253,8 +286,10 @@ def test_a_low_bit_gguf_generates_and_its_stats_say_how_each_type_runs(low_bit_g
     assert types["Q2_K"] == types["Q3_K"] == group_16
     # the startup summary names each type, and what a widened one holds against its file
     line = next(x for x in describe_engine(engine, "lowbit", 0.0) if x.startswith("tensor types: "))
-    assert "F32 dense" in line and "IQ4_NL packed (8.50 bits a weight held, the file's 4.50)" in line
-    assert "MXFP4 packed (5.50 bits a weight held, the file's 4.25)" in line
+    if group_16 == "packed":  # nanoserve's kernels: the table types in the file's own bits
+        assert "F32 dense" in line and "IQ4_NL packed (4.50 bits a weight held, the file's 4.50)" in line
+        assert "MXFP4 packed (4.25 bits a weight held, the file's 4.25)" in line
+        assert "IQ4_XS packed (4.31 bits a weight held, the file's 4.25)" in line
 
 
 # --- hostile files: the low-bit types' sizes are gguf's (GGML_QUANT_SIZES), checked as every type's --

@@ -248,9 +248,25 @@ def _per_block(values: torch.Tensor, fp32: bool) -> torch.Tensor:
     return blocks.float().contiguous().view(torch.int32) if fp32 else blocks.half().contiguous().view(torch.int16)
 
 
+def is_code_table(mins: torch.Tensor) -> bool:
+    """Whether a packed weight's ``mins`` are a code table: 16 int8 values its 4-bit codes stand
+    for, ``w = scale * table[c]`` (IQ4_NL, IQ4_XS and MXFP4 packed from a GGUF's blocks)."""
+    return mins.dtype == torch.int8
+
+
+def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
+    """Exponent bytes e as their scales 2^(e - 128) in fp32 (kernels/common.h's e8m0_half)."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def per_group(numbers: torch.Tensor) -> torch.Tensor:
-    """The inverse of _per_block (and of _super_records): the kernels' numbers back as fp32
-    [N, H] (H may be 0)."""
+    """The inverse of _per_block (and of _super_records, and of a GGUF packing's exponent bytes
+    [N / 16, H, 16] uint8): the kernels' numbers back as fp32 [N, H] (H may be 0)."""
+    if numbers.dtype == torch.uint8 and numbers.shape[-1] == 16:  # exponent bytes
+        blocks, groups, _ = numbers.shape
+        return e8m0_half(numbers).transpose(1, 2).reshape(16 * blocks, groups)
     if numbers.dtype == torch.uint8:  # super-block records
         blocks, supers, size = numbers.shape
         per_super = (size - 32) // 16
@@ -365,8 +381,10 @@ def pack_gguf(blocks: np.ndarray, qtype: int, rows: int, cols: int,
               row_order: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GGUF block tensor's raw bytes [rows, row bytes] (gguf's GGMLQuantizationType ``qtype``)
     as (codes, scales, mins) in the layout ``pack_groups`` makes from its GroupCodes, in one pass
-    over the bytes (gguf_pack.cpp); ``row_order``: the file row of each row. The bytes are read,
-    never written, so a read-only view of a memory-mapped file serves."""
+    over the bytes (gguf_pack.cpp); ``row_order``: the file row of each row. The table types
+    (IQ4_NL, IQ4_XS, MXFP4) keep the file's nibbles as 4-bit codes, their code table in place of
+    the mins (``is_code_table``) and MXFP4's scales as its exponent bytes (``per_group``). The
+    bytes are read, never written, so a read-only view of a memory-mapped file serves."""
     return pack_gguf_parts([(blocks, rows, row_order)], qtype, cols)
 
 
@@ -386,8 +404,8 @@ def pack_gguf_parts(parts: Sequence[tuple[np.ndarray, int, np.ndarray | None]], 
 
 
 def gguf_codes(blocks: np.ndarray, qtype: int, rows: int, cols: int, scalar: bool = False) -> torch.Tensor:
-    """The codes [rows, cols] uint8 that ``pack_gguf`` reads from a block tensor's bytes: through
-    its vectorised decoders, or (``scalar``) its scalar reference ones."""
+    """The codes [rows, cols] uint8 that ``pack_gguf`` reads from a block tensor's bytes (a table
+    type's nibbles): through its vectorised decoders, or (``scalar``) its scalar reference ones."""
     if not _ops_loaded():
         raise RuntimeError("nanoserve's CPU ops did not build")
     with warnings.catch_warnings():  # read-only bytes: as pack_gguf_parts

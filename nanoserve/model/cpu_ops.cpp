@@ -104,13 +104,16 @@ int32_t code_bits(const at::Tensor& codes, int64_t n, int64_t k) {
 
 // The format of a packed weight of n x k as the tiers read it (kernels/common.h), from its
 // tensors: contiguous codes of 4, 5, 6 or 8 bits a weight (n * k * bits / 8 bytes); scales and
-// minimums [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16) or fp32 bits
-// (int32), or super-block records [n / 16, k / 256, 32 + 16 * 256 / group] (uint8); with a zero
-// point z > 0, no minimums (an empty tensor): m = -z * d.
+// minimums [n / 16, k / group, 16] with group 32 or 16, as fp16 bits (int16), fp32 bits (int32)
+// or exponent bytes (uint8, d = 2^(e - 128)), or super-block records [n / 16, k / 256, 32 + 16 *
+// 256 / group] (uint8); with a zero point z > 0, no minimums (an empty tensor): m = -z * d. A
+// format with a code table (4-bit codes, zero point 0) holds its 16 int8 values where the
+// minimums would be: m int8 [16], w = d * m[c].
 nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t zero_point,
                            int64_t n, int64_t k) {
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "a packed weight is n x k with n a multiple of 16 and k of 32, got ", n, " x ", k);
-  const bool fp32 = d.scalar_type() == at::kInt, super = d.scalar_type() == at::kByte;
+  const bool exponents = d.scalar_type() == at::kByte && d.dim() == 3 && d.size(2) == 16;
+  const bool fp32 = d.scalar_type() == at::kInt, super = d.scalar_type() == at::kByte && !exponents;
   int64_t group = 0;
   if (super) {
     const bool fits = d.dim() == 3 && k % 256 == 0 && d.size(0) == n / 16 && d.size(1) == k / 256 && d.is_contiguous();
@@ -119,20 +122,29 @@ nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const a
                 d.sizes());
   } else {
     TORCH_CHECK(d.dim() == 3 && d.size(0) == n / 16 && d.size(1) > 0 && (d.size(1) == k / 32 || d.size(1) == k / 16) &&
-                d.size(2) == 16 && (fp32 || d.scalar_type() == at::kShort) && d.is_contiguous(),
-                "scales must be contiguous fp16 bits (int16) or fp32 bits (int32) [", n / 16, ", ", k / 32, " or ",
-                k / 16, ", 16], got ", d.sizes(), " ", d.scalar_type());
+                d.size(2) == 16 && (fp32 || exponents || d.scalar_type() == at::kShort) && d.is_contiguous(),
+                "scales must be contiguous fp16 bits (int16), fp32 bits (int32) or exponent bytes (uint8) [", n / 16,
+                ", ", k / 32, " or ", k / 16, ", 16], got ", d.sizes(), " ", d.scalar_type());
     group = k / d.size(1);
   }
   TORCH_CHECK(zero_point >= 0 && zero_point <= 128, "the zero point must lie in 0..128, got ", zero_point);
+  const int32_t bits = code_bits(codes, n, k);
+  const int32_t kind = super ? nanoserve::SCALES_SUPER
+                       : exponents ? nanoserve::SCALES_E8M0
+                       : fp32 ? nanoserve::SCALES_FP32 : nanoserve::SCALES_FP16;
+  if (m.scalar_type() == at::kChar) {
+    TORCH_CHECK(m.dim() == 1 && m.numel() == 16 && m.is_contiguous() && zero_point == 0 && bits == 4,
+                "a code table is 16 int8 values for 4-bit codes with zero point 0, got ", m.sizes(), ", ", bits,
+                "-bit codes, zero point ", zero_point);
+    return {bits, static_cast<int32_t>(group), kind, 0, m.data_ptr<int8_t>()};
+  }
   if (zero_point) {
     TORCH_CHECK(m.numel() == 0, "a format with a zero point stores no minimums, got ", m.sizes());
   } else {
     TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == d.scalar_type() && m.is_contiguous(),
                 "mins must match the scales");
   }
-  const int32_t kind = super ? nanoserve::SCALES_SUPER : fp32 ? nanoserve::SCALES_FP32 : nanoserve::SCALES_FP16;
-  return {code_bits(codes, n, k), static_cast<int32_t>(group), kind, static_cast<int32_t>(zero_point)};
+  return {bits, static_cast<int32_t>(group), kind, static_cast<int32_t>(zero_point), nullptr};
 }
 
 // x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd [M, G], xs [M, 2G]
@@ -195,15 +207,18 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
                       const at::Tensor& m, int64_t zero_point, int64_t handle) {
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64 "
               "[rows, top_k], got ", ids.sizes(), " ", ids.scalar_type());
-  TORCH_CHECK(codes.dim() == 2 && d.dim() == 4 && m.dim() == 4 && codes.size(0) == d.size(0) &&
-              m.size(0) == d.size(0) && codes.size(0) > 0 && codes.is_contiguous() && d.is_contiguous() &&
-              m.is_contiguous(), "experts must be stacked contiguously: codes [E, bytes], scales and mins [E, ...] "
-              "as group_mm takes one expert's, got ", codes.sizes(), ", ", d.sizes(), ", ", m.sizes());
+  TORCH_CHECK(codes.dim() == 2 && d.dim() == 4 && (m.dim() == 4 || (m.dim() == 2 && m.scalar_type() == at::kChar)) &&
+              codes.size(0) == d.size(0) && m.size(0) == d.size(0) && codes.size(0) > 0 && codes.is_contiguous() &&
+              d.is_contiguous() && m.is_contiguous(), "experts must be stacked contiguously: codes [E, bytes], "
+              "scales and mins (or code tables) [E, ...] as group_mm takes one expert's, got ", codes.sizes(), ", ",
+              d.sizes(), ", ", m.sizes());
   const int64_t rows = ids.size(0), top_k = ids.size(1), pairs = rows * top_k, E = codes.size(0);
   TORCH_CHECK(x.dim() == 2 && (x.size(0) == rows || x.size(0) == pairs), "x must be [rows, K] or [rows * top_k, K] "
               "for ids ", ids.sizes(), ", got ", x.sizes());
   const int64_t K = x.size(1), N = 16 * d.size(1);
   const nanoserve_format format = format_of(codes[0], d[0], m[0], zero_point, N, K);
+  // the experts of one tensor share their type, so their table: expert 0's is read
+  const void* mins = format.table || !m.numel() ? nullptr : m.data_ptr();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t p = 0; p < pairs; ++p) {  // an expert past the stack would read past its codes
     TORCH_CHECK(id[p] >= -1 && id[p] < E, "expert ids must lie in [-1, ", E, ") (-1: skip the pair), got ", id[p]);
@@ -241,7 +256,7 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   const int64_t scale_stride = d[0].numel() * d.element_size();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t thread = begin; thread < end; ++thread) {
-      tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.numel() ? m.data_ptr() : nullptr,
+      tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins,
                       codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, xq, xd, xs, sums,
                       first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
                       x.scalar_type() == at::kBFloat16);
@@ -296,7 +311,7 @@ at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_
   TORCH_CHECK(group == 32 || group == 16, "group must be 32 or 16, got ", group);
   TORCH_CHECK(x_codes.abs().max().item<int8_t>() <= 127, "x codes must lie in -127..127");
   at::Tensor out = at::empty({n, K / group}, x_codes.options().dtype(at::kInt));
-  const nanoserve_format format{code_bits(codes, n, K), static_cast<int32_t>(group), 0, 0};
+  const nanoserve_format format{code_bits(codes, n, K), static_cast<int32_t>(group), 0, 0, nullptr};
   tier_of(handle).group_dots(format, codes.data_ptr<uint8_t>(), n, K, x_codes.data_ptr<int8_t>(),
                              out.data_ptr<int32_t>());
   return out;

@@ -19,34 +19,33 @@ Every scale and minimum is exact in fp32 (an fp16 number times an integer below 
 every weight ``scale * code + minimum`` (at most 23 significant bits): the codes and numbers
 here are the file's, and their dequantisation equals gguf's.
 
-The low-bit types people download are the same form, each in a format the kernels already hold
-(no kernel change), its codes widened where the file's are not ``scale * code + minimum``:
+The low-bit types people download are the same form. Unpacked (``group_codes``: torch's kernel,
+and a stack of parts of different types) each is held exactly in one of those formats, its codes
+widened where the file's are not ``scale * code + minimum``; packed from the file's bytes for
+nanoserve's kernels (``StackedBlocks.pack``), the table types keep the file's nibbles, each a
+4-bit code standing for its table's value (``w = scale * table[c]``, no minimum; the kernels look
+the nibble up in a register table before the int8 dot):
 
-| type | block | codes held | group | scale, minimum | bits a weight held (file) |
-| --- | --- | --- | --- | --- | --- |
-| Q2_K | 256, 84 | 2-bit q, held in 4 | 16 | d * sc, -dmin * m (fp16 times 4-bit integers) | 5.13 (2.63) |
-| Q3_K | 256, 110 | 3-bit q + 4 h, held in 4 | 16 | d * (sc - 32), -4 d * (sc - 32) | 4.56 (3.44) |
-| IQ4_NL | 32, 18 | 8-bit ``table[q] + 128`` | 32 | fp16 d, -128 d | 8.5 (4.5) |
-| IQ4_XS | 256, 136 | 8-bit ``table[q] + 128`` | 32 | d * (ls - 32), -128 d * (ls - 32) | 8.31 (4.25) |
-| MXFP4 | 32, 17 | 5-bit ``e2m1[q] + 16`` | 32 | 2^(e - 128), -16 * 2^(e - 128) | 5.5 (4.25) |
+| type | block | codes unpacked | codes packed | group | scale, minimum | bits a weight packed (file) |
+| --- | --- | --- | --- | --- | --- | --- |
+| Q2_K | 256, 84 | 2-bit q, held in 4 | the same | 16 | d * sc, -dmin * m (fp16 times 4-bit integers) | 5.13 (2.63) |
+| Q3_K | 256, 110 | 3-bit q + 4 h, held in 4 | the same | 16 | d * (sc - 32), -4 d * (sc - 32) | 4.56 (3.44) |
+| IQ4_NL | 32, 18 | 8-bit ``table[q] + 128`` | nibble q, IQ4 table | 32 | fp16 d | 4.5 (4.5) |
+| IQ4_XS | 256, 136 | 8-bit ``table[q] + 128`` | nibble q, IQ4 table | 32 | d * (ls - 32) | 4.31 (4.25) |
+| MXFP4 | 32, 17 | 5-bit ``e2m1[q] + 16`` | nibble q, E2M1 table | 32 | 2^(e - 128), the exponent byte e | 4.25 (4.25) |
 
-(bits held: the codes' storage, 4, 5 or 8 bits, plus the numbers: fp16 per group, or a
-K-quant's super-block records of an fp16 number and an int8 multiplier per group, 16 rows at a
-time; MXFP4's scales are fp32, 6 bits a weight, where an exponent lies outside fp16's 2^-24 ..
-2^15.) IQ4_NL's and IQ4_XS's codes index a 16-entry non-linear table (-127 .. 113) that is no
-affine function of the nibble, so the entry itself is held, as Q8_0's int8 code is: 8 bits for
-the file's 4. MXFP4's E2M1 nibbles index {0, 1, 2, 3, 4, 6, 8, 12} and their negatives (gguf's
-doubled values, the half in the E8M0 scale), 25 values: 5-bit codes. Exactness, as gguf computes
-in fp32: Q2_K's ``d * sc * q - dmin * m`` is one rounding in both; every other product is exact
-(IQ4_XS's scale has at most 16 significant bits, its code 8; Q3_K's 16 and 3; MXFP4's scale is a
-power of two), so scale * code and the minimum are exact and their sum is the exact weight.
-MXFP4 only: exponents above 251 (weights of 2^124 and more) overflow ``scale * code`` where gguf
-still has a finite weight; no real tensor is near them. The faster and smaller route for the
-table types is a native layout: the file's nibbles held as they are (4.5 bits a weight IQ4_NL,
-4.25 IQ4_XS and MXFP4) and looked up in a register table before the int8 dot (pshufb on x86,
-tbl on ARM), a kernel ABI change left for a follow-up; the widened codes cost 4 bits a weight
-(IQ4_*) and 1.25 (MXFP4) over the file, and decode reads that many more bytes. Q2_K and Q3_K
-would need 2- and 3-bit storage to reach their file's size.
+(bits packed: the codes' storage, 4 bits, plus the numbers: fp16 per group, MXFP4's exponent
+byte per group, or a K-quant's super-block records of an fp16 number and an int8 multiplier per
+group, 16 rows at a time.) IQ4_NL's and IQ4_XS's codes index a 16-entry non-linear table
+(-127 .. 113) that is no affine function of the nibble, so unpacked the entry itself is held, as
+Q8_0's int8 code is (8 bits); MXFP4's E2M1 nibbles index {0, 1, 2, 3, 4, 6, 8, 12} and their
+negatives (gguf's doubled values, the half in the scale 2^(e - 128)), 25 values: 5-bit codes
+unpacked. Exactness, as gguf computes in fp32: Q2_K's ``d * sc * q - dmin * m`` is one rounding
+in both; every other product is exact (IQ4_XS's scale has at most 16 significant bits, its value
+8; Q3_K's 16 and 3; MXFP4's scale is a power of two), so scale * code and the minimum are exact
+and their sum is the exact weight. MXFP4 only: exponents above 251 (weights of 2^124 and more)
+overflow ``scale * value`` where gguf still has a finite weight; no real tensor is near them. Q2_K
+and Q3_K would need 2- and 3-bit storage to reach their file's size.
 """
 
 from __future__ import annotations
@@ -195,7 +194,7 @@ def _low_k(blocks: np.ndarray, qtype: Q) -> tuple:
 LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # The low-bit types: a table's values (IQ4_NL, MXFP4 in blocks of 32; IQ4_XS in super-blocks) or
-# 2- and 3-bit K-quants, each held exactly in a wider format the kernels run.
+# 2- and 3-bit K-quants (held in the 4-bit format).
 TABLED = (Q.IQ4_NL, Q.MXFP4)
 LOW_K = (Q.Q2_K, Q.Q3_K, Q.IQ4_XS)
 LOW_BIT = TABLED + LOW_K
@@ -205,10 +204,10 @@ PACKED_TYPES = frozenset(LEGACY + K_QUANTS + LOW_BIT)
 CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6,
              Q.Q2_K: 2, Q.Q3_K: 3, Q.IQ4_NL: 8, Q.IQ4_XS: 8, Q.MXFP4: 5}
 GROUPS = {Q.Q6_K: 16, Q.Q2_K: 16, Q.Q3_K: 16}  # 32 otherwise
-# The low-bit types' bits a weight held by the kernels (codes and numbers) and in the file, by
-# name (the module docstring; MXFP4's with fp16 scales): the startup summary says them.
-WIDENED_BITS = {"Q2_K": (5.125, 2.625), "Q3_K": (4.5625, 3.4375), "IQ4_NL": (8.5, 4.5), "IQ4_XS": (8.3125, 4.25),
-                "MXFP4": (5.5, 4.25)}
+# The low-bit types' bits a weight held by nanoserve's kernels packed from the file's blocks
+# (codes and numbers) and in the file, by name (the module docstring): the startup summary says them.
+WIDENED_BITS = {"Q2_K": (5.125, 2.625), "Q3_K": (4.5625, 3.4375), "IQ4_NL": (4.5, 4.5), "IQ4_XS": (4.3125, 4.25),
+                "MXFP4": (4.25, 4.25)}
 _READERS = {**dict.fromkeys(LEGACY, _legacy), **dict.fromkeys(TABLED, _tabled), **dict.fromkeys(K_QUANTS, _k_quant),
             **dict.fromkeys(LOW_K, _low_k)}
 
@@ -229,9 +228,9 @@ def group_codes(data: np.ndarray, qtype: Q, rows: int, cols: int) -> GroupCodes:
                       min_factors=supers[1] if supers else None)
 
 
-# The zero point of each type that stores none of its minimums (``w = d * (c - zero point)``).
-ZERO_POINTS = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32, Q.Q3_K: 4, Q.IQ4_NL: 128, Q.IQ4_XS: 128,
-               Q.MXFP4: 16}
+# The zero point of each type that stores none of its minimums (``w = d * (c - zero point)``), as
+# packed from its blocks (the table types hold a code table instead: zero point 0).
+ZERO_POINTS = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32, Q.Q3_K: 4}
 
 
 @dataclass(frozen=True)
@@ -293,7 +292,8 @@ class StackedBlocks:
         return GroupCodes.cat([p.group_codes() for p in self.parts])
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(codes, scales, mins, zero point) as ``cpu_kernels.pack_groups`` lays them out, made
+        """(codes, scales, mins, zero point) as ``cpu_kernels.pack_groups`` lays them out (a
+        table type: its nibbles, and its code table as the mins, ``cpu_kernels.pack_gguf``), made
         by ``cpu_kernels.pack_gguf_parts`` in one pass over the parts into the stacked tensors
         (blocks of 16 rows are independent, so the parts' packings stack)."""
         first = self.parts[0]

@@ -2,9 +2,11 @@
 // (kernels/common.h): one pass over the blocks, no float or unpacked copy of the weight. The
 // codes, scales and minimums written are the file's own (the same as gguf_blocks.py reads them
 // and cpu_kernels.pack_groups packs them), so the product is exactly the one of the slow path.
-// The low-bit types are written in the wider formats gguf_blocks.py reads them into: IQ4_NL's and
-// IQ4_XS's table values + 128 as bytes, MXFP4's E2M1 values + 16 in 5 bits, Q2_K's and Q3_K's
-// codes in the 4-bit layout at group 16 (one pass still, and no more memory than that format).
+// The table types keep the file's nibbles as 4-bit codes with their table (IQ4_NL's and IQ4_XS's
+// non-linear values, MXFP4's doubled E2M1) in place of minimums, and their numbers as the file
+// has them (fp16 d, IQ4_XS's super-block d and 6-bit scales as records, MXFP4's exponent byte):
+// as many bits a weight as the file, give or take IQ4_XS's records (4.31 against 4.25). Q2_K's
+// and Q3_K's codes go in the 4-bit layout at group 16 (one pass still).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,10 +33,15 @@ struct BlockType {
   bool has_mins;           // minimums stored (else a zero point)
 };
 
-// IQ4_NL's (and IQ4_XS's) non-linear values of a nibble, and MXFP4's (E2M1, doubled), each held
-// as an unsigned code: the value plus the zero point (128, 16), as gguf_blocks.py reads them.
-constexpr int16_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-constexpr int16_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// IQ4_NL's (and IQ4_XS's) non-linear values of a nibble, and MXFP4's (E2M1, doubled: its
+// exponent byte's scale 2^(e - 128) holds the half), as gguf_blocks.py's: the code tables.
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The type's code table (nullptr: none).
+constexpr const int8_t* code_table(int64_t qtype) {
+  return qtype == IQ4_NL || qtype == IQ4_XS ? IQ4_VALUES : qtype == MXFP4 ? MXFP4_VALUES : nullptr;
+}
 
 // The block type's record ({} where qtype is none of the above).
 constexpr BlockType block_type_of(int64_t qtype) {
@@ -49,9 +56,9 @@ constexpr BlockType block_type_of(int64_t qtype) {
     case Q6_K: return {256, 210, 6, 16, false};
     case Q2_K: return {256, 84, 4, 16, true};     // 2-bit codes held in 4
     case Q3_K: return {256, 110, 4, 16, false};   // 3-bit codes held in 4, zero point 4
-    case IQ4_NL: return {32, 18, 8, 32, false};   // table value + 128
-    case IQ4_XS: return {256, 136, 8, 32, false};
-    case MXFP4: return {32, 17, 5, 32, false};    // table value + 16
+    case IQ4_NL: return {32, 18, 4, 32, false};   // nibbles, through the IQ4 table
+    case IQ4_XS: return {256, 136, 4, 32, false};
+    case MXFP4: return {32, 17, 4, 32, false};    // nibbles, through the E2M1 table
   }
   return {0, 0, 0, 0, false};
 }
@@ -81,7 +88,8 @@ inline uint8_t k_scale(const uint8_t* s, int g, bool mins) {
   return low | ((s[g - 4 + lo] >> 6) << 4);
 }
 
-// The 32 codes of group g (32 weights along K) of one row whose blocks start at `row`.
+// The 32 codes of group g (32 weights along K) of one row whose blocks start at `row` (a table
+// type's: the file's nibbles).
 void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
   if (!is_k_quant(qtype)) {
     const BlockType t = block_type(qtype);
@@ -90,11 +98,9 @@ void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
       for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + i]) + 128);
       return;
     }
-    if (qtype == IQ4_NL || qtype == MXFP4) {  // Q4_0's nibbles, through the table
+    if (qtype == IQ4_NL || qtype == MXFP4) {  // Q4_0's nibbles
       const uint8_t* qs = b + (qtype == MXFP4 ? 1 : 2);
-      const int16_t* values = qtype == MXFP4 ? MXFP4_VALUES : IQ4_VALUES;
-      const int16_t zero = qtype == MXFP4 ? 16 : 128;
-      for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(values[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4] + zero);
+      for (int i = 0; i < 32; ++i) out[i] = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
       return;
     }
     const bool five = qtype == Q5_0 || qtype == Q5_1, mins = qtype == Q4_1 || qtype == Q5_1;
@@ -129,9 +135,9 @@ void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
     }
     return;
   }
-  if (qtype == IQ4_XS) {  // group gg's 16 bytes of nibbles, Q4_0's order, through the table
+  if (qtype == IQ4_XS) {  // group gg's 16 bytes of nibbles, Q4_0's order
     const uint8_t* qs = row + s * 136 + 8 + 16 * gg;
-    for (int i = 0; i < 32; ++i) out[i] = static_cast<uint8_t>(IQ4_VALUES[i < 16 ? qs[i] & 15 : qs[i - 16] >> 4] + 128);
+    for (int i = 0; i < 32; ++i) out[i] = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
     return;
   }
   const bool five = qtype == Q5_K;
@@ -143,42 +149,12 @@ void group_codes(int64_t qtype, const uint8_t* row, int64_t g, uint8_t* out) {
   }
 }
 
-// One group of 16 rows x 32 codes c[r][i] into the kernels' code layout at `dst` (common.h).
-void store_codes(const uint8_t (*c)[32], int bits, uint8_t* dst) {
-  if (bits == 8) {
-    for (int j = 0; j < 8; ++j)
-      for (int r = 0; r < 16; ++r)
-        for (int i = 0; i < 4; ++i) dst[(j * 16 + r) * 4 + i] = c[r][4 * j + i];
-    return;
-  }
-  for (int j = 0; j < 4; ++j)
-    for (int r = 0; r < 16; ++r)
-      for (int i = 0; i < 4; ++i)
-        dst[(j * 16 + r) * 4 + i] = (c[r][8 * j + i] & 15) | ((c[r][8 * j + 4 + i] & 15) << 4);
-  // Byte 16 j + 8 half + p of a bit plane holds that bit of rows 2p (low 4 bits) and 2p + 1 (high 4)
-  // at k = 8 j + 4 half + 0..3.
-  for (int bit = 4; bit < bits; ++bit) {
-    uint8_t* plane = dst + 256 + 64 * (bit - 4);
-    for (int j = 0; j < 4; ++j)
-      for (int half = 0; half < 2; ++half)
-        for (int p = 0; p < 8; ++p) {
-          const uint8_t *even = c[2 * p] + 8 * j + 4 * half, *odd = c[2 * p + 1] + 8 * j + 4 * half;
-          uint8_t byte = 0;
-          for (int i = 0; i < 4; ++i) byte |= (((even[i] >> bit) & 1) << i) | (((odd[i] >> bit) & 1) << (4 + i));
-          plane[16 * j + 8 * half + p] = byte;
-        }
-  }
-}
-
-// The vectorised path of the types without a table: group_codes and store_codes per type and
-// storage width, as loops of a fixed count over bytes with shifts uniform across them (which the
-// compiler turns into vector code at the baseline instruction set: no target flags, so the
-// library runs on any CPU of its architecture) and 64-bit words of 8 codes. Equal to the scalar
-// ones above byte for byte (tests/test_gguf_pack.py).
+// The vectorised path: group_codes per type (decode_group) and the kernels' code layout per
+// storage width (store_codes_words), as loops of a fixed count over bytes with shifts uniform
+// across them (which the compiler turns into vector code at the baseline instruction set: no
+// target flags, so the library runs on any CPU of its architecture) and 64-bit words of 8 codes.
+// The decoders equal group_codes byte for byte, and the layout pack_groups' (tests/test_gguf_pack.py).
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the 8-code words are little-endian");
-
-// True for the block types decoded by decode_group (the table types keep group_codes).
-constexpr bool vectorised(int64_t qtype) { return qtype != IQ4_NL && qtype != IQ4_XS && qtype != MXFP4; }
 
 // The 8 bits of a byte, bit i as byte i of the word (0 or 1).
 inline uint64_t spread_bits(uint8_t bits) {
@@ -186,12 +162,17 @@ inline uint64_t spread_bits(uint8_t bits) {
   return ((x + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;           // nonzero -> 1
 }
 
-// group_codes of a type decode_group holds (vectorised(QT)).
+// group_codes of one type.
 template <int64_t QT>
 inline void decode_group(const uint8_t* __restrict row, int64_t g, uint8_t* __restrict out) {
-  static_assert(vectorised(QT), "the table types decode through group_codes");
   constexpr BlockType t = block_type_of(QT);
-  if constexpr (QT == Q8_0) {
+  if constexpr (QT == IQ4_NL || QT == MXFP4 || QT == IQ4_XS) {  // Q4_0's nibbles
+    const uint8_t* qs = QT == IQ4_XS ? row + (g / 8) * t.bytes + 8 + 16 * (g % 8) : row + g * t.bytes + (QT == MXFP4 ? 1 : 2);
+    for (int i = 0; i < 16; ++i) {
+      out[i] = qs[i] & 15;
+      out[16 + i] = qs[i] >> 4;
+    }
+  } else if constexpr (QT == Q8_0) {
     const uint8_t* qs = row + g * t.bytes + 2;
     for (int i = 0; i < 32; ++i) out[i] = qs[i] ^ 0x80;  // int8 c -> c + 128
   } else if constexpr (t.weights == 32) {  // Q4_0, Q4_1, Q5_0, Q5_1
@@ -239,7 +220,8 @@ inline void decode_group(const uint8_t* __restrict row, int64_t g, uint8_t* __re
 // The 4 codes of bytes 0..3 of `word`'s low 32 bits (bit `bit` of each) as a nibble, byte i at bit i.
 inline uint32_t bit_nibble(uint32_t word, int bit) { return (((word >> bit) & 0x01010101u) * 0x01020408u) >> 24; }
 
-// store_codes at storage width BITS.
+// One group of 16 rows x 32 codes c[r][i] into the kernels' code layout at `dst` (common.h),
+// at storage width BITS.
 template <int BITS>
 inline void store_codes_words(const uint8_t (*c)[32], uint8_t* __restrict dst) {
   if constexpr (BITS == 8) {
@@ -267,15 +249,6 @@ inline void store_codes_words(const uint8_t (*c)[32], uint8_t* __restrict dst) {
   }
 }
 
-// MXFP4's scale 2^(e - 128) (gguf's e8m0_to_fp32_half: E8M0's 2^(e - 127) times the half its
-// doubled values leave out) as fp32 bits; fp16 holds it for e in 104..143, as these fp16 bits.
-uint32_t e8m0_half_fp32(uint8_t e) { return e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23; }
-bool e8m0_half_in_fp16(uint8_t e) { return e >= 104 && e <= 143; }
-uint16_t e8m0_half_fp16(uint8_t e) {
-  const int p = e - 128;
-  return static_cast<uint16_t>(p >= -14 ? (p + 15) << 10 : 1 << (p + 24));  // normal, else subnormal
-}
-
 // Q3_K's 6-bit scale of group h (0..15) from its 12 bytes, minus 32: the low nibble of byte h
 // (h < 8) or the high one of byte h - 8, and 2 bits of byte 8 + h % 4 at 2 (h / 4).
 int8_t q3_k_scale(const uint8_t* s, int h) {
@@ -291,32 +264,21 @@ int8_t iq4_xs_scale(const uint8_t* blk, int h) {
 }
 
 // Output rows [16 b, 16 b + 16) of the weight, read from `rows`: their codes, and their numbers
-// as fp16 (MXFP4: fp16 or, with fp32, fp32) bits per scale group (blocks of 32) or as
-// super-block records (the rest).
+// as fp16 bits per scale group (blocks of 32; MXFP4: its exponent bytes) or as super-block
+// records (the rest).
 template <int64_t QT>
-void pack_block(const uint8_t* const* rows, int64_t k, int64_t b, bool fp32, uint8_t* codes, uint8_t* scales,
-                uint8_t* mins) {
+void pack_block(const uint8_t* const* rows, int64_t k, int64_t b, uint8_t* codes, uint8_t* scales, uint8_t* mins) {
   constexpr int64_t qtype = QT;
   constexpr BlockType t = block_type_of(QT);
   const int64_t groups = k / 32, group_bytes = 64 * t.bits;  // code bytes of 16 rows x 32 weights
   alignas(64) uint8_t c[16][32];
   for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (vectorised(QT)) {
-      for (int r = 0; r < 16; ++r) decode_group<QT>(rows[r], g, c[r]);
-      store_codes_words<t.bits>(c, codes + (b * groups + g) * group_bytes);
-    } else {
-      for (int r = 0; r < 16; ++r) group_codes(qtype, rows[r], g, c[r]);
-      store_codes(c, t.bits, codes + (b * groups + g) * group_bytes);
-    }
+    for (int r = 0; r < 16; ++r) decode_group<QT>(rows[r], g, c[r]);
+    store_codes_words<t.bits>(c, codes + (b * groups + g) * group_bytes);
   }
-  if (qtype == MXFP4) {  // [n / 16, groups, 16] fp16 or fp32 bits of 2^(e - 128)
+  if (qtype == MXFP4) {  // [n / 16, groups, 16] exponent bytes e: d = 2^(e - 128)
     for (int64_t g = 0; g < groups; ++g)
-      for (int r = 0; r < 16; ++r) {
-        const uint8_t e = rows[r][g * t.bytes];
-        const int64_t at = (b * groups + g) * 16 + r;
-        if (fp32) reinterpret_cast<uint32_t*>(scales)[at] = e8m0_half_fp32(e);
-        else reinterpret_cast<uint16_t*>(scales)[at] = e8m0_half_fp16(e);
-      }
+      for (int r = 0; r < 16; ++r) scales[(b * groups + g) * 16 + r] = rows[r][g * t.bytes];
     return;
   }
   if (!is_k_quant(qtype)) {  // [n / 16, groups, 16] fp16 bits
@@ -370,7 +332,7 @@ void pack_block(const uint8_t* const* rows, int64_t k, int64_t b, bool fp32, uin
 #define NANOSERVE_GGUF_TYPES(X) \
   X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ4_NL) X(IQ4_XS) X(MXFP4)
 
-using PackBlock = void (*)(const uint8_t* const*, int64_t, int64_t, bool, uint8_t*, uint8_t*, uint8_t*);
+using PackBlock = void (*)(const uint8_t* const*, int64_t, int64_t, uint8_t*, uint8_t*, uint8_t*);
 
 PackBlock pack_block_of(int64_t qtype) {
   switch (qtype) {
@@ -384,8 +346,10 @@ PackBlock pack_block_of(int64_t qtype) {
 // parts: uint8 [rows_i, row_bytes] each, block tensors of one type and width k as the file holds
 // them, stacked along their rows in the output; row_orders (int64 [rows_i] or empty, one per
 // part): the part's row of each of its output rows. -> (codes, scales, mins) of the stacked
-// weight as cpu_kernels.pack_groups lays them out; mins is empty for a format with a zero point.
-// Written in place, once: no part is packed apart and copied.
+// weight as cpu_kernels.pack_groups lays them out; mins is empty for a format with a zero point,
+// and a table type's code table (int8 [16]; its scales: fp16 d, IQ4_XS's records, MXFP4's
+// exponent bytes uint8 [n / 16, k / 32, 16]). Written in place, once: no part is packed apart and
+// copied.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(at::TensorList parts, int64_t qtype, at::IntArrayRef rows,
                                                          int64_t k, at::TensorList row_orders) {
   const BlockType t = block_type(qtype);
@@ -421,16 +385,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(at::TensorList parts, i
     scales = at::empty({n / 16, k / 256, record}, bytes);
     mins = t.has_mins ? at::empty({n / 16, k / 256, record}, bytes) : at::empty({n / 16, k / 256, 0}, bytes);
   }
-  // MXFP4's scales are fp16 where fp16 holds every one of them (as cpu_kernels.pack_groups
-  // decides), else fp32: a first pass over the exponent bytes (one in 17).
-  bool fp32 = false;
-  if (qtype == MXFP4) {
-    for (size_t p = 0; p < parts.size(); ++p)
-      for (int64_t i = 0; i < rows[p] * k / 32 && !fp32; ++i) fp32 = !e8m0_half_in_fp16(src[p][i * 17]);
-  }
   if (!is_k_quant(qtype)) {
-    scales = at::empty({n / 16, k / 32, 16}, bytes.dtype(fp32 ? at::kInt : at::kShort));
+    scales = at::empty({n / 16, k / 32, 16}, bytes.dtype(qtype == MXFP4 ? at::kByte : at::kShort));
     mins = at::empty({n / 16, t.has_mins ? k / 32 : 0, 16}, bytes.dtype(at::kShort));
+  }
+  if (const int8_t* table = code_table(qtype)) {
+    mins = at::empty({16}, bytes.dtype(at::kChar));
+    memcpy(mins.data_ptr<int8_t>(), table, 16);
   }
   auto* c = codes.data_ptr<uint8_t>();
   auto* d = static_cast<uint8_t*>(scales.data_ptr());
@@ -446,27 +407,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_gguf(at::TensorList parts, i
         const int64_t row = 16 * local + r;
         block_rows[r] = src[p] + (order[p] ? order[p][row] : row) * row_bytes;
       }
-      pack(block_rows, k, b, fp32, c, d, m);
+      pack(block_rows, k, b, c, d, m);
     }
   });
   return {codes, scales, mins};
 }
 
-// The codes [n, k] of a block tensor's rows, one byte each, as pack_gguf reads them: through the
-// vectorised decoders, or (scalar) through group_codes. Tests pin the one to the other.
+// The codes [n, k] of a block tensor's rows, one byte each, as pack_gguf reads them (a table
+// type's: its nibbles): through the vectorised decoders, or (scalar) through group_codes. Tests
+// pin the one to the other.
 template <int64_t QT>
 void decode_rows(const uint8_t* src, int64_t n, int64_t k, bool scalar, uint8_t* out) {
   const int64_t row_bytes = k / block_type_of(QT).weights * block_type_of(QT).bytes;
   for (int64_t r = 0; r < n; ++r)
     for (int64_t g = 0; g < k / 32; ++g) {
       uint8_t* dst = out + r * k + 32 * g;
-      if constexpr (vectorised(QT)) {
-        if (!scalar) {
-          decode_group<QT>(src + r * row_bytes, g, dst);
-          continue;
-        }
-      }
-      group_codes(QT, src + r * row_bytes, g, dst);
+      if (scalar) group_codes(QT, src + r * row_bytes, g, dst);
+      else decode_group<QT>(src + r * row_bytes, g, dst);
     }
 }
 

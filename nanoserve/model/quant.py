@@ -164,8 +164,10 @@ class GroupLinear(_PackedLinear):
 
     def held_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales and minimums our kernels read, fp32 [N, K / group] each (a symmetric
-        format's minimums from its zero point)."""
+        format's minimums from its zero point; a code table's format has none: zeros)."""
         scales = cpu_kernels.per_group(self.scales)
+        if cpu_kernels.is_code_table(self.mins):
+            return scales, torch.zeros_like(scales)
         return scales, -self.zero_point * scales if self.zero_point else cpu_kernels.per_group(self.mins)
 
 

@@ -389,8 +389,10 @@ def _pack_expert_blocks(per_expert: list[tuple[BlockTensor, ...]],
         return None
     codes, scales, mins, zero_point = StackedBlocks(parts).pack()
     experts = len(per_expert)
-    return (codes.view(experts, -1), *(t.view(experts, t.shape[0] // experts, *t.shape[1:]) for t in (scales, mins)),
-            zero_point)
+    per_expert_view = lambda t: t.view(experts, t.shape[0] // experts, *t.shape[1:])  # noqa: E731
+    # a table type's mins are its code table, one for every expert
+    mins = mins.expand(experts, -1).contiguous() if cpu_kernels.is_code_table(mins) else per_expert_view(mins)
+    return codes.view(experts, -1), per_expert_view(scales), mins, zero_point
 
 
 def _int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: WeightPlan) -> Int8Linear:
