@@ -7,7 +7,9 @@ for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + min
 c stored in 4 bits (two a byte), 5 or 6 (a nibble and bit planes) or 8 (a byte each),
 scale groups of g = 32 or 16 weights along K,
 scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
-tensors' sizes and dtypes (``pack_groups``). Each activation is written per group of 32 as two
+tensors' sizes and dtypes (``pack_groups``). A GGUF's table types (``pack_gguf``) pass 16 int8
+values in the mins' place, ``w = scale * table[c]`` for 4-bit codes c, and MXFP4's scales as
+exponent bytes (uint8, 2^(e - 128)). Each activation is written per group of 32 as two
 int8 codes and multiplied with the weight codes in integers; each block of 16 outputs is read
 from memory once for all rows.
 ``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0)`` is

@@ -6,8 +6,9 @@ Every GGUF block type that runs packed is this form without rounding anything (`
 Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q5_0, Q5_1, Q8_0 (``d * c`` as ``d * (c + 128) - 128 d``),
 and the K-quants, whose super-block scales give each group of 32 (Q4_K, Q5_K) or 16 (Q6_K, Q3_K,
 Q2_K) an exact fp32 scale and minimum (``SuperScales``). Q2_K's and Q3_K's codes have 2 and 3
-bits (held in 4); IQ4_NL's, IQ4_XS's and MXFP4's table values are held as codes, the value plus a
-zero point (8 and 5 bits). ``as_torch_int4`` writes a group-32 weight in
+bits (held in 4); IQ4_NL's, IQ4_XS's and MXFP4's table values are held here as codes, the value
+plus a zero point (8 and 5 bits; packed from the file's blocks they keep the file's nibbles and
+their code table instead, ``gguf_blocks``). ``as_torch_int4`` writes a group-32 weight in
 torch's int4 kernel's layout (see ``quant``).
 """
 

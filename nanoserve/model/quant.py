@@ -5,15 +5,15 @@ weights along K, unsigned codes of 4, 5, 6 or 8 bits. Every GGUF block type that
 that form without rounding anything (``gguf_blocks``): Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``,
 Q5_0, Q5_1, Q8_0 (``d * c`` as ``d * (c + 128) - 128 d``), and the K-quants, whose super-block
 scales give each group of 32 (Q4_K, Q5_K) or 16 (Q6_K) an exact fp32 scale and minimum. The
-low-bit types are held in a wider one of these formats, exactly, with no kernel of their own:
-IQ4_NL and IQ4_XS as 8-bit codes ``table[q] + 128`` with zero point 128 (as Q8_0; IQ4_XS's scales
-super-block records), MXFP4 as 5-bit codes ``e2m1[q] + 16`` with zero point 16 and its 2^(e - 128)
-scale (fp16 where fp16 holds every one, else fp32), Q3_K as 4-bit codes ``q + 4 h`` at group 16
-with zero point 4, Q2_K as 4-bit codes at group 16 with its scales and minimums as records. The
-memory cost: 8.5, 8.31, 5.5, 4.56 and 5.13 bits a weight held against the file's 4.5, 4.25, 4.25,
-3.44 and 2.63 (``gguf_blocks``' docstring, which also names the follow-up: a table lookup before
-the int8 dot, to hold the IQ4 and MXFP4 nibbles as the file does). A float weight is rounded
-here to int4 groups (``quantize_int4``) or, for an LM head, int8 groups.
+table types packed from their blocks keep the file's nibbles as 4-bit codes with a code table
+(``w = scale * table[c]``, the table held in the mins' place: ``cpu_kernels.is_code_table``):
+IQ4_NL with fp16 d, IQ4_XS with its super-block records, MXFP4 with its exponent bytes (2^(e -
+128)), 4.5, 4.31 and 4.25 bits a weight against the file's 4.5, 4.25 and 4.25; unpacked
+(``GroupCodes``, torch's kernel) they are widened codes ``table[q] + 128`` and ``e2m1[q] + 16``.
+Q3_K is held as 4-bit codes ``q + 4 h`` at group 16 with zero point 4, Q2_K as 4-bit codes at
+group 16 with its scales and minimums as records (4.56 and 5.13 bits against the file's 3.44 and
+2.63; ``gguf_blocks``' docstring). A float weight is rounded here to int4 groups
+(``quantize_int4``) or, for an LM head, int8 groups.
 
 nanoserve's kernels (``cpu_kernels``) run every such format where a tier of them runs on the host:
 4-bit codes two a byte, 5- and 6-bit codes as a nibble and bit planes, 8-bit codes a byte each;
