@@ -223,3 +223,38 @@ def test_compiled_decode_of_packed_experts_never_recompiles_as_routing_changes(t
     stats = engine.stats()
     assert stats.recompiles_after_warmup == 0 and stats.eager_steps == 0
     assert len(set(routings)) > 24  # two layers a step, the routing new in most of them
+
+
+@pytest.mark.skipif(not TIERS, reason="nanoserve's CPU ops did not build on this host")
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS], ids=lambda q: q.name)
+def test_table_type_experts_pack_in_the_files_bytes_and_run_as_their_dequantisation(qtype):
+    """A table type's experts packed as the loader packs an expert GGUF's (every expert's gate
+    and up in one pass): the file's nibbles and numbers, so the held bytes are the file's (IQ4_XS's
+    records 1/68 more) plus one 16-byte table an expert, and the grouped products equal the
+    dequantised experts' within the int8 activations' tolerance."""
+    from gguf.quants import dequantize
+
+    from nanoserve.model.weight_plan import _pack_expert_blocks
+
+    n, k = 64, 256
+    rng = np.random.default_rng(int(qtype))
+    parts = [tuple(BlockTensor(qtype, random_blocks(qtype, n, k, rng), n, k) for _ in range(2)) for _ in range(EXPERTS)]
+    codes, scales, mins, zero = _pack_expert_blocks(parts)
+    file_bytes = sum(p.data.nbytes for expert in parts for p in expert)
+    assert cpu_kernels.is_code_table(mins) and mins.shape == (EXPERTS, 16) and zero == 0
+    held = sum(t.numel() * t.element_size() for t in (codes, scales))
+    assert file_bytes <= held <= file_bytes * 1.015
+    files = [torch.from_numpy(np.concatenate([dequantize(p.data, qtype) for p in expert]).reshape(2 * n, k))
+             for expert in parts]  # gguf's dequantisation of each expert's gate and up
+    x, ids = torch.randn(3, k, generator=torch.Generator().manual_seed(0)), torch.tensor([[0, 5], [2, 2], [4, 1]])
+    for tier in TIERS:
+        handle = cpu_kernels.handle(tier)
+        got = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, handle)
+        for r in range(ids.shape[0]):
+            for s in range(ids.shape[1]):
+                e = int(ids[r, s])
+                dense = torch.ops.nanoserve.dequantize(codes[e], scales[e], mins[e], zero, 2 * n, k, torch.float32,
+                                                       handle)
+                assert torch.equal(dense, files[e])
+                want = dense @ x[r]
+                assert (got[r, s] - want).abs().max() <= 1e-4 * want.abs().max(), (tier, r, s)
