@@ -4,7 +4,7 @@ Qwen2-MoE and Qwen3-MoE: ``experts``) in plain torch, written once for prefill a
 Tokens are flat: a step is `N` tokens from any number of sequences, each with its own
 position. The network owns no cache: attention is a callable handed to `forward`, called per
 layer with rotary already applied, so the same weights serve the dense oracle below (its
-attention: nanoserve.model.reference_attention) and the paged backends. A sliding-window layer
+attention: ``reference_attention``) and the paged backends. A sliding-window layer
 passes its window as the keyword ``window`` (the number of positions it attends back over, its
 own included); other layers call without it.
 """
