@@ -7,8 +7,9 @@ import torch
 from arch_models import save_bpe_tokenizer
 
 from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.llama import DenseCausalAttention, dense_forward, unfuse_hf_weights
+from nanoserve.model.llama import dense_forward, unfuse_hf_weights
 from nanoserve.model.loader import build_model, load_model
+from nanoserve.model.reference_attention import DenseCausalAttention
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,8 +2,9 @@
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.llama import DenseCausalAttention, LlamaModel, dense_forward
+from nanoserve.model.llama import LlamaModel, dense_forward
 from nanoserve.model.loader import DEFAULT_MODEL, build_model, load_config, load_model, resolve_model_path
+from nanoserve.model.reference_attention import DenseCausalAttention
 from nanoserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [

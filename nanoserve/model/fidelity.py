@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from nanoserve.model.llama import attend_with_sinks, dense_forward
+from nanoserve.model.llama import dense_forward
+from nanoserve.model.reference_attention import ChunkedCausalAttention
 
 
 @dataclass(frozen=True)
@@ -33,34 +33,6 @@ class FidelityMetrics:
         return self.test_perplexity / self.ref_perplexity
 
 
-class _ChunkAttention:
-    """Causal attention over everything read so far, fed one chunk of the sequence at a time
-    (a prefill of ``chunk_rows`` tokens, so the layers see the row count a decode step would)."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.keys[layer].append(k)
-        self.values[layer].append(v)
-        keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])
-        rows, past = q.shape[0], keys.shape[0] - q.shape[0]
-        mask = torch.ones(rows, keys.shape[0], dtype=torch.bool, device=q.device).tril(past)
-        if window is not None:  # a sliding layer: its last ``window`` positions only
-            mask &= ~torch.ones_like(mask).tril(past - window)
-        if sinks is not None:
-            group = q.shape[1] // k.shape[1]
-            out = attend_with_sinks(q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, dim=0),
-                                    values.transpose(0, 1).repeat_interleave(group, dim=0), mask,
-                                    sinks.view(-1, 1, 1))
-            return out.transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
-
-
 @torch.inference_mode()
 def teacher_forced_logits(model, token_ids: list[int] | torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
     """fp32 logits [T, vocab] of ``model`` at every position of ``token_ids`` (position t
@@ -69,7 +41,7 @@ def teacher_forced_logits(model, token_ids: list[int] | torch.Tensor, chunk_rows
     ids = torch.as_tensor(token_ids, dtype=torch.long)
     if chunk_rows is None:
         return dense_forward(model, ids[None])[0].float()
-    attention, out = _ChunkAttention(model.config.num_layers), []
+    attention, out = ChunkedCausalAttention(model.config.num_layers), []
     for start in range(0, ids.numel(), chunk_rows):
         chunk = ids[start:start + chunk_rows]
         positions = torch.arange(start, start + chunk.numel())

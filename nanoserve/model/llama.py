@@ -3,9 +3,10 @@ Qwen2-MoE and Qwen3-MoE: ``experts``) in plain torch, written once for prefill a
 
 Tokens are flat: a step is `N` tokens from any number of sequences, each with its own
 position. The network owns no cache: attention is a callable handed to `forward`, called per
-layer with rotary already applied, so the same weights serve the dense oracle below and the
-paged backends. A sliding-window layer passes its window as the keyword ``window`` (the number
-of positions it attends back over, its own included); other layers call without it.
+layer with rotary already applied, so the same weights serve the dense oracle below (its
+attention: ``reference_attention``) and the paged backends. A sliding-window layer
+passes its window as the keyword ``window`` (the number of positions it attends back over, its
+own included); other layers call without it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from nanoserve.model.architectures import architecture
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.experts import ACTIVATIONS, ExpertMLP
+from nanoserve.model.reference_attention import DenseCausalAttention
 
 
 class Attention(Protocol):
@@ -34,22 +36,6 @@ class Attention(Protocol):
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      sinks: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """softmax([q k^T * scale + mask, sink]) v without the sink's column: attention whose
-    softmax has one more logit per query row, the head's sink (gpt-oss's reference arithmetic,
-    in fp32). q [..., Q, D]; k, v [..., S, D] with the same leading dimensions as q (heads
-    already matched to q's); mask: bool (True: visible) or additive, broadcastable to the
-    scores [..., Q, S], or None (all visible); sinks broadcastable to [..., Q, 1]."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    sink = sinks.float().expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
 
 
 # (cos, sin) for one step's tokens, each [N, 1, head_dim].
@@ -393,54 +379,6 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
     if offset:
         out.update({name: t + offset for name, t in out.items() if name.endswith("norm.weight")})
     return out
-
-
-class DenseCausalAttention:
-    """No-cache causal attention over a [batch, seq_len] rectangle of flat tokens.
-
-    `attention_mask` [B, T] (1 = real token, 0 = left padding) hides padded keys. A padded query
-    still sees itself so its row stays finite (its output is garbage and must be ignored). A
-    sliding-window layer's call sees only its window's keys.
-    """
-
-    def __init__(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None = None) -> None:
-        self.batch, self.seq_len = batch, seq_len
-        self.attention_mask = attention_mask
-        self.masks: dict[int | None, torch.Tensor | None] = {}  # by window, shared by the layers
-
-    def _mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
-        if window not in self.masks:
-            self.masks[window] = self._build_mask(self.attention_mask, self.seq_len, window, device)
-        return self.masks[window]
-
-    @staticmethod
-    def _build_mask(attention_mask: torch.Tensor | None, seq_len: int, window: int | None,
-                    device: torch.device) -> torch.Tensor | None:
-        if attention_mask is None and window is None:
-            return None  # plain causal: SDPA's is_causal
-        rows = torch.arange(seq_len, device=device)
-        back = rows.view(-1, 1) - rows.view(1, -1)  # query position minus key position
-        visible = (back >= 0) if window is None else (back >= 0) & (back < window)
-        if attention_mask is None:
-            return visible[None, None]
-        mask = visible[None] & attention_mask.bool()[:, None, :]
-        mask |= torch.eye(seq_len, dtype=torch.bool, device=device)[None]
-        return mask[:, None]  # [B, 1, T, T], broadcast over heads
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        b, t = self.batch, self.seq_len
-        mask = self._mask(window, q.device)
-        q, k, v = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
-        if sinks is not None:
-            if mask is None:
-                mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out = attend_with_sinks(q, k, v, mask, sinks.view(-1, 1, 1))
-            return out.transpose(1, 2).reshape(b * t, out.shape[1], out.shape[3])
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * t, out.shape[1], out.shape[3])
 
 
 def dense_positions(batch: int, seq_len: int, attention_mask: torch.Tensor | None,

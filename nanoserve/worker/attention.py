@@ -18,8 +18,9 @@ A sliding-window layer (``window``) reads the same row of slots, restricted to i
 
 A layer with attention sinks (gpt-oss: ``sinks`` [H], one logit per query head) has one more
 logit in each softmax's denominator that takes probability mass and contributes no value.
-SDPA has no such input: those layers run ``llama.attend_with_sinks`` (the same gathers and
-masks, the softmax in fp32 with the sink's column); the kernel tiers take the sinks themselves.
+SDPA has no such input: those layers run ``reference_attention.attend_with_sinks`` (the same
+gathers and masks, the softmax in fp32 with the sink's column); the kernel tiers take the sinks
+themselves.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model import cpu_kernels
-from nanoserve.model.llama import attend_with_sinks
+from nanoserve.model.reference_attention import attend_with_sinks
 
 if TYPE_CHECKING:
     from nanoserve.worker.kv_cache import KVCache
