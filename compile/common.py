@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.model.loader import DEFAULT_MODEL
+from nanoserve.model.formats.loader import DEFAULT_MODEL
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"  # the committed reference figures, rewritten only on purpose (--out compile/results)
@@ -139,7 +139,7 @@ def _sync(device: torch.device) -> None:
 def host_description() -> dict:
     """What a recorded figure ran on: the CPU's model name, nanoserve's kernel tier and the
     compute dtype that tier uses (the kernels detect features through cpuid, not this name)."""
-    from nanoserve.model import cpu_kernels
+    from nanoserve.model.quant import cpu_kernels
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -207,7 +207,7 @@ def write_results(rows: Sequence[dict], out: Path, stem: str,
 
 def add_tier_options(parser: argparse.ArgumentParser) -> None:
     """--threads and --tier, for suites that time the kernels themselves."""
-    from nanoserve.model import cpu_kernels
+    from nanoserve.model.quant import cpu_kernels
 
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--tier", default="auto", choices=[c for c in cpu_kernels.CHOICES if c != "torch"])
@@ -215,7 +215,7 @@ def add_tier_options(parser: argparse.ArgumentParser) -> None:
 
 def apply_tier_options(args: argparse.Namespace) -> str:
     """Sets torch's threads where asked; the kernel tier the run uses."""
-    from nanoserve.model import cpu_kernels
+    from nanoserve.model.quant import cpu_kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -54,9 +54,9 @@ COLUMNS = ["arm", "rows", "width", "step_ms", "tokens_per_s", "vs_eager", "floor
 
 def load(model: str, dtype: torch.dtype, device: str):
     if model == "random":  # the default model's exact shape, random weights (speed only)
-        from nanoserve.model.synthetic import random_model, smollm2_135m_config
+        from nanoserve.model.network.synthetic import random_model, smollm2_135m_config
         return random_model(smollm2_135m_config(), seed=0, dtype=dtype, device=device)
-    from nanoserve.model.loader import load_model
+    from nanoserve.model.formats.loader import load_model
     return load_model(model, dtype=dtype, device=device)[0]
 
 

@@ -31,10 +31,10 @@ from compile.common import (
     write_results,
 )
 from compile.model_files import random_blocks
-from nanoserve.model import cpu_kernels
-from nanoserve.model.experts import PackedStep, _packed_step, _per_expert_step
-from nanoserve.model.gguf_blocks import BlockTensor, StackedBlocks
-from nanoserve.model.quant import DEQUANT_FROM_ROWS
+from nanoserve.model.network.experts import PackedStep, _packed_step, _per_expert_step
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.gguf_blocks import BlockTensor, StackedBlocks
+from nanoserve.model.quant.linear import DEQUANT_FROM_ROWS
 
 HIDDEN, EXPERTS, WIDTH, TOP_K = 2048, 128, 768, 8  # Qwen3-30B-A3B's expert layers
 COLUMNS = ["tier", "dtype", "rows", "threads", "per_expert_ms", "grouped_ms", "speedup"]

@@ -2,7 +2,7 @@
 on the same token ids (`python compilebench.py fidelity`).
 
 Teacher-forced over a fixed English text (compile/texts/fidelity.txt; the forward and the
-metrics are nanoserve.model.fidelity): every position's logits of the format against those of
+metrics are nanoserve.model.network.fidelity): every position's logits of the format against those of
 the fp32 dequantisation of the same file, as top-1 agreement, mean and p99 KL divergence per
 token, and the perplexity ratio. With llama-cpp-python installed, llama.cpp's own logits for
 every position of the same ids (the GGUF as the file stores it) get the same metrics, and each
@@ -38,8 +38,8 @@ from compile.common import (
     write_results,
 )
 from nanoserve.engine import build_engine
-from nanoserve.model.fidelity import fidelity_metrics, teacher_forced_logits
-from nanoserve.model.loader import DEFAULT_MODEL, resolve_model_path
+from nanoserve.model.formats.loader import DEFAULT_MODEL, resolve_model_path
+from nanoserve.model.network.fidelity import fidelity_metrics, teacher_forced_logits
 
 FORMATS = ("bf16", "int8", "int4", "auto")
 COLUMNS = ["system", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", "at_least_llama", "seconds"]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compile.common import median_seconds
-from nanoserve.model.experts import ExpertMLP
+from nanoserve.model.network.experts import ExpertMLP
 
 
 def last_level_cache_bytes() -> int:

@@ -27,7 +27,7 @@ from compile.common import (
     write_results,
 )
 from compile.e2e import LLAMA_CPP, LLAMA_UNREPACKED, TRANSFORMERS, add_workload_options, run, workload_from
-from nanoserve.model import cpu_kernels
+from nanoserve.model.quant import cpu_kernels
 
 DEFAULTS = DecodeWorkload(weights=("auto",), batches=(1, 8, 32))
 SYSTEMS = {"nanoserve eager": "eager_tok_s", "nanoserve compiled": "compile_tok_s",

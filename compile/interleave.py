@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from nanoserve.engine import SamplingParams
-from nanoserve.model.loader import resolve_model_path
+from nanoserve.model.formats.loader import resolve_model_path
 
 TRANSFORMERS = "transformers"
 

@@ -29,9 +29,9 @@ from compile.common import (
     result_stem,
     write_results,
 )
-from nanoserve.model import cpu_kernels
-from nanoserve.model.group_codes import quantize_int4, quantize_int8_groups
-from nanoserve.model.quant import GroupLinear, Int8GroupLinear
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.group_codes import quantize_int4, quantize_int8_groups
+from nanoserve.model.quant.linear import GroupLinear, Int8GroupLinear
 
 # [N, K] of the default model's linears (fused q/k/v, o, gate and up, down) and its LM head.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoserve.model.loader import resolve_model_path
+from nanoserve.model.formats.loader import resolve_model_path
 
 NAME = "llama.cpp"
 ABSENT = ("llama.cpp: llama-cpp-python is not installed, so its arm is skipped "

@@ -101,8 +101,8 @@ def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[i
 
 def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
     from compile.ttft import llama_ttft
-    from nanoserve.model.gguf_loader import GGUFCheckpoint
-    from nanoserve.model.tokenizer import Tokenizer
+    from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.formats.tokenizer import Tokenizer
 
     started = time.perf_counter()
     peer = llama_peer.LlamaCpp(path, max(batches), MAX_MODEL_LEN, torch.get_num_threads(), repack=repack)

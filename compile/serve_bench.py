@@ -47,7 +47,7 @@ from compile.common import (
 )
 from nanoserve.engine import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.model.loader import DEFAULT_MODEL
+from nanoserve.model.formats.loader import DEFAULT_MODEL
 
 TOPICS = ("rivers", "trains", "caches", "bridges", "glaciers", "compilers", "tides", "forests", "volcanoes",
           "libraries", "harbours", "orchards", "deserts", "comets", "lighthouses", "canals", "bees", "clocks",

@@ -74,7 +74,7 @@ from compile.common import (
     save_figure,
     write_results,
 )
-from nanoserve.model.loader import DEFAULT_MODEL
+from nanoserve.model.formats.loader import DEFAULT_MODEL
 
 PARTS = ("ngram", "draft", "batch")
 NANOSERVE, LLAMA_CPP = "nanoserve", llama_peer.NAME
@@ -406,14 +406,14 @@ def write_plot(rows: Sequence[dict], path: Path) -> None:
 
 @functools.cache
 def _tokenizer(model: str):
-    from nanoserve.model.loader import load_tokenizer
+    from nanoserve.model.formats.loader import load_tokenizer
 
     return load_tokenizer(model)
 
 
 def build_jobs(arm: Arm, model: str, chars: int | None) -> list[dict]:
     """The arm's jobs with their prompts as token ids (every system gets the same ids)."""
-    from nanoserve.model.loader import load_config
+    from nanoserve.model.formats.loader import load_config
 
     jobs = []
     for workload, batch in arm.jobs:

@@ -27,7 +27,7 @@ from compile.common import (
 )
 from compile.interleave import Rotation
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.loader import DEFAULT_MODEL
+from nanoserve.model.formats.loader import DEFAULT_MODEL
 from nanoserve.structured import StructuredOutputs
 
 # A reply that stays open for as long as it is let run: a long list of small records.

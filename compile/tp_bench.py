@@ -31,7 +31,7 @@ from compile.common import (
 from nanoserve.distributed.shard import check_tensor_parallel
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.build import resolve_weights
-from nanoserve.model.loader import DEFAULT_MODEL, load_config
+from nanoserve.model.formats.loader import DEFAULT_MODEL, load_config
 
 # The forward's collectives as torch.profiler names them (the functional ops and their waits).
 COLLECTIVES = ("_c10d_functional::all_reduce", "_c10d_functional::all_gather_into_tensor",
@@ -43,7 +43,7 @@ COLUMNS = ["tp", "rows", "weights", "compiled", "step_ms", "tokens_per_s", "coll
 def tiny_model():
     """A random model whose 24 heads split 1, 2, 3, 4, 6 or 8 ways (a quick check of the suite,
     and the GPU check's model on any number of GPUs up to 8 that divides them)."""
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.synthetic import random_model, tiny_config
     return random_model(tiny_config(num_heads=24, num_kv_heads=24, hidden_size=384, intermediate_size=768), seed=0)
 
 

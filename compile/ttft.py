@@ -25,7 +25,7 @@ from compile.common import (
     write_results,
 )
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.loader import DEFAULT_MODEL
+from nanoserve.model.formats.loader import DEFAULT_MODEL
 
 
 def nanoserve_ttft(engine, prompt: list[int]) -> float:

@@ -172,7 +172,7 @@ def run_chat_handler(args: argparse.Namespace) -> int:
 
 
 def no_chat_template(model: str) -> str:
-    from nanoserve.model.chat_templates import BUILTIN
+    from nanoserve.model.formats.chat_templates import BUILTIN
 
     return (f"{model}: the model has no chat template; give one with --chat-template FILE|NAME "
             f"(built-in: {', '.join(sorted(BUILTIN))}) or run without --chat")
@@ -181,7 +181,7 @@ def no_chat_template(model: str) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     options = engine_options(args, args.model)  # a bad option or a missing model, before torch loads
     from nanoserve.engine import build_engine
-    from nanoserve.model.loader import has_chat_template
+    from nanoserve.model.formats.loader import has_chat_template
 
     params = sampling_params(args)
     started = time.perf_counter()

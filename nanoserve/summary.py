@@ -45,7 +45,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
 def describe_tensor_types(types: dict[str, str]) -> str:
     """The file's tensor types and how each runs (engine.stats().weight_types); a low-bit type
     run packed in wider codes than the file's says its bits a weight held against the file's."""
-    from nanoserve.model.gguf_blocks import WIDENED_BITS
+    from nanoserve.model.quant.gguf_blocks import WIDENED_BITS
 
     parts = []
     for name, mode in types.items():
@@ -76,7 +76,7 @@ def describe_speculation(speculator) -> str:
         source = f"n-gram lookup of the last {config.prompt_lookup_max}..{config.prompt_lookup_min} tokens"
     else:
         draft = speculator.proposer.worker
-        from nanoserve.model.quant import tensor_bytes  # torch: only once a draft is built
+        from nanoserve.model.quant.linear import tensor_bytes  # torch: only once a draft is built
 
         name = config.model if isinstance(config.model, str) else "the target's file" if config.model is None \
             else type(config.model).__name__

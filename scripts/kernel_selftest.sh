@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The CPU kernels' standalone self-test (nanoserve/model/kernels/selftest.cpp, no torch): each
+# The CPU kernels' standalone self-test (nanoserve/model/quant/kernels/selftest.cpp, no torch): each
 # tier against the scalar reference, built with the tier's own flags.
 #   scripts/kernel_selftest.sh native   every x86 tier, run on this host (a tier the CPU lacks says so)
 #   scripts/kernel_selftest.sh arm      the NEON tiers, cross-compiled and run under qemu-user
 # The ARM run needs Debian's g++-aarch64-linux-gnu and qemu-user; without them it prints why and
 # exits 0.
 set -euo pipefail
-cd "$(dirname "$0")/../nanoserve/model/kernels"
+cd "$(dirname "$0")/../nanoserve/model/quant/kernels"
 mode=${1:-native}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -20,7 +20,7 @@ from pathlib import Path
 ONE_LOAD = """
 import json, sys, time
 from nanoserve.engine.build import auto_cpu_plan
-from nanoserve.model.loader import load_model
+from nanoserve.model.formats.loader import load_model
 plan = auto_cpu_plan()  # builds or loads the kernels before the clock starts
 started = time.perf_counter()
 model, _ = load_model(sys.argv[1], weights=plan)

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.serve.app import create_app
 from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.server import BackgroundServer

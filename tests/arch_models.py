@@ -153,7 +153,7 @@ def _arch_id(arch: str):
 
 
 def _write_byte_vocabulary(writer, vocab_size: int, chat_template: str | None) -> None:
-    from nanoserve.model.tokenizer import _bytes_to_unicode
+    from nanoserve.model.formats.tokenizer import _bytes_to_unicode
 
     tokens = list(_bytes_to_unicode().values())[:vocab_size]
     writer.add_tokenizer_model("gpt2")
@@ -208,8 +208,8 @@ def write_spm_vocabulary(writer, metadata: dict, chat_template: str | None = Non
 
 def hf_and_ours(variant: str, directory):
     """(transformers model, nanoserve model read back from its saved directory) for `variant`."""
-    from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-    from nanoserve.model.loader import build_model
+    from nanoserve.model.formats.hf_loader import load_hf_state_dict, read_hf_config
+    from nanoserve.model.formats.loader import build_model
 
     hf = make_hf_model(variant)
     hf.save_pretrained(directory, safe_serialization=True)

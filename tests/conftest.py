@@ -35,7 +35,7 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.fixture
 def dense_greedy():
     """The greedy continuation by the dense oracle: the whole sequence re-run for every token."""
-    from nanoserve.model.llama import dense_forward
+    from nanoserve.model.network.llama import dense_forward
 
     @torch.no_grad()
     def greedy(model, prompt_ids, steps: int) -> list[int]:
@@ -140,7 +140,7 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """(LlamaModel, Tokenizer) for the default GGUF, fp32 on cpu."""
-    from nanoserve.model.loader import load_model
+    from nanoserve.model.formats.loader import load_model
 
     return load_model(str(smollm2_path), dtype=torch.float32)
 
@@ -158,7 +158,7 @@ def _quick_gguf_parsing():
 
     import gguf
 
-    from nanoserve.model.gguf_loader import _PlainArrayReader
+    from nanoserve.model.formats.gguf_loader import _PlainArrayReader
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", _PlainArrayReader)
@@ -184,7 +184,7 @@ def hf_smollm2_tokenizer(smollm2_path):
 
 
 def _byte_alphabet() -> list[str]:
-    from nanoserve.model.tokenizer import _bytes_to_unicode
+    from nanoserve.model.formats.tokenizer import _bytes_to_unicode
 
     return list(_bytes_to_unicode().values())
 
@@ -200,7 +200,7 @@ def write_gguf(path, config, hf_weights=None, *, arch="llama", qtype=None, tenso
     import gguf
     import numpy as np
 
-    from nanoserve.model.gguf_loader import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS
+    from nanoserve.model.formats.gguf_loader import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS
 
     qtype = qtype or gguf.GGMLQuantizationType.F32
     writer = gguf.GGUFWriter(str(path), arch)
@@ -286,9 +286,9 @@ def random_smollm2_shaped(smollm2_path, **config_overrides):
     does not only ever repeat the input token."""
     import dataclasses
 
-    from nanoserve.model.gguf_loader import GGUFCheckpoint
-    from nanoserve.model.synthetic import random_model, smollm2_135m_config
-    from nanoserve.model.tokenizer import Tokenizer
+    from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.formats.tokenizer import Tokenizer
+    from nanoserve.model.network.synthetic import random_model, smollm2_135m_config
 
     metadata = GGUFCheckpoint.open(smollm2_path).metadata
     tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(smollm2_path))
@@ -307,10 +307,10 @@ def tiny_text_engine(directory, **engine_kwargs):
     """A tiny random model with a byte-level tokenizer and a simple chat template (a planted
     GGUF, so text, chat and token paths all run), built with `engine_kwargs`."""
     from nanoserve.engine import build_engine
-    from nanoserve.model.llama import unfuse_hf_weights
-    from nanoserve.model.loader import load_model
-    from nanoserve.model.synthetic import random_model, tiny_config
-    from nanoserve.model.tokenizer import ChatTemplate
+    from nanoserve.model.formats.loader import load_model
+    from nanoserve.model.formats.tokenizer import ChatTemplate
+    from nanoserve.model.network.llama import unfuse_hf_weights
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = write_gguf(directory / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))

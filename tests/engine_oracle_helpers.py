@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.llama import dense_forward
+from nanoserve.model.network.llama import dense_forward
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, 4 slots, fp32
 
@@ -68,8 +68,8 @@ def dequantised_logits_bound(path, plan, want: torch.Tensor, ids: torch.Tensor) 
     torch's kernel, which rounds every scale to bf16 besides, 0.2 of the largest logit (its layer
     products are checked on their own); where ``plan`` computes in bf16, twice as far as the same
     weights held dense in bf16 come; in fp32, 2e-3 of the largest logit."""
-    from nanoserve.model.loader import load_model
-    from nanoserve.model.weight_plan import WeightPlan
+    from nanoserve.model.formats.loader import load_model
+    from nanoserve.model.quant.weight_plan import WeightPlan
 
     if plan.tier == "torch":
         return 0.2 * want.abs().max()

@@ -15,8 +15,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from nanoserve.model.architectures import EXPERT_LAYER_TENSORS
-from nanoserve.model.gguf_loader import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS
+from nanoserve.model.formats.gguf_loader import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS
+from nanoserve.model.network.architectures import EXPERT_LAYER_TENSORS
 
 V = gguf.GGUFValueType
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -27,7 +27,7 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 2, 1
 
 
 def _byte_alphabet() -> list[str]:
-    from nanoserve.model.tokenizer import _bytes_to_unicode
+    from nanoserve.model.formats.tokenizer import _bytes_to_unicode
 
     return list(_bytes_to_unicode().values())
 

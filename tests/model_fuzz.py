@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gguf_files import CHATML, GGUFDescription, V, tiny_chat_gguf  # noqa: E402
 
 from nanoserve.engine import SamplingParams, build_engine  # noqa: E402
-from nanoserve.model.errors import ModelLoadError  # noqa: E402
-from nanoserve.model.loader import load_model  # noqa: E402
+from nanoserve.model.formats.errors import ModelLoadError  # noqa: E402
+from nanoserve.model.formats.loader import load_model  # noqa: E402
 
 CASE_SECONDS = 20  # one load and two tokens of a tiny model take well under a second
 MEMORY_BYTES = 6 << 30  # the process's data segment: torch, the tiny model, and room for a bad case
@@ -274,8 +274,8 @@ def tiny_hf_dir(directory: Path) -> Path:
     """A tiny Llama as a Hugging Face directory: config.json, model.safetensors, tokenizer files."""
     from safetensors.torch import save_file
 
-    from nanoserve.model.llama import unfuse_hf_weights
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.llama import unfuse_hf_weights
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     sys.path.insert(0, str(Path(__file__).parent))
     from arch_models import save_bpe_tokenizer

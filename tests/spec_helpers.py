@@ -4,7 +4,7 @@ prompts the n-gram proposer finds matches in, and the drained check (the draft's
 
 from __future__ import annotations
 
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 MODEL = random_model(tiny_config())
 BAD_DRAFT = random_model(tiny_config(), seed=1)

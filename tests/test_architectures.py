@@ -19,10 +19,10 @@ from arch_models import (
     save_bpe_tokenizer,
 )
 
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.llama import dense_forward, unfuse_hf_weights
-from nanoserve.model.loader import build_model
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.hf_loader import load_hf_state_dict, read_hf_config
+from nanoserve.model.formats.loader import build_model
+from nanoserve.model.network.llama import dense_forward, unfuse_hf_weights
 
 transformers = pytest.importorskip("transformers")
 

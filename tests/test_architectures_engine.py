@@ -12,9 +12,9 @@ import torch
 from arch_models import ARCHITECTURES, VOCAB, WINDOW, hf_and_ours, make_hf_model
 from engine_oracle_helpers import engine_for, generate, greedy
 
-from nanoserve.model import cpu_kernels
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.loader import build_model
+from nanoserve.model.formats.hf_loader import load_hf_state_dict, read_hf_config
+from nanoserve.model.formats.loader import build_model
+from nanoserve.model.quant import cpu_kernels
 
 transformers = pytest.importorskip("transformers")
 MAX_TOKENS = 10

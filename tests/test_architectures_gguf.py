@@ -11,12 +11,12 @@ import torch
 from arch_models import ARCHITECTURES, VOCAB, WINDOW, make_hf_model, rel_err, write_converted_gguf
 from engine_oracle_helpers import dequantised_logits_bound, engine_for, generate, greedy
 
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_loader import GGUFCheckpoint
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.loader import load_model
-from nanoserve.model.quant import GroupLinear
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.quant.linear import GroupLinear
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +47,7 @@ def test_gguf_logits_match_transformers_past_the_window(gguf_pair):
 
 def test_gguf_config_equals_the_directory_config(gguf_pair, tmp_path):
     """The file's metadata describes the same network as transformers' config.json."""
-    from nanoserve.model.hf_loader import read_hf_config
+    from nanoserve.model.formats.hf_loader import read_hf_config
 
     variant, hf, path = gguf_pair
     hf.save_pretrained(tmp_path, safe_serialization=True)

@@ -12,10 +12,10 @@ from conftest import served
 
 from nanoserve.engine import EngineConfig, build_engine
 from nanoserve.launch import main
-from nanoserve.model.chat_templates import BUILTIN, checked_chat_template
-from nanoserve.model.llama import unfuse_hf_weights
-from nanoserve.model.loader import load_tokenizer
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.formats.chat_templates import BUILTIN, checked_chat_template
+from nanoserve.model.formats.loader import load_tokenizer
+from nanoserve.model.network.llama import unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.serve.cli import describe_chat
 
 CONFIG = tiny_config(vocab_size=260, tie_word_embeddings=True)

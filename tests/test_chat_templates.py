@@ -12,7 +12,7 @@ import jinja2
 import pytest
 from arch_models import make_hf_model, write_converted_gguf
 
-from nanoserve.model.loader import load_model
+from nanoserve.model.formats.loader import load_model
 
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 

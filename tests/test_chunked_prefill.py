@@ -13,8 +13,8 @@ from engine_oracle_helpers import BLOCK_BYTES, dense_greedy_with_logprobs, gener
 from engine_oracle_helpers import engine_for as _engine_for
 
 from nanoserve.engine.request import RequestStatus
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 
 @pytest.fixture(scope="module")

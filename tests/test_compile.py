@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model import cpu_kernels
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
+from nanoserve.model.quant import cpu_kernels
 
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 5]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.model import cpu_kernels
-from nanoserve.model.group_codes import SuperScales
-from nanoserve.model.quant import GROUP_SIZE
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.group_codes import SuperScales
+from nanoserve.model.quant.linear import GROUP_SIZE
 from nanoserve.worker.attention import paged_attention_reference
 
 # Every tier of ours this host runs, the reference included: each is tested here, none skipped.

@@ -14,8 +14,8 @@ from compile.e2e import run
 from compile.floor import step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, Rotation, interleaved_run
 from nanoserve.engine import build_engine
-from nanoserve.model import cpu_kernels
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,9 +24,9 @@ httpx = pytest.importorskip("httpx")
 from conftest import served, tiny_text_engine, write_gguf  # noqa: E402
 
 from nanoserve.engine import build_engine  # noqa: E402
-from nanoserve.model.llama import dense_forward, dense_hidden, unfuse_hf_weights  # noqa: E402
-from nanoserve.model.loader import load_model  # noqa: E402
-from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
+from nanoserve.model.formats.loader import load_model  # noqa: E402
+from nanoserve.model.network.llama import dense_forward, dense_hidden, unfuse_hf_weights  # noqa: E402
+from nanoserve.model.network.synthetic import random_model, tiny_config  # noqa: E402
 from nanoserve.serve.embeddings import answer_token, rerank_prompt  # noqa: E402
 
 MODEL = "qwen3-embed"
@@ -236,7 +236,7 @@ def test_bad_rerank_input_is_a_400(reranker, fields, param):
 def test_a_models_own_pooling_from_its_files(tmp_path, embedder_path):
     import json
 
-    from nanoserve.model.pooling import gguf_pooling, hf_pooling
+    from nanoserve.model.formats.pooling import gguf_pooling, hf_pooling
 
     assert load_model(embedder_path)[0].pooling == "last"
     assert gguf_pooling({"general.architecture": "qwen3", "qwen3.pooling_type": 1}) == "mean"

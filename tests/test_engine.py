@@ -10,8 +10,8 @@ import torch
 from conftest import while_unfinished
 
 from nanoserve.engine import Engine, SamplingParams, build_engine
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 
 @pytest.fixture(scope="module")

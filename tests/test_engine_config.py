@@ -15,8 +15,8 @@ from conftest import write_gguf
 from nanoserve.engine import EngineConfig, SamplingParams, build_engine
 from nanoserve.engine.config import cli_flag, options_table
 from nanoserve.launch import build_parser
-from nanoserve.model.llama import unfuse_hf_weights
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 
 def test_every_option_has_help_and_a_row_in_the_table():

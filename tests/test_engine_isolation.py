@@ -9,8 +9,8 @@ import torch
 from conftest import while_unfinished
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.worker.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from nanoserve import SamplingParams, build_engine
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 TOLERANCE = 1e-4  # fp32 throughout
 TOP = 3  # alternatives compared per position

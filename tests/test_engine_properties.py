@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.request import RequestStatus
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.worker.gates import check_slots_agree
 
 MODEL = random_model(tiny_config(num_layers=1, vocab_size=64), seed=0)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from compile.model_files import random_blocks
-from nanoserve.model import cpu_kernels
-from nanoserve.model.experts import PackedExperts, PackedStep, _packed_step, _per_expert_step, glu
-from nanoserve.model.gguf_blocks import BlockTensor, StackedBlocks
+from nanoserve.model.network.experts import PackedExperts, PackedStep, _packed_step, _per_expert_step, glu
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.gguf_blocks import BlockTensor, StackedBlocks
 
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]  # ours, the reference included
 # Every block type the engine packs experts from: between them every (code bits, scale group,
@@ -200,7 +200,7 @@ def test_compiled_decode_of_packed_experts_never_recompiles_as_routing_changes(t
     fake gives static shapes whatever the routing)."""
     from compile.model_files import Shape, write_model
     from nanoserve.engine import SamplingParams, build_engine
-    from nanoserve.model import experts as experts_module
+    from nanoserve.model.network import experts as experts_module
 
     shape = Shape(256, 2, 4, 2, 512, tied=False, arch="qwen3moe", head_dim=64, experts=8, experts_used=2,
                   expert_ffn=256)
@@ -234,7 +234,7 @@ def test_table_type_experts_pack_in_the_files_bytes_and_run_as_their_dequantisat
     dequantised experts' within the int8 activations' tolerance."""
     from gguf.quants import dequantize
 
-    from nanoserve.model.weight_plan import _pack_expert_blocks
+    from nanoserve.model.quant.weight_plan import _pack_expert_blocks
 
     n, k = 64, 256
     rng = np.random.default_rng(int(qtype))

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.architectures import EXPERT_LAYER_TENSORS
-from nanoserve.model.cpu_kernels import host_tiers
-from nanoserve.model.experts import ExpertMLP, PackedExperts
-from nanoserve.model.llama import dense_forward, unfuse_hf_weights
-from nanoserve.model.loader import load_model
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.architectures import EXPERT_LAYER_TENSORS
+from nanoserve.model.network.experts import ExpertMLP, PackedExperts
+from nanoserve.model.network.llama import dense_forward, unfuse_hf_weights
+from nanoserve.model.quant.cpu_kernels import host_tiers
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,7 +82,7 @@ def test_safetensors_logits_match_transformers(reference):
 
 def _gguf_name(hf: str) -> str | None:
     """This model's HF name (experts stacked) -> the GGUF tensor name llama.cpp's converter writes."""
-    from nanoserve.model.architectures import DENSE_LAYER_TENSORS, GLOBAL_TENSORS
+    from nanoserve.model.network.architectures import DENSE_LAYER_TENSORS, GLOBAL_TENSORS
     for table in (GLOBAL_TENSORS,):
         for g, h in table.items():
             if h == hf:
@@ -246,7 +246,7 @@ def test_expert_metadata_that_contradicts_itself_is_refused_in_one_line(tmp_path
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from gguf_files import V, tiny_chat_gguf
 
-    from nanoserve.model.errors import ModelLoadError
+    from nanoserve.model.formats.errors import ModelLoadError
 
     ok = tiny_chat_gguf(experts=True)
     model, _ = load_model(str(ok.write(tmp_path / "ok.gguf")))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve.model.fidelity import fidelity_metrics, teacher_forced_logits
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.network.fidelity import fidelity_metrics, teacher_forced_logits
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 SHORT_TEXT = Path(__file__).parent / "data" / "fidelity_short.txt"  # original prose, ~320 tokens
 
@@ -44,7 +44,7 @@ def test_chunked_reading_equals_one_dense_forward(tiny_model):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.synthetic import random_model, tiny_config
     return random_model(tiny_config(), seed=0)
 
 
@@ -54,7 +54,7 @@ def tiny_model():
 @pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("bf16"), WeightPlan("int4", int8_head=True)],
                          ids=lambda p: p.name)
 def test_format_passes_the_fidelity_gates_on_the_short_text(plan, smollm2_path, smollm2):
-    from nanoserve.model.loader import load_model
+    from nanoserve.model.formats.loader import load_model
     reference, tokenizer = smollm2
     ids = tokenizer.encode(SHORT_TEXT.read_text())
     test_model = load_model(str(smollm2_path), weights=plan)[0]

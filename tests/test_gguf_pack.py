@@ -11,8 +11,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from compile.model_files import random_blocks
-from nanoserve.model import cpu_kernels
-from nanoserve.model.gguf_blocks import (
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.gguf_blocks import (
     CODE_BITS,
     IQ4_VALUES,
     MXFP4_VALUES,

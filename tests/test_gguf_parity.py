@@ -6,10 +6,10 @@ import gguf
 import pytest
 import torch
 
-from nanoserve.model.gguf_loader import GGUFCheckpoint, unpermute_rotary_rows
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.loader import build_model, load_model
+from nanoserve.model.formats.gguf_loader import GGUFCheckpoint, unpermute_rotary_rows
+from nanoserve.model.formats.hf_loader import load_hf_state_dict, read_hf_config
+from nanoserve.model.formats.loader import build_model, load_model
+from nanoserve.model.network.llama import dense_forward
 
 transformers = pytest.importorskip("transformers")
 Q = gguf.GGMLQuantizationType
@@ -77,8 +77,8 @@ def test_gguf_q_k_rows_are_unpermuted_to_hf_order(tiny_hf_dir, tmp_path, gguf_wr
 def test_every_supported_type_loads_as_its_dequantised_values(tmp_path, gguf_writer, qtype):
     """Shapes and values for each block type: the loaded tensor is exactly what gguf dequantises
     (K-quants need 256-wide rows, hence hidden_size 256 here)."""
-    from nanoserve.model.llama import unfuse_hf_weights
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.llama import unfuse_hf_weights
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     config = tiny_config(vocab_size=260, hidden_size=256, intermediate_size=512, num_heads=4,
                          num_kv_heads=2, head_dim=64)

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from nanoserve.model.experts import ExpertMLP
-from nanoserve.model.llama import dense_forward, yarn_parameters
-from nanoserve.model.loader import load_model
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.experts import ExpertMLP
+from nanoserve.model.network.llama import dense_forward, yarn_parameters
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +107,7 @@ def test_left_padded_batch_matches_transformers(reference):
 def test_yarn_matches_transformers(truncate, head_dim, factor, original):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nanoserve.model.config import ModelConfig
+    from nanoserve.model.network.config import ModelConfig
 
     rope = {"rope_type": "yarn", "factor": factor, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate,
             "original_max_position_embeddings": original}
@@ -244,7 +244,7 @@ def test_paged_engine_greedy_equals_transformers(reference, mode, fresh_dynamo):
     from engine_oracle_helpers import engine_for, generate, greedy
     from test_architectures_engine import MAX_TOKENS, TOLERANCE, assert_matches_transformers
 
-    from nanoserve.model import cpu_kernels
+    from nanoserve.model.quant import cpu_kernels
 
     tier = cpu_kernels.resolve_tier()
     if mode in ("kernel", "bf16-kernel") and tier == "torch":
@@ -277,7 +277,7 @@ def test_paged_engine_greedy_equals_transformers(reference, mode, fresh_dynamo):
 
 def test_chunked_teacher_forcing_equals_the_dense_forward(reference):
     """fidelity's chunk-at-a-time attention honours the window and the sinks."""
-    from nanoserve.model.fidelity import teacher_forced_logits
+    from nanoserve.model.network.fidelity import teacher_forced_logits
 
     _, directory = reference
     ours, _ = load_model(str(directory), dtype=torch.float32, with_tokenizer=False)
@@ -315,7 +315,7 @@ def test_verify_and_window_reads_with_sinks_equal_the_reference(window):
 
 
 def _tiers():
-    from nanoserve.model.cpu_kernels import host_tiers
+    from nanoserve.model.quant.cpu_kernels import host_tiers
     return [t for t in host_tiers() if t != "torch"]
 
 
@@ -326,8 +326,8 @@ def test_mxfp4_experts_run_packed_from_their_blocks(reference, tmp_path, tier):
     from gguf's dequantisation, at 1 row, 8 rows and a prompt (the dequantise path)."""
     import gguf
 
-    from nanoserve.model.experts import PackedExperts
-    from nanoserve.model.weight_plan import WeightPlan
+    from nanoserve.model.network.experts import PackedExperts
+    from nanoserve.model.quant.weight_plan import WeightPlan
 
     model, _ = reference
     path = write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", model, experts_qtype=gguf.GGMLQuantizationType.MXFP4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 

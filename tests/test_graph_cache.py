@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.worker import decode_step as decode_step_module
 from nanoserve.worker.graph_build import load_entry
 from nanoserve.worker.graph_cache import GraphCache, GraphKey

@@ -133,7 +133,7 @@ class ScriptedSampler(Sampler):
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     from nanoserve import build_engine
-    from nanoserve.model.loader import load_model
+    from nanoserve.model.formats.loader import load_model
 
     model, tokenizer = load_model(str(harmony_gguf(tmp_path_factory.mktemp("harmony") / "harmony.gguf")))
     engine = build_engine(model, tokenizer=tokenizer, max_batch_size=2, max_model_len=2048, compile=False)

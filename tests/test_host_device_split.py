@@ -17,8 +17,8 @@ from conftest import free_port
 from engine_oracle_helpers import BLOCK_BYTES, engine_for, greedy
 
 from nanoserve.cache.gates import GateError
-from nanoserve.model.llama import unfuse_hf_weights
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = random_model(tiny_config(), seed=5)
@@ -52,7 +52,7 @@ def imported_packages(path: Path) -> set[str]:
 def test_a_package_imports_only_the_layers_below_it(package):
     allowed = set(LAYERS[:LAYERS.index(package) + 1])
     upward = {str(path.relative_to(ROOT)): sorted(imported_packages(path) & set(LAYERS) - allowed)
-              for path in (ROOT / "nanoserve" / package).glob("*.py")}
+              for path in (ROOT / "nanoserve" / package).rglob("*.py")}
     assert not {path: names for path, names in upward.items() if names}
 
 
@@ -61,7 +61,7 @@ import sys
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.model.tokenizer import Tokenizer
+from nanoserve.model.formats.tokenizer import Tokenizer
 
 built = []
 for owner, name in ((Scheduler, "__init__"), (Engine, "__init__")):

@@ -11,9 +11,9 @@ import torch
 from nanoserve.engine import SamplingParams
 from nanoserve.engine.options import engine_kwargs
 from nanoserve.launch import build_parser, main
-from nanoserve.model.llama import unfuse_hf_weights
-from nanoserve.model.loader import load_model
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.llama import unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 CONFIG = tiny_config(vocab_size=260)
 
@@ -163,7 +163,7 @@ def test_a_missing_model_is_refused_in_one_line_before_torch_is_imported(tmp_pat
 
 def test_a_large_file_loads_with_a_progress_bar_and_the_tokenizer_is_a_stage_of_its_own(tiny_gguf, capsys,
                                                                                          monkeypatch):
-    from nanoserve.model import loader
+    from nanoserve.model.formats import loader
 
     monkeypatch.setattr(loader, "PROGRESS_FROM_BYTES", 0)  # the tiny file counts as large
     assert main(["generate", "--model", str(tiny_gguf), "--weights", "fp32", "--max-tokens", "1", "hi"]) == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compile.llama_peer import LlamaCpp, LlamaCppSteps, RepackMode, repack_mode, teacher_forced_logits
-from nanoserve.model.llama import dense_forward
+from nanoserve.model.network.llama import dense_forward
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[peers]')")
 pytestmark = [pytest.mark.slow, pytest.mark.model]

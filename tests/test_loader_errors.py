@@ -7,10 +7,10 @@ import json
 import gguf
 import pytest
 
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.llama import unfuse_hf_weights
-from nanoserve.model.loader import load_config, load_model, resolve_model_path
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.loader import load_config, load_model, resolve_model_path
+from nanoserve.model.network.llama import unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 Q = gguf.GGMLQuantizationType
 
@@ -123,7 +123,7 @@ def test_hf_directory_without_weights(tmp_path):
 
 
 def test_corrupt_safetensors_names_the_file(tmp_path):
-    from nanoserve.model.hf_loader import load_hf_state_dict
+    from nanoserve.model.formats.hf_loader import load_hf_state_dict
 
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     with pytest.raises(ModelLoadError, match="model.safetensors: cannot read safetensors"):

@@ -16,11 +16,11 @@ from gguf import GGML_QUANT_SIZES
 
 from compile.model_files import SHAPES, Shape, model_file, random_blocks, write_model
 from nanoserve.engine.build import auto_cpu_plan, resolve_weights
-from nanoserve.model import cpu_kernels
-from nanoserve.model.gguf_blocks import PACKED_TYPES, BlockTensor, StackedBlocks
-from nanoserve.model.gguf_loader import GGUFCheckpoint
-from nanoserve.model.loader import load_model
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.gguf_blocks import PACKED_TYPES, BlockTensor, StackedBlocks
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 OUR_TIERS = [t for t in cpu_kernels.host_tiers() if t not in ("torch",)]
 pytestmark = pytest.mark.skipif(not OUR_TIERS, reason="nanoserve's CPU ops did not build on this host")

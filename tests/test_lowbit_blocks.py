@@ -20,15 +20,15 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model import cpu_kernels, gguf_blocks
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import LOW_BIT, WIDENED_BITS, BlockTensor, StackedBlocks, group_codes
-from nanoserve.model.group_codes import as_torch_int4
-from nanoserve.model.llama import dense_forward, unfuse_hf_weights
-from nanoserve.model.loader import load_model
-from nanoserve.model.quant import ConcatLinear, GroupLinear
-from nanoserve.model.synthetic import random_model, tiny_config
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.llama import dense_forward, unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
+from nanoserve.model.quant import cpu_kernels, gguf_blocks
+from nanoserve.model.quant.gguf_blocks import LOW_BIT, WIDENED_BITS, BlockTensor, StackedBlocks, group_codes
+from nanoserve.model.quant.group_codes import as_torch_int4
+from nanoserve.model.quant.linear import ConcatLinear, GroupLinear
+from nanoserve.model.quant.weight_plan import WeightPlan
 from nanoserve.summary import describe_engine
 
 TYPES = sorted(LOW_BIT, key=lambda q: q.value)
@@ -79,7 +79,7 @@ def gguf_weight(data: np.ndarray, qtype: Q, rows: int, cols: int) -> torch.Tenso
 
 
 def test_the_loader_accepts_the_low_bit_types():
-    from nanoserve.model.gguf_loader import SUPPORTED_TENSOR_TYPES
+    from nanoserve.model.formats.gguf_loader import SUPPORTED_TENSOR_TYPES
     assert {t.name for t in TYPES} == {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
     assert set(TYPES) <= SUPPORTED_TENSOR_TYPES
 

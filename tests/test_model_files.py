@@ -14,7 +14,7 @@ from gguf import GGUFReader
 
 from compile.model_files import Shape, tensor_types, write_model
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.fidelity import teacher_forced_logits
+from nanoserve.model.network.fidelity import teacher_forced_logits
 
 LOW_BIT = ("IQ4_XS", "Q3_K_M")
 # 16 layers: the rules that single out the first sixteenth and eighth of the layers each pick a

@@ -6,10 +6,10 @@ import pytest
 import torch
 from arch_models import save_bpe_tokenizer
 
-from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-from nanoserve.model.llama import dense_forward, unfuse_hf_weights
-from nanoserve.model.loader import build_model, load_model
-from nanoserve.model.reference_attention import DenseCausalAttention
+from nanoserve.model.formats.hf_loader import load_hf_state_dict, read_hf_config
+from nanoserve.model.formats.loader import build_model, load_model
+from nanoserve.model.network.llama import dense_forward, unfuse_hf_weights
+from nanoserve.model.network.reference_attention import DenseCausalAttention
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ def test_flat_forward_over_two_sequences_matches_separate_runs(tiny_pair):
 
 def test_forward_compiles_as_one_graph():
     """Rotary lookup and layers trace without graph breaks (the decode graph depends on it)."""
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     model = random_model(tiny_config())
     attention = DenseCausalAttention(2, 6)

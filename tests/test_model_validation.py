@@ -11,8 +11,8 @@ import pytest
 from gguf_files import V, tiny_chat_gguf
 
 from nanoserve.launch import main
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.loader import load_config, load_model
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.loader import load_config, load_model
 
 # The chat-template payload of llama-cpp-python's template-injection advisory: it reaches for
 # os through a global's __init__; the sandbox must stop it and the file be refused.

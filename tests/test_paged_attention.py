@@ -138,7 +138,7 @@ def test_a_head_size_the_kernel_cannot_take_decodes_through_sdpa(head_dim):
     # K/V with a head_dim that is not a multiple of 16: the engine keeps SDPA instead of
     # handing the kernel a shape it refuses (which failed every decode step), eager and compiled.
     from nanoserve.engine import SamplingParams, build_engine
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.synthetic import random_model, tiny_config
     from nanoserve.worker.attention import decode_attention_kernel
 
     assert decode_attention_kernel("cpu", torch.bfloat16, head_dim, "scalar") is None

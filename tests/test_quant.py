@@ -13,9 +13,10 @@ from torch import nn
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.build import auto_cpu_plan, resolve_weights
-from nanoserve.model import cpu_kernels
-from nanoserve.model.group_codes import GroupCodes, quantize_int4, quantize_int8, quantize_int8_groups
-from nanoserve.model.quant import (
+from nanoserve.model.network.synthetic import random_model, tiny_config
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.group_codes import GroupCodes, quantize_int4, quantize_int8, quantize_int8_groups
+from nanoserve.model.quant.linear import (
     GROUP_SIZE,
     HEAD_DENSE_FROM_ROWS,
     GroupLinear,
@@ -23,8 +24,7 @@ from nanoserve.model.quant import (
     Int8Linear,
     tensor_bytes,
 )
-from nanoserve.model.synthetic import random_model, tiny_config
-from nanoserve.model.weight_plan import WeightPlan, group_source, pack_model
+from nanoserve.model.quant.weight_plan import WeightPlan, group_source, pack_model
 
 # [N, K]: random small shapes and every linear shape of the default model (qkv, o, gate/up, down).
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 576), (1536, 576), (576, 1536)]
@@ -343,7 +343,7 @@ def test_weights_argument_resolves_to_a_plan_and_refuses_contradictions():
 
 @pytest.fixture(scope="module")
 def smollm2_int4(smollm2_path):
-    from nanoserve.model.loader import load_model
+    from nanoserve.model.formats.loader import load_model
     return load_model(str(smollm2_path), weights=WeightPlan("int4"))[0]
 
 
@@ -354,7 +354,7 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
     # file's own scale and minimum (exact in fp32) equal the file's dequantisation bit for bit.
     # torch's kernel then holds scale and zero in bf16, a rounding the fidelity gates judge; our
     # kernels hold the block's own fp16 d and m, so their weights are the file's exactly.
-    from nanoserve.model.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
     ckpt = GGUFCheckpoint.open(smollm2_path)
     groups = ckpt.group_codes(ckpt.config())
     fp32 = dict(smollm2[0].named_modules())
@@ -388,7 +388,7 @@ def test_packed_resident_weights_within_1_3x_of_the_gguf_file(smollm2_path, smol
     # int4 linears with the file's Q8_0 head (which is also the embedding table, read from the
     # codes) on every tier of nanoserve's; int4 with a dense head where that head is bf16 (torch's
     # kernel, the fallback without a compiler, keeps a bf16 table beside an int8 head).
-    from nanoserve.model.loader import load_model
+    from nanoserve.model.formats.loader import load_model
     size = smollm2_path.stat().st_size
     plans = [] if WeightPlan("int4").tier == "torch" else [WeightPlan("int4", int8_head=True)]
     if smollm2_int4.norm.weight.dtype == torch.bfloat16:
@@ -403,7 +403,7 @@ def test_packed_resident_weights_within_1_3x_of_the_gguf_file(smollm2_path, smol
 
 @pytest.mark.parametrize("tier", OUR_TIERS)
 def test_a_tied_int8_head_without_a_dense_copy_serves_the_embedding_from_its_codes(tier):
-    from nanoserve.model.quant import GroupEmbedding
+    from nanoserve.model.quant.linear import GroupEmbedding
     model = random_model(tiny_config(tie_word_embeddings=True), seed=0)
     table = model.embed_tokens.weight.detach().clone()
     plan = WeightPlan("int4", int8_head=True, kernel=tier)
@@ -424,7 +424,7 @@ def test_a_tied_int8_head_without_a_dense_copy_serves_the_embedding_from_its_cod
 def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():
     # A row bucket of DEQUANT_FROM_ROWS rows or more traces the dequantise-and-GEMM path (the
     # op's fake shape) into the graph: it decodes as eager does, with no recompile.
-    from nanoserve.model.quant import DEQUANT_FROM_ROWS
+    from nanoserve.model.quant.linear import DEQUANT_FROM_ROWS
     plan = WeightPlan("int4", int8_head=True)
     rows = DEQUANT_FROM_ROWS.get(plan.tier)
     if rows is None:  # torch's kernel: no dequantised path to trace

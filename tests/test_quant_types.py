@@ -16,15 +16,15 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model import cpu_kernels
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import K_QUANTS, LEGACY, LOW_BIT, PACKED_TYPES, group_codes
-from nanoserve.model.group_codes import as_torch_int4
-from nanoserve.model.llama import dense_forward, unfuse_hf_weights
-from nanoserve.model.loader import load_model
-from nanoserve.model.quant import ConcatLinear, GroupLinear
-from nanoserve.model.synthetic import random_model, tiny_config
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.llama import dense_forward, unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.gguf_blocks import K_QUANTS, LEGACY, LOW_BIT, PACKED_TYPES, group_codes
+from nanoserve.model.quant.group_codes import as_torch_int4
+from nanoserve.model.quant.linear import ConcatLinear, GroupLinear
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 # The types gguf's quantiser writes and the K-quants of 4 to 6 bits; the low-bit ones (LOW_BIT:
 # Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) are test_lowbit_blocks.py's.

@@ -9,8 +9,8 @@ from gguf import GGUFReader
 
 from compile.model_files import Shape, write_model
 from compile.quantised_files import write_padded
-from nanoserve.model.fidelity import teacher_forced_logits
-from nanoserve.model.loader import load_model
+from nanoserve.model.formats.loader import load_model
+from nanoserve.model.network.fidelity import teacher_forced_logits
 
 
 def test_a_padded_model_gives_the_logits_of_the_model_it_pads(tmp_path):

@@ -62,7 +62,7 @@ def thinking_client(smollm2_path):
     from conftest import served
 
     from nanoserve import build_engine
-    from nanoserve.model.tokenizer import ChatTemplate
+    from nanoserve.model.formats.tokenizer import ChatTemplate
 
     engine = build_engine(str(smollm2_path), max_batch_size=4, max_model_len=512)
     engine.tokenizer.chat_template = ChatTemplate(THINKING_TEMPLATE)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nanoserve.model.reference_attention import (
+from nanoserve.model.network.reference_attention import (
     ChunkedCausalAttention,
     DenseCausalAttention,
     causal_visibility,
@@ -81,8 +81,8 @@ def test_dense_attention_hides_left_padding_from_each_row():
 def test_a_windowed_models_chunked_reading_equals_its_dense_forward():
     """fidelity's chunked path honours the window: a model whose window is shorter than the
     text gives the dense forward's logits chunk by chunk."""
-    from nanoserve.model.fidelity import teacher_forced_logits
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.fidelity import teacher_forced_logits
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     model = random_model(tiny_config(sliding_window=4, layer_types=("sliding_attention", "full_attention")))
     ids = list(range(3, 20))

@@ -7,7 +7,7 @@ import gguf
 import pytest
 from arch_models import spm_metadata, write_spm_vocabulary
 
-from nanoserve.model.tokenizer import Tokenizer
+from nanoserve.model.formats.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 TEXTS = ["hello world", "the rest of the world", "  two leading spaces", "héllo wörld ☃", "a\nnew line\tand tab",

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from nanoserve.engine.options import parse_bytes
-from nanoserve.model.llama import unfuse_hf_weights
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import unfuse_hf_weights
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.serve.cli import add_serve_subcommand, chosen_model, served_name
 from nanoserve.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
@@ -94,7 +94,7 @@ def test_serve_process_answers_says_what_it_loaded_and_stops_on_ctrl_c(tmp_path,
     # The startup summary: what was loaded, how, and what the K/V pool holds (1M of K/V at 2
     # layers x 2 heads x 16 dims x K and V = 128 values a token: 256 blocks of 16 tokens in bf16,
     # 128 in fp32, the compute dtype of this CPU's kernel tier).
-    from nanoserve.model import cpu_kernels
+    from nanoserve.model.quant import cpu_kernels
     tier = cpu_kernels.resolve_tier()
     dtype = str(cpu_kernels.compute_dtype(tier)).removeprefix("torch.")
     blocks = 256 if dtype == "bfloat16" else 128

@@ -95,8 +95,8 @@ def test_drain_finishes_short_work_ends_long_work_and_refuses_new_work(tmp_path)
 def test_sigterm_with_streams_in_flight_exits_0_within_the_drain_timeout_with_a_clean_log(tmp_path):
     from conftest import write_gguf
 
-    from nanoserve.model.llama import unfuse_hf_weights
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.llama import unfuse_hf_weights
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = write_gguf(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
@@ -153,8 +153,8 @@ def test_sigterm_with_a_stalled_half_sent_body_exits_within_the_drain_timeout(tm
 
     from conftest import write_gguf
 
-    from nanoserve.model.llama import unfuse_hf_weights
-    from nanoserve.model.synthetic import random_model, tiny_config
+    from nanoserve.model.network.llama import unfuse_hf_weights
+    from nanoserve.model.network.synthetic import random_model, tiny_config
 
     config = tiny_config(vocab_size=260, tie_word_embeddings=True)
     path = write_gguf(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))

@@ -12,7 +12,7 @@ import pytest
 
 from nanoserve.engine import RequestError, SamplingParams, build_engine
 from nanoserve.engine.stats import EngineStats
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.serve.engine_loop import EngineLoop, EngineStopped
 from nanoserve.serve.metrics import Histogram, ServeMetrics
 

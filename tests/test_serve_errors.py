@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 from conftest import served  # noqa: E402
 
 from nanoserve.engine import build_engine  # noqa: E402
-from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
+from nanoserve.model.network.synthetic import random_model, tiny_config  # noqa: E402
 from nanoserve.serve.engine_loop import EngineLoop  # noqa: E402
 from nanoserve.serve.protocol import IGNORED_FIELDS  # noqa: E402
 from nanoserve.worker.sampler import Sampler  # noqa: E402

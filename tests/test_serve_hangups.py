@@ -19,8 +19,8 @@ pytest.importorskip("fastapi")
 
 from conftest import free_port, stop_and_collect, wait_until_serving, write_gguf  # noqa: E402
 
-from nanoserve.model.llama import unfuse_hf_weights  # noqa: E402
-from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
+from nanoserve.model.network.llama import unfuse_hf_weights  # noqa: E402
+from nanoserve.model.network.synthetic import random_model, tiny_config  # noqa: E402
 
 # Long enough that no request can finish before its client leaves (thousands of steps).
 LONG = {"model": "tiny", "temperature": 0, "ignore_eos": True, "max_tokens": 4000}

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from conftest import random_smollm2_shaped, served  # noqa: E402
 
 from nanoserve.engine import SamplingParams, build_engine  # noqa: E402
-from nanoserve.model.tokenizer import ChatTemplate  # noqa: E402
+from nanoserve.model.formats.tokenizer import ChatTemplate  # noqa: E402
 
 API_KEY = "sk-nanoserve-test"
 MODEL = "smollm2-test"

@@ -21,7 +21,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from conftest import random_smollm2_shaped, served  # noqa: E402
 
 from nanoserve.engine import SamplingParams, build_engine  # noqa: E402
-from nanoserve.model.tokenizer import ChatTemplate  # noqa: E402
+from nanoserve.model.formats.tokenizer import ChatTemplate  # noqa: E402
 
 MODEL = "smollm2-test"
 ENGINE_OPTIONS = dict(max_batch_size=4, max_model_len=512, kv_cache_bytes=24 << 20, block_size=16)

@@ -20,7 +20,7 @@ from compile.slotbench import (
     run_table,
 )
 from nanoserve import build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.worker.gates import check_slots_agree
 
 

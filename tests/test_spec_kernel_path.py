@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [9, 10, 11, 9, 10, 11, 9, 10], list(range(20, 60))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

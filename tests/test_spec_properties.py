@@ -19,8 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.engine.request import RequestStatus
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 VOCAB = 64
 MODEL = random_model(tiny_config(num_layers=1, vocab_size=VOCAB), seed=0)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom: NIST/SEMATECH
 # e-Handbook of Statistical Methods, section 1.3.6.7.4 ("Critical values of the chi-square

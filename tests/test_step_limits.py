@@ -7,7 +7,7 @@ import pytest
 from conftest import while_unfinished
 
 from nanoserve import SamplingParams, build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 
 
 def leaking_engine():

@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 from engine_oracle_helpers import BLOCK_BYTES, engine_for, greedy, run
 
-from nanoserve.model.synthetic import random_model, tiny_config
+from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.worker.gates import check_slots_agree
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, StepPlan
 

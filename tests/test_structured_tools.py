@@ -158,7 +158,7 @@ For each call, return <tool_call>
 
 @pytest.fixture(scope="module")
 def hermes_client(smollm2_path):
-    from nanoserve.model.tokenizer import ChatTemplate
+    from nanoserve.model.formats.tokenizer import ChatTemplate
 
     engine = build_engine(str(smollm2_path), max_batch_size=8, max_model_len=1024, compile=False)
     engine.tokenizer.chat_template = ChatTemplate(HERMES_TEMPLATE)

@@ -16,8 +16,8 @@ from engine_oracle_helpers import assert_greedy_agrees_up_to_near_ties
 
 from nanoserve.distributed.shard import check_tensor_parallel, vocab_shard
 from nanoserve.engine import SamplingParams, build_engine
-from nanoserve.model.synthetic import random_model, tiny_config
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.network.synthetic import random_model, tiny_config
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 K/V heads, head_dim 16, 4 slots, fp32
 # A pool of 18 blocks for four rows of up to 64 tokens: the long requests preempt each other;
@@ -116,8 +116,8 @@ def test_per_head_norms_and_sliding_windows_shard_with_their_heads(variant, tmp_
     pytest.importorskip("transformers")
     from arch_models import make_hf_model
 
-    from nanoserve.model.hf_loader import load_hf_state_dict, read_hf_config
-    from nanoserve.model.loader import build_model
+    from nanoserve.model.formats.hf_loader import load_hf_state_dict, read_hf_config
+    from nanoserve.model.formats.loader import build_model
 
     make_hf_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     model = build_model(read_hf_config(tmp_path), load_hf_state_dict(tmp_path))
@@ -231,7 +231,7 @@ def test_a_k_quants_shards_hold_exactly_their_slice_of_the_weight(cut, width):
     """A Q4_K weight's shards (output rows, input columns on or inside its 256-weight super-blocks)
     dequantise to exactly their slice of the whole weight: codes, per-group numbers and factors cut together."""
     from nanoserve.distributed.shard import _input_columns, _output_rows
-    from nanoserve.model.group_codes import GroupCodes, SuperScales
+    from nanoserve.model.quant.group_codes import GroupCodes, SuperScales
 
     g = torch.Generator().manual_seed(0)
     n, k, group = 8, 512, 32

@@ -20,8 +20,8 @@ httpx = pytest.importorskip("httpx")
 from conftest import free_port, served, stop_and_collect, tiny_text_engine, wait_until_serving  # noqa: E402
 
 from nanoserve.engine import SamplingParams  # noqa: E402
-from nanoserve.model.llama import unfuse_hf_weights  # noqa: E402
-from nanoserve.model.synthetic import random_model, tiny_config  # noqa: E402
+from nanoserve.model.network.llama import unfuse_hf_weights  # noqa: E402
+from nanoserve.model.network.synthetic import random_model, tiny_config  # noqa: E402
 
 ENGINE = dict(max_batch_size=4, max_model_len=64, kv_cache_bytes=1 << 20, block_size=4)
 COMPLETION = dict(model="tiny", prompt="hello there", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from nanoserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_unicode
+from nanoserve.model.formats.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_unicode
 
 ALPHABET = list(_bytes_to_unicode().values())
 PARITY_STRINGS = [

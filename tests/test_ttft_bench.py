@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 
 import compilebench
-from nanoserve.model import cpu_kernels
+from nanoserve.model.quant import cpu_kernels
 
 
 def test_compilebench_ttft_writes_one_row_per_prompt_length(tiny_llama_dir, tmp_path, capsys):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.distributed.shard import check_float_model, check_tensor_parallel, parallelize, shard_weights
-from nanoserve.model.loader import load_config
+from nanoserve.model.formats.loader import load_config
 from nanoserve.worker.build import WorkerConfig, build_worker
 from nanoserve.worker.plan import StepPlan
 from nanoserve.worker.sampling import StepSampling

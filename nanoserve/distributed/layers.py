@@ -2,7 +2,7 @@
 vocabulary-split embedding's all-reduce and the LM head's all-gather.
 
 Each wraps the module that computes the rank's own part (dense or packed, whatever format
-nanoserve.model.quant made of the shard), so one wrapper serves every weight format. The
+nanoserve.model.quant.linear made of the shard), so one wrapper serves every weight format. The
 collectives are torch's functional ones: the same call runs eagerly and inside a compiled
 decode graph, on gloo (CPU) and NCCL (CUDA).
 """

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from nanoserve.distributed.layers import GatheredHead, RowParallel, TiedHead, VocabParallelEmbedding
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.cpu_kernels import GROUP_SIZE
-from nanoserve.model.group_codes import GroupCodes, SuperScales
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.quant.cpu_kernels import GROUP_SIZE
+from nanoserve.model.quant.group_codes import GroupCodes, SuperScales
+from nanoserve.model.quant.weight_plan import WeightPlan
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, plan: WeightPlan | None) -> None:

@@ -17,12 +17,12 @@ from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
 from nanoserve.engine.scheduler import Scheduler, check_token_budget
 from nanoserve.engine.threads import apply_threads
-from nanoserve.model import cpu_kernels
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.llama import LlamaModel
-from nanoserve.model.loader import read_header
-from nanoserve.model.quant import DENSE_FROM_ROWS
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.formats.loader import read_header
+from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.network.llama import LlamaModel
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.linear import DENSE_FROM_ROWS
+from nanoserve.model.quant.weight_plan import WeightPlan
 from nanoserve.speculative.speculator import NgramProposals, Speculator
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets

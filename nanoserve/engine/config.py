@@ -18,7 +18,7 @@ from nanoserve.speculative.config import SpeculativeConfig
 if TYPE_CHECKING:
     import torch
 
-    from nanoserve.model.weight_plan import WeightPlan
+    from nanoserve.model.quant.weight_plan import WeightPlan
 
 
 def option(default: Any, help: str, cli: bool = True, flag: str | None = None, choices: tuple | None = None,
@@ -109,7 +109,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         if self.chat_template is not None:  # refused here, in one line, before any weights load
-            from nanoserve.model.chat_templates import checked_chat_template
+            from nanoserve.model.formats.chat_templates import checked_chat_template
 
             checked_chat_template(self.chat_template)
 

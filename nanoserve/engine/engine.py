@@ -31,8 +31,8 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.stats import EngineStats
 from nanoserve.engine.threads import apply_threads
-from nanoserve.model.chat_templates import with_chat_template
-from nanoserve.model.quant import tensor_bytes
+from nanoserve.model.formats.chat_templates import with_chat_template
+from nanoserve.model.quant.linear import tensor_bytes
 from nanoserve.speculative.speculator import Speculator
 from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.decoding import StructuredDecoding
@@ -70,7 +70,7 @@ class Engine:
         self.weight_bytes = tensor_bytes(worker.model)  # resident weights, packed codes and any dense copy
         # How each tensor type runs ({"Q4_K": "packed", "F32": "dense"}: weight_plan.weight_types).
         self.weight_types = dict(getattr(worker.model, "weight_types", {}))
-        # The model file's size and how long each stage of loading it took (model/loader.py).
+        # The model file's size and how long each stage of loading it took (model/formats/loader.py).
         self.file_bytes = getattr(worker.model, "file_bytes", 0)
         self.load_stages = dict(getattr(worker.model, "load_stages", {}))
 

@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.model.tokenizer import IncrementalDetokenizer
+from nanoserve.model.formats.tokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.weight_plan import WeightPlan
+from nanoserve.model.quant.weight_plan import WeightPlan
 from nanoserve.worker.bucketing import Buckets
 
 

@@ -115,7 +115,7 @@ def describe_chat(engine) -> tuple[str, bool]:
     if getattr(engine.tokenizer, "chat_template", None) is not None:
         given = engine.config.chat_template
         return "chat template: " + ("the model's own" if given is None else repr(given)), True
-    from nanoserve.model.chat_templates import BUILTIN
+    from nanoserve.model.formats.chat_templates import BUILTIN
 
     return ("chat unavailable: the model has no chat template, so /v1/chat/completions answers 400; "
             f"--chat-template FILE|NAME gives it one (built-in: {', '.join(sorted(BUILTIN))})"), False

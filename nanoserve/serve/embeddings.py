@@ -5,7 +5,7 @@ batched with generation traffic; the engine returns its pooled final hidden stat
 final norm) instead of a token (SamplingParams.pooling), and frees its blocks and row.
 
 Policy: a server embeds only with a pooling: the model's own (a GGUF's ``pooling_type``, a
-Hugging Face directory's Sentence-Transformers config: model/pooling.py) or the one
+Hugging Face directory's Sentence-Transformers config: model/formats/pooling.py) or the one
 ``--pooling`` names (which wins). A generation model served without ``--pooling`` answers
 /v1/embeddings with a 400 saying so. Vectors are L2-normalised (after ``dimensions`` cut them,
 Matryoshka-style). Rerank needs pooling "rank" (a Qwen3-Reranker: its GGUF says rank, or

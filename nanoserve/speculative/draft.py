@@ -34,7 +34,7 @@ from nanoserve.worker.worker import Worker
 
 if TYPE_CHECKING:
     from nanoserve.engine.request import Request
-    from nanoserve.model.weight_plan import WeightPlan
+    from nanoserve.model.quant.weight_plan import WeightPlan
 
 # The engine's sampler's processed distribution: (logits, params, histories) -> (logits, probs).
 Distribution = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -241,7 +241,7 @@ def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtyp
         tier = plan.tier if plan is not None else None
         head_dim = source.config.head_dim if not isinstance(source, str) else None
         if head_dim is None:
-            from nanoserve.model.loader import load_config  # the file's header only
+            from nanoserve.model.formats.loader import load_config  # the file's header only
 
             head_dim = load_config(source).head_dim
         if decode_attention_kernel(target_spec.device, dtype, head_dim, tier) is not None:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model import cpu_kernels
-from nanoserve.model.reference_attention import attend_with_sinks
+from nanoserve.model.network.reference_attention import attend_with_sinks
+from nanoserve.model.quant import cpu_kernels
 
 if TYPE_CHECKING:
     from nanoserve.worker.kv_cache import KVCache

@@ -15,9 +15,9 @@ from typing import Protocol
 import torch
 
 from nanoserve.cache.gates import check_table_fits
-from nanoserve.model.llama import LlamaModel
-from nanoserve.model.loader import ModelHeader, load_model
-from nanoserve.model.weight_plan import WeightPlan, pack_model
+from nanoserve.model.formats.loader import ModelHeader, load_model
+from nanoserve.model.network.llama import LlamaModel
+from nanoserve.model.quant.weight_plan import WeightPlan, pack_model
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets
 from nanoserve.worker.decode_step import DecodeStep

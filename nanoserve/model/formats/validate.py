@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.tokenizer import ChatTemplate, _bytes_to_unicode
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.tokenizer import ChatTemplate, _bytes_to_unicode
+from nanoserve.model.network.config import ModelConfig
 
 if TYPE_CHECKING:
-    from nanoserve.model.gguf_loader import GGUFCheckpoint
+    from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
 
 # Sanity ceilings: no real model comes near them, and a value past one is a broken or hostile
 # header (a context length of 2^40 would size the rotary tables beyond any memory).

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.model.config import ModelConfig
+from nanoserve.model.network.config import ModelConfig
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -287,8 +287,8 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        from nanoserve.model.architectures import architecture
-        from nanoserve.model.llama import LlamaMLP
+        from nanoserve.model.network.architectures import architecture
+        from nanoserve.model.network.llama import LlamaMLP
 
         hidden, experts = config.hidden_size, config.num_experts
         self.gate = Router(hidden, experts, bias=config.expert_bias)

@@ -15,7 +15,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from nanoserve.model.architectures import (
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.network.architectures import (
     ARCHITECTURES,
     DENSE_LAYER_TENSORS,
     GGUF_ARCHITECTURES,
@@ -24,11 +25,10 @@ from nanoserve.model.architectures import (
     architecture,
     gguf_architecture,
 )
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import PACKED_TYPES, BlockTensor, ExpertBlocks
-from nanoserve.model.group_codes import GroupCodes
-from nanoserve.model.llama import hf_norm_offset
+from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.network.llama import hf_norm_offset
+from nanoserve.model.quant.gguf_blocks import PACKED_TYPES, BlockTensor, ExpertBlocks
+from nanoserve.model.quant.group_codes import GroupCodes
 
 Q = GGMLQuantizationType
 # Tensor types we load: the float types (dequantised through gguf.quants, run dense or rounded

@@ -1,5 +1,5 @@
 // The vector tiers, one source: built once per tier with NANOSERVE_TIER_<NAME> defined and that
-// tier's own instruction flags (nanoserve/model/cpu_kernels.py), never -march=native. The
+// tier's own instruction flags (nanoserve/model/quant/cpu_kernels.py), never -march=native. The
 // algorithm is the scalar reference's (reference.cpp); a tier supplies its vector primitives
 // (simd_x86.h, simd_neon.h) and its name.
 #include <algorithm>

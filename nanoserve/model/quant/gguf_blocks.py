@@ -56,8 +56,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nanoserve.model import cpu_kernels
-from nanoserve.model.group_codes import GroupCodes, SuperScales
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.group_codes import GroupCodes, SuperScales
 
 Q = GGMLQuantizationType
 

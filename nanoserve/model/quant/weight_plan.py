@@ -1,5 +1,5 @@
 """How a model's weights are held (``WeightPlan``) and the pass that packs them (``pack_model``):
-each linear replaced by its packed layer (``quant``), from a GGUF's own blocks where it has them,
+each linear replaced by its packed layer (``quant.linear``), from a GGUF's own blocks where it has them,
 fused where one kernel call serves several projections, the LM head and embedding as the plan
 says; ``weight_types`` reports how each tensor type ended up running.
 """
@@ -13,18 +13,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoserve.model import cpu_kernels
-from nanoserve.model.cpu_kernels import GROUP_SIZE
-from nanoserve.model.experts import DenseExperts, PackedExperts
-from nanoserve.model.gguf_blocks import BlockTensor, ExpertBlocks, StackedBlocks
-from nanoserve.model.group_codes import (
+from nanoserve.model.network.experts import DenseExperts, PackedExperts
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.cpu_kernels import GROUP_SIZE
+from nanoserve.model.quant.gguf_blocks import BlockTensor, ExpertBlocks, StackedBlocks
+from nanoserve.model.quant.group_codes import (
     GroupCodes,
     int8_groups,
     quantize_int4,
     quantize_int8,
     quantize_int8_groups,
 )
-from nanoserve.model.quant import (
+from nanoserve.model.quant.linear import (
     DEQUANT_FROM_ROWS,
     GROUP_KERNELS,
     HEAD_DENSE_FROM_ROWS,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 
-from nanoserve.model.tokenizer import ChatTemplate, Tokenizer
+from nanoserve.model.formats.tokenizer import ChatTemplate, Tokenizer
 
 # The system message, where a format has no system turn, leads the first user turn (as the
 # models' own templates fold it). Roles must alternate where the format's turns assume it.

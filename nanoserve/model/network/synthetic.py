@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.llama import LlamaModel
+from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.network.llama import LlamaModel
 
 
 def smollm2_135m_config(max_position_embeddings: int = 8192) -> ModelConfig:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.llama import dense_forward
-from nanoserve.model.reference_attention import ChunkedCausalAttention
+from nanoserve.model.network.llama import dense_forward
+from nanoserve.model.network.reference_attention import ChunkedCausalAttention
 
 
 @dataclass(frozen=True)

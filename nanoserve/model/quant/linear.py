@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.model import cpu_kernels
-from nanoserve.model.cpu_kernels import GROUP_SIZE
-from nanoserve.model.gguf_blocks import StackedBlocks
-from nanoserve.model.group_codes import GroupCodes, as_torch_int4, int8_groups
+from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.quant.cpu_kernels import GROUP_SIZE
+from nanoserve.model.quant.gguf_blocks import StackedBlocks
+from nanoserve.model.quant.group_codes import GroupCodes, as_torch_int4, int8_groups
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 # Who runs the group-wise products: a kernel tier of cpu_kernels, "torch" (its int4 kernel), or

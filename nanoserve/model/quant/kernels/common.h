@@ -2,7 +2,7 @@
 // and the activation quantiser. No torch here: the tiers are plain shared libraries (and the
 // standalone self-test links them directly), loaded by the torch glue in ../cpu_ops.cpp.
 //
-// Weight layout (nanoserve/model/cpu_kernels.py packs it): outputs in blocks of 16; per block,
+// Weight layout (nanoserve/model/quant/cpu_kernels.py packs it): outputs in blocks of 16; per block,
 // per group of 32 along K, 4-byte lanes, lane r holding 4 consecutive codes of output r, so 64
 // bytes cover 16 outputs x 4 k:
 //   4 bits:  byte (block, g, j < 4, r, i < 4) = c[16 block + r, 32 g + 8 j + i] & 15

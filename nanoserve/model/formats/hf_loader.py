@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nanoserve.model.architectures import HF_CLASSES, HF_MODEL_TYPES, Architecture, architecture
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.errors import ModelLoadError
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.network.architectures import HF_CLASSES, HF_MODEL_TYPES, Architecture, architecture
+from nanoserve.model.network.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 # transformers' Gemma3TextConfig defaults: the 4B-27B checkpoints' text_config names only what

@@ -9,7 +9,7 @@ Q2_K) an exact fp32 scale and minimum (``SuperScales``). Q2_K's and Q3_K's codes
 bits (held in 4); IQ4_NL's, IQ4_XS's and MXFP4's table values are held here as codes, the value
 plus a zero point (8 and 5 bits; packed from the file's blocks they keep the file's nibbles and
 their code table instead, ``gguf_blocks``). ``as_torch_int4`` writes a group-32 weight in
-torch's int4 kernel's layout (see ``quant``).
+torch's int4 kernel's layout (see ``quant.linear``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.model.cpu_kernels import GROUP_SIZE
+from nanoserve.model.quant.cpu_kernels import GROUP_SIZE
 
 FP16_TINY = 2.0 ** -24  # the smallest fp16 number: the step of a group that is all one value
 

@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.validate import (
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.validate import (
     _BOOL,
     _FLOAT,
     _INT,
@@ -28,6 +27,7 @@ from nanoserve.model.validate import (
     _shown,
     check_chat_template,
 )
+from nanoserve.model.network.config import ModelConfig
 
 # A safetensors header is JSON of at most this many bytes (the format's own limit is 100 MB).
 MAX_SAFETENSORS_HEADER = 100_000_000
@@ -84,7 +84,7 @@ _HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def checked_hf_config(model_dir: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face directory, once its files pass check_hf_dir."""
-    from nanoserve.model.hf_loader import read_hf_config
+    from nanoserve.model.formats.hf_loader import read_hf_config
 
     check_hf_config_values(model_dir / "config.json")
     config = read_hf_config(model_dir)

@@ -12,19 +12,19 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from nanoserve.model.architectures import architecture
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.errors import ModelLoadError
-from nanoserve.model.gguf_blocks import BlockTensor
-from nanoserve.model.gguf_loader import GGUFCheckpoint
-from nanoserve.model.group_codes import GroupCodes
-from nanoserve.model.hf_loader import SafetensorsWeights, safetensors_files
-from nanoserve.model.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
-from nanoserve.model.pooling import model_pooling
-from nanoserve.model.tokenizer import Tokenizer, hf_chat_template
-from nanoserve.model.validate import checked_gguf_config
-from nanoserve.model.validate_hf import checked_hf_config
-from nanoserve.model.weight_plan import (
+from nanoserve.model.formats.errors import ModelLoadError
+from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
+from nanoserve.model.formats.hf_loader import SafetensorsWeights, safetensors_files
+from nanoserve.model.formats.pooling import model_pooling
+from nanoserve.model.formats.tokenizer import Tokenizer, hf_chat_template
+from nanoserve.model.formats.validate import checked_gguf_config
+from nanoserve.model.formats.validate_hf import checked_hf_config
+from nanoserve.model.network.architectures import architecture
+from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.network.llama import LlamaModel, hf_norm_offset, unfuse_hf_weights
+from nanoserve.model.quant.gguf_blocks import BlockTensor
+from nanoserve.model.quant.group_codes import GroupCodes
+from nanoserve.model.quant.weight_plan import (
     WeightPlan,
     hf_parts,
     pack_head,

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.model.architectures import architecture
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.experts import ACTIVATIONS, ExpertMLP
-from nanoserve.model.reference_attention import DenseCausalAttention
+from nanoserve.model.network.architectures import architecture
+from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.network.experts import ACTIVATIONS, ExpertMLP
+from nanoserve.model.network.reference_attention import DenseCausalAttention
 
 
 class Attention(Protocol):
@@ -312,7 +312,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # lm_head may be a packed layer (nanoserve.model.quant), so it is called, not read.
+        # lm_head may be a packed layer (nanoserve.model.quant.linear), so it is called, not read.
         if self.lm_head is None:
             logits = F.linear(hidden, self.embed_tokens.weight)
         else:
