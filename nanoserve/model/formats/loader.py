@@ -55,9 +55,14 @@ class ModelHeader:
     checkpoint: GGUFCheckpoint | None  # None for a HF directory
 
     def tokenizer(self) -> Tokenizer:
-        if self.checkpoint is None:
-            return Tokenizer.from_hf_dir(self.path)
-        return Tokenizer.from_gguf_metadata(self.checkpoint.metadata, source=str(self.path))
+        return _tokenizer(self.path, self.checkpoint)
+
+
+def _tokenizer(path: Path, checkpoint: GGUFCheckpoint | None) -> Tokenizer:
+    """The tokenizer of a HF directory (no checkpoint) or of an opened GGUF's metadata."""
+    if checkpoint is None:
+        return Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf_metadata(checkpoint.metadata, source=str(path))
 
 
 def read_header(model: str) -> ModelHeader:
@@ -77,9 +82,7 @@ def load_config(model: str) -> ModelConfig:
 def load_tokenizer(model: str) -> Tokenizer:
     """Only the tokenizer of a model argument (no weights are read)."""
     path = resolve_model_path(model)
-    if path.is_dir():
-        return Tokenizer.from_hf_dir(path)
-    return Tokenizer.from_gguf_metadata(GGUFCheckpoint.open(path).metadata, source=str(path))
+    return _tokenizer(path, None if path.is_dir() else GGUFCheckpoint.open(path))
 
 
 def has_chat_template(model: str) -> bool:
@@ -108,20 +111,13 @@ def load_model(model: str | ModelHeader = DEFAULT_MODEL, dtype: torch.dtype = to
     whole float model first. ``with_tokenizer=False`` (a tensor-parallel rank's worker) reads no
     tokenizer and returns None for it. A ModelHeader is a file already opened (read_header).
     """
-    header = model if isinstance(model, ModelHeader) else None
-    path = header.path if header is not None else resolve_model_path(model)
     timer = LoadTimer()
-    if path.is_dir():
-        config = checked_hf_config(path)
-        weights_file: WeightFile = SafetensorsWeights(path, architecture(config.architecture))
-        timer.lap("metadata")
-        tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
-    else:
-        ckpt = header.checkpoint if header is not None else GGUFCheckpoint.open(path)
-        config = header.config if header is not None else checked_gguf_config(ckpt)
-        weights_file = GGUFWeights(ckpt, config)
-        timer.lap("metadata")
-        tokenizer = Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)) if with_tokenizer else None
+    header = model if isinstance(model, ModelHeader) else read_header(model)
+    path, config, ckpt = header.path, header.config, header.checkpoint
+    weights_file: WeightFile = (SafetensorsWeights(path, architecture(config.architecture)) if ckpt is None
+                                else GGUFWeights(ckpt, config))
+    timer.lap("metadata")
+    tokenizer = header.tokenizer() if with_tokenizer else None
     if with_tokenizer:
         timer.lap("tokenizer")
     files = safetensors_files(path) if path.is_dir() else [path]
@@ -137,7 +133,7 @@ def load_model(model: str | ModelHeader = DEFAULT_MODEL, dtype: torch.dtype = to
     built.load_stages = timer.stages
     built.file_bytes = file_bytes
     # The pooling the files declare (embedding and reranking models), None for a generation model.
-    built.pooling = model_pooling(path, None if path.is_dir() else ckpt.metadata)
+    built.pooling = model_pooling(path, None if ckpt is None else ckpt.metadata)
     return built, tokenizer
 
 
