@@ -50,7 +50,8 @@ def graph_calls(monkeypatch):
 
 def test_reduce_overhead_records_once_per_bucket_and_replays_every_step(graph_calls):
     model = random_model(tiny_config(), seed=0)
-    compiled = cuda_engine(model, compile=True, row_buckets=(1, 2, 4), width_buckets=(32, 64, 128),
+    # Four buckets keep the check short; the contract is per bucket, not per grid size.
+    compiled = cuda_engine(model, compile=True, row_buckets=(1, 4), width_buckets=(32, 128),
                            warmup="eager")
     grid = compiled.worker.decode_step.buckets.grid
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
