@@ -94,7 +94,8 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
-def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows):
+@pytest.mark.parametrize("x_bits", [16, 8])
+def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows, x_bits):
     bits, group, kind, zero_point = fmt
     n, k = 96, 512 if kind == SUPER else 576
     codes = random_codes(n, k, bits, seed=rows)
@@ -102,8 +103,8 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, 
     scales = random_scales(n, k, group, kind, generator)
     mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
     x = torch.randn(rows, k, generator=generator).to(dtype)
-    want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle("scalar"))
-    got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier))
+    want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle("scalar"), x_bits)
+    got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier), x_bits)
     assert got.dtype == dtype and got.shape == (rows, n)
     # the same integers and fp32 sums in another order: bf16's last bit, or fp32 rounding
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
@@ -130,6 +131,53 @@ def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
     picked = torch.ops.nanoserve.dequantize_rows(codes, scales, mins, zero_point, rows, n, k, dtype,
                                                  cpu_kernels.handle(tier))
     assert torch.equal(picked, want.to(dtype)[rows])
+
+
+def q8_0_rounding(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as llama.cpp's q8_0 activations: per group of 32, a step of max |x| / 127."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / step).clamp(-127, 127) * step).view_as(x)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_8_bit_activations_are_the_q8_0_rounding_of_x_times_the_weight(tier, fmt):
+    """x_bits 8 is w x_q exactly (up to fp32 sums), minimums included: the minimum meets the same
+    rounded activations, so the errors of d c and m cancel; 16 bits stays far closer to w x."""
+    bits, group, kind, zero_point = fmt
+    n, k, rows = 48, 512, 5
+    codes = random_codes(n, k, bits, seed=3)
+    generator = torch.Generator().manual_seed(3)
+    scales = random_scales(n, k, group, kind, generator)
+    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    x = torch.randn(rows, k, generator=generator)
+    handle = cpu_kernels.handle(tier)
+    weight = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, torch.float32, handle)
+    exact, rounded = x @ weight.T, q8_0_rounding(x) @ weight.T
+    a8 = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, handle, 8)
+    a16 = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, handle, 16)
+    top = exact.abs().max()
+    assert (a8 - rounded).abs().max() <= 1e-4 * top
+    assert (a16 - exact).abs().max() * 20 < (a8 - exact).abs().max()
+
+
+def test_activation_bits_other_than_8_or_16_are_refused():
+    codes = random_codes(16, 32, 4, seed=0)
+    scales = random_scales(16, 32, 32, FP16, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="x_bits must be 8 or 16, got 12"):
+        torch.ops.nanoserve.group_mm(torch.randn(1, 32), codes, scales, scales[:, :0], 8,
+                                     cpu_kernels.handle(TIERS[0]), 12)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_the_dot_peak_counts_its_multiply_adds_and_has_a_rate(tier):
+    handle = cpu_kernels.handle(tier)
+    once = torch.ops.nanoserve.dot_peak(5, handle)
+    assert once > 0 and torch.ops.nanoserve.dot_peak(10, handle) == 2 * once
+    assert cpu_kernels.dot_peak_rate(tier, seconds=0.03) > 1e8  # any tier does 0.1 G multiply-adds a second
+    with pytest.raises(ValueError, match="does not run here"):
+        cpu_kernels.dot_peak_rate("torch")
 
 
 def test_packed_weights_of_no_known_format_are_refused():

@@ -65,10 +65,11 @@ def test_the_block_types_cover_every_format_a_gguf_packs_to():
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_grouped_products_are_each_pair_through_its_expert(tier, qtype, routing, dtype):
+@pytest.mark.parametrize("x_bits", [16, 8])
+def test_grouped_products_are_each_pair_through_its_expert(tier, qtype, routing, dtype, x_bits):
     """Each pair's output is its expert's group_mm of its row on the same tier, bit for bit
     (the same sums in the same order), and the scalar reference's within tolerance; with a row
-    of x per row of the step (gate and up) or per pair (down)."""
+    of x per row of the step (gate and up) or per pair (down), and activations of 16 or 8 bits."""
     n, k = 48, 256
     codes, scales, mins, zero = stacked_experts(qtype, n, k, seed=len(routing))
     ids = torch.tensor(ROUTINGS[routing])
@@ -77,14 +78,14 @@ def test_grouped_products_are_each_pair_through_its_expert(tier, qtype, routing,
     handle = cpu_kernels.handle(tier)
     for per_pair in (False, True):
         x = torch.randn(rows * top_k if per_pair else rows, k, generator=generator).to(dtype)
-        got = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, handle)
+        got = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, handle, x_bits)
         assert got.shape == (rows, top_k, n) and got.dtype == dtype
         for r in range(rows):
             for s in range(top_k):
                 e, row = ids[r, s], x[r * top_k + s if per_pair else r]
-                alone = torch.ops.nanoserve.group_mm(row[None], codes[e], scales[e], mins[e], zero, handle)[0]
+                alone = torch.ops.nanoserve.group_mm(row[None], codes[e], scales[e], mins[e], zero, handle, x_bits)[0]
                 assert torch.equal(got[r, s], alone), f"row {r} slot {s}"
-        want = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, cpu_kernels.handle("scalar"))
+        want = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, cpu_kernels.handle("scalar"), x_bits)
         tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
         assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
 

@@ -195,16 +195,47 @@ def test_auto_holds_no_dense_copy_and_auto_dense_asks_for_one():
 
 @pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int4", int8_head=True), WeightPlan("int8"),
                                   WeightPlan("fp32"), WeightPlan("bf16"), auto_cpu_plan(), auto_cpu_plan(dense=True),
+                                  WeightPlan("int4", activation_bits=8), auto_cpu_plan(activation_bits=8),
                                   *(WeightPlan("int4", kernel=t) for t in OUR_TIERS)], ids=lambda p: p.name)
 def test_a_plans_name_parses_back_to_the_plan(plan):
     assert WeightPlan.parse(plan.name) == plan
     assert resolve_weights(plan.name, None, "cpu", named_model=True)[0] == plan
 
 
-@pytest.mark.parametrize("name", ["int3", "int4+", "int4+int9head", "fp32+int8head", "int4+bf16>=x"])
+@pytest.mark.parametrize("name", ["int3", "int4+", "int4+int9head", "fp32+int8head", "int4+bf16>=x", "int4+a12",
+                                  "fp32+a8", "int8+a8", "int4+torch+a8"])
 def test_a_name_that_is_no_plan_is_refused(name):
     with pytest.raises(ValueError, match="weights"):
         WeightPlan.parse(name)
+
+
+def test_auto_takes_8_bit_activations_and_refuses_other_parts():
+    for name, dense in (("auto+a8", False), ("auto+dense+a8", True), ("auto+a8+dense", True)):
+        plan, _ = resolve_weights(name, None, "cpu", named_model=True)
+        assert plan == auto_cpu_plan(dense=dense, activation_bits=8) and plan.name.endswith("+a8")
+    assert resolve_weights("auto+a16", None, "cpu", named_model=True)[0] == auto_cpu_plan()
+    for name in ("auto+a9", "auto+a8+a8", "auto+int8head", "auto+"):
+        with pytest.raises(ValueError, match="auto takes"):
+            resolve_weights(name, None, "cpu", named_model=True)
+    with pytest.raises(ValueError, match="CPU int4 kernel option"):
+        resolve_weights("auto+a8", None, "cuda", named_model=True)
+
+
+def test_8_bit_activations_reach_every_packed_product_and_stay_near_16(smollm2_path):
+    """auto+a8 runs every group-wise product with x_bits 8 (the plan names it); its logits differ
+    from the 16-bit default's, within the q8_0 rounding's small divergence."""
+    from nanoserve.model.network.fidelity import teacher_forced_logits
+    from nanoserve.model.quant.linear import GroupLinear
+
+    models = {bits: load_model(smollm2_path, weights=auto_cpu_plan(activation_bits=bits))[0] for bits in (16, 8)}
+    for bits, model in models.items():
+        linears = [m for m in model.modules() if isinstance(m, GroupLinear)]
+        assert linears and {m.x_bits for m in linears} == {bits}
+    ids = list(range(100, 140))
+    logits = {bits: teacher_forced_logits(model, ids, chunk_rows=8).float() for bits, model in models.items()}
+    kl = torch.nn.functional.kl_div(logits[8].log_softmax(-1), logits[16].log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert 0 < kl.mean() < 0.05, kl
 
 
 def test_random_files_have_the_shapes_and_types_they_name(tmp_path):

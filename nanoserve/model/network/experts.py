@@ -116,13 +116,13 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
                    down_codes: torch.Tensor, down_scales: torch.Tensor, down_mins: torch.Tensor, down_zero: int,
                    intermediate: int, tier: int, dequant_from_rows: int, activation: str,
                    gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, limit: float,
-                   alpha: float) -> torch.Tensor:
+                   alpha: float, x_bits: int = 16) -> torch.Tensor:
     """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
     gate and up as one [2 I, H] matrix per expert, down [H, I]; optional biases [E, 2 I] (gate's
     then up's) and [E, H]. Runs _packed_step."""
     experts = PackedStep((gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero),
                          (down_codes, down_scales, down_mins, down_zero), intermediate, tier, activation, gate_up_bias,
-                         down_bias, limit, alpha)
+                         down_bias, limit, alpha, x_bits)
     return _packed_step(x, ids, weights, experts, dequant_from_rows)
 
 
@@ -130,7 +130,8 @@ def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
 class PackedStep:
     """A layer's packed experts as experts_packed receives them: gate_up and down each (codes,
     scales, mins, zero point) with one leading index per expert, the tier's handle, the
-    activation (``glu``'s) and the optional biases."""
+    activation (``glu``'s), the optional biases and the products' activation bits (8 or 16,
+    ``WeightPlan.activation_bits``)."""
 
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -141,6 +142,7 @@ class PackedStep:
     down_bias: torch.Tensor | None
     limit: float
     alpha: float
+    x_bits: int = 16
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -173,30 +175,32 @@ def _grouped_outputs(x: torch.Tensor, ids: torch.Tensor, experts: PackedStep) ->
     rows), the activation, down of every pair in another. Pairs of id -1 are left unwritten."""
     rows, top_k = ids.shape
     ids = ids.contiguous()
-    gate_up = torch.ops.nanoserve.experts_mm(x, ids, *experts.gate_up, experts.tier)  # [rows, k, 2 I]
+    gate_up = torch.ops.nanoserve.experts_mm(x, ids, *experts.gate_up, experts.tier, experts.x_bits)  # [rows, k, 2 I]
     if experts.gate_up_bias is not None:
         gate_up = gate_up + experts.gate_up_bias[ids]
     h = experts.glu(gate_up).reshape(rows * top_k, experts.intermediate)
-    y = torch.ops.nanoserve.experts_mm(h, ids, *experts.down, experts.tier)  # [rows, k, H]
+    y = torch.ops.nanoserve.experts_mm(h, ids, *experts.down, experts.tier, experts.x_bits)  # [rows, k, H]
     if experts.down_bias is not None:
         y = y + experts.down_bias[ids]
     return y
 
 
-def _expert_product(rows: torch.Tensor, e: int, weight: tuple, tier: int, dense: bool) -> torch.Tensor:
+def _expert_product(rows: torch.Tensor, e: int, weight: tuple, tier: int, dense: bool, x_bits: int = 16,
+                    ) -> torch.Tensor:
     """rows times expert e's matrix of ``weight`` (codes, scales, mins, zero point): through its
     dequantised matrix (``dense``) or the packed product."""
     codes, scales, mins, zero = (*(t[e] for t in weight[:3]), weight[3])
     if not dense:
-        return torch.ops.nanoserve.group_mm(rows, codes, scales, mins, zero, tier)
+        return torch.ops.nanoserve.group_mm(rows, codes, scales, mins, zero, tier, x_bits)
     n, k = 16 * scales.shape[0], rows.shape[1]
     return F.linear(rows, torch.ops.nanoserve.dequantize(codes, scales, mins, zero, n, k, rows.dtype, tier))
 
 
 def _dequantised_expert(rows: torch.Tensor, e: int, experts: PackedStep, dense: bool = True) -> torch.Tensor:
     """Expert e on its rows [n, H], one product at a time: gate and up, the activation, down."""
-    gate_up = _biased(_expert_product(rows, e, experts.gate_up, experts.tier, dense), experts.gate_up_bias, e)
-    y = _expert_product(experts.glu(gate_up), e, experts.down, experts.tier, dense)
+    gate_up = _biased(_expert_product(rows, e, experts.gate_up, experts.tier, dense, experts.x_bits),
+                      experts.gate_up_bias, e)
+    y = _expert_product(experts.glu(gate_up), e, experts.down, experts.tier, dense, experts.x_bits)
     return _biased(y, experts.down_bias, e)
 
 
@@ -248,12 +252,14 @@ class PackedExperts(nn.Module):
     """Every expert packed group-wise for nanoserve's kernel tier ``handle``: ``gate_up`` (gate
     and up stacked, [2 I, H] per expert) and ``down`` ([H, I]), each a (codes, scales, mins)
     stack with one leading index per expert and a zero point; optional float biases
-    ``gate_up_bias`` [E, 2 I] and ``down_bias`` [E, H]."""
+    ``gate_up_bias`` [E, 2 I] and ``down_bias`` [E, H]; ``x_bits`` the products' activation
+    bits (8 or 16)."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
                  down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], intermediate: int, handle: int,
                  dequant_from_rows: int, activation: str, gate_up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 1.0) -> None:
+                 down_bias: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 1.0,
+                 x_bits: int = 16) -> None:
         super().__init__()
         for prefix, (codes, scales, mins, zero) in (("gate_up", gate_up), ("down", down)):
             self.register_buffer(f"{prefix}_codes", codes)
@@ -264,7 +270,7 @@ class PackedExperts(nn.Module):
         self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
         self.intermediate, self.handle = intermediate, handle
         self.dequant_from_rows, self.activation = dequant_from_rows, activation
-        self.limit, self.alpha = limit, alpha
+        self.limit, self.alpha, self.x_bits = limit, alpha, x_bits
 
     @property
     def num_experts(self) -> int:
@@ -274,7 +280,8 @@ class PackedExperts(nn.Module):
         return torch.ops.nanoserve.experts_packed(
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
-            self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha)
+            self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha,
+            self.x_bits)
 
 
 class ExpertMLP(nn.Module):

@@ -1,7 +1,7 @@
 """nanoserve's CPU kernels: group-wise weight products and the decode attention read, in one
 tier per instruction set, chosen at run time.
 
-``torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, tier)`` computes ``x @ w.T``
+``torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, tier, x_bits=16)`` computes ``x @ w.T``
 for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``
 (a symmetric format stores no mins: ``mins = -zero_point * scales``), unsigned codes
 c stored in 4 bits (two a byte), 5 or 6 (a nibble and bit planes) or 8 (a byte each),
@@ -10,12 +10,13 @@ scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format fo
 tensors' sizes and dtypes (``pack_groups``). A GGUF's table types (``pack_gguf``) pass 16 int8
 values in the mins' place, ``w = scale * table[c]`` for 4-bit codes c, and MXFP4's scales as
 exponent bytes (uint8, 2^(e - 128)). Each activation is written per group of 32 as two
-int8 codes and multiplied with the weight codes in integers; each block of 16 outputs is read
-from memory once for all rows.
+int8 codes (``x_bits`` 16) and multiplied with the weight codes in integers, or with ``x_bits``
+8 as the first code alone (a step of max |x| / 127, as llama.cpp's q8_0 activations: each weight
+code multiplied once, not twice); each block of 16 outputs is read from memory once for all rows.
 ``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0)`` is
 the decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots
 (a sliding-window layer's ``window``: over the last ``window`` of them).
-``torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero_point, tier)`` is a
+``torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero_point, tier, x_bits=16)`` is a
 mixture-of-experts step's every routed product in one call: experts stacked along a leading
 dimension, ``ids`` [rows, top_k], out [rows, top_k, N] with ``out[r, s]`` expert ``ids[r, s]``
 times ``x[r]`` (or ``x[r * top_k + s]``, a row per pair); each expert's block of codes is read
@@ -42,6 +43,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -194,6 +196,28 @@ def handle(tier: str) -> int | None:
     return index
 
 
+def dot_peak_rate(tier: str, seconds: float = 0.3) -> float:
+    """The tier's int8 multiply-adds a second on every intra-op thread at once (``dot_peak``: its
+    code dots on registers, no memory): what a product's arithmetic cannot beat on this host.
+    The median of three timed runs, each about ``seconds / 3`` long."""
+    index = handle(tier)
+    if index is None:
+        raise ValueError(f"kernel tier {tier!r} does not run here")
+    rounds = 1 << 12
+    while True:  # grow a run until it takes long enough to time
+        started = time.perf_counter()
+        torch.ops.nanoserve.dot_peak(rounds, index)
+        if time.perf_counter() - started >= seconds / 30:
+            break
+        rounds *= 2
+    rates = []
+    for _ in range(3):
+        started = time.perf_counter()
+        done = torch.ops.nanoserve.dot_peak(rounds * 10, index)
+        rates.append(done / (time.perf_counter() - started))
+    return sorted(rates)[1]
+
+
 def _build(tier: Tier) -> Path:
     """The tier's shared library, compiled once per source and flags into torch's extension
     directory (written under a temporary name and renamed, so a concurrent build never reads half
@@ -219,12 +243,12 @@ def _build(tier: Tier) -> Path:
 
 
 def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int,
-                 tier: int) -> torch.Tensor:
+                 tier: int, x_bits: int = 16) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))
 
 
 def _experts_output_like(x: torch.Tensor, ids: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                         mins: torch.Tensor, zero_point: int, tier: int) -> torch.Tensor:
+                         mins: torch.Tensor, zero_point: int, tier: int, x_bits: int = 16) -> torch.Tensor:
     return x.new_empty((ids.shape[0], ids.shape[1], 16 * scales.shape[1]))
 
 

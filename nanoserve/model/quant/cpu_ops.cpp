@@ -49,6 +49,20 @@ int64_t load_tier(const std::string& path) {
 
 std::string tier_name(int64_t handle) { return tier_of(handle).tier; }
 
+// The tier's dot_peak on every intra-op thread at once, `rounds` each: the multiply-adds done.
+int64_t dot_peak(int64_t rounds, int64_t handle) {
+  TORCH_CHECK(rounds > 0, "rounds must be positive, got ", rounds);
+  const nanoserve_kernel_table& tier = tier_of(handle);
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> done(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) done[t] = tier.dot_peak(rounds);
+  });
+  int64_t total = 0;
+  for (int64_t d : done) total += d;
+  return total;
+}
+
 // The instruction-set features the kernel tiers and the compute dtype depend on, from the CPU
 // itself (cpuid on x86, the kernel's hwcaps on Linux ARM, sysctl on macOS), comma-separated.
 std::string cpu_features() {
@@ -174,10 +188,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const a
   return {xq, xd, xs, sums};
 }
 
+void check_x_bits(int64_t x_bits) {
+  TORCH_CHECK(x_bits == 8 || x_bits == 16, "x_bits must be 8 or 16, got ", x_bits);
+}
+
 // x [M, K] @ w.T for the packed weight w of N x K (format_of; N from the scales).
+// x_bits: the activations' precision, 16 (hi and lo codes) or 8 (hi alone; kernels/common.h).
 at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                    int64_t zero_point, int64_t handle) {
+                    int64_t zero_point, int64_t handle, int64_t x_bits) {
   TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / group, 16]");
+  check_x_bits(x_bits);
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, N = 16 * d.size(0);
   const nanoserve_format format = format_of(codes, d, m, zero_point, N, K);
   const nanoserve_kernel_table& tier = tier_of(handle);
@@ -191,7 +211,7 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   at::Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, xq, xd, xs, sums,
-                  out.data_ptr(), x.scalar_type() == at::kBFloat16);
+                  static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
   });
   return out;
 }
@@ -204,7 +224,8 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 // (expert, output block) tasks, each thread a share of their cost: a block's read and its
 // expert's rows (a prompt's experts have very different numbers of rows).
 at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& d,
-                      const at::Tensor& m, int64_t zero_point, int64_t handle) {
+                      const at::Tensor& m, int64_t zero_point, int64_t handle, int64_t x_bits) {
+  check_x_bits(x_bits);
   TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64 "
               "[rows, top_k], got ", ids.sizes(), " ", ids.scalar_type());
   TORCH_CHECK(codes.dim() == 2 && d.dim() == 4 && (m.dim() == 4 || (m.dim() == 2 && m.scalar_type() == at::kChar)) &&
@@ -258,7 +279,7 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
     for (int64_t thread = begin; thread < end; ++thread) {
       tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins,
                       codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, xq, xd, xs, sums,
-                      first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
+                      static_cast<int32_t>(x_bits), first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
                       x.scalar_type() == at::kBFloat16);
     }
   });
@@ -379,11 +400,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 TORCH_LIBRARY(nanoserve, lib) {
   lib.def("load_tier(str path) -> int");
   lib.def("tier_name(int tier) -> str");
+  lib.def("dot_peak(int rounds, int tier) -> int");
   lib.def("cpu_features() -> str");
   lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
-  lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier) -> Tensor");
-  lib.def("experts_mm(Tensor x, Tensor ids, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier) "
+  lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier, int x_bits=16) "
           "-> Tensor");
+  lib.def("experts_mm(Tensor x, Tensor ids, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier, "
+          "int x_bits=16) -> Tensor");
   lib.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int zero_point, int n, int k, ScalarType dtype, "
           "int tier) -> Tensor");
   lib.def("dequantize_rows(Tensor codes, Tensor scales, Tensor mins, int zero_point, Tensor rows, int n, int k, "
@@ -393,6 +416,7 @@ TORCH_LIBRARY(nanoserve, lib) {
           "int tier, int window=0, Tensor? sinks=None) -> Tensor");
   lib.impl("load_tier", &load_tier);
   lib.impl("tier_name", &tier_name);
+  lib.impl("dot_peak", &dot_peak);
   lib.impl("cpu_features", &cpu_features);
 }
 

@@ -114,11 +114,14 @@ class _PackedLinear(nn.Module):
 class GroupLinear(_PackedLinear):
     """A group-wise weight (``GroupCodes``) run by ``kernel`` (resolve_group_kernel): nanoserve's
     tiers hold ``codes``, ``scales`` and ``mins`` (cpu_kernels' layout) and call the tier by its
-    handle; torch's int4 kernel (group 32 only) holds ``packed`` and ``scales_and_zeros``."""
+    handle; torch's int4 kernel (group 32 only) holds ``packed`` and ``scales_and_zeros``.
+    ``x_bits``: the activations' precision in our tiers' products, 16 or 8 (kernels/common.h)."""
 
     def __init__(self, weight: GroupCodes | StackedBlocks, bias: torch.Tensor | None, dtype: torch.dtype,
-                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto") -> None:
+                 dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto",
+                 x_bits: int = 16) -> None:
         super().__init__(bias, dense, dense_from_rows)
+        self.x_bits = x_bits
         self.kernel = resolve_group_kernel(kernel, dtype)
         self.handle = cpu_kernels.handle(self.kernel)
         self.out_features, self.in_features = weight.shape
@@ -153,7 +156,8 @@ class GroupLinear(_PackedLinear):
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.handle is not None:
-            return torch.ops.nanoserve.group_mm(x, self.codes, self.scales, self.mins, self.zero_point, self.handle)
+            return torch.ops.nanoserve.group_mm(x, self.codes, self.scales, self.mins, self.zero_point, self.handle,
+                                                self.x_bits)
         x = torch.cat([x, x], dim=-1) if self.doubled_input else x
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 

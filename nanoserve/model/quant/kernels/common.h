@@ -22,7 +22,11 @@
 // MXFP4: 4-bit codes, the file's nibbles), w[n, k] = d[n, h] * table[c[n, k]], no m.
 // Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
 // -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
-// xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16).
+// xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16). A product
+// with x_bits 8 multiplies hi alone (x[k] ~= 254 xd hi[k], max |x| / 127 a step, as llama.cpp's
+// q8_0 activations): each code meets one activation vector instead of two, and the minimum meets
+// the same rounded activations (254 xd sum hi in place of xs), so the rounding errors of d c and
+// m, of opposite signs, cancel as they do in sum (d c + m) x_q.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -31,7 +35,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 7
+#define NANOSERVE_KERNEL_ABI 8
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -55,10 +59,10 @@ struct nanoserve_kernel_table {
   void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
                         int8_t* xq, float* xd, float* xs, int32_t* xsum);
   // out[M, N] (row stride N; bf16 bits if out_bf16, else fp32), output blocks [block_begin, block_end).
-  // xq, xd, xs, xsum as quantize_rows wrote them for M rows.
+  // xq, xd, xs, xsum as quantize_rows wrote them for M rows; x_bits 16 (hi and lo) or 8 (hi alone).
   void (*group_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
                    int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd,
-                   const float* xs, const int32_t* xsum, void* out, int32_t out_bf16);
+                   const float* xs, const int32_t* xsum, int32_t x_bits, void* out, int32_t out_bf16);
   // The raw integer group sums out[n, h] = sum_k c[n, group h + k] * x[group h + k] (unsigned
   // codes, or with a table its values table[c]; x int8 in -127..127, group 32 or 16), through the
   // same instructions as group_mm: tiers are tested on these.
@@ -88,11 +92,15 @@ struct nanoserve_kernel_table {
   // x_per_pair, else row p / top_k; xq, xd, xs, xsum as quantize_rows wrote them for those rows
   // (rows * top_k, or rows). The work is a list of tasks: the experts ids names, ascending, times
   // their N / 16 output blocks (ExpertGroups); this call does tasks [task_begin, task_end). Each
-  // task reads its block's codes once for all of the expert's rows.
+  // task reads its block's codes once for all of the expert's rows. x_bits as group_mm's.
   void (*experts_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
                      int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
                      int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-                     int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16);
+                     int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16);
+  // The tier's arithmetic peak: `rounds` passes of independent 4-bit code dots (the instructions
+  // group_mm multiplies codes with) on values held in registers, no memory traffic. Returns the
+  // multiply-adds done; timed, it gives the rate a product's arithmetic cannot beat.
+  int64_t (*dot_peak)(int64_t rounds);
 };
 }
 

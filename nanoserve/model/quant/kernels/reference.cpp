@@ -72,10 +72,13 @@ void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, cons
 
 // Per group of 32 and scale group h within it (one, or two halves of 16), the integer sums of
 // the codes (a table's values) with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m *
-// xs over h's k (m = -zero_point * d in a symmetric format; none with a table).
+// xs over h's k (m = -zero_point * d in a symmetric format; none with a table). With x_bits 8,
+// dot_lo is 0 and the minimum meets the same rounded activations, 254 xd sum(hi) for xs: sum_k
+// (d c + m) x_q, whose error (d c + m) (x_q - x) is centred where the exact sum's, d c (x_q - x),
+// is not (c >= 0): twice as large on a Q4_1 weight.
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
               int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
-              const int32_t*, void* out, int32_t out_bf16) {
+              const int32_t* xsum, int32_t x_bits, void* out, int32_t out_bf16) {
   const int64_t G = K / GROUP, bytes_per_group = group_bytes(f.bits), per = GROUP / f.group;
   std::vector<float> acc(16 * M);
   int32_t codes[16][GROUP];
@@ -91,10 +94,17 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
         const int8_t* lo = hi + M * K;
         for (int64_t h = 0; h < per; ++h) {
           // the activations' sum over this scale group: one half of 16, or both
-          const float x_sum = per == 2 ? xs[row * 2 * G + 2 * g + h] : xs[row * 2 * G + 2 * g] + xs[row * 2 * G + 2 * g + 1];
+          float x_sum = per == 2 ? xs[row * 2 * G + 2 * g + h] : xs[row * 2 * G + 2 * g] + xs[row * 2 * G + 2 * g + 1];
+          if (x_bits == 8) {
+            const int32_t* hi_sum = xsum + row * 2 * G + 2 * g;
+            x_sum = static_cast<float>(254 * (per == 2 ? hi_sum[h] : hi_sum[0] + hi_sum[1])) * xd[row * G + g];
+          }
           for (int64_t r = 0; r < 16; ++r) {
             int32_t dot_hi = 0, dot_lo = 0;
-            for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) dot_hi += codes[r][k] * hi[k], dot_lo += codes[r][k] * lo[k];
+            for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) {
+              dot_hi += codes[r][k] * hi[k];
+              if (x_bits == 16) dot_lo += codes[r][k] * lo[k];
+            }
             const int64_t at = ((b * G + g) * per + h) * 16 + r;
             const float d_at = load_scale(d, at, f.scale_kind, f.group);
             const float low = f.table ? 0.f
@@ -117,7 +127,7 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
 void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
                 int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
                 int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-                int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
+                int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
   const ExpertGroups groups(ids, rows * top_k);
   const int64_t blocks = N / 16, G = K / GROUP, M = x_per_pair ? rows * top_k : rows, size = out_bf16 ? 2 : 4;
   std::vector<int8_t> q(2 * K);
@@ -136,7 +146,7 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
       std::copy(xsum + 2 * x * G, xsum + 2 * (x + 1) * G, q_sum.begin());
       std::copy(xsum + 2 * M * G + 2 * x * G, xsum + 2 * M * G + 2 * (x + 1) * G, q_sum.begin() + 2 * G);
       group_mm(f, w + e * w_stride, d_e, m_e, N, K, b, b + 1, 1, q.data(), q_d.data(), q_s.data(), q_sum.data(),
-               static_cast<char*>(out) + p * N * size, out_bf16);
+               x_bits, static_cast<char*>(out) + p * N * size, out_bf16);
     }
   }
 }
@@ -166,9 +176,26 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
   }
 }
 
+// group_mm's inner product as plain C++: 64 codes times 4 activations a round, into 16 sums.
+int64_t dot_peak(int64_t rounds) {
+  int32_t codes[64], sums[16] = {};
+  for (int i = 0; i < 64; ++i) codes[i] = (i * 37) & 15;
+  const int32_t x[4] = {3, -5, 7, -9};
+  const int32_t* c = codes;
+  for (int64_t i = 0; i < rounds; ++i) {
+    asm volatile("" : "+r"(c));  // c may point anywhere now: the codes are read again, not folded
+    for (int r = 0; r < 16; ++r) {
+      for (int k = 0; k < 4; ++k) sums[r] += c[4 * r + k] * x[k];
+    }
+  }
+  volatile int32_t sink = sums[0] + sums[15];
+  (void)sink;
+  return rounds * 64;
+}
+
 const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, "scalar", quantize_rows, group_mm, group_dots,
                                       attend, dequantize_portable,
-                                      dequantize_rows_portable, experts_mm};
+                                      dequantize_rows_portable, experts_mm, dot_peak};
 
 }  // namespace
 

@@ -153,18 +153,20 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
   check(xq == xq_ref && xd == xd_ref && xs == xs_ref && sum == sum_ref, name + ": activation codes");
   // products
   std::vector<uint16_t> d = random_scales(N * H, f.scale_kind, f.group), m = random_scales(N * H, f.scale_kind, f.group);
-  std::vector<uint8_t> out_ref(M * N * 4), out(M * N * 4);
-  ref->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
-                out_ref.data(), bf16);
-  // two calls over halves of the blocks, as the glue splits them over threads
-  tier->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(), sum.data(),
-                 out.data(), bf16);
-  tier->group_mm(f, w.data(), d.data(), m.data(), N, K, N / 32, N / 16, M, xq.data(), xd.data(), xs.data(),
-                 sum.data(), out.data(), bf16);
-  float scale;
-  const float diff = max_abs_diff(as_floats(out_ref, bf16, M * N), as_floats(out, bf16, M * N), &scale);
-  check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale, name + ": products, max diff " + std::to_string(diff) + " of " +
-                                                     std::to_string(scale));
+  for (int32_t x_bits : {16, 8}) {
+    std::vector<uint8_t> out_ref(M * N * 4), out(M * N * 4);
+    ref->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
+                  x_bits, out_ref.data(), bf16);
+    // two calls over halves of the blocks, as the glue splits them over threads
+    tier->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(), sum.data(),
+                   x_bits, out.data(), bf16);
+    tier->group_mm(f, w.data(), d.data(), m.data(), N, K, N / 32, N / 16, M, xq.data(), xd.data(), xs.data(),
+                   sum.data(), x_bits, out.data(), bf16);
+    float scale;
+    const float diff = max_abs_diff(as_floats(out_ref, bf16, M * N), as_floats(out, bf16, M * N), &scale);
+    check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale, name + " x_bits " + std::to_string(x_bits) + ": products, max diff " +
+                                                       std::to_string(diff) + " of " + std::to_string(scale));
+  }
   // the dequantised weight is the same on both
   std::vector<uint8_t> dense_ref(N * K * 4), dense(N * K * 4);
   ref->dequantize(f, w.data(), d.data(), m.data(), K, 0, N / 16, dense_ref.data(), bf16);
@@ -198,12 +200,13 @@ std::vector<Routing> routings() {
 // experts_mm against the reference, its tasks split over two calls as the glue splits them over
 // threads; activations one row per row of the step, or one per pair.
 void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, nanoserve_format f,
-                  int64_t N, int64_t K, const Routing& routing, bool x_per_pair, bool bf16) {
+                  int64_t N, int64_t K, const Routing& routing, bool x_per_pair, bool bf16, int32_t x_bits) {
   const std::string name = std::string(tier->tier) + " experts " + std::to_string(f.bits) + "-bit" +
                            table_name(f.table) + " group " +
                            std::to_string(f.group) + " scales " + std::to_string(f.scale_kind) + " zero point " +
                            std::to_string(f.zero_point) + " " + std::to_string(N) + "x" + std::to_string(K) + " " +
-                           routing.what + (x_per_pair ? " per pair" : " per row") + (bf16 ? " bf16" : " fp32");
+                           routing.what + (x_per_pair ? " per pair" : " per row") + (bf16 ? " bf16" : " fp32") +
+                           " x_bits " + std::to_string(x_bits);
   const int64_t E = 6, H = K / f.group, G = K / 32, pairs = routing.rows * routing.top_k;
   const int64_t M = x_per_pair ? pairs : routing.rows, w_stride = N * K * f.bits / 8;
   std::uniform_int_distribution<int> byte(0, 255);
@@ -226,11 +229,11 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
   const int64_t tasks = static_cast<int64_t>(nanoserve::ExpertGroups(routing.ids.data(), pairs).experts.size()) * (N / 16);
   std::vector<uint8_t> out_ref(pairs * N * 4), out(pairs * N * 4);
   ref->experts_mm(f, w.data(), d.data(), m.data(), w_stride, scale_stride, N, K, routing.rows, routing.top_k,
-                  routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), 0, tasks,
+                  routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), x_bits, 0, tasks,
                   out_ref.data(), bf16);
   for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, tasks / 2}, {tasks / 2, tasks}}) {
     tier->experts_mm(f, w.data(), d.data(), m.data(), w_stride, scale_stride, N, K, routing.rows, routing.top_k,
-                     routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), begin, end,
+                     routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), x_bits, begin, end,
                      out.data(), bf16);
   }
   float scale;
@@ -256,7 +259,7 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
     std::vector<uint8_t> one(N * 4);
     ref->group_mm(f, w.data() + e * w_stride, reinterpret_cast<const char*>(d.data()) + e * scale_stride,
                   reinterpret_cast<const char*>(m.data()) + e * scale_stride, N, K, 0, N / 16, 1, q.data(),
-                  xd.data() + row * G, xs.data() + 2 * row * G, q_sum.data(), one.data(), bf16);
+                  xd.data() + row * G, xs.data() + 2 * row * G, q_sum.data(), x_bits, one.data(), bf16);
     alone = alone && std::equal(one.begin(), one.begin() + N * (bf16 ? 2 : 4), out_ref.begin() + p * N * (bf16 ? 2 : 4));
   }
   check(alone, name + ": the reference is each pair through group_mm alone");
@@ -316,6 +319,9 @@ int main() {
   const nanoserve_kernel_table* ref = nanoserve_kernels_reference();
   const nanoserve_kernel_table* tier = nanoserve_kernels_tier();
   check(ref->abi == NANOSERVE_KERNEL_ABI && tier->abi == NANOSERVE_KERNEL_ABI, "kernel ABI");
+  // the multiply-adds a run of dots did: in proportion to its rounds (64 a round in the reference)
+  check(tier->dot_peak(3) > 0 && tier->dot_peak(6) == 2 * tier->dot_peak(3) && ref->dot_peak(2) == 128,
+        "dot_peak counts its multiply-adds");
   const int64_t shapes[][2] = {{16, 32}, {48, 96}, {64, 576}, {48, 256}, {32, 1536}};
   for (bool bf16 : {true, false}) {
     for (const nanoserve_format& format : formats()) {
@@ -326,7 +332,9 @@ int main() {
     }
     for (const nanoserve_format& format : formats()) {  // every format again, through the experts' products
       for (const Routing& routing : routings()) {
-        for (bool x_per_pair : {false, true}) test_experts(ref, tier, format, 48, 256, routing, x_per_pair, bf16);
+        for (bool x_per_pair : {false, true}) {
+          for (int32_t x_bits : {16, 8}) test_experts(ref, tier, format, 48, 256, routing, x_per_pair, bf16, x_bits);
+        }
       }
     }
     for (int64_t group : {1, 3, 4}) {

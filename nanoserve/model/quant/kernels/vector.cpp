@@ -251,8 +251,8 @@ struct RoutedPairs {
 // cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
 // stay in registers across the groups. d, m: the block's first scale and minimum (none in a
 // symmetric format, whose zero point the integer sums take out); out: the block's first output
-// of output row 0.
-template <typename F, int R, typename Rows>
+// of output row 0. LO: the activations' lo codes too (x_bits 16), else hi alone (x_bits 8).
+template <typename F, bool LO, int R, typename Rows>
 void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
              int64_t ldo, nanoserve_format f) {
@@ -282,23 +282,32 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
-      group_sums<F::BITS, F::LUT, F::SPLIT, R>(wg, s, lut, xq + g * GROUP, xq + M * K + g * GROUP, in, K,
-                                               xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, zero_point, hi, lo);
+      group_sums<F::BITS, F::LUT, F::SPLIT, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * K + g * GROUP, in, K,
+                                                   xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, zero_point, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
         const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const V::F dot = V::to_float(V::iadd(V::times254(hi[h][r]), lo[h][r]));
+          V::I sum = V::times254(hi[h][r]);
+          if constexpr (LO) sum = V::iadd(sum, lo[h][r]);
+          const V::F dot = V::to_float(sum);
           acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[in[r] * G + g])), acc[s][r]);
         }
         if (!symmetric) {
           const V::F mv = load_scales<F::SPLIT>(f.scale_kind, m, at);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums per half
-            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
+            float x_sum;  // the activations' sum over the scale group: fine, or of the hi codes alone
+            if constexpr (LO) {
+              const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // per half
+              x_sum = F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1];
+            } else {
+              const int32_t* hi_sums = xsum + in[r] * 2 * G + 2 * g;
+              x_sum = static_cast<float>(254 * (F::SPLIT ? hi_sums[h] : hi_sums[0] + hi_sums[1])) * xd[in[r] * G + g];
+            }
+            acc[s][r] = V::fma(mv, V::set1(x_sum), acc[s][r]);
           }
         }
       }
@@ -312,19 +321,19 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
 }
 
 // R rows or fewer (down to 1) of `rows`: the template for the count.
-template <typename F, int R = F::ROWS, typename Rows>
+template <typename F, bool LO, int R = F::ROWS, typename Rows>
 void rows_block(int count, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
   if constexpr (R > 1) {
-    if (count < R) return rows_block<F, R - 1>(count, w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
+    if (count < R) return rows_block<F, LO, R - 1>(count, w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
   }
-  block16<F, R>(w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
+  block16<F, LO, R>(w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
 // every chunk of F::ROWS rows multiplies them.
-template <typename F>
+template <typename F, bool LO>
 void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
                     int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
                     bool out_bf16, nanoserve_format f) {
@@ -333,7 +342,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t r = 0; r < M; r += F::ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
-      rows_block<F>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
+      rows_block<F, LO>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
                     static_cast<const char*>(m) + b * scale_bytes, K, M, RowRun{r}, xq, xd, xs, xsum,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
@@ -359,16 +368,18 @@ void with_format(nanoserve_format f, Args... args) {
 template <typename F>
 struct GroupMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
-                  int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
-                  bool out_bf16, nanoserve_format f) {
-    group_mm_typed<F>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
+                  int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, bool lo,
+                  void* out, bool out_bf16, nanoserve_format f) {
+    if (lo) group_mm_typed<F, true>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
+    else group_mm_typed<F, false>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
   }
 };
 
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0,
               int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-              void* out, int32_t out_bf16) {
-  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, static_cast<bool>(out_bf16), f);
+              int32_t x_bits, void* out, int32_t out_bf16) {
+  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, x_bits == 16, out, static_cast<bool>(out_bf16),
+                       f);
 }
 
 // Tasks (expert j of the step's, ascending; output block b) as ExpertGroups lists them: each
@@ -377,8 +388,19 @@ template <typename F>
 struct ExpertsMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t w_stride, int64_t scale_stride, int64_t N,
                   int64_t K, int64_t rows, int64_t top_k, const int64_t* ids, bool x_per_pair, const int8_t* xq,
-                  const float* xd, const float* xs, const int32_t* xsum, int64_t task_begin, int64_t task_end,
+                  const float* xd, const float* xs, const int32_t* xsum, bool lo, int64_t task_begin, int64_t task_end,
                   void* out, bool out_bf16, nanoserve_format f) {
+    if (lo) tasks<true>(w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, x_per_pair, xq, xd, xs, xsum,
+                        task_begin, task_end, out, out_bf16, f);
+    else tasks<false>(w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, x_per_pair, xq, xd, xs, xsum,
+                      task_begin, task_end, out, out_bf16, f);
+  }
+
+  template <bool LO>
+  static void tasks(const uint8_t* w, const void* d, const void* m, int64_t w_stride, int64_t scale_stride, int64_t N,
+                    int64_t K, int64_t rows, int64_t top_k, const int64_t* ids, bool x_per_pair, const int8_t* xq,
+                    const float* xd, const float* xs, const int32_t* xsum, int64_t task_begin, int64_t task_end,
+                    void* out, bool out_bf16, nanoserve_format f) {
     const ExpertGroups groups(ids, rows * top_k);
     const int64_t blocks = N / 16, G = K / GROUP, block_bytes = G * F::GROUP_BYTES;
     const int64_t scale_bytes = G * F::scale_bytes(f.scale_kind), M = x_per_pair ? rows * top_k : rows;
@@ -390,7 +412,7 @@ struct ExpertsMm {
       const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
       const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
       for (int64_t i = 0; i < count; i += F::ROWS) {
-        rows_block<F>(static_cast<int>(std::min<int64_t>(F::ROWS, count - i)), w_b, d_b, m_b, K, M,
+        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(F::ROWS, count - i)), w_b, d_b, m_b, K, M,
                       RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs, xsum,
                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       }
@@ -401,9 +423,9 @@ struct ExpertsMm {
 void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
                 int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
                 int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-                int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
+                int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
   with_format<ExpertsMm>(f, w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, static_cast<bool>(x_per_pair),
-                         xq, xd, xs, xsum, task_begin, task_end, out, static_cast<bool>(out_bf16), f);
+                         xq, xd, xs, xsum, x_bits == 16, task_begin, task_end, out, static_cast<bool>(out_bf16), f);
 }
 
 template <typename F>
@@ -523,9 +545,43 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
   }
 }
 
+// Hides a register's value from the optimiser, so a loop of dots on constant codes is not folded.
+inline void opaque(V::C& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(v));
+#else
+  asm volatile("" : "+w"(v));
+#endif
+}
+
+int64_t dot_peak(int64_t rounds) {
+  constexpr int CHAINS = 12;  // independent accumulators: more than a dot's latency times its issue rate
+  V::A acc[CHAINS];
+  #pragma GCC unroll 16
+  for (int c = 0; c < CHAINS; ++c) acc[c] = V::azero();
+  uint8_t bytes[64];
+  for (int i = 0; i < 64; ++i) bytes[i] = static_cast<uint8_t>(i * 37);
+  V::C codes = V::low_nibbles(V::load_codes(bytes));
+  int8_t x[4 * CHAINS];  // each chain its own activations, as each row has: no product shared
+  for (int i = 0; i < 4 * CHAINS; ++i) x[i] = static_cast<int8_t>(i * 29 % 255 - 127);
+  for (int64_t i = 0; i < rounds; ++i) {
+    opaque(codes);
+    #pragma GCC unroll 16
+    for (int c = 0; c < CHAINS; ++c) acc[c] = V::dot_nibbles(acc[c], codes, x + 4 * c);
+  }
+  int32_t lanes[V::LANES], total = 0;
+  for (int c = 0; c < CHAINS; ++c) {
+    V::istore(lanes, V::finish_nibbles(acc[c]));
+    for (int l = 0; l < V::LANES; ++l) total += lanes[l];
+  }
+  volatile int32_t sink = total;  // the sums are used: the loop stays
+  (void)sink;
+  return rounds * CHAINS * V::LANES * 4;
+}
+
 const nanoserve_kernel_table TABLE = {NANOSERVE_KERNEL_ABI, TIER_NAME, quantize_rows, group_mm, group_dots,
                                       attend, dequantize_portable,
-                                      dequantize_rows_portable, experts_mm};
+                                      dequantize_rows_portable, experts_mm, dot_peak};
 
 }  // namespace
 
