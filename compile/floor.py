@@ -86,6 +86,24 @@ def step_weight_bytes(model, rows: int) -> int:
     return sum(tensors.values()) + routed_expert_bytes(model, rows)
 
 
+def step_multiply_adds(model) -> int:
+    """The integer multiply-adds of one batch-1 decode step's products: each weight of the linear
+    layers, the LM head and the routed experts times the row, twice through nanoserve's kernels
+    with 16-bit activations (hi and lo codes), once with 8-bit ones (``x_bits``) or dense."""
+    total = 0
+    for module in [*matmul_modules(model), head_module(model)]:
+        parts = getattr(module, "parts", None) or [getattr(module, "table", module)]  # ConcatLinear, GroupEmbedding
+        for part in parts:
+            total += part.out_features * part.in_features * getattr(part, "x_bits", 8) // 8
+    for layer in model.layers:
+        if isinstance(layer.mlp, ExpertMLP):
+            experts = layer.mlp.experts
+            hidden, width = layer.mlp.gate.in_features, getattr(experts, "intermediate", None)
+            width = width or experts.gate_proj.shape[1]
+            total += layer.mlp.top_k * 3 * hidden * width * getattr(experts, "x_bits", 8) // 8
+    return total
+
+
 def _read_at(module: nn.Module, tensor_name: str, rows: int) -> bool:
     if getattr(module, "dense", None) is None:
         return True

@@ -3,10 +3,12 @@ mixtures of experts (Qwen3-30B-A3B's shape, a small Mixtral-style one) (random w
 ``model_files``), each system alone in a process of its own, one after the other:
 seconds to load (to ready), peak resident memory (``getrusage``) after loading and over the whole
 run, resident weight bytes, decode tokens/s at batches 1 and 8 (nanoserve compiled ``auto``),
-time to first token of a 512-token prompt, and batch 1's weight bytes per step over its step
-time against the host's read bandwidth (a streaming read of a buffer larger than the last-level
-cache; of an expert tensor, the routed experts only): nanoserve against llama.cpp on the same file
-(``python compilebench.py scale``; ``--sizes 1b --types Q4_0`` for one file).
+time to first token of a 512-token prompt, and batch 1's step against its two limits: its weight
+bytes at the host's read bandwidth (``floor_ms_b1``: a streaming read of a buffer larger than the
+last-level cache; of an expert tensor, the routed experts only) and its integer multiply-adds at
+the kernel tier's peak (``arith_ms_b1``: ``cpu_kernels.dot_peak_rate``, each weight once, twice
+for nanoserve's 16-bit activations): nanoserve (``--weights``, an arm each) against llama.cpp on
+the same file (``python compilebench.py scale``; ``--sizes 1b --types Q4_0`` for one file).
 Writes ``compile/results/runs/scale[-TAG].csv`` and ``.png``.
 """
 
@@ -42,6 +44,7 @@ from compile.common import (
 )
 from compile.floor import read_bandwidth
 from compile.model_files import FILE_TYPES, SHAPES, model_file
+from nanoserve.model.quant import cpu_kernels
 
 NEW_TOKENS = 24  # decode steps timed per batch, after a warm-up run of the same shape
 PROMPT_TOKENS = 32
@@ -49,8 +52,8 @@ TTFT_TOKENS = 512
 TTFT_REPEATS = 2  # after a warm-up prefill of WARMUP_TOKENS (an 8B file's 512-token prefill takes a minute)
 WARMUP_TOKENS = 64
 MAX_MODEL_LEN = 1024
-COLUMNS = ("file", "system", "llama_cpp", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
-           "tok_s_b8", "ttft_512_s", "read_gbps_b1", "of_floor_b1")
+COLUMNS = ("file", "system", "weights", "llama_cpp", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
+           "tok_s_b8", "ttft_512_s", "step_ms_b1", "floor_ms_b1", "arith_ms_b1")
 
 
 def _peak_rss_gb() -> float:
@@ -69,15 +72,16 @@ def _median_step(steps) -> float:
     return statistics.median(steps.decode_steps)
 
 
-def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[int, ...] | None = None) -> dict:
-    from compile.floor import step_weight_bytes
+def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[int, ...] | None = None,
+                      weights: str = "auto") -> dict:
+    from compile.floor import step_multiply_adds, step_weight_bytes
     from compile.interleave import EngineSteps
     from compile.ttft import nanoserve_ttft
     from nanoserve.engine import build_engine
 
     started = time.perf_counter()
     engine = build_engine(str(path), max_batch_size=max(batches), max_model_len=MAX_MODEL_LEN, compile=True, warmup="eager",
-                          enable_prefix_caching=False, width_buckets=width_buckets)
+                          enable_prefix_caching=False, width_buckets=width_buckets, weights=weights)
     row = dict(load_s=time.perf_counter() - started, rss_load_gb=_peak_rss_gb(),
                weights_gb=engine.stats().weight_bytes / 1e9, load_stages=engine.stats().load_stages)
     vocab = engine.model.config.vocab_size
@@ -89,6 +93,7 @@ def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[i
         row[f"tok_s_b{batch}"] = batch / step
         if batch == 1:
             row["step_bytes_b1"] = step_weight_bytes(engine.model, 1)
+            row["step_macs_b1"] = step_multiply_adds(engine.model)
             row["step_s_b1"] = step
     prompt = text_prompt(engine.tokenizer, TTFT_TOKENS)
     nanoserve_ttft(engine, prompt[:WARMUP_TOKENS])
@@ -121,9 +126,11 @@ def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
             arch = ckpt.architecture
             experts = int(ckpt.metadata.get(f"{arch}.expert_count", 0) or 0)
             share = int(ckpt.metadata.get(f"{arch}.expert_used_count", 0) or 0) / experts if experts else 1.0
-            row["step_bytes_b1"] = int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
-                                           for t in ckpt.reader.tensors
-                                           if t.name != "token_embd.weight" or "output.weight" not in names))
+            read = [t for t in ckpt.reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
+            row["step_bytes_b1"] = int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in read))
+            # its q8 activations multiply each weight of a product once (norms' vectors are no product)
+            row["step_macs_b1"] = int(sum(int(t.n_elements) * (share if "_exps." in t.name else 1.0)
+                                          for t in read if len(t.shape) >= 2))
             row["step_s_b1"] = step
     prompt = text_prompt(Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)), TTFT_TOKENS)
     llama_ttft(peer, prompt[:WARMUP_TOKENS])
@@ -139,10 +146,11 @@ def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
 
 
 def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, str],
-              width_buckets: tuple[int, ...] | None = None, repack: bool = True) -> dict:
+              width_buckets: tuple[int, ...] | None = None, repack: bool = True, weights: str = "auto") -> dict:
     """One system's measurements in a fresh process (its own peak RSS and nothing else running)."""
     command = [sys.executable, "-m", "compile.scale", "--worker", system, str(path),
-               "--batches", ",".join(map(str, batches)), "--llama-repack", "on" if repack else "off"]
+               "--batches", ",".join(map(str, batches)), "--llama-repack", "on" if repack else "off",
+               "--weights", weights]
     if width_buckets:
         command += ["--width-buckets", ",".join(map(str, width_buckets))]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env},
@@ -156,14 +164,15 @@ def run_alone(system: str, path: Path, batches: Sequence[int], env: dict[str, st
     return json.loads(lines[-1])
 
 
-def arms(llama_cpp: bool, repack: str) -> list[tuple[str, bool, str]]:
-    """The (system, llama.cpp repacking, label) runs per file: llama.cpp with its defaults
-    (repacking on) and, with ``both``, unrepacked too (the two differ by up to 2x on some CPUs)."""
-    runs = [("nanoserve", False, "")]
+def arms(llama_cpp: bool, repack: str, weights: Sequence[str] = ("auto",)) -> list[tuple[str, bool, str, str]]:
+    """The (system, llama.cpp repacking, label, nanoserve's weights) runs per file: nanoserve in each
+    of ``weights``, llama.cpp with its defaults (repacking on) and, with ``both``, unrepacked too
+    (the two differ by up to 2x on some CPUs)."""
+    runs = [("nanoserve", False, "", w) for w in weights]
     if llama_cpp and repack in ("both", "on"):
-        runs.append(("llama.cpp", True, "defaults (repacking on)"))
+        runs.append(("llama.cpp", True, "defaults (repacking on)", ""))
     if llama_cpp and repack in ("both", "off"):
-        runs.append(("llama.cpp", False, "repacking off"))
+        runs.append(("llama.cpp", False, "repacking off", ""))
     return runs
 
 
@@ -196,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width-buckets", type=lambda text: tuple(int(w) for w in text.split(",")),
                         help="nanoserve's decode width buckets (default: the engine's, doubling to the context): "
                              "fewer graphs to compile for a big model, e.g. 64,1024 covers this benchmark's steps")
+    parser.add_argument("--weights", default="auto",
+                        help="nanoserve's weights, comma-separated for an arm each (e.g. auto,auto+a8: 8-bit "
+                             "activations beside the default)")
     parser.add_argument("--worker", nargs=2, metavar=("SYSTEM", "FILE"), help=argparse.SUPPRESS)
     add_output_options(parser)
     args = parser.parse_args(argv)
@@ -204,14 +216,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         system, path = args.worker
         torch.set_grad_enabled(False)
         if system == "nanoserve":
-            print(json.dumps(measure_nanoserve(Path(path), batches, args.width_buckets)))
+            print(json.dumps(measure_nanoserve(Path(path), batches, args.width_buckets, args.weights)))
         else:
             print(json.dumps(measure_llama_cpp(Path(path), batches, repack=args.llama_repack != "off")))
         return 0
     host = host_description()
     floor = read_bandwidth()
+    peak = cpu_kernels.dot_peak_rate(args.tier or host["kernels"]) if host["kernels"] not in ("torch",) else None
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}; "
-          f"read bandwidth floor {floor / 1e9:.1f} GB/s")
+          f"read bandwidth floor {floor / 1e9:.1f} GB/s; int8 multiply-add peak "
+          f"{'-' if peak is None else f'{peak / 1e9:.0f} G/s'} ({args.tier or host['kernels']})")
     with_llama = not args.no_llama_cpp and llama_peer.available()
     if not args.no_llama_cpp and not with_llama:
         print(llama_peer.ABSENT)
@@ -221,16 +235,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             if size == "8b" and file_type == "Q4_0":
                 continue  # the 8B row is the Q4_K_M file people run
             path = model_file(args.models_dir, size, file_type)
-            for system, repack, label in arms(with_llama, args.llama_repack):
+            for system, repack, label, weights in arms(with_llama, args.llama_repack, args.weights.split(",")):
                 measured = run_alone(system, path, batches, worker_env(system, args.tier, args.llama_cpp_path),
-                                     args.width_buckets if system == "nanoserve" else None, repack)
+                                     args.width_buckets if system == "nanoserve" else None, repack, weights)
                 row = {**host, "file": path.name, "system": system, "file_gb": path.stat().st_size / 1e9, **measured}
                 if label:
                     row["llama_cpp"] = label
                 if "step_s_b1" in row:
+                    # batch 1's step against its two limits: its weight bytes at the read
+                    # bandwidth, its multiply-adds at the kernel tier's peak (dot_peak_rate)
                     row["read_gbps_b1"] = row["step_bytes_b1"] / row["step_s_b1"] / 1e9
                     row["of_floor_b1"] = row["read_gbps_b1"] * 1e9 / floor
+                    row["step_ms_b1"] = row["step_s_b1"] * 1e3
+                    row["floor_ms_b1"] = row["step_bytes_b1"] / floor * 1e3
+                    if peak:
+                        row["arith_ms_b1"] = row["step_macs_b1"] / peak * 1e3
                 row["floor_gbps"] = floor / 1e9
+                row["peak_gmacs"] = peak / 1e9 if peak else None
                 rows.append(row)
                 print(format_table([row], [c for c in COLUMNS if c in row] + (["error"] if "error" in row else [])))
     print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)]))
