@@ -13,7 +13,9 @@ typedef int32_t __attribute__((may_alias)) aliased_int32;
 inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const aliased_int32*>(p); }
 
 struct Simd {
-  static constexpr int LANES = 4, ROWS = 2;  // rows sharing each code vector (a row's 16 sums: 4 vectors)
+  // rows sharing each code vector (a row's 16 sums: 4 vectors); with 8-bit activations a row
+  // holds half the integer sums, so twice the rows fit
+  static constexpr int LANES = 4, ROWS = 2, ROWS_A8 = 4;
   static constexpr bool UNSIGNED_BYTES = false;
   using I = int32x4_t;
   using F = float32x4_t;

@@ -13,7 +13,7 @@ inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const alia
 
 #if defined(NANOSERVE_TIER_AVX512_VNNI)
 struct Simd {
-  static constexpr int LANES = 16, ROWS = 8;  // rows sharing each code vector (32 registers)
+  static constexpr int LANES = 16, ROWS = 8, ROWS_A8 = 8;  // rows sharing each code vector (32 registers)
   static constexpr bool UNSIGNED_BYTES = true;  // vpdpbusd takes unsigned codes up to 255
   using I = __m512i;
   using A = __m512i;
@@ -69,11 +69,12 @@ struct Simd {
 };
 #elif defined(NANOSERVE_TIER_AVX_VNNI) || defined(NANOSERVE_TIER_AVX2)
 struct Simd {
-  // Rows sharing each code vector (16 registers: their sums, fp32 and integer, and the code).
+  // Rows sharing each code vector (16 registers: their sums, fp32 and integer, and the code);
+  // with 8-bit activations (ROWS_A8) a row holds no lo sums.
 #if defined(NANOSERVE_TIER_AVX_VNNI)
-  static constexpr int LANES = 8, ROWS = 4;
+  static constexpr int LANES = 8, ROWS = 4, ROWS_A8 = 4;
 #else
-  static constexpr int LANES = 8, ROWS = 2;
+  static constexpr int LANES = 8, ROWS = 2, ROWS_A8 = 4;
 #endif
   using I = __m256i;
   using A = __m256i;

@@ -227,8 +227,13 @@ struct Format {
     if (kind == SCALES_SUPER) return super_record_bytes(32 / PER) / 8;
     return 16 * PER * (kind == SCALES_FP32 ? 4 : kind == SCALES_E8M0 ? 1 : 2);
   }
-  // Rows sharing each code vector: split sums hold twice the accumulators.
-  static constexpr int ROWS = SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
+  // Rows sharing each code vector, with 16-bit activations (LO) or 8: split sums hold twice the
+  // accumulators.
+  template <bool LO>
+  static constexpr int rows() {
+    constexpr int base = LO ? V::ROWS : V::ROWS_A8;
+    return SPLIT ? (base > 1 ? base / 2 : 1) : base;
+  }
 };
 
 // Which activation rows a block16 call multiplies, and where each one's outputs go (in rows of
@@ -321,7 +326,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
 }
 
 // R rows or fewer (down to 1) of `rows`: the template for the count.
-template <typename F, bool LO, int R = F::ROWS, typename Rows>
+template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows>
 void rows_block(int count, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
                 const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
@@ -332,7 +337,7 @@ void rows_block(int count, const uint8_t* w, const void* d, const void* m, int64
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
-// every chunk of F::ROWS rows multiplies them.
+// every chunk of F::rows<LO>() rows multiplies them.
 template <typename F, bool LO>
 void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
                     int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
@@ -340,8 +345,9 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t r = 0; r < M; r += F::ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(F::ROWS, M - r));
+    constexpr int64_t ROWS = F::template rows<LO>();
+    for (int64_t r = 0; r < M; r += ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - r));
       rows_block<F, LO>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
                     static_cast<const char*>(m) + b * scale_bytes, K, M, RowRun{r}, xq, xd, xs, xsum,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
@@ -383,7 +389,7 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
 }
 
 // Tasks (expert j of the step's, ascending; output block b) as ExpertGroups lists them: each
-// task's block multiplies its expert's pairs F::ROWS at a time, the codes read from memory once.
+// task's block multiplies its expert's pairs F::rows() at a time, the codes read from memory once.
 template <typename F>
 struct ExpertsMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t w_stride, int64_t scale_stride, int64_t N,
@@ -411,8 +417,9 @@ struct ExpertsMm {
       const uint8_t* w_b = w + e * w_stride + b * block_bytes;
       const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
       const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
-      for (int64_t i = 0; i < count; i += F::ROWS) {
-        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(F::ROWS, count - i)), w_b, d_b, m_b, K, M,
+      constexpr int64_t ROWS = F::template rows<LO>();
+      for (int64_t i = 0; i < count; i += ROWS) {
+        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, d_b, m_b, K, M,
                       RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs, xsum,
                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       }
