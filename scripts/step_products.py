@@ -1,0 +1,58 @@
+"""One decode step's products alone: every packed linear of a model called back to back, as a
+step calls them (the whole model's weights stream from memory once a pass: no cache holds them
+between passes once the model outgrows the last-level cache), at 1 and 8 rows, with 16- and
+8-bit activations. Prints each arm's median time and the bytes it read per second, beside the
+host's read floor, so the share of a step that is its products, and their distance from the
+floor, can be read off against the step time `compilebench.py scale` reports.
+
+    python scripts/step_products.py MODEL.gguf [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from compile.floor import read_bandwidth
+from nanoserve.engine import build_engine
+from nanoserve.model.quant.linear import GroupLinear
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    model = build_engine(args.model, max_batch_size=1, max_model_len=256, compile=False).model
+    linears = [m for m in model.modules() if isinstance(m, GroupLinear) and m.handle is not None]
+    read = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
+    floor = read_bandwidth()
+    print(f"{len(linears)} packed linears, {read / 1e6:.0f} MB a pass; read floor {floor / 1e9:.1f} GB/s "
+          f"({read / floor * 1e3:.1f} ms a pass)")
+    dtype = model.norm.weight.dtype
+    for x_bits in (16, 8):
+        for rows in (1, 8):
+            inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
+
+            def step(inputs: dict = inputs, x_bits: int = x_bits) -> None:
+                for m in linears:
+                    torch.ops.nanoserve.group_mm(inputs[m.in_features], m.codes, m.scales, m.mins, m.zero_point,
+                                                 m.handle, x_bits)
+
+            step()
+            times = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - started)
+            median = statistics.median(times)
+            print(f"x_bits {x_bits:2d}, {rows} row(s): {median * 1e3:6.1f} ms, {read / median / 1e9:5.1f} GB/s "
+                  f"({median * floor / read:.2f}x the floor)")
+
+
+if __name__ == "__main__":
+    main()
