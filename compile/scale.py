@@ -52,8 +52,8 @@ TTFT_TOKENS = 512
 TTFT_REPEATS = 2  # after a warm-up prefill of WARMUP_TOKENS (an 8B file's 512-token prefill takes a minute)
 WARMUP_TOKENS = 64
 MAX_MODEL_LEN = 1024
-COLUMNS = ("file", "system", "weights", "llama_cpp", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb", "tok_s_b1",
-           "tok_s_b8", "ttft_512_s", "step_ms_b1", "floor_ms_b1", "arith_ms_b1")
+COLUMNS = ("file", "system", "weights", "llama_cpp", "file_gb", "load_s", "rss_load_gb", "rss_peak_gb", "weights_gb",
+           "tok_s", "ttft_512_s", "step_ms_b1", "floor_ms_b1", "arith_ms_b1")  # tok_s: a column per batch
 
 
 def _peak_rss_gb() -> float:
@@ -229,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with_llama = not args.no_llama_cpp and llama_peer.available()
     if not args.no_llama_cpp and not with_llama:
         print(llama_peer.ABSENT)
+    columns = [name for c in COLUMNS for name in ([f"tok_s_b{b}" for b in batches] if c == "tok_s" else [c])]
     rows = []
     for size in args.sizes:
         for file_type in args.types:
@@ -253,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["floor_gbps"] = floor / 1e9
                 row["peak_gmacs"] = peak / 1e9 if peak else None
                 rows.append(row)
-                print(format_table([row], [c for c in COLUMNS if c in row] + (["error"] if "error" in row else [])))
-    print(format_table(rows, [c for c in COLUMNS if any(c in r for r in rows)]))
+                print(format_table([row], [c for c in columns if c in row] + (["error"] if "error" in row else [])))
+    print(format_table(rows, [c for c in columns if any(c in r for r in rows)]))
     write_results(rows, args.out, result_stem("scale", tag=args.tag), plot=None if args.no_plot else _plot)
     return 0
 
