@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from compile.common import median_seconds
-from nanoserve.model.network.experts import ExpertMLP
+from nanoserve.model.network.experts import ExpertMLP, PackedExperts
 
 
 def last_level_cache_bytes() -> int:
@@ -98,9 +98,10 @@ def step_multiply_adds(model) -> int:
     for layer in model.layers:
         if isinstance(layer.mlp, ExpertMLP):
             experts = layer.mlp.experts
-            hidden, width = layer.mlp.gate.in_features, getattr(experts, "intermediate", None)
-            width = width or experts.gate_proj.shape[1]
-            total += layer.mlp.top_k * 3 * hidden * width * getattr(experts, "x_bits", 8) // 8
+            # packed: its width and activation bits; dense: gate_proj [E, width, hidden], float products
+            width = experts.intermediate if isinstance(experts, PackedExperts) else experts.gate_proj.shape[1]
+            passes = experts.x_bits // 8 if isinstance(experts, PackedExperts) else 1
+            total += layer.mlp.top_k * 3 * layer.mlp.gate.in_features * width * passes
     return total
 
 

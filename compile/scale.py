@@ -222,10 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     host = host_description()
     floor = read_bandwidth()
-    peak = cpu_kernels.dot_peak_rate(args.tier or host["kernels"]) if host["kernels"] not in ("torch",) else None
+    tier = args.tier or host["kernels"]
+    peak = None if tier == "torch" else cpu_kernels.dot_peak_rate(tier)
     print(f"CPU: {host['cpu']}; nanoserve kernels: {host['kernels']}, compute dtype {host['dtype']}; "
           f"read bandwidth floor {floor / 1e9:.1f} GB/s; int8 multiply-add peak "
-          f"{'-' if peak is None else f'{peak / 1e9:.0f} G/s'} ({args.tier or host['kernels']})")
+          f"{'-' if peak is None else f'{peak / 1e9:.0f} G/s'} ({tier})")
     with_llama = not args.no_llama_cpp and llama_peer.available()
     if not args.no_llama_cpp and not with_llama:
         print(llama_peer.ABSENT)

@@ -113,28 +113,35 @@ def test_float_weights_are_read_one_layer_at_a_time(tmp_path, gguf_writer, monke
     assert model.weight_types["F32"] in ("int4", "dense+int4")
 
 
+def load_in_a_fresh_process(path: Path, kv_bytes: int) -> dict:
+    """Build an engine on ``path`` in a fresh process and generate 4 tokens; its peak RSS (VmHWM,
+    not getrusage: a forked child's ru_maxrss starts at its parent's, pytest's, size), the tokens,
+    and the engine's weight bytes, file bytes, load stages and weight types."""
+    script = f"""
+import json
+from nanoserve import SamplingParams, build_engine
+engine = build_engine({str(path)!r}, max_batch_size=2, max_model_len=256, kv_cache_bytes={kv_bytes})
+out = engine.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                      use_tqdm=False)[0]
+stats = engine.stats()
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+print(json.dumps(dict(rss=int(status["VmHWM"].split()[0]) * 1024, tokens=len(out.token_ids),
+                      weights=stats.weight_bytes, file=stats.file_bytes, stages=stats.load_stages,
+                      types=stats.weight_types)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="reads the peak resident size from /proc/self/status")
 def test_a_mid_size_gguf_loads_in_about_its_own_size(mid_gguf):
     """In a fresh process: peak RSS within 1.3 x (file + K/V pool) + 0.6 GB (torch and the
     interpreter), resident weights within 5% of the file, and it generates."""
     kv_bytes = 64 << 20
-    # VmHWM, not getrusage: a forked child's ru_maxrss starts at its parent's (pytest's) size.
-    script = f"""
-import json
-from nanoserve import SamplingParams, build_engine
-engine = build_engine({str(mid_gguf)!r}, max_batch_size=2, max_model_len=256, kv_cache_bytes={kv_bytes})
-out = engine.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                      use_tqdm=False)[0]
-stats = engine.stats()
-status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-print(json.dumps(dict(rss=int(status["VmHWM"].split()[0]) * 1024, tokens=len(out.token_ids),
-                      weights=stats.weight_bytes, file=stats.file_bytes, stages=stats.load_stages)))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = load_in_a_fresh_process(mid_gguf, kv_bytes)
     size = mid_gguf.stat().st_size
     assert found["tokens"] == 4 and found["file"] == size
     if cpu_kernels.resolve_tier() == "torch":
@@ -165,21 +172,7 @@ def test_mxfp4_experts_load_in_the_files_size(tmp_path):
         pytest.skip("torch's int4 kernel holds MXFP4 widened: the bound is for nanoserve's kernels")
     path = write_model(tmp_path / "small-gpt-oss.gguf", SMALL_GPT_OSS, "MXFP4_MOE")
     kv_bytes = 64 << 20
-    script = f"""
-import json
-from nanoserve import SamplingParams, build_engine
-engine = build_engine({str(path)!r}, max_batch_size=2, max_model_len=256, kv_cache_bytes={kv_bytes})
-out = engine.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                      use_tqdm=False)[0]
-stats = engine.stats()
-status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-print(json.dumps(dict(rss=int(status["VmHWM"].split()[0]) * 1024, tokens=len(out.token_ids),
-                      weights=stats.weight_bytes, types=stats.weight_types)))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = load_in_a_fresh_process(path, kv_bytes)
     size = path.stat().st_size
     assert found["tokens"] == 4 and "packed" in found["types"]["MXFP4"].split("+")
     assert found["weights"] <= 1.02 * size, found  # the 5-bit codes they replace held 1.29x the experts' bytes
