@@ -69,9 +69,10 @@ def fill_rows(blocks: BlockManager, cache: KVCache, rows: int, width: int) -> De
     for row in range(rows):
         blocks.grow(row, width - 1)
         cache.adopt(row, torch.tensor(blocks.slots_of(row, width - 1), device=cache.device))
-    for k, v in zip(cache.k_caches, cache.v_caches):
-        k.normal_()
-        v.normal_()
+    layers, everything = cache.layers, torch.arange(cache.num_blocks * cache.block_size, device=cache.device)
+    for layer, cells in enumerate(layers.k_cells):
+        k, v = (torch.randn(everything.shape[0], *cells.shape[1:], device=cache.device) for _ in range(2))
+        layers.write(layer, everything, k, v)
     positions, write_slots = blocks.advance(range(rows))
     return cache.plan_decode(DecodeBatch(tuple(map(str, range(rows))), tuple(range(rows)), (0,) * rows,
                                          tuple(positions), tuple(write_slots), rows, width))

@@ -38,11 +38,13 @@ from compile.common import (
     write_results,
 )
 from nanoserve.engine import build_engine
+from nanoserve.engine.config import KV_CACHE_TYPES
 from nanoserve.model.formats.loader import DEFAULT_MODEL, resolve_model_path
 from nanoserve.model.network.fidelity import fidelity_metrics, teacher_forced_logits
+from nanoserve.worker.kv_cells import resolve_cell_format, round_trip
 
 FORMATS = ("bf16", "int8", "int4", "auto")
-COLUMNS = ["system", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", "at_least_llama", "seconds"]
+COLUMNS = ["system", "kv_cache", "tokens", "top1", "mean_kl", "p99_kl", "ppl", "ppl_ratio", "at_least_llama", "seconds"]
 
 
 def engine_in(model: str, weights: str):
@@ -63,8 +65,8 @@ def at_least_as_faithful(row: dict, bar: dict) -> bool:
             and abs(row["ppl_ratio"] - 1) <= abs(bar["ppl_ratio"] - 1))
 
 
-def llama_cpp_logits(model: str, token_ids: list[int], threads: int) -> torch.Tensor:
-    peer, _ = llama_peer.load_as_run(resolve_model_path(model), 1, len(token_ids), threads)
+def llama_cpp_logits(model: str, token_ids: list[int], threads: int, cache_type: str | None = None) -> torch.Tensor:
+    peer, _ = llama_peer.load_as_run(resolve_model_path(model), 1, len(token_ids), threads, cache_type=cache_type)
     try:
         return torch.from_numpy(llama_peer.teacher_forced_logits(peer, token_ids))
     finally:
@@ -105,20 +107,36 @@ def run(args: argparse.Namespace) -> list[dict]:
     reference_name = resolve_model_path(against).name
     rows = []
     for weights in args.weights:
-        logits, seconds = timed(teacher_forced_logits, engine_in(args.model, weights).model, token_ids,
-                                args.chunk_rows)
-        logits = same_vocabulary(reference, logits, args.model, against)
-        rows.append(metrics_row(weights, reference, logits, token_ids, seconds) | dict(reference=reference_name))
-        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        engine = engine_in(args.model, weights)
+        for kv in args.kv_cache_dtype:
+            logits, seconds = timed(teacher_forced_logits, engine.model, token_ids, args.chunk_rows,
+                                    kv_stored(kv, engine))
+            logits = same_vocabulary(reference, logits, args.model, against)
+            rows.append(metrics_row(weights, reference, logits, token_ids, seconds)
+                        | dict(reference=reference_name, kv_cache=kv))
+            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     if args.llama_cpp:
-        logits, seconds = timed(llama_cpp_logits, args.model, token_ids, args.threads)
-        logits = same_vocabulary(reference, logits, args.model, against)
-        bar = metrics_row(f"{llama_peer.NAME} ({resolve_model_path(args.model).name})", reference, logits,
-                          token_ids, seconds) | dict(reference=reference_name)
-        for row in rows:
-            row["at_least_llama"] = "yes" if at_least_as_faithful(row, bar) else "no"
-        rows.append(bar)
+        name = resolve_model_path(args.model).name
+        for kv in args.kv_cache_dtype:  # llama.cpp's default K/V (auto) is f16
+            logits, seconds = timed(llama_cpp_logits, args.model, token_ids, args.threads,
+                                    None if kv == "auto" else kv)
+            logits = same_vocabulary(reference, logits, args.model, against)
+            bar = metrics_row(f"{llama_peer.NAME} ({name})", reference, logits, token_ids, seconds) | dict(
+                reference=reference_name, kv_cache="f16" if kv == "auto" else kv)
+            for row in rows:
+                if row["kv_cache"] == kv and not row["system"].startswith(llama_peer.NAME):
+                    row["at_least_llama"] = "yes" if at_least_as_faithful(row, bar) else "no"
+            rows.append(bar)
     return rows
+
+
+def kv_stored(kv: str, engine):
+    """What the engine's cache of K/V type ``kv`` keeps of K and V (None: "auto", cells in the
+    compute dtype, which hold the activations as they are)."""
+    if kv == "auto":
+        return None
+    fmt = resolve_cell_format(kv, engine.resolved.dtype, engine.model.config.head_dim)
+    return lambda k, v: (round_trip(k, fmt), round_trip(v, fmt))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "every row a multiple of 256), so no tensor falls back from its type")
     parser.add_argument("--models-dir", type=Path, default=quantised_files.MODELS,
                         help="where --llama-quantise keeps its files (default: build/models)")
+    parser.add_argument("--kv-cache-dtype", type=name_list(KV_CACHE_TYPES), default=["auto"],
+                        help=f"comma-separated K/V cache types, from {','.join(KV_CACHE_TYPES)}: each weight "
+                             "format's logits with K and V kept as that type holds them, read in chunks; "
+                             "llama.cpp's rows with the same --cache-type-k/v (auto: its default, f16)")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip the llama.cpp row")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     add_output_options(parser, plot=False)

@@ -42,6 +42,10 @@ def _silent_log():
     return llama_cpp.llama_log_callback(lambda level, text, user_data: None)
 
 
+# nanoserve's K/V cache types as ggml's type ids (llama.cpp's --cache-type-k/v)
+CACHE_TYPES = {"fp32": 0, "bf16": 30, "q8_0": 8}
+
+
 class LlamaCpp:
     """One llama.cpp model and context: up to ``max_rows`` sequences of ``max_len`` tokens each,
     up to ``max_batch_tokens`` tokens per ``decode`` call, on ``threads`` threads.
@@ -52,7 +56,7 @@ class LlamaCpp:
     Sapphire Rapids VM): ``repack_mode`` finds out in a child process before a run relies on it."""
 
     def __init__(self, path: Path, max_rows: int, max_len: int, threads: int,
-                 max_batch_tokens: int = 512, repack: bool = True) -> None:
+                 max_batch_tokens: int = 512, repack: bool = True, cache_type: str | None = None) -> None:
         import llama_cpp
 
         self.lib = llama_cpp
@@ -70,6 +74,8 @@ class LlamaCpp:
         params.n_ctx = max_rows * max_len
         params.n_batch = params.n_ubatch = max(max_batch_tokens, max_rows)
         params.n_threads = params.n_threads_batch = threads
+        if cache_type is not None:  # --cache-type-k/v (default f16; a quantised V needs flash attention: auto)
+            params.type_k = params.type_v = CACHE_TYPES[cache_type]
         self.context = llama_cpp.llama_init_from_model(self.model, params)
         if not self.context:
             raise RuntimeError(f"llama.cpp could not make a context for {max_rows} rows of {max_len} tokens")
@@ -228,11 +234,13 @@ def repack_mode(path: Path, wanted: str, threads: int) -> RepackMode:
 
 
 def load_as_run(path: Path, max_rows: int, max_len: int, threads: int, wanted: str = "auto",
-                max_batch_tokens: int = 512) -> tuple[LlamaCpp, RepackMode]:
-    """llama.cpp as its users run it (``repack_mode``), and the label its figures carry."""
+                max_batch_tokens: int = 512, cache_type: str | None = None) -> tuple[LlamaCpp, RepackMode]:
+    """llama.cpp as its users run it (``repack_mode``), and the label its figures carry;
+    ``cache_type`` its K/V cells' type (None: its default, f16)."""
     mode = repack_mode(path, wanted, threads)
-    print(f"llama.cpp: {mode.label}")
-    return LlamaCpp(path, max_rows, max_len, threads, max_batch_tokens, repack=mode.repack), mode
+    print(f"llama.cpp: {mode.label}" + (f", K/V {cache_type}" if cache_type else ""))
+    return LlamaCpp(path, max_rows, max_len, threads, max_batch_tokens, repack=mode.repack,
+                    cache_type=cache_type), mode
 
 
 def _probe(path: Path, threads: int) -> None:

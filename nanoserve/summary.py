@@ -10,7 +10,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     dtype and CPU kernel tier; the K/V pool's bytes, blocks and tokens; the length and batch limits."""
     stats, config, resolved, cache = engine.stats(), engine.config, engine.resolved, engine.worker.cache
     kv_bytes = cache.kv_bytes
-    kv_dtype = _dtype_name(cache.k_caches[0].dtype)
+    kv_dtype = describe_kv_formats(*cache.formats)
     compute = stats.compute_dtype or _dtype_name(resolved.dtype)
     blocks, block_size = resolved.num_blocks, config.block_size
     model_limit = engine.model.config.max_position_embeddings
@@ -40,6 +40,14 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
                      f"(each rank holds 1/{size} of the heads, the MLP and the vocabulary)")
     return lines
+
+
+def describe_kv_formats(k_format, v_format) -> str:
+    """K and V's storage in a few words: "bf16", or "q8_0 (8.5 bits a value)", or each side's."""
+    def one(fmt) -> str:
+        return f"{fmt.name} ({8 * fmt.bytes_per_value:g} bits a value)" if fmt.quantized else fmt.name
+
+    return one(k_format) if k_format == v_format else f"K {one(k_format)}, V {one(v_format)}"
 
 
 def describe_tensor_types(types: dict[str, str]) -> str:

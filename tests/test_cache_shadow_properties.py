@@ -190,8 +190,8 @@ class CacheUnderShadow:
                              device=self.device)
         if len(slots):
             for layer in range(self.num_layers):
-                self.cache.k_caches[layer][slots] = POISON
-                self.cache.v_caches[layer][slots] = -POISON
+                self.cache.layers.k_cells[layer][slots] = POISON
+                self.cache.layers.v_cells[layer][slots] = -POISON
 
     def claim(self, row: int) -> None:
         self.shadow.rows.setdefault(row, Row())
@@ -372,14 +372,14 @@ class CacheUnderShadow:
             slots = torch.tensor(self.shadow.slots(r), device=self.device)
             for layer in range(self.num_layers):
                 k, v = token_kv(self.shadow.rows[r].values, layer, self.device)
-                assert torch.equal(self.cache.k_caches[layer][slots], k), f"row {r} layer {layer}: K"
-                assert torch.equal(self.cache.v_caches[layer][slots], v), f"row {r} layer {layer}: V"
+                assert torch.equal(self.cache.layers.k_cells[layer][slots], k), f"row {r} layer {layer}: K"
+                assert torch.equal(self.cache.layers.v_cells[layer][slots], v), f"row {r} layer {layer}: V"
 
     def check_attention(self, rows: list[int], slot_mapping: torch.Tensor, context_lens: torch.Tensor) -> None:
         """Attention through the cache's addressing equals attention over the shadow's K/V."""
         q = torch.randn(len(rows), NUM_HEADS, HEAD_DIM, generator=self.queries).to(self.device)
         for layer in range(self.num_layers):
-            k_cache, v_cache = self.cache.k_caches[layer], self.cache.v_caches[layer]
+            k_cache, v_cache = self.cache.layers.k_cells[layer], self.cache.layers.v_cells[layer]
             reference = paged_attention_reference(q, k_cache, v_cache, slot_mapping, context_lens)
             fused = paged_attention(q, k_cache, v_cache, slot_mapping, context_lens)
             kv = [token_kv(self.shadow.rows[r].values if self.shadow.length(r) else [], layer, "cpu") for r in rows]

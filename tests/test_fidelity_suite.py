@@ -84,3 +84,22 @@ def test_reference_measures_every_row_against_another_models_logits(tiny_llama_d
 def test_a_reference_over_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="vocabulary"):
         fidelity_suite.same_vocabulary(torch.zeros(5, 320), torch.zeros(5, 49152), "a.gguf", "b.gguf")
+
+
+def test_fidelity_suite_measures_each_kv_cache_type_against_fp32(gguf_writer, tmp_path, monkeypatch):
+    # A head of 32 (q8_0's run): fp32 cells hold the activations as they are, q8_0 rounds them.
+    from nanoserve.model.network.llama import unfuse_hf_weights
+    from nanoserve.model.network.synthetic import random_model, tiny_config
+
+    config = tiny_config(vocab_size=300, hidden_size=128, head_dim=32)
+    path = gguf_writer(tmp_path / "tiny32.gguf", config, unfuse_hf_weights(random_model(config, seed=2)))
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    status = fidelity_suite.main(["--model", str(path), "--text", str(SHORT_TEXT), "--weights", "fp32",
+                                  "--kv-cache-dtype", "auto,fp32,q8_0", "--max-tokens", "60", "--chunk-rows", "8",
+                                  "--out", str(tmp_path)])
+    assert status == 0
+    with (tmp_path / "fidelity-tiny32.csv").open() as f:
+        rows = {r["kv_cache"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"auto", "fp32", "q8_0"} and {r["system"] for r in rows.values()} == {"fp32"}
+    assert float(rows["auto"]["mean_kl"]) < 1e-9 and float(rows["fp32"]["mean_kl"]) < 1e-9
+    assert 1e-7 < float(rows["q8_0"]["mean_kl"]) < 0.05

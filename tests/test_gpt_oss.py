@@ -291,6 +291,7 @@ def test_verify_and_window_reads_with_sinks_equal_the_reference(window):
     """The SDPA-side reads with sinks (a decode row, a verify row of several queries) against
     paged_attention_reference, one query at a time."""
     from nanoserve.worker.attention import WindowAttention, paged_attention_reference
+    from nanoserve.worker.kv_cells import KVLayers
 
     torch.manual_seed(1)
     rows, queries, slots, width, heads, kv, dim = 2, 3, 100, 24, 6, 2, 16
@@ -301,13 +302,13 @@ def test_verify_and_window_reads_with_sinks_equal_the_reference(window):
     sinks = 3 * torch.randn(heads)
     k_new, v_new = torch.randn(rows * queries, kv, dim), torch.randn(rows * queries, kv, dim)
     scratch = torch.zeros(rows * queries, dtype=torch.long)
-    attention = WindowAttention([k_cache], [v_cache], scratch, table, lengths)
+    attention = WindowAttention(KVLayers([k_cache], [v_cache], [], []), scratch, table, lengths)
     k_cache[0], v_cache[0] = k_new[-1], v_new[-1]  # what the write leaves in the scratch slot
     got = attention(0, q, k_new, v_new, window=window, sinks=sinks)
     want = paged_attention_reference(q, k_cache, v_cache, table.repeat_interleave(queries, 0), lengths,
                                      window=window, sinks=sinks)
     torch.testing.assert_close(got[:-1], want[:-1], atol=1e-5, rtol=0)
-    single = WindowAttention([k_cache], [v_cache], scratch[:rows], table, lengths[::queries])
+    single = WindowAttention(KVLayers([k_cache], [v_cache], [], []), scratch[:rows], table, lengths[::queries])
     got = single(0, q[::queries], k_new[::queries], v_new[::queries], window=window, sinks=sinks)
     want = paged_attention_reference(q[::queries], k_cache, v_cache, table, lengths[::queries], window=window,
                                      sinks=sinks)

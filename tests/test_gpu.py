@@ -85,7 +85,7 @@ def test_window_is_the_table_buffer_for_every_bucket():
 def test_bf16_is_the_cuda_default_and_decodes():
     model = random_model(tiny_config(), seed=0)
     engine = cuda_engine(model, dtype=None)
-    assert engine.worker.cache.k_caches[0].dtype == torch.bfloat16
+    assert engine.worker.cache.layers.k_cells[0].dtype == torch.bfloat16
     out = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == 40 for o in out)
 

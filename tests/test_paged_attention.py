@@ -9,10 +9,12 @@ from paired_cache import PairedCache
 from nanoserve.worker.attention import (
     WindowAttention,
     attend_window,
+    gather_rows,
     paged_attention,
     paged_attention_reference,
     window_mask,
 )
+from nanoserve.worker.kv_cells import KVLayers
 
 
 def dense_attention(q, keys, values, scale=None):
@@ -45,7 +47,7 @@ def test_paged_read_equals_dense_attention(device, num_heads, num_kv_heads):
     v_new = torch.randn(4, num_kv_heads, head_dim, device=device)
     cache.write_kv(0, plan.write_slots, k_new, v_new)
     q = torch.randn(4, num_heads, head_dim, device=device)
-    got = paged_attention_reference(q, cache.k_caches[0], cache.v_caches[0], plan.slot_mapping, plan.context_lens)
+    got = paged_attention_reference(q, cache.layers.k_cells[0], cache.layers.v_cells[0], plan.slot_mapping, plan.context_lens)
     want = dense_attention(q, [torch.cat([k, k_new[i:i + 1]]) for i, k in enumerate(keys)],
                            [torch.cat([v, v_new[i:i + 1]]) for i, v in enumerate(values)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -129,7 +131,8 @@ def test_one_mask_serves_every_layer_of_a_step():
     mask = window_mask(context_lens, 8, torch.float32)
     for _layer in range(3):
         k_cache, v_cache, q = torch.randn(64, 2, 8), torch.randn(64, 2, 8), torch.randn(3, 6, 8)
-        torch.testing.assert_close(attend_window(q, k_cache, v_cache, slot_mapping, mask),
+        keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
+        torch.testing.assert_close(attend_window(q, keys, values, mask),
                                    paged_attention_reference(q, k_cache, v_cache, slot_mapping, context_lens))
 
 
@@ -187,7 +190,7 @@ def test_a_verify_steps_sdpa_read_is_each_query_over_its_own_cells(queries):
     q = torch.randn(rows * queries, kv * group, head_dim)
     mapping = torch.randint(1, slots, (rows, width))
     lengths = torch.tensor([start + j + 1 for start in (5, 0, 18) for j in range(queries)])
-    attention = WindowAttention([k_cache], [v_cache], torch.zeros(rows * queries, dtype=torch.long), mapping, lengths)
+    attention = WindowAttention(KVLayers([k_cache], [v_cache], [], []), torch.zeros(rows * queries, dtype=torch.long), mapping, lengths)
     fresh = torch.zeros(rows * queries, kv, head_dim)  # this step's own K/V go to slot 0, which no row reads
     got = attention(0, q, fresh, fresh)
     want = paged_attention_reference(q, k_cache, v_cache, mapping.repeat_interleave(queries, 0), lengths)

@@ -56,4 +56,4 @@ def test_a_cache_built_from_the_plan_agrees_with_it():
     plan = plan_pool(1 << 20, 2, 2, 8, 4, 16, max_batch_size=4, max_model_len=1 << 20)
     cache = PairedCache(2, 2, 8, plan.num_blocks, plan.block_size, 4, plan.requested_max_model_len)
     assert cache.max_model_len == plan.max_model_len
-    assert sum(t.numel() * t.element_size() for t in cache.k_caches + cache.v_caches) == plan.num_blocks * plan.bytes_per_block
+    assert sum(t.numel() * t.element_size() for t in cache.layers.k_cells + cache.layers.v_cells) == plan.num_blocks * plan.bytes_per_block

@@ -205,7 +205,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def every_row_reads_its_own_values(self):
         for row, tokens in enumerate(self.running):
             slots = self.cache.slot_table.slots[row, : len(tokens)]
-            read = self.cache.k_caches[0][slots].view(-1).tolist()
+            read = self.cache.layers.k_cells[0][slots].view(-1).tolist()
             want = [kv_value(tokens[: t + 1]) for t in range(len(tokens))]
             assert read == want, f"row {row} reads {read}, wrote {want}"
 

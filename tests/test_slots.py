@@ -202,10 +202,10 @@ def test_cache_reserves_a_scratch_block_and_clamps_max_model_len():
 
 def test_cache_keeps_one_tensor_per_layer():
     cache = small_cache()
-    assert len(cache.k_caches) == 2 and len(cache.v_caches) == 2
-    pointers = {t.untyped_storage().data_ptr() for t in cache.k_caches + cache.v_caches}
+    assert len(cache.layers.k_cells) == 2 and len(cache.layers.v_cells) == 2
+    pointers = {t.untyped_storage().data_ptr() for t in cache.layers.k_cells + cache.layers.v_cells}
     assert len(pointers) == 4
-    assert cache.k_caches[0].shape == (32 * 4, 2, 4)
+    assert cache.layers.k_cells[0].shape == (32 * 4, 2, 4)
 
 
 def test_allocate_prompt_returns_its_slots_and_resyncs(device):
@@ -423,8 +423,8 @@ def test_write_kv_stores_at_the_write_slots(device):
     plan = cache.plan_decode([0])
     k = torch.randn(1, 2, 4, device=device)
     cache.write_kv(1, plan.write_slots, k, -k)
-    assert torch.equal(cache.k_caches[1][plan.write_slots], k)
-    assert torch.equal(cache.v_caches[1][plan.write_slots], -k)
+    assert torch.equal(cache.layers.k_cells[1][plan.write_slots], k)
+    assert torch.equal(cache.layers.v_cells[1][plan.write_slots], -k)
 
 
 def test_a_prompt_the_pool_cannot_hold_claims_nothing():

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 INDEX_BYTES = 8  # int64 slots and block ids
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V bytes of one token over every layer, in cells of `dtype_bytes` (a dtype's itemsize)."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float,
+                       v_dtype_bytes: float | None = None) -> int:
+    """K and V bytes of one token over every layer, at `dtype_bytes` a value (a dtype's itemsize;
+    q8_0's 34 / 32), V at `v_dtype_bytes` when it is stored apart."""
+    v_bytes = dtype_bytes if v_dtype_bytes is None else v_dtype_bytes
+    return round(num_layers * num_kv_heads * head_dim * (dtype_bytes + v_bytes))
 
 
 def clamp_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
@@ -46,13 +49,13 @@ class PoolPlan:
     bytes_per_block: int  # K/V bytes = num_blocks * bytes_per_block
 
 
-def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-              block_size: int, max_batch_size: int, max_model_len: int) -> PoolPlan:
+def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float,
+              block_size: int, max_batch_size: int, max_model_len: int, v_dtype_bytes: float | None = None) -> PoolPlan:
     """The most blocks `budget_bytes` of K/V can hold, and `max_model_len` clamped to them (one
     block is the cache's scratch block). Raises ValueError below that block and one for a request."""
     if min(num_layers, num_kv_heads, head_dim, block_size, max_batch_size, max_model_len) < 1:
         raise ValueError("plan_pool needs positive sizes")
-    bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes)
+    bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, v_dtype_bytes)
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "

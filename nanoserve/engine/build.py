@@ -12,7 +12,7 @@ import torch
 from nanoserve.cache.block_manager import SCRATCH_BLOCK, BlockManager
 from nanoserve.cache.pool_plan import PoolPlan, kv_bytes_per_token, plan_pool
 from nanoserve.distributed.launch import build_tensor_parallel
-from nanoserve.engine.config import EngineConfig, default_compile
+from nanoserve.engine.config import EngineConfig, default_compile, kv_cache_types
 from nanoserve.engine.engine import Engine
 from nanoserve.engine.resolved import ResolvedConfig
 from nanoserve.engine.scheduler import Scheduler, check_token_budget
@@ -27,6 +27,7 @@ from nanoserve.speculative.speculator import NgramProposals, Speculator
 from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets
 from nanoserve.worker.build import WorkerConfig, build_worker
+from nanoserve.worker.kv_cells import CellFormat, resolve_cell_format
 from nanoserve.worker.sampler import Sampler
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
@@ -69,9 +70,10 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     header = read_header(model) if named else None  # the host side's one read of the file
     header_seconds = time.perf_counter() - started
     arch = header.config if header is not None else model.config
-    pool = _plan_pool(arch, config, dtype)
+    kv_formats = tuple(resolve_cell_format(name, dtype, arch.head_dim) for name in kv_cache_types(config))
+    pool = _plan_pool(arch, config, dtype, kv_formats)
     compile = config.compile if config.compile is not None else default_compile()
-    spec = _worker_spec(config, arch, pool, weight_plan, dtype, compile)
+    spec = _worker_spec(config, arch, pool, weight_plan, dtype, compile, tuple(fmt.name for fmt in kv_formats))
     resolved = _resolve(config, pool, spec)
     check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
     # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
@@ -84,7 +86,7 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     source = model if named else f"{type(model).__name__}@{id(model):x}"
     blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
                           enable_prefix_caching=config.enable_prefix_caching,
-                          prefix_salt=f"{source}|{arch!r}|{dtype}|{resolved.weights}")
+                          prefix_salt=f"{source}|{arch!r}|{dtype}|{resolved.weights}|kv {resolved.kv_cache_types}")
     scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
                           chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
                           buckets=spec.buckets)
@@ -120,27 +122,29 @@ def _speculator(config: EngineConfig, target, spec: WorkerConfig, vocab_size: in
 
 
 def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
-                 dtype: torch.dtype, compile: bool) -> WorkerConfig:
+                 dtype: torch.dtype, compile: bool, kv_types: tuple[str, str]) -> WorkerConfig:
     """What every rank's worker is built from: the pool's shape, the decode grid, the kernel tier."""
     # The tier running the packed weights; with dense bf16 weights the decode attention still
     # reads through the host's tier (fp32 dense weights are the reference and keep SDPA).
     tier = weight_plan.tier if weight_plan is not None else None
     if tier is None and dtype == torch.bfloat16 and str(config.device) == "cpu":
         tier = cpu_kernels.resolve_tier()
-    kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier) is not None
+    kernel = decode_attention_kernel(config.device, dtype, arch.head_dim, tier, kv_types) is not None
     return WorkerConfig(weight_plan, dtype, config.device, pool.num_blocks, config.block_size, config.max_batch_size,
                       pool.max_model_len, SCRATCH_BLOCK * config.block_size,
                       _buckets(config, pool.max_model_len, kernel, compile), compile, config.compile_mode,
                       config.compile_backend, tier, config.warmup,
                       checks=os.environ.get("NANOSERVE_CHECKS", "") == "1",
-                      max_queries=1 + (config.speculative.num_speculative_tokens if config.speculative else 0))
+                      max_queries=1 + (config.speculative.num_speculative_tokens if config.speculative else 0),
+                      kv_cache_types=kv_types)
 
 
 def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig) -> ResolvedConfig:
     chunked, budget = config.enable_chunked_prefill, config.max_num_batched_tokens
     return ResolvedConfig(
         weights=spec.weights.name if spec.weights else _format_name(spec.dtype), weight_plan=spec.weights,
-        dtype=spec.dtype, cpu_kernels=spec.attention_tier, max_model_len=pool.max_model_len,
+        dtype=spec.dtype, kv_cache_types=spec.kv_cache_types, cpu_kernels=spec.attention_tier,
+        max_model_len=pool.max_model_len,
         kv_cache_bytes=pool.num_blocks * pool.bytes_per_block, num_blocks=pool.num_blocks,
         max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, pool.max_model_len,
                                                                config.device),
@@ -150,17 +154,19 @@ def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig) -> Resolv
         buckets=spec.buckets, compile=spec.compile)
 
 
-def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> PoolPlan:
+def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+               kv_formats: tuple[CellFormat, CellFormat]) -> PoolPlan:
     """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
-    block, at most DEFAULT_KV_TOKENS tokens' worth)."""
+    block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype.itemsize)
+    k_bytes, v_bytes = (fmt.bytes_per_value for fmt in kv_formats)
+    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)
     blocks = min(rows * -(-limit // block_size), -(-DEFAULT_KV_TOKENS // block_size)) + 1
     budget = config.kv_cache_bytes or blocks * per_block
     try:
-        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype.itemsize, block_size, rows,
-                         limit)
+        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, k_bytes, block_size, rows,
+                         limit, v_bytes)
     except ValueError as exc:
         raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
     wanted = config.max_model_len

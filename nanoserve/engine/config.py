@@ -29,6 +29,9 @@ def option(default: Any, help: str, cli: bool = True, flag: str | None = None, c
     return field(default=default, metadata=dict(help=help, cli=cli, flag=flag, choices=choices, kind=kind))
 
 
+KV_CACHE_TYPES = ("auto", "bf16", "fp32", "q8_0")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int | None = option(
@@ -38,6 +41,14 @@ class EngineConfig:
     kv_cache_bytes: int | None = option(
         None, "K/V pool budget, e.g. 512M, 2G (default: what max_batch_size rows of max_model_len need, at most 16,384 tokens' worth)",
         kind="bytes")
+    kv_cache_dtype: str = option(
+        "auto", "how K and V are stored: auto (the compute dtype), bf16, fp32, or q8_0 (llama.cpp's q8_0: int8 "
+                "codes and an fp16 step per 32 values, ~1.9x bf16's tokens in the same bytes; head_dim a multiple "
+                "of 32)", choices=KV_CACHE_TYPES)
+    cache_type_k: str | None = option(
+        None, "K's storage alone, as llama.cpp's --cache-type-k (default: kv_cache_dtype)", choices=KV_CACHE_TYPES)
+    cache_type_v: str | None = option(
+        None, "V's storage alone, as llama.cpp's --cache-type-v (default: kv_cache_dtype)", choices=KV_CACHE_TYPES)
     block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
     max_num_batched_tokens: int | None = option(
         None, "a step's token budget (decode rows + prefill chunks), binding every step; default on the CPU: "
@@ -109,11 +120,20 @@ class EngineConfig:
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("kv_cache_dtype", "cache_type_k", "cache_type_v"):
+            value = getattr(self, name)
+            if value is not None and value not in KV_CACHE_TYPES:
+                raise ValueError(f"{name} must be one of {', '.join(KV_CACHE_TYPES)}, got {value!r}")
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         if self.chat_template is not None:  # refused here, in one line, before any weights load
             from nanoserve.model.formats.chat_templates import checked_chat_template
 
             checked_chat_template(self.chat_template)
+
+
+def kv_cache_types(config: EngineConfig) -> tuple[str, str]:
+    """K's and V's storage as asked: each side's own setting, else kv_cache_dtype."""
+    return config.cache_type_k or config.kv_cache_dtype, config.cache_type_v or config.kv_cache_dtype
 
 
 def default_compile() -> bool:

@@ -15,7 +15,8 @@ from nanoserve.worker.bucketing import Buckets
 class ResolvedConfig:
     weights: str  # the weight format's display name ("fp32", "int4+int8head+bf16>=24"): a report, not an option
     weight_plan: WeightPlan | None  # None: dense weights in `dtype`
-    dtype: torch.dtype  # activations and K/V
+    dtype: torch.dtype  # activations
+    kv_cache_types: tuple[str, str]  # K's and V's storage ("bf16", "fp32", "q8_0")
     cpu_kernels: str | None  # the kernel tier running packed weights or decode attention, if any
     max_model_len: int  # clamped to what the pool holds
     kv_cache_bytes: int  # the pool's K/V bytes over every rank

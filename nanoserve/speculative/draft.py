@@ -244,7 +244,7 @@ def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtyp
             from nanoserve.model.formats.loader import load_config  # the file's header only
 
             head_dim = load_config(source).head_dim
-        if decode_attention_kernel(target_spec.device, dtype, head_dim, tier) is not None:
+        if decode_attention_kernel(target_spec.device, dtype, head_dim, tier, target_spec.kv_cache_types) is not None:
             widths = (target_spec.max_model_len,)  # the kernel reads each row's own cells: one width
         buckets = Buckets(tuple(sorted(set(row_buckets))), widths, (1, 2), rows)
     spec = dataclasses.replace(target_spec, weights=plan, dtype=dtype, max_batch_size=rows, buckets=buckets,

@@ -33,20 +33,26 @@ import torch.nn.functional as F
 
 from nanoserve.model.network.reference_attention import attend_with_sinks
 from nanoserve.model.quant import cpu_kernels
+from nanoserve.worker.kv_cells import resolve_cell_format
 
 if TYPE_CHECKING:
     from nanoserve.worker.kv_cache import KVCache
+    from nanoserve.worker.kv_cells import KVLayers
 
 
-def decode_attention_kernel(device: str | torch.device, dtype: torch.dtype, head_dim: int,
-                            tier: str | None) -> int | None:
-    """The handle of the kernel tier (cpu_kernels) whose decode_attention reads K/V cells of
-    ``dtype`` and ``head_dim`` on ``device`` in decode steps, or None for SDPA: on the CPU, with
-    a tier of nanoserve's (the dense fp32 format keeps torch's path as the reference), bf16 or
-    fp32 cells, and a head_dim the kernels' 16-lane loads cover."""
+def decode_attention_kernel(device: str | torch.device, dtype: torch.dtype, head_dim: int, tier: str | None,
+                            kv_cache_types: tuple[str, str] = ("auto", "auto")) -> int | None:
+    """The handle of the kernel tier (cpu_kernels) whose decode_attention reads, for queries in
+    ``dtype`` with ``head_dim``, K/V cells stored as ``kv_cache_types`` (kv_cells) on ``device``
+    in decode steps, or None for SDPA: on the CPU, with a tier of nanoserve's (the dense fp32
+    format keeps torch's path as the reference), bf16 or fp32 queries, each side q8_0 or in
+    the queries' dtype, and a head_dim the kernels' 16-lane loads cover."""
     if tier is None or torch.device(device).type != "cpu" or head_dim % 16:
         return None
     if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    formats = [resolve_cell_format(name, dtype, head_dim) for name in kv_cache_types]
+    if any(not fmt.quantized and fmt.dtype != dtype for fmt in formats):
         return None
     return cpu_kernels.handle(tier)
 
@@ -112,7 +118,8 @@ def paged_attention(
     returns zeros, as there.
     """
     mask = window_mask(context_lens, slot_mapping.shape[1], q.dtype, window)
-    out = attend_window(q, k_cache, v_cache, slot_mapping, mask, scale, sinks)
+    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
+    out = attend_window(q, keys, values, mask, scale, sinks)
     return out * (context_lens > 0).view(-1, 1, 1).to(q.dtype)
 
 
@@ -138,24 +145,22 @@ def hidden_columns(lengths: torch.Tensor, width: int, window: int | None) -> tor
 
 def attend_window(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     mask: torch.Tensor,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [n, H, D] over each row's window through `window_mask`'s mask; [n, H, D] (``sinks``
-    [H]: each head's sink logit in the softmax).
+    """q [n, H, D] over each row's gathered keys and values [n, KV, W, D] (``gather_rows``,
+    ``KVLayers.gather``: SDPA reads them by their strides) through `window_mask`'s mask;
+    [n, H, D] (``sinks`` [H]: each head's sink logit in the softmax).
 
-    One gather per K and V, then SDPA reads the [n, KV, W, D] view of it by its strides. The
-    query heads that share a K/V head are handed to SDPA as that head's query rows
+    The query heads that share a K/V head are handed to SDPA as that head's query rows
     ([n, KV, group, D]): one small matrix product per K/V head instead of a GQA expansion
     per query head. A padded row's output is finite garbage.
     """
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
+    num_kv_heads = keys.shape[1]
     queries = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if sinks is not None:
         out = attend_with_sinks(queries, keys, values, mask, sinks.view(num_kv_heads, -1, 1), scale)
@@ -164,16 +169,15 @@ def attend_window(
     return out.reshape(n, num_heads, head_dim)
 
 
-def attend_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  mask: torch.Tensor, queries: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend_verify(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, queries: int,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A verify step's read through SDPA: q [rows * queries, H, D] (a row's queries in a run),
-    slot_mapping [rows, W], mask [rows, 1, queries * group, W] (each query's own length);
-    [rows * queries, H, D]. Each row's cells are gathered once for all its queries, which SDPA
-    reads as ``queries * group`` query rows of each K/V head."""
+    each row's gathered keys and values [rows, KV, W, D], mask [rows, 1, queries * group, W]
+    (each query's own length); [rows * queries, H, D]. Each row's cells are gathered once for
+    all its queries, which SDPA reads as ``queries * group`` query rows of each K/V head."""
     n, num_heads, head_dim = q.shape
-    rows, num_kv_heads = slot_mapping.shape[0], k_cache.shape[1]
+    rows, num_kv_heads = keys.shape[0], keys.shape[1]
     group = num_heads // num_kv_heads
-    keys, values = gather_rows(k_cache, slot_mapping), gather_rows(v_cache, slot_mapping)
     grouped = q.view(rows, queries, num_kv_heads, group, head_dim).transpose(1, 2).reshape(
         rows, num_kv_heads, queries * group, head_dim)
     if sinks is not None:  # row j * group + g of a K/V head is query j's head g
@@ -201,9 +205,9 @@ class WindowAttention:
     mask); else a gather and torch's SDPA, with the mask built once per step for every layer
     of one window (sliding-window layers read the same row of slots, masked to their window)."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], write_slots: torch.Tensor,
-                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, kernel: int | None = None) -> None:
-        self.k_caches, self.v_caches = k_caches, v_caches
+    def __init__(self, kv: KVLayers, write_slots: torch.Tensor, slot_mapping: torch.Tensor,
+                 context_lens: torch.Tensor, kernel: int | None = None) -> None:
+        self.kv = kv
         # A verify step: ``queries`` a row, all reading the row's one row of slots (the kernel
         # takes them so; SDPA gathers the row's cells once for all of them: attend_verify).
         self.queries = context_lens.shape[0] // max(slot_mapping.shape[0], 1)
@@ -213,21 +217,19 @@ class WindowAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-        k_cache.index_copy_(0, self.write_slots, k)
-        v_cache.index_copy_(0, self.write_slots, v)
+        self.kv.write(layer, self.write_slots, k, v)
         if self.kernel is not None:
-            return torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, self.slot_mapping, self.context_lens,
-                                                        q.shape[-1] ** -0.5, self.kernel, window or 0, sinks)
+            return self.kv.attend(layer, q, self.slot_mapping, self.context_lens, self.kernel, window, sinks)
         if window not in self.masks:
-            mask = window_mask(self.context_lens, self.slot_mapping.shape[1], k_cache.dtype, window)
+            mask = window_mask(self.context_lens, self.slot_mapping.shape[1], q.dtype, window)
             if self.queries > 1:  # [rows * Q, 1, 1, W] -> [rows, 1, Q * group, W], query-major
                 rows, group = self.slot_mapping.shape[0], q.shape[1] // k.shape[1]
                 mask = mask.view(rows, self.queries, 1, -1).expand(-1, -1, group, -1).reshape(rows, 1, -1, mask.shape[-1])
             self.masks[window] = mask
+        keys, values = self.kv.gather(layer, self.slot_mapping, q.dtype)
         if self.queries > 1:
-            return attend_verify(q, k_cache, v_cache, self.slot_mapping, self.masks[window], self.queries, sinks)
-        return attend_window(q, k_cache, v_cache, self.slot_mapping, self.masks[window], sinks=sinks)
+            return attend_verify(q, keys, values, self.masks[window], self.queries, sinks)
+        return attend_window(q, keys, values, self.masks[window], sinks=sinks)
 
 
 @dataclass(frozen=True)
@@ -273,13 +275,13 @@ class PackedPrefillAttention:
             self.masks[window] = [
                 grouped_causal_mask(c.start - first_key(c, window), c.length, group, q.dtype, q.device, window)
                 for c in self.chunks]
-        k_cache, v_cache = self.cache.k_caches[layer], self.cache.v_caches[layer]
         outputs = []
+        k, v = self.cache.layers.as_stored(k, v)  # a chunk reads its own keys as later steps will
         for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks[window], q.split(self.lengths),
                                               k.split(self.lengths), v.split(self.lengths)):
             if chunk.context_slots is not None:
                 slots = chunk.context_slots[first_key(chunk, window):]
-                k_i, v_i = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+                k_i, v_i = self.cache.layers.read(layer, slots, q.dtype)
             outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask, sinks))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 

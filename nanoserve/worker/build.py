@@ -24,6 +24,7 @@ from nanoserve.worker.decode_step import DecodeStep
 from nanoserve.worker.graph_build import memory_allows_builder
 from nanoserve.worker.graph_cache import GraphCache
 from nanoserve.worker.kv_cache import KVCache
+from nanoserve.worker.kv_cells import resolve_cell_format
 from nanoserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class WorkerConfig:
     checks: bool = False
     compile_cache: str | None = None  # the graph cache's directory (None: $NANOSERVE_CACHE_DIR or its default)
     max_queries: int = 1  # tokens a decode row may feed in one step (1 + the speculative tokens)
+    kv_cache_types: tuple[str, str] = ("auto", "auto")  # K's and V's storage (kv_cells)
 
 
 class Shard(Protocol):
@@ -85,9 +87,12 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
     arch = model.config
     kv_heads = arch.num_kv_heads // (shard.size if shard is not None else 1)
+    k_format, v_format = (resolve_cell_format(name, spec.dtype, arch.head_dim) for name in spec.kv_cache_types)
     cache = KVCache(arch.num_layers, kv_heads, arch.head_dim, spec.num_blocks, spec.block_size, spec.max_batch_size,
-                    spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device)
-    kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier)
+                    spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device, k_format=k_format,
+                    v_format=v_format)
+    kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier,
+                                     spec.kv_cache_types)
     # Graphs from the cache: inductor on the CPU. A tensor-parallel rank's graphs hold its
     # collectives, which no other process can trace, so a rank builds its missing graphs itself.
     cached = (spec.compile and spec.compile_backend == "inductor" and torch.device(spec.device).type == "cpu"

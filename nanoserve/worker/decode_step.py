@@ -25,19 +25,19 @@ from nanoserve.worker.bucketing import Buckets, PaddingWaste
 from nanoserve.worker.graph_build import BackgroundBuilder, BuildJob, Shape, build_entry, load_entry
 from nanoserve.worker.graph_cache import GraphCache, GraphKey, model_fingerprint
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
+from nanoserve.worker.kv_cells import KVLayers
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                   context_lens: torch.Tensor, slot_buffer: torch.Tensor, k_caches: list[torch.Tensor],
-                   v_caches: list[torch.Tensor], rows: int, width: int, kernel: int | None = None,
-                   queries: int = 1) -> torch.Tensor:
+                   context_lens: torch.Tensor, slot_buffer: torch.Tensor, kv: tuple[list[torch.Tensor], ...],
+                   rows: int, width: int, kernel: int | None = None, queries: int = 1) -> torch.Tensor:
     """Logits [rows * queries, vocab] for the first ``rows`` rows, ``queries`` tokens each (a
     verify step's row feeds its token and its proposals; the per-query buffers are row-major).
-    The rectangle is sliced from the table's own buffer here, inside the graph, so a capture
-    reads the table where it lives."""
+    ``kv`` is the cache's ``KVLayers.step_args()``. The rectangle is sliced from the table's own
+    buffer here, inside the graph, so a capture reads the table where it lives."""
     n = rows * queries
     slot_mapping = slot_buffer[:rows, :width]
-    attention = WindowAttention(k_caches, v_caches, write_slots[:n], slot_mapping, context_lens[:n], kernel)
+    attention = WindowAttention(KVLayers(*kv), write_slots[:n], slot_mapping, context_lens[:n], kernel)
     hidden = model(input_ids[:n], positions[:n], attention)
     return model.compute_logits(hidden)
 
@@ -107,23 +107,25 @@ class DecodeStep:
 
     def forward_args(self, rows: int, width: int, queries: int = 1) -> tuple:
         return (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
-                self.cache.slot_table.slots, self.cache.k_caches, self.cache.v_caches, rows, width,
+                self.cache.slot_table.slots, self.cache.layers.step_args(), rows, width,
                 self.attention_kernel, queries)
 
     def mark_static(self) -> None:
         """Static addresses: graph capture may then read and write these buffers in place."""
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
-                       self.cache.slot_table.slots, *self.cache.k_caches, *self.cache.v_caches]:
+                       self.cache.slot_table.slots, *self.cache.layers.tensors()]:
             torch._dynamo.mark_static_address(tensor)
 
     def graph_key(self, shape: Shape) -> GraphKey:
         """Everything a bucket's graph depends on (graph_cache: the key)."""
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model)
-        kv = self.cache.k_caches[0]
+        layers = self.cache.layers
+        kv = layers.k_cells[0]
         return GraphKey.of(
             device=self.device, mode=self.mode, attention_kernel=self.attention_kernel, model=self._fingerprint,
-            kv=(len(self.cache.k_caches), tuple(kv.shape), kv.dtype), slots=tuple(self.cache.slot_table.slots.shape),
+            kv=(len(layers.k_cells), tuple(kv.shape), *(fmt.name for fmt in layers.formats)),
+            slots=tuple(self.cache.slot_table.slots.shape),
             buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape, **self.key_extra)
 
     def prepare_graphs(self, build: str, source: object = None, spec: object = None) -> None:

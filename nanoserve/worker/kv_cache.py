@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.worker.kv_cells import CellFormat, KVLayers, resolve_cell_format
 from nanoserve.worker.plan import DecodeBatch
 from nanoserve.worker.slot_table import SlotTable, is_prefix
 
@@ -45,28 +46,36 @@ class DecodePlan:
 
 
 class KVCache:
-    """Per-layer K/V tensors [num_blocks * block_size, kv_heads, head_dim] and the slot table of
-    `max_batch_size` rows of `max_model_len` cells. `scratch_slot` is the host's reserved block's
-    first slot: padded rows write there and no row reads it."""
+    """Every layer's K/V cells (``layers``, KVLayers: the one way in and out of them) for
+    ``num_blocks * block_size`` slots, and the slot table of `max_batch_size` rows of
+    `max_model_len` cells. K and V are each stored in ``dtype`` or as ``k_format`` /
+    ``v_format`` say (kv_cells). `scratch_slot` is the host's reserved block's first slot:
+    padded rows write there and no row reads it."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  max_batch_size: int, max_model_len: int, scratch_slot: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", k_format: CellFormat | None = None,
+                 v_format: CellFormat | None = None) -> None:
         if min(num_layers, num_kv_heads, head_dim, num_blocks, block_size) < 1:
             raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
                              f"head_dim {head_dim}, {num_blocks} blocks of {block_size}")
         self.device = torch.device(device)
         self.block_size, self.num_blocks, self.scratch_slot = block_size, num_blocks, scratch_slot
-        # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
-        # place, inductor copies the whole stack every step.
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.head_dim = head_dim
+        k_format = k_format or resolve_cell_format(None, dtype, head_dim)
+        v_format = v_format or resolve_cell_format(None, dtype, head_dim)
+        self.layers = KVLayers.allocate(num_layers, num_blocks * block_size, num_kv_heads, head_dim, k_format,
+                                        v_format, self.device)
         self.slot_table = SlotTable(max_batch_size, max_model_len, self.device)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+        return self.layers.num_bytes
+
+    @property
+    def formats(self) -> tuple[CellFormat, CellFormat]:
+        """K's and V's storage."""
+        return self.layers.formats
 
     def adopt(self, row: int, slots: torch.Tensor) -> None:
         """The row holds tokens at `slots` (a prefill chunk's context and write slots)."""
@@ -133,5 +142,4 @@ class KVCache:
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""
-        self.k_caches[layer].index_copy_(0, write_slots, k)
-        self.v_caches[layer].index_copy_(0, write_slots, v)
+        self.layers.write(layer, write_slots, k, v)

@@ -184,7 +184,7 @@ class Worker:
             fed, at, slots, lens = decode.query_inputs or (decode.token_ids, decode.positions, decode.write_slots,
                                                            decode.context_lens)
             rows = fed.shape[0]
-            window = WindowAttention(self.cache.k_caches, self.cache.v_caches, slots, decode.slot_mapping, lens,
+            window = WindowAttention(self.cache.layers, slots, decode.slot_mapping, lens,
                                      self.decode_step.attention_kernel)
             attention = DecodeThenPrefill(rows, window, attention)
             token_ids = torch.cat([fed, token_ids])

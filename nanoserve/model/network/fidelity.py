@@ -34,14 +34,18 @@ class FidelityMetrics:
 
 
 @torch.inference_mode()
-def teacher_forced_logits(model, token_ids: list[int] | torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+def teacher_forced_logits(model, token_ids: list[int] | torch.Tensor, chunk_rows: int | None = None,
+                          stored=None) -> torch.Tensor:
     """fp32 logits [T, vocab] of ``model`` at every position of ``token_ids`` (position t
     predicts token t + 1). ``chunk_rows=None`` is one dense forward; a number feeds the text
-    in chunks of that many tokens, so packed layers run at that row count."""
+    in chunks of that many tokens, so packed layers run at that row count. ``stored`` (k, v)
+    -> (k, v) is what a K/V cache keeps of them (its format's rounding: KVLayers.as_stored);
+    the text is then read in chunks (of ``chunk_rows``, else all of it at once)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long)
-    if chunk_rows is None:
+    if chunk_rows is None and stored is None:
         return dense_forward(model, ids[None])[0].float()
-    attention, out = ChunkedCausalAttention(model.config.num_layers), []
+    chunk_rows = chunk_rows or ids.numel()
+    attention, out = ChunkedCausalAttention(model.config.num_layers, stored), []
     for start in range(0, ids.numel(), chunk_rows):
         chunk = ids[start:start + chunk_rows]
         positions = torch.arange(start, start + chunk.numel())

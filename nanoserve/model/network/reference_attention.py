@@ -95,14 +95,19 @@ class DenseCausalAttention:
 class ChunkedCausalAttention:
     """Causal attention over everything read so far, for one sequence fed a chunk at a time:
     each layer keeps every chunk's keys and values, and a chunk's queries [rows, H, D] (the
-    last ``rows`` positions read) attend over all of them, a sliding layer over its window."""
+    last ``rows`` positions read) attend over all of them, a sliding layer over its window.
+    ``stored`` (k, v) -> (k, v): what a cache gives back of them (KVLayers.as_stored: q8_0
+    cells round them), applied as they are kept."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, stored=None) -> None:
         self.keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.stored = stored
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.stored is not None:
+            k, v = self.stored(k, v)
         self.keys[layer_idx].append(k)
         self.values[layer_idx].append(v)
         keys, values = torch.cat(self.keys[layer_idx]), torch.cat(self.values[layer_idx])

@@ -13,9 +13,10 @@ exponent bytes (uint8, 2^(e - 128)). Each activation is written per group of 32 
 int8 codes (``x_bits`` 16) and multiplied with the weight codes in integers, or with ``x_bits``
 8 as the first code alone (a step of max |x| / 127, as llama.cpp's q8_0 activations: each weight
 code multiplied once, not twice); each block of 16 outputs is read from memory once for all rows.
-``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0)`` is
-the decode read of K/V: each row's query heads over its first ``lens`` cells, through its slots
-(a sliding-window layer's ``window``: over the last ``window`` of them).
+``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0, sinks=None,
+k_scales=None, v_scales=None)`` is the decode read of K/V: each row's query heads over its first
+``lens`` cells, through its slots (a sliding-window layer's ``window``: over the last ``window`` of
+them); K and V cells each in q's dtype, or q8_0 (int8 codes and fp16 ``*_scales``, one per 32).
 ``torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero_point, tier, x_bits=16)`` is a
 mixture-of-experts step's every routed product in one call: experts stacked along a leading
 dimension, ``ids`` [rows, top_k], out [rows, top_k, N] with ``out[r, s]`` expert ``ids[r, s]``

@@ -338,23 +338,55 @@ at::Tensor group_dots(const at::Tensor& x_codes, const at::Tensor& codes, int64_
   return out;
 }
 
-// q [n, H, D]; k_cache, v_cache [slots, KV, D], all bf16 or all fp32; slots [m, W] int64 (unit
-// column stride) with m dividing n: query r reads slot row r / (n / m), so a verify step's
-// queries of one row share its row of slots; lens [n] int64. Row r attends to its first len = min(max(lens[r], 1), W) cells:
+// One layer's K or V cells for the tier: [slots, KV, D] in q's dtype, or q8_0 (int8 codes with
+// `scales` [slots, KV, D / 32] fp16). Head h's cells start at head h.
+struct Cells {
+  const char* data;
+  const uint16_t* scales;
+  int64_t element, D;
+
+  Cells(const at::Tensor& cache, const std::optional<at::Tensor>& scales, const at::Tensor& q, const char* name) {
+    const int64_t D_ = q.size(2);
+    TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == D_, name,
+                " cache must be contiguous [slots, KV, ", D_, "], got ", cache.sizes());
+    if (scales.has_value()) {
+      TORCH_CHECK(cache.scalar_type() == at::kChar && D_ % 32 == 0 && D_ <= 1024, name,
+                  " q8_0 cells must be int8 codes with head_dim a multiple of 32 up to 1024");
+      TORCH_CHECK(scales->scalar_type() == at::kHalf && scales->is_contiguous() && scales->dim() == 3 &&
+                  scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) && scales->size(2) == D_ / 32,
+                  name, " scales must be contiguous fp16 [slots, KV, ", D_ / 32, "]");
+    } else {
+      TORCH_CHECK(cache.scalar_type() == q.scalar_type(), name, " cells must be in q's dtype or q8_0");
+    }
+    data = static_cast<const char*>(cache.data_ptr());
+    this->scales = scales.has_value() ? reinterpret_cast<const uint16_t*>(scales->data_ptr<at::Half>()) : nullptr;
+    element = cache.element_size();
+    D = D_;
+  }
+
+  nanoserve_cells head(int64_t h, int64_t KV) const {
+    return {data + h * D * element, scales ? scales + h * (D / 32) : nullptr, KV * D, KV * (D / 32)};
+  }
+};
+
+// q [n, H, D] bf16 or fp32; k_cache, v_cache [slots, KV, D] each in q's dtype or q8_0 (int8
+// codes with k_scales / v_scales [slots, KV, D / 32] fp16); slots [m, W] int64 (unit column
+// stride) with m dividing n: query r reads slot row r / (n / m), so a verify step's queries of one
+// row share its row of slots; lens [n] int64. Row r attends to its first len = min(max(lens[r], 1), W) cells:
 // a padded row of length 0 reads cell 0, finite garbage nobody reads. With window > 0 (a
 // sliding-window layer) only the last `window` of them: cells max(len - window, 0) .. len - 1,
 // which the tier reads as a shorter row of slots. Query heads h * group .. h * group + group - 1
 // share K/V head h.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t handle,
-                            int64_t window, const std::optional<at::Tensor>& sinks) {
+                            int64_t window, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.dim() == 3 && is_float_input(q) && q.stride(2) == 1, "q must be [n, H, D] bf16 or fp32");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == q.scalar_type() && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == q.scalar_type() && v_cache.is_contiguous(),
-              "caches must be contiguous [slots, KV, D] of one shape, in q's dtype");
+  const Cells k_cells(k_cache, k_scales, q, "k"), v_cells(v_cache, v_scales, q, "v");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1),
+              "k and v caches must hold the same cells: ", k_cache.sizes(), " against ", v_cache.sizes());
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && D % 16 == 0 && H % KV == 0, "head sizes disagree: q ", q.sizes(), ", cache ",
-              k_cache.sizes());
+  TORCH_CHECK(D % 16 == 0 && H % KV == 0, "head sizes disagree: q ", q.sizes(), ", cache ", k_cache.sizes());
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) >= 1 && n % slots.size(0) == 0 && slots.scalar_type() == at::kLong &&
               slots.stride(1) == 1, "slots must be [m, W] int64 with unit column stride, m dividing q's ", n, " rows");
   const int64_t per_row = n / slots.size(0);  // queries sharing one row of slots
@@ -376,8 +408,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t size = q.element_size();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const char* q_p = static_cast<const char*>(q.data_ptr());
-  const char* k_p = static_cast<const char*>(k_cache.data_ptr());
-  const char* v_p = static_cast<const char*>(v_cache.data_ptr());
   char* o_p = static_cast<char*>(out.data_ptr());
   const int64_t* s_p = slots.data_ptr<int64_t>();
   at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
@@ -386,8 +416,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t r = task / KV, h = task % KV;
       const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
       const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
-      tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_p + h * D * size,
-                  v_p + h * D * size, KV * D, s_p + (r / per_row) * slots.stride(0) + first, len - first, group, D,
+      tier.attend(q_p + (r * q.stride(0) + h * group * q.stride(1)) * size, q.stride(1), k_cells.head(h, KV),
+                  v_cells.head(h, KV), s_p + (r / per_row) * slots.stride(0) + first, len - first, group, D,
                   static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data(),
                   sink_p ? sink_p + h * group : nullptr);
     }
@@ -413,7 +443,7 @@ TORCH_LIBRARY(nanoserve, lib) {
           "ScalarType dtype, int tier) -> Tensor");
   lib.def("group_dots(Tensor x_codes, Tensor codes, int n, int group, int tier) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lens, float scale, "
-          "int tier, int window=0, Tensor? sinks=None) -> Tensor");
+          "int tier, int window=0, Tensor? sinks=None, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
   lib.impl("load_tier", &load_tier);
   lib.impl("tier_name", &tier_name);
   lib.impl("dot_peak", &dot_peak);

@@ -35,7 +35,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 8
+#define NANOSERVE_KERNEL_ABI 9
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -47,6 +47,17 @@ struct nanoserve_format {
   // nullptr, or 16 int8 values a 4-bit code stands for: w = d * table[c], no m (zero_point 0).
   // The tiers look the nibble up in a register (pshufb, tbl) before their int8 dot.
   const int8_t* table;
+};
+
+// One layer's K (or V) cells of one K/V head, as decode attention reads them: cell t of a row is
+// data + slots[t] * stride (elements). With scales nullptr the cells are in q's type (bf16 bits
+// or fp32); else they are q8_0: int8 codes, value = code * scales[slots[t] * scale_stride + c / 32]
+// (fp16 steps, one per 32 codes along the head).
+struct nanoserve_cells {
+  const void* data;
+  const uint16_t* scales;
+  int64_t stride;
+  int64_t scale_stride;
 };
 
 // One tier's entry points. Every function is single-threaded; the caller splits the work.
@@ -68,13 +79,13 @@ struct nanoserve_kernel_table {
   // same instructions as group_mm: tiers are tested on these.
   void (*group_dots)(nanoserve_format format, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
   // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
-  // q [group, D] (row stride q_stride), cells at base + slots[t] * cache_stride, out [group, D]
-  // (row stride out_stride); bf16 bits everywhere if bf16, else fp32. scratch: attend_scratch floats.
-  // sinks (nullptr: none): each query head's sink logit [group] (gpt-oss), one more term in the
-  // softmax's denominator that contributes no value.
-  void (*attend)(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
-                 const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out,
-                 int64_t out_stride, int32_t bf16, float* scratch, const float* sinks);
+  // q [group, D] (row stride q_stride), k and v cells as nanoserve_cells (q8_0 needs D % 32 == 0),
+  // out [group, D] (row stride out_stride); q and out bf16 bits if bf16, else fp32.
+  // scratch: group * (2 D + len + 16) floats. sinks (nullptr: none): each query head's sink logit
+  // [group] (gpt-oss), one more term in the softmax's denominator that contributes no value.
+  void (*attend)(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
+                 int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
+                 float* scratch, const float* sinks);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
   void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
@@ -157,6 +168,13 @@ inline float fp16_to_float(uint16_t h) {
 
 inline float load_float(const void* p, int64_t i, bool bf16) {
   return bf16 ? bf16_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// Element c of cell `slot` (nanoserve_cells), as fp32: the reference tier's and the tests' read.
+inline float load_cell(const nanoserve_cells& cells, int64_t slot, int64_t c, bool bf16) {
+  if (cells.scales == nullptr) return load_float(cells.data, slot * cells.stride + c, bf16);
+  const float step = fp16_to_float(cells.scales[slot * cells.scale_stride + c / 32]);
+  return step * static_cast<float>(static_cast<const int8_t*>(cells.data)[slot * cells.stride + c]);
 }
 
 inline void store_float(void* p, int64_t i, float v, bool bf16) {

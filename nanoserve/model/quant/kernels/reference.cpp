@@ -151,18 +151,16 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
   }
 }
 
-void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
-            const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
-            int32_t bf16, float* scratch, const float* sinks) {
+void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
+            int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
+            float* scratch, const float* sinks) {
   float* scores = scratch;             // [len]
   float* acc = scratch + len;          // [D]
   for (int64_t g = 0; g < group; ++g) {
     float top = sinks ? sinks[g] : -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
       float s = 0.f;
-      for (int64_t c = 0; c < D; ++c) {
-        s += load_float(q, g * q_stride + c, bf16) * scale * load_float(k_base, slots[t] * cache_stride + c, bf16);
-      }
+      for (int64_t c = 0; c < D; ++c) s += load_float(q, g * q_stride + c, bf16) * scale * load_cell(k, slots[t], c, bf16);
       scores[t] = s;
       top = std::max(top, s);
     }
@@ -170,7 +168,7 @@ void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_b
     for (int64_t t = 0; t < len; ++t) total += scores[t] = std::exp(scores[t] - top);
     std::fill(acc, acc + D, 0.f);
     for (int64_t t = 0; t < len; ++t) {
-      for (int64_t c = 0; c < D; ++c) acc[c] += scores[t] * load_float(v_base, slots[t] * cache_stride + c, bf16);
+      for (int64_t c = 0; c < D; ++c) acc[c] += scores[t] * load_cell(v, slots[t], c, bf16);
     }
     for (int64_t c = 0; c < D; ++c) store_float(out, g * out_stride + c, acc[c] / total, bf16);
   }

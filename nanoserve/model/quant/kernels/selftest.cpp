@@ -265,29 +265,56 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
   check(alone, name + ": the reference is each pair through group_mm alone");
 }
 
+// One layer's cells of KV heads for the attention tests: dense (q's type) or q8_0 (int8 codes in
+// -127..127 and positive fp16 steps of 2^-7 .. 2^-5, so values stay near the dense ones' range).
+struct TestCells {
+  std::vector<uint8_t> data;
+  std::vector<uint16_t> steps;
+  nanoserve_cells view(int64_t h, int64_t KV, int64_t D, int64_t size) const {
+    const bool q8 = !steps.empty();
+    return {data.data() + h * D * (q8 ? 1 : size), q8 ? steps.data() + h * (D / 32) : nullptr, KV * D, KV * (D / 32)};
+  }
+};
+
+TestCells test_cells(int64_t cells, int64_t KV, int64_t D, bool bf16, bool q8) {
+  TestCells out;
+  if (!q8) {
+    const std::vector<float> f = random_floats(cells * KV * D);
+    out.data.resize(f.size() * (bf16 ? 2 : 4));
+    for (size_t i = 0; i < f.size(); ++i) nanoserve::store_float(out.data.data(), i, f[i], bf16);
+    return out;
+  }
+  std::uniform_int_distribution<int> code(-127, 127), mant(0, 1023), expo(8, 10);
+  out.data.resize(cells * KV * D);
+  for (auto& c : out.data) c = static_cast<uint8_t>(static_cast<int8_t>(code(rng)));
+  out.steps.resize(cells * KV * (D / 32));
+  for (auto& h : out.steps) h = static_cast<uint16_t>((expo(rng) << 10) | mant(rng));
+  return out;
+}
+
 void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t group, int64_t D,
-                    int64_t len, bool bf16, bool with_sinks) {
+                    int64_t len, bool bf16, bool with_sinks, bool k_q8, bool v_q8) {
   const std::string name = std::string(tier->tier) + " attention group " + std::to_string(group) + " D " +
                            std::to_string(D) + " len " + std::to_string(len) + (bf16 ? " bf16" : " fp32") +
-                           (with_sinks ? " sinks" : "");
+                           (with_sinks ? " sinks" : "") + (k_q8 ? " k q8_0" : "") + (v_q8 ? " v q8_0" : "");
   const int64_t KV = 2, cells = len + 7, size = bf16 ? 2 : 4;
-  std::vector<float> qf = random_floats(group * D), kf = random_floats(cells * KV * D), vf = random_floats(cells * KV * D);
-  std::vector<uint8_t> q(group * D * size), k(cells * KV * D * size), v(cells * KV * D * size);
+  std::vector<float> qf = random_floats(group * D);
+  std::vector<uint8_t> q(group * D * size);
   for (size_t i = 0; i < qf.size(); ++i) nanoserve::store_float(q.data(), i, qf[i], bf16);
-  for (size_t i = 0; i < kf.size(); ++i) nanoserve::store_float(k.data(), i, kf[i], bf16), nanoserve::store_float(v.data(), i, vf[i], bf16);
+  const TestCells k = test_cells(cells, KV, D, bf16, k_q8), v = test_cells(cells, KV, D, bf16, v_q8);
   std::vector<int64_t> slots(len);
   for (int64_t t = 0; t < len; ++t) slots[t] = (t * 5 + 3) % cells;
   std::vector<float> scratch(group * (2 * D + len + 16));
   std::vector<uint8_t> out_ref(group * D * size), out(group * D * size);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const size_t head = D * size;  // K/V head 1 of each cell
   std::vector<float> sinks = random_floats(group);  // a sink above and below the scores alike
   for (int64_t g = 0; g < group; ++g) sinks[g] *= 4.f;
   const float* sink_p = with_sinks ? sinks.data() : nullptr;
-  ref->attend(q.data(), D, k.data() + head, v.data() + head, KV * D, slots.data(), len, group, D, scale, out_ref.data(), D,
-              bf16, scratch.data(), sink_p);
-  tier->attend(q.data(), D, k.data() + head, v.data() + head, KV * D, slots.data(), len, group, D, scale, out.data(), D,
-               bf16, scratch.data(), sink_p);
+  // K/V head 1 of each cell
+  ref->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
+              out_ref.data(), D, bf16, scratch.data(), sink_p);
+  tier->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
+               out.data(), D, bf16, scratch.data(), sink_p);
   float top;
   const float diff = max_abs_diff(as_floats(out_ref, bf16, group * D), as_floats(out, bf16, group * D), &top);
   check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * std::max(top, 1.f), name + ": max diff " + std::to_string(diff));
@@ -340,7 +367,11 @@ int main() {
     for (int64_t group : {1, 3, 4}) {
       for (int64_t D : {16, 64, 128}) {
         for (int64_t len : {1, 7, 16, 33, 300}) {
-          for (bool with_sinks : {false, true}) test_attention(ref, tier, group, D, len, bf16, with_sinks);
+          for (bool with_sinks : {false, true}) {
+            for (int cells = 0; cells < (D % 32 ? 1 : 4); ++cells) {  // K, V: dense or q8_0 (D a multiple of 32)
+              test_attention(ref, tier, group, D, len, bf16, with_sinks, cells & 1, cells & 2);
+            }
+          }
         }
       }
     }

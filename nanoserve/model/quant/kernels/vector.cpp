@@ -479,15 +479,43 @@ inline V::F exp_nonpositive(V::F x) {
   return V::mul(p, V::pow2(V::to_int(n)));
 }
 
+// A K/V head's cells as attend_typed reads them: a cell's codes at `cell(slot)`, LANES of them
+// at c by `load` (unscaled), and with SCALED each run of 32 scaled by `step(slot, block)`.
 template <typename E>
-void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base, int64_t cache_stride,
-                  const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, E* out,
-                  int64_t out_stride, float* scratch, const float* sinks) {
+struct DenseCells {
+  static constexpr bool SCALED = false;
+  const E* data;
+  int64_t stride;
+  const E* cell(int64_t slot) const { return data + slot * stride; }
+  const void* steps(int64_t) const { return nullptr; }
+  float step(int64_t, int64_t) const { return 1.f; }
+  V::F load(const E* cell, int64_t c) const { return V::load(cell + c); }
+};
+
+struct Q8Cells {  // q8_0: int8 codes, an fp16 step per 32
+  static constexpr bool SCALED = true;
+  const int8_t* data;
+  const uint16_t* scales;
+  int64_t stride, scale_stride;
+  const int8_t* cell(int64_t slot) const { return data + slot * stride; }
+  const void* steps(int64_t slot) const { return scales + slot * scale_stride; }
+  float step(int64_t slot, int64_t block) const { return fp16_to_float(scales[slot * scale_stride + block]); }
+  V::F load(const int8_t* cell, int64_t c) const { return V::load_int8(cell + c); }
+};
+
+constexpr int64_t MAX_HEAD = 1024;  // q8_0 cells: the op refuses a longer head
+
+template <typename E, typename KC, typename VC>
+void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t group,
+                  int64_t D, float scale, E* out, int64_t out_stride, float* scratch, const float* sinks) {
   constexpr bool BF16 = sizeof(E) == 2;
   const int64_t C = D / V::LANES, padded = (len + V::LANES - 1) / V::LANES * V::LANES;
+  // Scaled cells are read a block of 32 at a time (its step applied once); dense ones whole.
+  const int64_t k_block = KC::SCALED ? 32 : D, v_block = VC::SCALED ? 32 : D;
   float* qf = scratch;                  // [group, D], q * scale
   float* acc = qf + group * D;          // [group, D]
   float* scores = acc + group * D;      // [group, padded]
+  float* coef = scores + group * padded;  // [group]: a V block's weights
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t c = 0; c < C; ++c) {
       V::store(qf + g * D + V::LANES * c, V::mul(V::load(q + g * q_stride + V::LANES * c), V::set1(scale)));
@@ -496,11 +524,20 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
   }
   constexpr int64_t AHEAD = 8;  // cells are scattered over the cache: fetch a few ahead
   for (int64_t t = 0; t < len; ++t) {
-    if (t + AHEAD < len) __builtin_prefetch(k_base + slots[t + AHEAD] * cache_stride);
-    const E* k = k_base + slots[t] * cache_stride;
+    if (t + AHEAD < len) {
+      __builtin_prefetch(k.cell(slots[t + AHEAD]));
+      if constexpr (KC::SCALED) __builtin_prefetch(k.steps(slots[t + AHEAD]));
+    }
+    const auto* cell = k.cell(slots[t]);
+    float steps[MAX_HEAD / 32];
+    if constexpr (KC::SCALED) for (int64_t b = 0; b < D / 32; ++b) steps[b] = k.step(slots[t], b);
     for (int64_t g = 0; g < group; ++g) {
       V::F sum = V::fzero();
-      for (int64_t c = 0; c < C; ++c) sum = V::fma(V::load(qf + g * D + V::LANES * c), V::load(k + V::LANES * c), sum);
+      for (int64_t b = 0; b < D; b += k_block) {
+        V::F part = V::fzero();
+        for (int64_t c = b; c < b + k_block; c += V::LANES) part = V::fma(V::load(qf + g * D + c), k.load(cell, c), part);
+        sum = KC::SCALED ? V::fma(part, V::set1(steps[b / 32]), sum) : part;
+      }
       scores[g * padded + t] = V::hsum(sum);
     }
   }
@@ -520,13 +557,20 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
     for (int64_t t = 0; t < len; ++t) row[t] *= inv;
   }
   for (int64_t t = 0; t < len; ++t) {
-    if (t + AHEAD < len) __builtin_prefetch(v_base + slots[t + AHEAD] * cache_stride);
-    const E* v = v_base + slots[t] * cache_stride;
-    for (int64_t c = 0; c < C; ++c) {
-      const V::F vc = V::load(v + V::LANES * c);
-      for (int64_t g = 0; g < group; ++g) {
-        float* a = acc + g * D + V::LANES * c;
-        V::store(a, V::fma(V::set1(scores[g * padded + t]), vc, V::load(a)));
+    if (t + AHEAD < len) {
+      __builtin_prefetch(v.cell(slots[t + AHEAD]));
+      if constexpr (VC::SCALED) __builtin_prefetch(v.steps(slots[t + AHEAD]));
+    }
+    const auto* cell = v.cell(slots[t]);
+    for (int64_t b = 0; b < D; b += v_block) {
+      const float step = v.step(slots[t], b / 32);
+      for (int64_t g = 0; g < group; ++g) coef[g] = VC::SCALED ? scores[g * padded + t] * step : scores[g * padded + t];
+      for (int64_t c = b; c < b + v_block; c += V::LANES) {
+        const V::F vc = v.load(cell, c);
+        for (int64_t g = 0; g < group; ++g) {
+          float* a = acc + g * D + c;
+          V::store(a, V::fma(V::set1(coef[g]), vc, V::load(a)));
+        }
       }
     }
   }
@@ -538,16 +582,28 @@ void attend_typed(const E* q, int64_t q_stride, const E* k_base, const E* v_base
   }
 }
 
-void attend(const void* q, int64_t q_stride, const void* k_base, const void* v_base, int64_t cache_stride,
-            const int64_t* slots, int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
-            int32_t bf16, float* scratch, const float* sinks) {
+// The four K/V cell kinds of one q type: each of K and V dense (q's type) or q8_0.
+template <typename E>
+void attend_cells(const E* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
+                  int64_t len, int64_t group, int64_t D, float scale, E* out, int64_t out_stride, float* scratch,
+                  const float* sinks) {
+  const DenseCells<E> k_dense{static_cast<const E*>(k.data), k.stride}, v_dense{static_cast<const E*>(v.data), v.stride};
+  const Q8Cells k_q8{static_cast<const int8_t*>(k.data), k.scales, k.stride, k.scale_stride};
+  const Q8Cells v_q8{static_cast<const int8_t*>(v.data), v.scales, v.stride, v.scale_stride};
+  if (k.scales && v.scales) attend_typed(q, q_stride, k_q8, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks);
+  else if (k.scales) attend_typed(q, q_stride, k_q8, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks);
+  else if (v.scales) attend_typed(q, q_stride, k_dense, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks);
+  else attend_typed(q, q_stride, k_dense, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks);
+}
+
+void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots, int64_t len,
+            int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16, float* scratch,
+            const float* sinks) {
   if (bf16) {
-    attend_typed(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_base),
-                 static_cast<const uint16_t*>(v_base), cache_stride, slots, len, group, D, scale,
+    attend_cells(static_cast<const uint16_t*>(q), q_stride, k, v, slots, len, group, D, scale,
                  static_cast<uint16_t*>(out), out_stride, scratch, sinks);
   } else {
-    attend_typed(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_base),
-                 static_cast<const float*>(v_base), cache_stride, slots, len, group, D, scale,
+    attend_cells(static_cast<const float*>(q), q_stride, k, v, slots, len, group, D, scale,
                  static_cast<float*>(out), out_stride, scratch, sinks);
   }
 }
