@@ -49,6 +49,7 @@ class DecodeWorkload:
     # "auto" its defaults alone; either falls back to unrepacked, saying so, where repacking crashes.
     llama_repack: str = "both"
     kv_cache_bytes: int | None = None
+    kv_cache_types: tuple[str, ...] = ("auto",)  # an engine arm per K/V cache type
 
     @property
     def max_len(self) -> int:

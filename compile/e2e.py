@@ -41,10 +41,11 @@ from compile.common import (
 from compile.floor import matmul_floor_seconds, read_bandwidth, step_weight_bytes
 from compile.interleave import TRANSFORMERS, EngineSteps, interleaved_run, load_reference
 from nanoserve.engine import build_engine
+from nanoserve.engine.config import KV_CACHE_TYPES
 
 LLAMA_CPP = llama_peer.NAME
 LLAMA_UNREPACKED = f"{llama_peer.NAME} (repacking off)"
-COLUMNS = ["weights", "mode", "batch", "tok_s", "llama_cpp", "llama_tok_s", "vs_llama", "llama_norepack_tok_s",
+COLUMNS = ["weights", "mode", "kv_cache", "batch", "tok_s", "llama_cpp", "llama_tok_s", "vs_llama", "llama_norepack_tok_s",
            "vs_llama_norepack", "vs_llama_p10", "vs_llama_p90",
            "hf_tok_s", "vs_hf", "step_ms", "floor_ms", "bw_floor_ms", "x_floor", "x_bw_floor", "llama_x_bw_floor",
            "outside_forward", "same_as_hf", "same_as_llama"]
@@ -87,13 +88,19 @@ def gguf_tensor_bytes(path: Path) -> int:
     return sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors)
 
 
+def arm_name(mode: str, kv: str) -> str:
+    """An engine arm's name: its mode, and its K/V cache type where that is not the default."""
+    return mode if kv == "auto" else f"{mode} kv {kv}"
+
+
 def build_engines(work: DecodeWorkload, weights: str) -> dict[str, object]:
     # The budget holds the largest batch's prompts, so its prefill is one step (EngineSteps
     # counts every later step as decode).
-    return {mode: build_engine(work.model, max_batch_size=max(work.batches), max_model_len=work.max_len,
-                               kv_cache_bytes=work.kv_cache_bytes, compile=mode == "compile", warmup="eager", weights=weights,
-                               max_num_batched_tokens=max(work.batches) * work.prompt_len)
-            for mode in work.modes}
+    return {arm_name(mode, kv): build_engine(
+                work.model, max_batch_size=max(work.batches), max_model_len=work.max_len,
+                kv_cache_bytes=work.kv_cache_bytes, compile=mode == "compile", warmup="eager", weights=weights,
+                max_num_batched_tokens=max(work.batches) * work.prompt_len, kv_cache_dtype=kv)
+            for mode in work.modes for kv in work.kv_cache_types}
 
 
 def one_pass(engines: dict, peers: Peers, prompts: list[list[int]], new_tokens: int):
@@ -124,8 +131,9 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
         floor = matmul_floor_seconds(any_engine.model, batch)
         bandwidth = read_bandwidth()
         weight_bytes = step_weight_bytes(any_engine.model, batch)
-        for mode, arm in arms.items():
-            row = dict(weights=weights, mode=mode, batch=batch, **_speed(result, mode, batch),
+        for name, arm in arms.items():
+            mode, _, kv = name.partition(" kv ")
+            row = dict(weights=weights, mode=mode, kv_cache=kv or "auto", batch=batch, **_speed(result, name, batch),
                        floor_ms=floor * 1e3, bw_floor_ms=weight_bytes / bandwidth * 1e3,
                        weight_mb=weight_bytes / 1e6, resident_mb=any_engine.weight_bytes / 1e6,
                        read_gb_s=bandwidth / 1e9,
@@ -179,10 +187,10 @@ def write_plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(formats), figsize=(5 * len(formats), 4), squeeze=False)
     for ax, weights in zip(axes[0], formats):
         rows = [r for r in results if r["weights"] == weights]
-        first_mode = rows[0]["mode"]
-        lines = {f"nanoserve {mode}": [(r["batch"], r["tok_s"]) for r in rows if r["mode"] == mode]
-                 for mode in dict.fromkeys(r["mode"] for r in rows)}
-        base = [r for r in rows if r["mode"] == first_mode]
+        arms = list(dict.fromkeys(arm_name(r["mode"], r.get("kv_cache", "auto")) for r in rows))
+        lines = {f"nanoserve {arm}": [(r["batch"], r["tok_s"]) for r in rows
+                                      if arm_name(r["mode"], r.get("kv_cache", "auto")) == arm] for arm in arms}
+        base = [r for r in rows if arm_name(r["mode"], r.get("kv_cache", "auto")) == arms[0]]
         for peer, key in ((LLAMA_CPP, "llama_tok_s"), (TRANSFORMERS + " (fp32)", "hf_tok_s")):
             if key in base[0]:
                 lines[peer] = [(r["batch"], r[key]) for r in base]
@@ -215,6 +223,9 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorklo
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers arm")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp arm")
     parser.add_argument("--kv-cache-bytes", type=int, default=defaults.kv_cache_bytes)
+    parser.add_argument("--kv-cache-dtype", type=name_list(KV_CACHE_TYPES), default=defaults.kv_cache_types,
+                        help=f"comma-separated K/V cache types, from {','.join(KV_CACHE_TYPES)}: an engine arm "
+                             "for each (default: auto)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="llama.cpp's threads (default: torch's)")
     parser.add_argument("--llama-repack", choices=("both", "auto", "on", "off"), default=defaults.llama_repack,
                         help="llama.cpp's weights: 'auto' runs its defaults (repacked) where they work here, else "
@@ -228,7 +239,8 @@ def workload_from(args: argparse.Namespace, defaults: DecodeWorkload) -> DecodeW
                           modes=args.modes, batches=args.batches,
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           transformers=not args.no_transformers, llama_cpp=not args.no_llama_cpp,
-                          threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack)
+                          threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack,
+                          kv_cache_types=args.kv_cache_dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

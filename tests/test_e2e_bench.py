@@ -133,3 +133,12 @@ def test_e2e_of_another_model_names_its_files_after_it(tiny_dir, tmp_path, monke
         (row,) = csv.DictReader(f)
     assert row["weights"] == "fp32" and row["batch"] == "1" and "hf_tok_s" not in row
     assert (tmp_path / f"{stem}.png").stat().st_size > 0
+
+
+def test_e2e_runs_an_engine_arm_per_kv_cache_type(tiny_dir, monkeypatch):
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    work = DecodeWorkload(model=str(tiny_dir), weights=("fp32",), modes=("eager",), batches=(2,), prompt_len=6,
+                          new_tokens=4, transformers=False, kv_cache_types=("auto", "bf16"))
+    rows = run(work)
+    assert [(r["mode"], r["kv_cache"]) for r in rows] == [("eager", "auto"), ("eager", "bf16")]
+    assert all(r["tok_s"] > 0 for r in rows)
