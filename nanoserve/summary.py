@@ -28,6 +28,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         f"compute dtype {compute}; CPU kernels: {kernel_tier(stats.cpu_kernels)}; threads {engine.threads}",
         f"K/V pool {format_bytes(kv_bytes)} of {kv_dtype}: {blocks:,} blocks of {block_size} tokens "
         f"({(blocks - 1) * block_size:,} tokens for requests, one block is scratch)",
+        *describe_rings(cache),
         f"max_model_len {resolved.max_model_len:,}{limit_note}; up to {rows} and "
         f"{stats.max_num_batched_tokens} tokens per step; {decode}",
     ]
@@ -40,6 +41,15 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
                      f"(each rank holds 1/{size} of the heads, the MLP and the vocabulary)")
     return lines
+
+
+def describe_rings(cache) -> list[str]:
+    """A line on the sliding-window layers' rings (window_ring), where the cache keeps them."""
+    if cache.ring is None:
+        return []
+    return [f"sliding-window layers ({len(cache.ring_layers)} of {len(cache.layers.k_cells)}) keep each row's "
+            f"last {cache.ring.ring:,} positions in a ring, not the pool ({format_bytes(cache.ring_bytes)} of the "
+            "K/V above)"]
 
 
 def describe_kv_formats(k_format, v_format) -> str:

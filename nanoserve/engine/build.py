@@ -29,6 +29,7 @@ from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_bucket
 from nanoserve.worker.build import WorkerConfig, build_worker
 from nanoserve.worker.kv_cells import CellFormat, resolve_cell_format
 from nanoserve.worker.sampler import Sampler
+from nanoserve.worker.window_ring import ring_size
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
 # K/V heads and head size): a 135M model's 16k tokens are ~0.75 GB in fp32, an 8B's ~2 GB in bf16.
@@ -71,10 +72,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     header_seconds = time.perf_counter() - started
     arch = header.config if header is not None else model.config
     kv_formats = tuple(resolve_cell_format(name, dtype, arch.head_dim) for name in kv_cache_types(config))
-    pool = _plan_pool(arch, config, dtype, kv_formats)
+    pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats)
     compile = config.compile if config.compile is not None else default_compile()
-    spec = _worker_spec(config, arch, pool, weight_plan, dtype, compile, tuple(fmt.name for fmt in kv_formats))
-    resolved = _resolve(config, pool, spec)
+    spec = dataclasses.replace(_worker_spec(config, arch, pool, weight_plan, dtype, compile,
+                                            tuple(fmt.name for fmt in kv_formats)), window_ring=ring)
+    resolved = _resolve(config, pool, spec, ring_bytes)
     check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
     # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
     # returns (under torchrun), so it builds nothing of the host side.
@@ -139,13 +141,14 @@ def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight
                       kv_cache_types=kv_types)
 
 
-def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig) -> ResolvedConfig:
+def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig, ring_bytes: int = 0) -> ResolvedConfig:
     chunked, budget = config.enable_chunked_prefill, config.max_num_batched_tokens
     return ResolvedConfig(
         weights=spec.weights.name if spec.weights else _format_name(spec.dtype), weight_plan=spec.weights,
         dtype=spec.dtype, kv_cache_types=spec.kv_cache_types, cpu_kernels=spec.attention_tier,
         max_model_len=pool.max_model_len,
-        kv_cache_bytes=pool.num_blocks * pool.bytes_per_block, num_blocks=pool.num_blocks,
+        kv_cache_bytes=pool.num_blocks * pool.bytes_per_block + ring_bytes, num_blocks=pool.num_blocks,
+        window_ring=spec.window_ring,
         max_num_batched_tokens=budget or default_token_budget(chunked, config.max_batch_size, pool.max_model_len,
                                                                config.device),
         # The CPU default budget is sized for the streams a chunk delays; with none decoding it
@@ -155,20 +158,34 @@ def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig) -> Resolv
 
 
 def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-               kv_formats: tuple[CellFormat, CellFormat]) -> PoolPlan:
+               kv_formats: tuple[CellFormat, CellFormat], rings: bool = True) -> tuple[PoolPlan, int | None, int]:
     """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
-    block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say."""
+    block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say; and
+    the sliding-window layers' ring cells a row (window_ring; None: they keep the pool's cells)
+    with the rings' bytes, which come out of the budget first. Rings only with prefix caching
+    off: a cached prefix would need the window layers' K/V that no ring keeps."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    windows = [arch.layer_window(i) for i in range(arch.num_layers)]
+    max_queries = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
+    rings = rings and not (config.enable_prefix_caching or config.swa_full)
+    ring = ring_size(windows, max_queries, limit) if rings else None
+    ring_layers = sum(w is not None for w in windows) if ring else 0
+    cell_bytes = arch.num_kv_heads * sum(fmt.bytes_per_head(arch.head_dim) for fmt in kv_formats)
+    ring_bytes = ring_layers * rows * (ring + 1) * cell_bytes if ring else 0
+    pool_layers = arch.num_layers - ring_layers
     k_bytes, v_bytes = (fmt.bytes_per_value for fmt in kv_formats)
-    per_block = block_size * kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)
+    per_block = block_size * kv_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)
     blocks = min(rows * -(-limit // block_size), -(-DEFAULT_KV_TOKENS // block_size)) + 1
-    budget = config.kv_cache_bytes or blocks * per_block
+    budget = config.kv_cache_bytes or blocks * per_block + ring_bytes
     try:
-        plan = plan_pool(budget, arch.num_layers, arch.num_kv_heads, arch.head_dim, k_bytes, block_size, rows,
-                         limit, v_bytes)
+        plan = plan_pool(budget - ring_bytes, pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, block_size,
+                         rows, limit, v_bytes)
     except ValueError as exc:
-        raise ValueError(f"kv_cache_bytes={budget}: {exc}") from None
+        rings_note = f" ({ring_bytes} of them the sliding-window layers' rings)" if ring_bytes else ""
+        raise ValueError(f"kv_cache_bytes={budget}{rings_note}: {exc}") from None
+    if ring is not None and ring >= plan.max_model_len:  # a pool too small for rings to save anything
+        return _plan_pool(arch, config, dtype, kv_formats, rings=False)
     wanted = config.max_model_len
     if wanted is not None and plan.max_model_len < wanted:
         needed_blocks = -(-wanted // block_size) + 1  # + the scratch block
@@ -176,8 +193,8 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
             f"kv_cache_bytes={budget} holds {plan.num_blocks} blocks of {plan.bytes_per_block} bytes "
             f"({block_size} tokens each, one reserved as scratch) = {plan.max_model_len} tokens for a "
             f"request, fewer than one max_model_len={wanted} request needs: raise kv_cache_bytes "
-            f"to at least {needed_blocks * plan.bytes_per_block} or lower max_model_len")
-    return plan
+            f"to at least {needed_blocks * plan.bytes_per_block + ring_bytes} or lower max_model_len")
+    return plan, ring, ring_bytes
 
 
 def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool, compile: bool) -> Buckets | None:

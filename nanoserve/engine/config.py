@@ -49,6 +49,10 @@ class EngineConfig:
         None, "K's storage alone, as llama.cpp's --cache-type-k (default: kv_cache_dtype)", choices=KV_CACHE_TYPES)
     cache_type_v: str | None = option(
         None, "V's storage alone, as llama.cpp's --cache-type-v (default: kv_cache_dtype)", choices=KV_CACHE_TYPES)
+    swa_full: bool = option(
+        False, "sliding-window layers keep every position's K/V in the pool, as llama.cpp's --swa-full (default: "
+               "with prefix caching off, each row keeps only their window, in a ring of its own; with it on, "
+               "every position, which a cached prefix needs)")
     block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
     max_num_batched_tokens: int | None = option(
         None, "a step's token budget (decode rows + prefill chunks), binding every step; default on the CPU: "

@@ -248,7 +248,8 @@ def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtyp
             widths = (target_spec.max_model_len,)  # the kernel reads each row's own cells: one width
         buckets = Buckets(tuple(sorted(set(row_buckets))), widths, (1, 2), rows)
     spec = dataclasses.replace(target_spec, weights=plan, dtype=dtype, max_batch_size=rows, buckets=buckets,
-                               attention_tier=plan.tier if plan is not None else None, max_queries=2)
+                               attention_tier=plan.tier if plan is not None else None, max_queries=2,
+                               window_ring=None)
     worker = build_worker(source, spec)
     vocab = worker.model.config.vocab_size
     if vocab != target_vocab:

@@ -206,8 +206,12 @@ class WindowAttention:
     of one window (sliding-window layers read the same row of slots, masked to their window)."""
 
     def __init__(self, kv: KVLayers, write_slots: torch.Tensor, slot_mapping: torch.Tensor,
-                 context_lens: torch.Tensor, kernel: int | None = None) -> None:
+                 context_lens: torch.Tensor, kernel: int | None = None,
+                 ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.kv = kv
+        # Sliding-window layers' own addressing where they keep rings (window_ring): each
+        # query's write cell and the rows' cells [rows, width], in place of the slot table's.
+        self.ring = ring
         # A verify step: ``queries`` a row, all reading the row's one row of slots (the kernel
         # takes them so; SDPA gathers the row's cells once for all of them: attend_verify).
         self.queries = context_lens.shape[0] // max(slot_mapping.shape[0], 1)
@@ -217,16 +221,18 @@ class WindowAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.kv.write(layer, self.write_slots, k, v)
+        writes, mapping = self.ring if window is not None and self.ring is not None else (self.write_slots,
+                                                                                         self.slot_mapping)
+        self.kv.write(layer, writes, k, v)
         if self.kernel is not None:
-            return self.kv.attend(layer, q, self.slot_mapping, self.context_lens, self.kernel, window, sinks)
+            return self.kv.attend(layer, q, mapping, self.context_lens, self.kernel, window, sinks)
         if window not in self.masks:
             mask = window_mask(self.context_lens, self.slot_mapping.shape[1], q.dtype, window)
             if self.queries > 1:  # [rows * Q, 1, 1, W] -> [rows, 1, Q * group, W], query-major
                 rows, group = self.slot_mapping.shape[0], q.shape[1] // k.shape[1]
                 mask = mask.view(rows, self.queries, 1, -1).expand(-1, -1, group, -1).reshape(rows, 1, -1, mask.shape[-1])
             self.masks[window] = mask
-        keys, values = self.kv.gather(layer, self.slot_mapping, q.dtype)
+        keys, values = self.kv.gather(layer, mapping, q.dtype)
         if self.queries > 1:
             return attend_verify(q, keys, values, self.masks[window], self.queries, sinks)
         return attend_window(q, keys, values, self.masks[window], sinks=sinks)
@@ -235,11 +241,13 @@ class WindowAttention:
 @dataclass(frozen=True)
 class ChunkContext:
     """One chunk's place in its sequence: it holds tokens [start, start + length), and
-    ``context_slots`` are the slots of tokens [0, start + length) (None when start is 0)."""
+    ``context_slots`` are the slots of tokens [0, start + length) (None when start is 0);
+    ``row`` is its request's row (a window layer's ring: window_ring)."""
 
     start: int
     length: int
     context_slots: torch.Tensor | None = None
+    row: int = 0
 
 
 class PackedPrefillAttention:
@@ -261,6 +269,7 @@ class PackedPrefillAttention:
 
     def __init__(self, cache: KVCache, write_slots: torch.Tensor, chunks: list[ChunkContext]) -> None:
         self.cache = cache
+        self.ring = cache.ring  # where sliding-window layers keep their K/V (None: the slot table's cells)
         self.write_slots = write_slots
         self.chunks = chunks
         self.lengths = [c.length for c in chunks]
@@ -269,7 +278,9 @@ class PackedPrefillAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.cache.write_kv(layer, self.write_slots, k, v)
+        ringed = window is not None and self.ring is not None
+        if not ringed:
+            self.cache.write_kv(layer, self.write_slots, k, v)
         if window not in self.masks:
             group = q.shape[1] // k.shape[1]
             self.masks[window] = [
@@ -279,11 +290,30 @@ class PackedPrefillAttention:
         k, v = self.cache.layers.as_stored(k, v)  # a chunk reads its own keys as later steps will
         for chunk, mask, q_i, k_i, v_i in zip(self.chunks, self.masks[window], q.split(self.lengths),
                                               k.split(self.lengths), v.split(self.lengths)):
-            if chunk.context_slots is not None:
+            if ringed:
+                k_i, v_i = self._through_ring(layer, chunk, window, q.dtype, k_i, v_i)
+            elif chunk.context_slots is not None:
                 slots = chunk.context_slots[first_key(chunk, window):]
                 k_i, v_i = self.cache.layers.read(layer, slots, q.dtype)
             outputs.append(grouped_causal_attention(q_i, k_i, v_i, mask, sinks))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+    def _through_ring(self, layer: int, chunk: ChunkContext, window: int, dtype: torch.dtype, k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A window layer's keys and values for one chunk: its context's (the positions its window
+        reaches before the chunk) read from the row's ring first, then its own (``k``, ``v``),
+        whose last ``ring`` positions are written there after."""
+        cells = self.ring.table[chunk.row]
+        end = chunk.start + chunk.length
+        if chunk.context_slots is not None:
+            context_k, context_v = self.cache.layers.read(layer, cells[first_key(chunk, window):chunk.start], dtype)
+            keys, values = torch.cat([context_k, k]), torch.cat([context_v, v])
+        else:
+            keys, values = k, v
+        kept = min(chunk.length, self.ring.ring)
+        self.cache.layers.write(layer, cells[end - kept:end], k[-kept:], v[-kept:])
+        return keys, values
 
 
 def first_key(chunk: ChunkContext, window: int | None) -> int:

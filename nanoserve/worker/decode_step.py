@@ -26,18 +26,25 @@ from nanoserve.worker.graph_build import BackgroundBuilder, BuildJob, Shape, bui
 from nanoserve.worker.graph_cache import GraphCache, GraphKey, model_fingerprint
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
 from nanoserve.worker.kv_cells import KVLayers
+from nanoserve.worker.window_ring import ring_writes
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                    context_lens: torch.Tensor, slot_buffer: torch.Tensor, kv: tuple[list[torch.Tensor], ...],
-                   rows: int, width: int, kernel: int | None = None, queries: int = 1) -> torch.Tensor:
+                   rows: int, width: int, kernel: int | None = None, queries: int = 1,
+                   ring_table: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [rows * queries, vocab] for the first ``rows`` rows, ``queries`` tokens each (a
     verify step's row feeds its token and its proposals; the per-query buffers are row-major).
-    ``kv`` is the cache's ``KVLayers.step_args()``. The rectangle is sliced from the table's own
-    buffer here, inside the graph, so a capture reads the table where it lives."""
+    ``kv`` is the cache's ``KVLayers.step_args()``; ``ring_table`` its window layers' rings
+    (window_ring; None: none). The rectangles are sliced from the tables' own buffers here,
+    inside the graph, so a capture reads the tables where they live."""
     n = rows * queries
     slot_mapping = slot_buffer[:rows, :width]
-    attention = WindowAttention(KVLayers(*kv), write_slots[:n], slot_mapping, context_lens[:n], kernel)
+    ring = None
+    if ring_table is not None:
+        row_of = torch.arange(rows, device=ring_table.device).repeat_interleave(queries)
+        ring = ring_writes(ring_table, row_of, positions[:n], context_lens[:n]), ring_table[:rows, :width]
+    attention = WindowAttention(KVLayers(*kv), write_slots[:n], slot_mapping, context_lens[:n], kernel, ring)
     hidden = model(input_ids[:n], positions[:n], attention)
     return model.compute_logits(hidden)
 
@@ -108,12 +115,13 @@ class DecodeStep:
     def forward_args(self, rows: int, width: int, queries: int = 1) -> tuple:
         return (self.model, self.input_ids, self.positions, self.write_slots, self.context_lens,
                 self.cache.slot_table.slots, self.cache.layers.step_args(), rows, width,
-                self.attention_kernel, queries)
+                self.attention_kernel, queries, self.cache.ring_table)
 
     def mark_static(self) -> None:
         """Static addresses: graph capture may then read and write these buffers in place."""
         for tensor in [self.input_ids, self.positions, self.write_slots, self.context_lens,
-                       self.cache.slot_table.slots, *self.cache.layers.tensors()]:
+                       self.cache.slot_table.slots, *self.cache.layers.tensors(),
+                       *([self.cache.ring_table] if self.cache.ring_table is not None else [])]:
             torch._dynamo.mark_static_address(tensor)
 
     def graph_key(self, shape: Shape) -> GraphKey:
@@ -124,7 +132,8 @@ class DecodeStep:
         kv = layers.k_cells[0]
         return GraphKey.of(
             device=self.device, mode=self.mode, attention_kernel=self.attention_kernel, model=self._fingerprint,
-            kv=(len(layers.k_cells), tuple(kv.shape), *(fmt.name for fmt in layers.formats)),
+            kv=(len(layers.k_cells), tuple(kv.shape), *(fmt.name for fmt in layers.formats),
+                self.cache.ring.ring if self.cache.ring is not None else None, tuple(self.cache.ring_layers)),
             slots=tuple(self.cache.slot_table.slots.shape),
             buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape, **self.key_extra)
 

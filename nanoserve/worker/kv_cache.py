@@ -10,6 +10,7 @@ import torch
 from nanoserve.worker.kv_cells import CellFormat, KVLayers, resolve_cell_format
 from nanoserve.worker.plan import DecodeBatch
 from nanoserve.worker.slot_table import SlotTable, is_prefix
+from nanoserve.worker.window_ring import WindowRing, ring_writes
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class DecodePlan:
     queries: int = 1
     query_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     real_queries: torch.Tensor | None = None
+    ring: tuple[torch.Tensor, torch.Tensor] | None = None  # window layers' (write cells per query, [n, width] cells)
 
     @property
     def width(self) -> int:
@@ -55,7 +57,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  max_batch_size: int, max_model_len: int, scratch_slot: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", k_format: CellFormat | None = None,
-                 v_format: CellFormat | None = None) -> None:
+                 v_format: CellFormat | None = None, windows: list[int | None] | None = None,
+                 ring: int | None = None) -> None:
         if min(num_layers, num_kv_heads, head_dim, num_blocks, block_size) < 1:
             raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
                              f"head_dim {head_dim}, {num_blocks} blocks of {block_size}")
@@ -64,13 +67,27 @@ class KVCache:
         self.head_dim = head_dim
         k_format = k_format or resolve_cell_format(None, dtype, head_dim)
         v_format = v_format or resolve_cell_format(None, dtype, head_dim)
-        self.layers = KVLayers.allocate(num_layers, num_blocks * block_size, num_kv_heads, head_dim, k_format,
-                                        v_format, self.device)
+        # With ``ring`` (window_ring.ring_size), the layers ``windows`` gives a sliding window
+        # keep rings of that many cells a row instead of the pool's cells.
+        self.ring = WindowRing(ring, max_batch_size, max_model_len, self.device) if ring else None
+        self.ring_layers = [i for i, w in enumerate(windows or []) if w is not None] if ring else []
+        slots = [self.ring.num_cells if i in self.ring_layers else num_blocks * block_size for i in range(num_layers)]
+        self.layers = KVLayers.allocate(num_layers, slots, num_kv_heads, head_dim, k_format, v_format, self.device)
         self.slot_table = SlotTable(max_batch_size, max_model_len, self.device)
+
+    @property
+    def ring_table(self) -> torch.Tensor | None:
+        """The window layers' constant addressing (window_ring), or None without rings."""
+        return self.ring.table if self.ring is not None else None
 
     @property
     def kv_bytes(self) -> int:
         return self.layers.num_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        """The sliding-window layers' rings' share of ``kv_bytes``."""
+        return sum(t.numel() * t.element_size() for layer in self.ring_layers for t in self.layers.of_layer(layer))
 
     @property
     def formats(self) -> tuple[CellFormat, CellFormat]:
@@ -82,8 +99,11 @@ class KVCache:
         self.slot_table.adopt(row, slots)
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """The request on `src` (`length` tokens) now lives on `dst`; `src` holds nothing."""
+        """The request on `src` (`length` tokens) now lives on `dst`; `src` holds nothing (its
+        window layers' ring goes with it)."""
         self.slot_table.move(src, dst, length)
+        for layer in self.ring_layers:
+            self.layers.copy_cells(layer, self.ring.row_cells(src), self.ring.row_cells(dst))
 
     def free(self, row: int) -> None:
         """The row's request left: it holds nothing (its blocks are the host's to reuse)."""
@@ -109,7 +129,8 @@ class KVCache:
         table.write_cells(rows, positions, write_slots)
         table.lengths_array[slice(n) if is_window else list(ids)] = host[1].numpy() + 1
         return DecodePlan(ids, table.rect(rows, batch.width), positions + 1, sum(batch.positions) + n,
-                          write_slots, positions, is_window, token_ids)
+                          write_slots, positions, is_window, token_ids,
+                          ring=self._ring_plan(ids, 1, positions, positions + 1, batch.width))
 
     def _plan_verify(self, batch: DecodeBatch) -> DecodePlan:
         """A verify step: each row's fed token and proposals, one query each, padded to
@@ -136,9 +157,21 @@ class KVCache:
         table.lengths_array[slice(n) if is_window else list(ids)] = lengths.numpy()
         device = host.to(self.device)
         last = device[:, [i * q + k for i, k in enumerate(batch.num_proposed)]]  # each row's last token
+        inputs = tuple(device.unbind())
         return DecodePlan(ids, table.rect(n if is_window else ids, batch.width), lengths.to(self.device),
-                          int(lengths.sum()), last[2], last[1], is_window, last[0], q, tuple(device.unbind()),
-                          real_queries.to(self.device))
+                          int(lengths.sum()), last[2], last[1], is_window, last[0], q, inputs,
+                          real_queries.to(self.device), ring=self._ring_plan(ids, q, inputs[1], inputs[3], batch.width))
+
+    def _ring_plan(self, ids: tuple[int, ...], queries: int, positions: torch.Tensor, lengths: torch.Tensor,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The window layers' addressing of a decode step outside its graph: each query's ring
+        write cell and the rows' ring cells [n, width] (window_ring), or None without rings."""
+        if self.ring is None:
+            return None
+        rows = torch.tensor(ids, dtype=torch.long, device=self.device)
+        table = self.ring.table
+        writes = ring_writes(table, rows.repeat_interleave(queries), positions, lengths)
+        return writes, table.index_select(0, rows)[:, :width]
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""

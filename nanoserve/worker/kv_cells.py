@@ -93,15 +93,18 @@ class KVLayers:
         self.k_cells, self.v_cells, self.k_steps, self.v_steps = k_cells, v_cells, k_steps, v_steps
 
     @classmethod
-    def allocate(cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, k_format: CellFormat,
-                 v_format: CellFormat, device: torch.device) -> KVLayers:
+    def allocate(cls, num_layers: int, num_slots: int | list[int], num_kv_heads: int, head_dim: int,
+                 k_format: CellFormat, v_format: CellFormat, device: torch.device) -> KVLayers:
+        """Zeroed cells: ``num_slots`` in every layer, or layer i's own number (a sliding-window
+        layer's rings: window_ring)."""
         # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
         # place, inductor copies the whole stack every step.
+        sizes = num_slots if isinstance(num_slots, list) else [num_slots] * num_layers
+
         def side(fmt: CellFormat) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            shape = (num_slots, num_kv_heads, head_dim)
-            cells = [torch.zeros(shape, dtype=fmt.dtype, device=device) for _ in range(num_layers)]
-            steps = [torch.zeros(num_slots, num_kv_heads, head_dim // Q8_BLOCK, dtype=torch.float16, device=device)
-                     for _ in range(num_layers)] if fmt.quantized else []
+            cells = [torch.zeros(n, num_kv_heads, head_dim, dtype=fmt.dtype, device=device) for n in sizes]
+            steps = [torch.zeros(n, num_kv_heads, head_dim // Q8_BLOCK, dtype=torch.float16, device=device)
+                     for n in sizes] if fmt.quantized else []
             return cells, steps
 
         (k_cells, k_steps), (v_cells, v_steps) = side(k_format), side(v_format)
@@ -118,6 +121,10 @@ class KVLayers:
         """Every tensor that holds K/V (the step marks them static; their bytes are the pool)."""
         return [*self.k_cells, *self.v_cells, *self.k_steps, *self.v_steps]
 
+    def of_layer(self, layer: int) -> list[torch.Tensor]:
+        """The tensors holding one layer's K/V."""
+        return [tensors[layer] for tensors in (self.k_cells, self.v_cells, self.k_steps, self.v_steps) if tensors]
+
     def step_args(self) -> tuple[list[torch.Tensor], ...]:
         """The lists a compiled step takes and rebuilds this from (``KVLayers(*args)``)."""
         return self.k_cells, self.v_cells, self.k_steps, self.v_steps
@@ -125,6 +132,11 @@ class KVLayers:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def copy_cells(self, layer: int, src: slice, dst: slice) -> None:
+        """Layer ``layer``'s cells ``dst`` become a copy of its cells ``src`` (as long)."""
+        for tensor in self.of_layer(layer):
+            tensor[dst] = tensor[src]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, KV, D] at ``slots`` [n] (quantised where the side is q8_0)."""

@@ -176,7 +176,7 @@ class Worker:
             slots = torch.tensor(c.slots, dtype=torch.long, device=self.device)
             self.cache.adopt(c.row, slots)
             write_slots.append(slots[c.start:])
-            contexts.append(ChunkContext(c.start, c.length, slots if c.start else None))
+            contexts.append(ChunkContext(c.start, c.length, slots if c.start else None, c.row))
         attention = PackedPrefillAttention(self.cache, torch.cat(write_slots), contexts)
         rows = 0
         decode_logits = None
@@ -185,7 +185,7 @@ class Worker:
                                                            decode.context_lens)
             rows = fed.shape[0]
             window = WindowAttention(self.cache.layers, slots, decode.slot_mapping, lens,
-                                     self.decode_step.attention_kernel)
+                                     self.decode_step.attention_kernel, decode.ring)
             attention = DecodeThenPrefill(rows, window, attention)
             token_ids = torch.cat([fed, token_ids])
             positions = torch.cat([at, positions])

@@ -1,0 +1,58 @@
+"""What a row's K/V costs at a long context with sliding-window layers keeping every position
+(swa_full) and keeping only their window (rings, prefix caching off), and whether the two give
+the same greedy tokens for a prompt of that length.
+
+    python scripts/window_kv_bytes.py MODEL [--context 4096] [--new-tokens 16]
+
+Prints a table and writes window-kv-bytes-<model>.csv under --out (default compile/results/runs). Each engine holds one
+row of ``--context`` tokens; K/V bytes per row are the engine's own K/V tensors' bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from compile.common import RUNS, format_table, write_results
+from nanoserve.engine import SamplingParams, build_engine
+
+COLUMNS = ["cache", "kv_bytes_per_row_mb", "ring", "sliding_layers", "tokens", "same_tokens", "seconds"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=RUNS)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    rows, tokens = [], {}
+    for name, full in (("every position (swa_full)", True), ("window rings", False)):
+        engine = build_engine(args.model, max_batch_size=1, max_model_len=args.context, enable_prefix_caching=False,
+                              swa_full=full, compile=False)
+        cache = engine.worker.cache
+        vocab = engine.vocab_size
+        prompt = [(31 * i + 7) % (vocab - 300) + 100 for i in range(args.context - args.new_tokens - 1)]
+        started = time.perf_counter()
+        out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True),
+                              use_tqdm=False)[0]
+        tokens[name] = out.token_ids
+        rows.append(dict(cache=name, kv_bytes_per_row_mb=cache.kv_bytes / 1e6, ring=cache.ring.ring if cache.ring else "",
+                         sliding_layers=f"{len(cache.ring_layers)} of {len(cache.layers.k_cells)}",
+                         tokens=len(prompt) + args.new_tokens, seconds=time.perf_counter() - started,
+                         model=Path(args.model).name, context=args.context))
+        engine.close()
+    first = next(iter(tokens.values()))
+    for row in rows:
+        row["same_tokens"] = "yes" if tokens[row["cache"]] == first else "no"
+    print(format_table(rows, COLUMNS))
+    write_results(rows, args.out, f"window-kv-bytes-{Path(args.model).stem}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
