@@ -2,7 +2,7 @@
 (swa_full) and keeping only their window (rings, prefix caching off), and whether the two give
 the same greedy tokens for a prompt of that length.
 
-    python scripts/window_kv_bytes.py MODEL [--context 4096] [--new-tokens 16]
+    PYTHONPATH=. python scripts/window_kv_bytes.py MODEL [--context 4096] [--new-tokens 16]
 
 Prints a table and writes window-kv-bytes-<model>.csv under --out (default compile/results/runs). Each engine holds one
 row of ``--context`` tokens; K/V bytes per row are the engine's own K/V tensors' bytes.
