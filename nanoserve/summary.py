@@ -55,7 +55,7 @@ def describe_rings(cache) -> list[str]:
 def describe_kv_formats(k_format, v_format) -> str:
     """K and V's storage in a few words: "bf16", or "q8_0 (8.5 bits a value)", or each side's."""
     def one(fmt) -> str:
-        return f"{fmt.name} ({8 * fmt.bytes_per_value:g} bits a value)" if fmt.quantized else fmt.name
+        return f"{fmt.name} ({8 * fmt.bytes_per_value:g} bits a value)" if fmt.quantized else _dtype_name(fmt.dtype)
 
     return one(k_format) if k_format == v_format else f"K {one(k_format)}, V {one(v_format)}"
 

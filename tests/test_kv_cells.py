@@ -194,7 +194,7 @@ def test_the_q8_0_pool_holds_about_twice_bf16s_tokens_and_says_so():
     assert "of q8_0 (8.5 bits a value)" in line
     assert f"({(small.resolved.num_blocks - 1) * 16:,} tokens for requests" in line
     mixed = engine_for(bf16, max_num_batched_tokens=64, cache_type_k="q8_0", **sizes)
-    assert "K q8_0 (8.5 bits a value), V bf16" in describe_engine(mixed, "tiny", 0.0)[2]
+    assert "K q8_0 (8.5 bits a value), V bfloat16" in describe_engine(mixed, "tiny", 0.0)[2]
 
 
 def test_the_kernel_path_with_q8_0_cells_agrees_with_the_oracle_up_to_near_ties():
@@ -236,3 +236,11 @@ def test_compiled_q8_0_steps_give_the_eager_q8_0_tokens(dtype):
             assert first - second < 2 * tolerance, f"compiled left eager's tokens at {same} without a tie"
     assert compiled.stats().recompiles_after_warmup == 0 and compiled.stats().bucket_hits
     torch._dynamo.reset()
+
+
+def test_the_prefix_cache_is_keyed_by_the_kv_types(model):
+    # A block cached with bf16 cells is not a q8_0 block: the hashes' root differs.
+    roots = {types: engine_for(model, max_num_batched_tokens=12, cache_type_k=types[0],
+                               cache_type_v=types[1]).scheduler.blocks._root_hash
+             for types in [("auto", "auto"), ("q8_0", "q8_0"), ("q8_0", "auto")]}
+    assert len(set(roots.values())) == 3

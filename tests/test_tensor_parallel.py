@@ -109,10 +109,13 @@ def test_tensor_parallel_ranks_keep_their_graphs_in_the_compile_cache(tiny):
     assert no_workers_left()
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma3"])
-def test_per_head_norms_and_sliding_windows_shard_with_their_heads(variant, tmp_path):
+@pytest.mark.parametrize("variant,cache", [("qwen3", {}), ("gemma3", {}),
+                                           ("gemma3", dict(enable_prefix_caching=False, kv_cache_dtype="q8_0"))],
+                         ids=["qwen3", "gemma3", "gemma3-rings-q8_0"])
+def test_per_head_norms_and_sliding_windows_shard_with_their_heads(variant, cache, tmp_path):
     """Qwen3's and Gemma 3's q/k norms (one weight for every head), Gemma's sandwich norms,
-    scaled embeddings, soft-capped logits and sliding-window layers, at two ranks."""
+    scaled embeddings, soft-capped logits and sliding-window layers, at two ranks; and each
+    rank's share of a cache whose window layers keep rings and whose cells are q8_0."""
     pytest.importorskip("transformers")
     from arch_models import make_hf_model
 
@@ -121,10 +124,12 @@ def test_per_head_norms_and_sliding_windows_shard_with_their_heads(variant, tmp_
 
     make_hf_model(variant).save_pretrained(tmp_path, safe_serialization=True)
     model = build_model(read_hf_config(tmp_path), load_hf_state_dict(tmp_path))
-    options = dict(OPTIONS, kv_cache_bytes=1 << 20, max_model_len=64)
+    options = dict(OPTIONS, kv_cache_bytes=1 << 20, max_model_len=64, **cache)
     p = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 3
     prompts = PROMPTS[:3]
-    ref, ref_logits, _ = run_recorded(build_engine(model, **options), prompts, p)
+    alone = build_engine(model, **options)
+    assert (alone.worker.cache.ring is not None) == bool(cache)
+    ref, ref_logits, _ = run_recorded(alone, prompts, p)
     with build_engine(model, tensor_parallel_size=2, **options) as engine:
         got, logits, _ = run_recorded(engine, prompts, p)
     assert_close(logits, ref_logits, rtol=1e-5)
