@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from compile.common import add_output_options, int_list, pyplot, result_stem, save_figure, write_results
@@ -89,16 +88,12 @@ def rebuilt_cells(rows: int, prompt_len: int, steps: int) -> int:
 
 
 class CellCount:
-    """The cells a SlotTable writes from now on: wraps that one table's `append` and
-    `write_cells` (cells appended) and `adopt` (a row's cells rewritten whole: a resync)."""
+    """The cells a SlotTable writes from now on: wraps that one table's `write_cells` (cells
+    appended) and `adopt` (a row's cells rewritten whole: a resync)."""
 
     def __init__(self, table: SlotTable) -> None:
         self.appended_cells = self.resynced_cells = self.resyncs = 0
-        append, write_cells, adopt = table.append, table.write_cells, table.adopt
-
-        def counted_append(rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
-            append(rows, slots)
-            self.appended_cells += len(slots)
+        write_cells, adopt = table.write_cells, table.adopt
 
         def counted_write_cells(rows: RowsLike, columns: torch.Tensor, slots: torch.Tensor) -> None:
             write_cells(rows, columns, slots)
@@ -109,7 +104,7 @@ class CellCount:
             self.resynced_cells += len(slots)
             self.resyncs += 1
 
-        table.append, table.write_cells, table.adopt = counted_append, counted_write_cells, counted_adopt  # type: ignore[method-assign]
+        table.write_cells, table.adopt = counted_write_cells, counted_adopt  # type: ignore[method-assign]
 
 
 def check_appends_incremental(count: CellCount, rows: int, steps: int) -> None:

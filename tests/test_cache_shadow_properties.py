@@ -20,6 +20,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from attention_support import paged_attention, paged_attention_reference
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -29,9 +30,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from paired_cache import PairedCache
+from slot_table_support import lengths, read
 
 from nanoserve.cache import BlockTable, PoolExhaustedError
-from nanoserve.worker.attention import paged_attention, paged_attention_reference
 from nanoserve.worker.slot_table import rebuild_mapping
 
 NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 2, 2, 4
@@ -321,19 +322,19 @@ class CacheUnderShadow:
 
     def read(self, rows: list[int], width: int) -> None:
         table = self.cache.slot_table
-        rect, lens = table.read(rows, width)
+        rect, lens = read(table, rows, width)
         assert tuple(rect.shape) == (len(rows), width)
         assert lens.tolist() == [self.shadow.length(r) for r in rows]
         for i, r in enumerate(rows):
             n = min(width, self.shadow.length(r))
             assert rect[i, :n].tolist() == self.shadow.slots(r)[:n]
-        assert table.lengths(rows).tolist() == lens.tolist()
+        assert lengths(table, rows).tolist() == lens.tolist()
         is_window = rect.untyped_storage().data_ptr() == table.slots.untyped_storage().data_ptr()
         assert is_window == (rows == list(range(len(rows))))
         if width and width >= max(lens.tolist()):
             self.check_attention(rows, rect, lens)
         self.scribble_on("read's lengths", lens)
-        self.scribble_on("SlotTable.lengths", table.lengths(rows))
+        self.scribble_on("SlotTable.lengths", lengths(table, rows))
         self.hold("read's lengths", lens)
         if not is_window:
             self.scribble_on("a gathered rect", rect)

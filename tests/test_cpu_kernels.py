@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_support import paged_attention_reference
+from quant_support import unpack_codes
 
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.group_codes import SuperScales
 from nanoserve.model.quant.linear import GROUP_SIZE
-from nanoserve.worker.attention import paged_attention_reference
 
 # Every tier of ours this host runs, the reference included: each is tested here, none skipped.
 TIERS = [t for t in cpu_kernels.host_tiers() if t != "torch"]
@@ -33,7 +34,7 @@ def random_codes(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2 ** bits, (n, k), generator=generator, dtype=torch.int32).to(torch.uint8)
     packed = cpu_kernels.pack_groups(codes, torch.ones(n, k // 32), torch.zeros(n, k // 32), bits)[0]
-    assert packed.numel() == n * k * bits // 8 and torch.equal(cpu_kernels.unpack_codes(packed, n, k), codes)
+    assert packed.numel() == n * k * bits // 8 and torch.equal(unpack_codes(packed, n, k), codes)
     return packed
 
 
@@ -69,7 +70,7 @@ def test_integer_group_sums_equal_the_scalar_reference_exactly(tier, bits, group
     got = torch.ops.nanoserve.group_dots(x, codes, n, group, cpu_kernels.handle(tier))
     assert torch.equal(got, want)
     # and the reference is the plain sum over each group
-    unpacked = cpu_kernels.unpack_codes(codes, n, k).int()
+    unpacked = unpack_codes(codes, n, k).int()
     plain = (unpacked.view(n, -1, group) * x.int().view(1, -1, group)).sum(-1)
     assert torch.equal(want, plain)
 
@@ -123,7 +124,7 @@ def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
     mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
     got = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, dtype, cpu_kernels.handle(tier))
     per_output = lambda t: cpu_kernels.per_group(t).repeat_interleave(group, 1)  # noqa: E731
-    unpacked = cpu_kernels.unpack_codes(codes, n, k).float()
+    unpacked = unpack_codes(codes, n, k).float()
     minimums = -zero_point * per_output(scales) if zero_point else per_output(mins)
     want = per_output(scales) * unpacked + minimums  # fp32, as the kernels compute it
     assert got.dtype == dtype and torch.equal(got, want.to(dtype))

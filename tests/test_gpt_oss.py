@@ -290,7 +290,9 @@ def test_chunked_teacher_forcing_equals_the_dense_forward(reference):
 def test_verify_and_window_reads_with_sinks_equal_the_reference(window):
     """The SDPA-side reads with sinks (a decode row, a verify row of several queries) against
     paged_attention_reference, one query at a time."""
-    from nanoserve.worker.attention import WindowAttention, paged_attention_reference
+    from attention_support import paged_attention_reference
+
+    from nanoserve.worker.attention import WindowAttention
     from nanoserve.worker.kv_cells import KVLayers
 
     torch.manual_seed(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_support import paged_attention_reference
 from engine_oracle_helpers import engine_for, generate, greedy
 
 from nanoserve.engine import EngineConfig
@@ -14,7 +15,6 @@ from nanoserve.model.network.reference_attention import DenseCausalAttention
 from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.summary import describe_engine
-from nanoserve.worker.attention import paged_attention_reference
 from nanoserve.worker.kv_cells import (
     CellFormat,
     KVLayers,

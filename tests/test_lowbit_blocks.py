@@ -18,6 +18,7 @@ from engine_oracle_helpers import dequantised_logits_bound
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from quant_support import held_numbers, unpack_codes
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model.formats.errors import ModelLoadError
@@ -167,18 +168,18 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
         return
     # Read back, the layer holds the file's codes and numbers and dequantises to gguf's values.
     source = weight.group_codes()
-    held_codes = cpu_kernels.unpack_codes(layer.codes, n, k)
+    held_codes = unpack_codes(layer.codes, n, k)
     if qtype in TABLES:  # the file's nibbles, 4 bits each, standing for their table's values
         assert layer.zero_point == 0 and torch.equal(layer.mins, torch.from_numpy(TABLES[qtype]).to(torch.int8))
         assert layer.codes.numel() * 2 == n * k and int(held_codes.max()) < 16
         assert torch.equal(layer.mins[held_codes.long()].int() + HELD[qtype][2], source.codes.int())
-        assert torch.equal(layer.held_numbers()[0], source.scales) and not layer.held_numbers()[1].any()
+        assert torch.equal(held_numbers(layer)[0], source.scales) and not held_numbers(layer)[1].any()
     else:
         bits, group, zero_point = HELD[qtype]
         assert layer.zero_point == zero_point and (layer.mins.numel() == 0) == (zero_point > 0)
         assert layer.codes.numel() * 8 == n * k * cpu_kernels.storage_bits(bits)
         assert torch.equal(held_codes, source.codes)
-        assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
+        assert all(torch.equal(a, b) for a, b in zip(held_numbers(layer), (source.scales, source.mins)))
     held_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.mins))
     if qtype in TABLES:  # the file's bytes, give or take IQ4_XS's records (1/68 more) and the table
         assert held_bytes <= data.nbytes * 1.015 + 16

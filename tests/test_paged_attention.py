@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_support import paged_attention, paged_attention_reference
 from paired_cache import PairedCache
 
 from nanoserve.worker.attention import (
     WindowAttention,
     attend_window,
     gather_rows,
-    paged_attention,
-    paged_attention_reference,
     window_mask,
 )
 from nanoserve.worker.kv_cells import KVLayers

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_oracle_helpers import assert_greedy_agrees_up_to_near_ties
+from quant_support import held_numbers, unpack_codes
 from torch import nn
 
 from nanoserve.engine import SamplingParams, build_engine
@@ -42,7 +43,7 @@ def unpack_int4(layer: GroupLinear) -> torch.Tensor:
     with scale 1 and zero 8 each weight is its code, and an identity input returns the matrix."""
     k, n = layer.in_features, layer.out_features
     if layer.handle is not None:
-        return cpu_kernels.unpack_codes(layer.codes, n, k)
+        return unpack_codes(layer.codes, n, k)
     unit = torch.stack([torch.ones(k // GROUP_SIZE, n), torch.full((k // GROUP_SIZE, n), 8.0)], -1)
     eye = torch.eye(k, dtype=torch.bfloat16)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP_SIZE, unit.bfloat16())
@@ -108,7 +109,7 @@ def test_int4_linear_equals_dequantised_product(shape, rows, kernel):
         x[0, :GROUP_SIZE] *= 1e-37  # a group below our kernels' floor (1e-30), read as zeros
     assert torch.equal(unpack_int4(layer), weight.codes)
     if kernel != "torch":  # w = scale * code + min, both in fp16
-        assert_kernel_product(layer(x), x, weight.codes, *layer.held_numbers(),
+        assert_kernel_product(layer(x), x, weight.codes, *held_numbers(layer),
                               weight.dequantize(), dequantised=rows >= layer.dense_from_rows)
         return
     # torch's kernel holds scales and zeros in the activations' dtype: that rounding is the format's.
@@ -139,7 +140,7 @@ def test_int8_group_linear_equals_dequantised_product(shape, rows, kernel):
     if kernel != "torch":  # unsigned codes c + 128, w = scale * (c + 128) - 128 * scale
         assert torch.equal(cpu_kernels.unpack_bytes(layer.codes, *shape), (codes.to(torch.int16) + 128).to(torch.uint8))
         dense = codes.float().view(shape[0], -1, GROUP_SIZE) * scales[..., None]
-        assert_kernel_product(layer(x), x, codes.to(torch.int16) + 128, *layer.held_numbers(),
+        assert_kernel_product(layer(x), x, codes.to(torch.int16) + 128, *held_numbers(layer),
                               dense.view(shape), dequantised=rows >= layer.dense_from_rows)
         return
     # The kernel holds each group's scale in bf16 (16d and d round alike): the format's rounding.
@@ -367,7 +368,7 @@ def test_int4_repack_of_the_default_gguf_is_lossless(smollm2_path, smollm2, smol
         weight = torch.cat([fp32[p].weight for p in parts])
         assert torch.equal(source.dequantize(), weight), name
         if layer.handle is not None:
-            d, m = (t.repeat_interleave(GROUP_SIZE, 1) for t in layer.held_numbers())
+            d, m = (t.repeat_interleave(GROUP_SIZE, 1) for t in held_numbers(layer))
             assert torch.equal(unpack_int4(layer).float() * d + m, weight), name
     assert smollm2_int4.weight_types == {"F32": "dense", "Q4_1": "packed", "Q8_0": "dense"}
 

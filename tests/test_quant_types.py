@@ -14,6 +14,7 @@ import torch
 from engine_oracle_helpers import dequantised_logits_bound
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from quant_support import held_numbers, unpack_codes
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model.formats.errors import ModelLoadError
@@ -118,8 +119,8 @@ def test_each_type_runs_packed_as_ggufs_dequantisation_times_the_input(kernel, q
     # represents them exactly (fp16 where all are fp16 numbers, else fp32), and dequantises to
     # gguf's values bit for bit.
     assert layer.codes.numel() * 8 == n * k * {4: 4, 5: 5, 6: 6, 8: 8}[source.bits]  # bits a code held
-    assert torch.equal(cpu_kernels.unpack_codes(layer.codes, n, k), source.codes)
-    assert all(torch.equal(a, b) for a, b in zip(layer.held_numbers(), (source.scales, source.mins)))
+    assert torch.equal(unpack_codes(layer.codes, n, k), source.codes)
+    assert all(torch.equal(a, b) for a, b in zip(held_numbers(layer), (source.scales, source.mins)))
     # fp16 numbers as the legacy blocks hold them; a K-quant's super-block records (fp16 times int8)
     assert layer.scales.dtype == (torch.int16 if qtype in LEGACY else torch.uint8)
     # the symmetric types keep a zero point instead of minimums

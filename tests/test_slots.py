@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paired_cache import PairedCache, resync, sync
+from slot_table_support import append, is_window, lengths, read
 
 from compile.slotbench import CellCount
 from nanoserve.cache import BlockTable, PoolExhaustedError
@@ -50,14 +51,14 @@ def test_rebuild_mapping_of_empty_rows_is_zero_wide():
 def test_append_and_read(device):
     table = SlotTable(4, 8, device)
     resync(table, table_of([1], 3), 2)
-    table.append([0, 2], torch.tensor([11, 12], device=device))
-    table.append([0, 1, 2], torch.tensor([13, 14, 15], device=device))
-    rect, lens = table.read([0, 1, 2], 5)
+    append(table, [0, 2], torch.tensor([11, 12], device=device))
+    append(table, [0, 1, 2], torch.tensor([13, 14, 15], device=device))
+    rect, lens = read(table, [0, 1, 2], 5)
     assert rect[:, :5].tolist() == [[11, 13, 0, 0, 0], [14, 0, 0, 0, 0], [4, 5, 6, 12, 15]]
-    assert lens.tolist() == [2, 1, 5] and table.lengths([0, 1, 2]).tolist() == [2, 1, 5]
+    assert lens.tolist() == [2, 1, 5] and lengths(table, [0, 1, 2]).tolist() == [2, 1, 5]
     with pytest.raises(ValueError, match=r"rows \[2\] already hold"):
         for _ in range(4):
-            table.append([2], torch.tensor([0]))
+            append(table, [2], torch.tensor([0]))
 
 
 def test_table_allocates_once_on_device(device):
@@ -66,7 +67,7 @@ def test_table_allocates_once_on_device(device):
     assert table.slots.device.type == device
     address = table.slots.data_ptr()
     for _ in range(12):
-        table.append([0, 1], torch.tensor([3, 4], device=device))
+        append(table, [0, 1], torch.tensor([3, 4], device=device))
     resync(table, table_of([1], 2), 2)
     table.lengths_array[0] = 0
     assert table.slots.data_ptr() == address
@@ -76,7 +77,7 @@ def test_append_writes_each_row_at_its_own_next_column(device):
     table = SlotTable(4, 8, device)
     count = CellCount(table)
     resync(table, table_of([1], 3), 2)
-    table.append([0, 2], torch.tensor([11, 12], device=device))
+    append(table, [0, 2], torch.tensor([11, 12], device=device))
     assert table.slots[0, 0].item() == 11 and table.slots[2, 3].item() == 12
     assert table.lengths_array.tolist() == [1, 0, 4, 0]
     assert count.appended_cells == 2
@@ -84,15 +85,15 @@ def test_append_writes_each_row_at_its_own_next_column(device):
 
 def test_append_to_a_full_row_names_it():
     table = SlotTable(2, 2)
-    table.append([0, 1], torch.tensor([1, 2]))
-    table.append([1], torch.tensor([3]))
+    append(table, [0, 1], torch.tensor([1, 2]))
+    append(table, [1], torch.tensor([3]))
     with pytest.raises(ValueError, match=r"rows \[1\] already hold max_model_len=2"):
-        table.append([0, 1], torch.tensor([4, 5]))
+        append(table, [0, 1], torch.tensor([4, 5]))
 
 
 def test_append_needs_one_slot_per_row():
     with pytest.raises(ValueError, match=r"append needs \[2\] slots"):
-        SlotTable(4, 8).append([0, 1], torch.tensor([1, 2, 3]))
+        append(SlotTable(4, 8), [0, 1], torch.tensor([1, 2, 3]))
 
 
 def test_a_prefix_given_by_size_or_range_is_the_same_row_set():
@@ -111,11 +112,11 @@ def test_bad_row_sets_are_refused(rows):
 
 def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
     table = SlotTable(4, 8, device)
-    table.append([0, 1, 2], torch.tensor([5, 6, 7], device=device))
-    rect, lens = table.read([0, 1, 2], 3)
+    append(table, [0, 1, 2], torch.tensor([5, 6, 7], device=device))
+    rect, lens = read(table, [0, 1, 2], 3)
     assert rect.shape == (3, 3)
     assert rect.data_ptr() == table.slots.data_ptr() and rect.stride() == table.slots.stride()
-    table.append([0], torch.tensor([9], device=device))
+    append(table, [0], torch.tensor([9], device=device))
     assert rect[0, 1].item() == 9  # live storage
     assert lens.tolist() == [1, 1, 1]  # a copy: it did not move
     assert table.windows == 1 and table.gathers == 0
@@ -123,12 +124,12 @@ def test_read_over_a_prefix_is_a_view_of_the_buffer(device):
 
 def test_read_over_scattered_rows_is_a_copy_of_exactly_the_rectangle(device):
     table = SlotTable(4, 8, device)
-    table.append([1, 3], torch.tensor([5, 6], device=device))
-    rect, lens = table.read([3, 1], 2)
+    append(table, [1, 3], torch.tensor([5, 6], device=device))
+    rect, lens = read(table, [3, 1], 2)
     assert rect.shape == (2, 2) and rect.is_contiguous()
     assert rect.data_ptr() != table.slots.data_ptr()
     assert rect[:, 0].tolist() == [6, 5] and lens.tolist() == [1, 1]
-    table.append([3], torch.tensor([8], device=device))
+    append(table, [3], torch.tensor([8], device=device))
     assert rect[0, 1].item() == 0
     assert table.gathers == 1
 
@@ -143,13 +144,13 @@ def test_reset_zeroes_the_length_and_clears_nothing(device):
 
 def test_slot_table_reset_zeroes_one_length_and_the_next_append_writes_column_zero(device):
     table = SlotTable(3, 8, device)
-    table.append([0, 1], torch.tensor([5, 6], device=device))
-    table.append([0, 1], torch.tensor([7, 8], device=device))
+    append(table, [0, 1], torch.tensor([5, 6], device=device))
+    append(table, [0, 1], torch.tensor([7, 8], device=device))
     table.reset(1)
-    assert table.lengths([0, 1]).tolist() == [2, 0]
+    assert lengths(table, [0, 1]).tolist() == [2, 0]
     assert table.slots[1, :2].tolist() == [6, 8]  # nothing cleared: the length masks it
-    table.append([1], torch.tensor([9], device=device))
-    assert table.slots[1, :2].tolist() == [9, 8] and table.lengths([1]).tolist() == [1]
+    append(table, [1], torch.tensor([9], device=device))
+    assert table.slots[1, :2].tolist() == [9, 8] and lengths(table, [1]).tolist() == [1]
     with pytest.raises(ValueError):
         table.reset(3)
 
@@ -172,8 +173,8 @@ def test_sync_resyncs_exactly_the_rows_whose_length_disagrees(device):
                                           ([0, 2], False), ([1], False)])
 def test_is_window_is_the_prefix_condition_and_read_follows_it(rows, window):
     table = SlotTable(4, 8)
-    assert table.is_window(rows) == window
-    rect, _ = table.read(rows, 2)
+    assert is_window(table, rows) == window
+    rect, _ = read(table, rows, 2)
     assert (rect.data_ptr() == table.slots.data_ptr()) == window and (table.windows, table.gathers) == (window, not window)
 
 

@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from paired_cache import PairedCache
+from slot_table_support import lengths, read
 
 from nanoserve.cache import BlockTable, PoolExhaustedError
 from nanoserve.worker.gates import check_plan_addressing, check_slots_agree
@@ -116,7 +117,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                 return
             plan = self.cache.plan_decode(rows)
             assert plan.context_lens.tolist() == [n + 1 for n in before]
-            assert plan.context_lens.tolist() == self.cache.slot_table.lengths(rows).tolist()  # the table's own
+            assert plan.context_lens.tolist() == lengths(self.cache.slot_table, rows).tolist()  # the table's own
             assert plan.is_window == (rows == list(range(len(rows))))
             check_plan_addressing(plan, self.cache.tables)
             self.hold(plan)
@@ -170,14 +171,14 @@ class SlotTableMachine(RuleBasedStateMachine):
     def lengths_agree(self):
         live = self.cache.live_rows
         if live:  # every change went through the cache, so no row's length disagrees with its block table
-            assert self.cache.slot_table.lengths(live).tolist() == [self.cache.num_tokens(r) for r in live]
+            assert lengths(self.cache.slot_table, live).tolist() == [self.cache.num_tokens(r) for r in live]
 
     @rule(data=st.data(), width=st.integers(0, MAX_MODEL_LEN))
     def read(self, data, width):
         table = self.cache.slot_table
         rows = data.draw(st.lists(st.integers(0, MAX_ROWS - 1), min_size=1, max_size=MAX_ROWS, unique=True),
                          label="rows")
-        rect, lens = table.read(rows, width)
+        rect, lens = read(table, rows, width)
         assert rect.shape == (len(rows), width)
         assert lens.tolist() == [table.lengths_array[r] for r in rows]
         if rows == list(range(len(rows))):

@@ -67,28 +67,6 @@ class SlotTable:
             raise ValueError(f"rows {ids} must be a non-empty set of distinct ids in 0..{self.max_batch_size - 1}")
         return ids
 
-    def lengths(self, rows: RowsLike) -> np.ndarray:
-        return self.lengths_array[self.row_ids(rows)]
-
-    def is_window(self, rows: RowsLike) -> bool:
-        """Whether reading `rows` gives a window (a view): they are the prefix 0..n-1."""
-        return is_prefix(self.row_ids(rows))
-
-    def append(self, rows: RowsLike, slots: torch.Tensor | np.ndarray) -> None:
-        """Write `slots[i]` at row `rows[i]`'s next column and bump those lengths: one indexed
-        write. Raises ValueError (changing nothing) when a row is already `max_model_len` long."""
-        ids = self.row_ids(rows)
-        if tuple(slots.shape) != (len(ids),):
-            raise ValueError(f"append needs [{len(ids)}] slots, got {tuple(slots.shape)}")
-        cols = self.lengths_array[ids]
-        full = [r for r, n in zip(ids, cols.tolist()) if n >= self.max_model_len]
-        if full:
-            raise ValueError(f"rows {full} already hold max_model_len={self.max_model_len} tokens; "
-                             "the scheduler must finish or preempt them before another decode step")
-        cells = torch.from_numpy(np.asarray(ids) * self.max_model_len + cols).to(self.device)
-        self.slots.view(-1).index_copy_(0, cells, torch.as_tensor(slots, dtype=torch.int64).to(self.device))
-        self.lengths_array[ids] = cols + 1
-
     def adopt(self, row: int, slots: torch.Tensor) -> None:
         """Row `row` now holds len(slots) tokens at `slots` (a prefill chunk's context and write
         slots, or a row rebuilt). Raises ValueError (changing nothing) past max_model_len."""
@@ -129,10 +107,6 @@ class SlotTable:
     def reset(self, row: int) -> None:
         """Set the row's length to zero and clear nothing: cells past a length go unread."""
         self.lengths_array[self.row_ids([row])[0]] = 0
-
-    def read(self, rows: RowsLike, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' `[n, width]` rectangle (`rect`) and a copy of their lengths on the device."""
-        return self.rect(rows, width), torch.from_numpy(self.lengths(rows)).to(self.device)
 
     def rect(self, rows: RowsLike, width: int) -> torch.Tensor:
         """`[n, width]`: a view of the buffer when rows are the prefix 0..n-1 (a window), else

@@ -377,11 +377,6 @@ def storage_bits(bits: int) -> int:
     return 4 if bits <= 4 else bits if bits <= 6 else 8
 
 
-def unpack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Packed codes (4, 5, 6 or 8 bits, from their count) back as [N, K] uint8."""
-    return STORAGE[8 * codes.numel() // (n * k)][1](codes, n, k)
-
-
 def pack_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, scale_factors=None,
                 min_factors=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``w = scales * codes + mins`` per scale group (codes [N, K] uint8 below ``2 ** bits``;

@@ -166,14 +166,6 @@ class GroupLinear(_PackedLinear):
         return torch.ops.nanoserve.dequantize_rows(self.codes, self.scales, self.mins, self.zero_point, token_ids,
                                                    self.out_features, self.in_features, self.compute_dtype, self.handle)
 
-    def held_numbers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scales and minimums our kernels read, fp32 [N, K / group] each (a symmetric
-        format's minimums from its zero point; a code table's format has none: zeros)."""
-        scales = cpu_kernels.per_group(self.scales)
-        if cpu_kernels.is_code_table(self.mins):
-            return scales, torch.zeros_like(scales)
-        return scales, -self.zero_point * scales if self.zero_point else cpu_kernels.per_group(self.mins)
-
 
 class ConcatLinear(nn.Module):
     """Linears over the same input whose outputs stack along the last dimension: a fused
