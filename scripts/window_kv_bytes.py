@@ -5,7 +5,7 @@ the same greedy tokens for a prompt of that length.
     PYTHONPATH=. python scripts/window_kv_bytes.py MODEL [--context 4096] [--new-tokens 16]
 
 Prints a table and writes window-kv-bytes-<model>.csv under --out (default compile/results/runs). Each engine holds one
-row of ``--context`` tokens; K/V bytes per row are the engine's own K/V tensors' bytes.
+row of ``--context`` tokens; K/V bytes per row are its pool's and rings' bytes (``Engine.resolved``).
 """
 
 from __future__ import annotations
@@ -34,15 +34,16 @@ def main() -> int:
     for name, full in (("every position (swa_full)", True), ("window rings", False)):
         engine = build_engine(args.model, max_batch_size=1, max_model_len=args.context, enable_prefix_caching=False,
                               swa_full=full, compile=False)
-        cache = engine.worker.cache
+        resolved, config = engine.resolved, engine.model.config
+        windows = [config.layer_window(i) for i in range(config.num_layers)]
         vocab = engine.vocab_size
         prompt = [(31 * i + 7) % (vocab - 300) + 100 for i in range(args.context - args.new_tokens - 1)]
         started = time.perf_counter()
         out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True),
                               use_tqdm=False)[0]
         tokens[name] = out.token_ids
-        rows.append(dict(cache=name, kv_bytes_per_row_mb=cache.kv_bytes / 1e6, ring=cache.ring.ring if cache.ring else "",
-                         sliding_layers=f"{len(cache.ring_layers)} of {len(cache.layers.k_cells)}",
+        rows.append(dict(cache=name, kv_bytes_per_row_mb=resolved.kv_cache_bytes / 1e6, ring=resolved.window_ring or "",
+                         sliding_layers=f"{sum(w is not None for w in windows)} of {len(windows)}",
                          tokens=len(prompt) + args.new_tokens, seconds=time.perf_counter() - started,
                          model=Path(args.model).name, context=args.context))
         engine.close()
