@@ -107,3 +107,20 @@ def test_speculative_verify_graphs_give_the_plain_greedy_tokens(method):
     assert stats.spec_verify_steps > 0 and stats.spec_accepted_tokens > 0 and stats.verify_bucket_hits
     assert stats.recompiles_after_warmup == 0 and stats.spec_draft_recompiles == 0
     engine.check_drained()
+
+
+def test_q8_0_cells_and_window_rings_replay_as_the_eager_steps_on_cuda():
+    """The cache's other layouts on a GPU: q8_0 cells (written and dequantised in the recorded
+    graph) and sliding-window layers in rings (prefix caching off), their greedy tokens the
+    eager steps'."""
+    config = tiny_config(hidden_size=128, head_dim=32, num_layers=4, sliding_window=6,
+                         layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention"))
+    model = random_model(config, seed=5)
+    options = dict(kv_cache_dtype="q8_0", enable_prefix_caching=False)
+    want = cuda_engine(model, **options).generate(PROMPTS, GREEDY, use_tqdm=False)
+    engine = cuda_engine(model, compile=True, **options)
+    assert engine.worker.cache.ring is not None
+    got = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.stats().recompiles_after_warmup == 0
+    engine.check_drained()
