@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_support import paged_attention_reference
-from engine_oracle_helpers import engine_for, generate, greedy
+from engine_oracle_helpers import assert_greedy_agrees_up_to_near_ties, engine_for, generate, greedy
 
 from nanoserve.engine import EngineConfig
 from nanoserve.model.network.reference_attention import DenseCausalAttention
@@ -226,14 +226,11 @@ def test_compiled_q8_0_steps_give_the_eager_q8_0_tokens(dtype):
                           compile=True, row_buckets=(4,), width_buckets=(64, 128), warmup="eager")
     step = compiled.worker.decode_step
     assert "q8_0" in step.graph_key(step.shapes[0]).describe()["kv"]
-    tolerance = 1e-4 if dtype == "float32" else 0.05
+    # Compiled and eager round the values they store differently in the last bit, so a value near
+    # the midpoint of two codes may take either: one code step (max |x| / 127) on either side.
+    tolerance = 0.01 if dtype == "float32" else 0.05
     for got, ref in zip(generate(compiled, prompts, params), generate(eager, prompts, params)):
-        same = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
-        for i in range(same):
-            assert got.logprobs[i].logprob == pytest.approx(ref.logprobs[i].logprob, abs=tolerance)
-        if same < len(ref.token_ids):
-            (_, first), (_, second) = ref.logprobs[same].top[:2]
-            assert first - second < 2 * tolerance, f"compiled left eager's tokens at {same} without a tie"
+        assert_greedy_agrees_up_to_near_ties(got, ref, tolerance)
     assert compiled.stats().recompiles_after_warmup == 0 and compiled.stats().bucket_hits
     torch._dynamo.reset()
 
