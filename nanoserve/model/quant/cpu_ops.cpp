@@ -180,13 +180,32 @@ void quantize_into(const nanoserve_kernel_table& tier, const at::Tensor& x, int8
 // x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, 2G], sums [2, M, 2G] int32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle) {
   const int64_t M = x.dim() == 2 ? x.size(0) : 0, G = x.dim() == 2 ? x.size(1) / 32 : 0;
-  const at::Tensor xq = at::empty({2, M, 32 * G}, x.options().dtype(at::kChar));
+  const at::Tensor xq = at::empty({2, M, nanoserve::x_row_stride(32 * G)}, x.options().dtype(at::kChar));
   const at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, 2 * G}, xd.options());
   const at::Tensor sums = at::empty({2, M, 2 * G}, x.options().dtype(at::kInt));
   quantize_into(tier_of(handle), x, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
                 sums.data_ptr<int32_t>());
-  return {xq, xd, xs, sums};
+  return {xq.narrow(2, 0, 32 * G), xd, xs, sums};  // the codes without their rows' padding
 }
+
+// x's codes, scales and sums as quantize_into writes them, in one scratch allocation.
+struct QuantizedRows {
+  at::Tensor scratch;
+  int8_t* xq;
+  float* xd;
+  float* xs;
+  int32_t* sums;
+
+  QuantizedRows(const nanoserve_kernel_table& tier, const at::Tensor& x) {
+    const int64_t M = x.size(0), K = x.size(1), G = K / 32, codes = 2 * M * nanoserve::x_row_stride(K);
+    scratch = at::empty({codes + 28 * M * G}, x.options().dtype(at::kChar));
+    xq = scratch.data_ptr<int8_t>();
+    xd = reinterpret_cast<float*>(xq + codes);  // codes is a multiple of 64: aligned
+    xs = xd + M * G;
+    sums = reinterpret_cast<int32_t*>(xs + 2 * M * G);
+    quantize_into(tier, x, xq, xd, xs, sums);
+  }
+};
 
 void check_x_bits(int64_t x_bits) {
   TORCH_CHECK(x_bits == 8 || x_bits == 16, "x_bits must be 8 or 16, got ", x_bits);
@@ -198,20 +217,14 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     int64_t zero_point, int64_t handle, int64_t x_bits) {
   TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / group, 16]");
   check_x_bits(x_bits);
-  const int64_t M = x.size(0), K = x.size(1), G = K / 32, N = 16 * d.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = 16 * d.size(0);
   const nanoserve_format format = format_of(codes, d, m, zero_point, N, K);
   const nanoserve_kernel_table& tier = tier_of(handle);
-  // One scratch allocation for the activations' codes [2, M, K], xd [M, G], xs [M, 2G], sums [2, M, 2G].
-  at::Tensor scratch = at::empty({2 * M * K + 28 * M * G}, x.options().dtype(at::kChar));
-  int8_t* xq = scratch.data_ptr<int8_t>();
-  float* xd = reinterpret_cast<float*>(xq + 2 * M * K);  // 2 M K is a multiple of 64: aligned
-  float* xs = xd + M * G;
-  int32_t* sums = reinterpret_cast<int32_t*>(xs + 2 * M * G);
-  quantize_into(tier, x, xq, xd, xs, sums);
+  const QuantizedRows q(tier, x);
   at::Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
-    tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, xq, xd, xs, sums,
-                  static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
+    tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, q.xq, q.xd,
+                  q.xs, q.sums, static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
   });
   return out;
 }
@@ -252,13 +265,8 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   const int64_t blocks = N / 16, experts = static_cast<int64_t>(groups.experts.size()), tasks = experts * blocks;
   if (tasks == 0) return out;
   const nanoserve_kernel_table& tier = tier_of(handle);
-  const int64_t M = x.size(0), G = K / 32;
-  at::Tensor scratch = at::empty({2 * M * K + 28 * M * G}, x.options().dtype(at::kChar));  // as group_mm's
-  int8_t* xq = scratch.data_ptr<int8_t>();
-  float* xd = reinterpret_cast<float*>(xq + 2 * M * K);
-  float* xs = xd + M * G;
-  int32_t* sums = reinterpret_cast<int32_t*>(xs + 2 * M * G);
-  quantize_into(tier, x, xq, xd, xs, sums);
+  const int64_t M = x.size(0);
+  const QuantizedRows q(tier, x);
   // a task of expert j costs about READ + its rows, READ rows' worth of arithmetic for reading its block
   constexpr int64_t READ = 2;
   int64_t total = 0;
@@ -278,8 +286,8 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t thread = begin; thread < end; ++thread) {
       tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins,
-                      codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, xq, xd, xs, sums,
-                      static_cast<int32_t>(x_bits), first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
+                      codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, q.xq, q.xd,
+                      q.xs, q.sums, static_cast<int32_t>(x_bits), first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
                       x.scalar_type() == at::kBFloat16);
     }
   });

@@ -35,7 +35,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 9
+#define NANOSERVE_KERNEL_ABI 10
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -64,7 +64,7 @@ struct nanoserve_cells {
 struct nanoserve_kernel_table {
   int32_t abi;
   const char* tier;
-  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, K] (hi then lo), xd [M, K / 32],
+  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, x_row_stride(K)] (hi then lo), xd [M, K / 32],
   // xs [M, K / 16] and xsum [2, M, K / 16] (the integer sums of hi and of lo per half group of
   // 16, xs from them as above); rows [row_begin, row_end) only.
   void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
@@ -128,6 +128,15 @@ namespace nanoserve {
 namespace {
 
 constexpr int64_t GROUP = 32;
+
+// The activation codes' row stride in xq: K and one cache line more. A product reads up to 8
+// rows' hi and lo codes in step; with K a multiple of 4 KB those 16 streams would share one set
+// of an 8-way L1 and evict each other (an 8192-K product ran 3x slower at 8 rows).
+constexpr int64_t x_row_stride(int64_t K) { return K + 64; }
+
+// Where group i (of M rows x G groups of 32) of the hi codes starts in xq; the lo codes' plane
+// follows the hi plane, M rows on.
+constexpr int64_t x_group_at(int64_t i, int64_t G) { return (i / G) * x_row_stride(G * GROUP) + (i % G) * GROUP; }
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;

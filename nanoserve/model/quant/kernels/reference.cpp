@@ -40,8 +40,8 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
     int32_t sum_hi[2] = {0, 0}, sum_lo[2] = {0, 0};
     for (int64_t k = 0; k < GROUP; ++k) {
       const int32_t h = static_cast<int32_t>(hi[k]), l = static_cast<int32_t>(lo[k]);
-      xq[i * GROUP + k] = static_cast<int8_t>(h);
-      xq[M * K + i * GROUP + k] = static_cast<int8_t>(l);
+      xq[x_group_at(i, G) + k] = static_cast<int8_t>(h);
+      xq[M * x_row_stride(K) + x_group_at(i, G) + k] = static_cast<int8_t>(l);
       sum_hi[k / 16] += h;
       sum_lo[k / 16] += l;
     }
@@ -90,8 +90,8 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
         for (int64_t k = 0; k < GROUP; ++k) codes[r][k] = code_value(f.table, code_in_group(wg, f.bits, r, k));
       }
       for (int64_t row = 0; row < M; ++row) {
-        const int8_t* hi = xq + row * K + g * GROUP;
-        const int8_t* lo = hi + M * K;
+        const int8_t* hi = xq + row * x_row_stride(K) + g * GROUP;
+        const int8_t* lo = hi + M * x_row_stride(K);
         for (int64_t h = 0; h < per; ++h) {
           // the activations' sum over this scale group: one half of 16, or both
           float x_sum = per == 2 ? xs[row * 2 * G + 2 * g + h] : xs[row * 2 * G + 2 * g] + xs[row * 2 * G + 2 * g + 1];
@@ -130,7 +130,8 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
                 int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
   const ExpertGroups groups(ids, rows * top_k);
   const int64_t blocks = N / 16, G = K / GROUP, M = x_per_pair ? rows * top_k : rows, size = out_bf16 ? 2 : 4;
-  std::vector<int8_t> q(2 * K);
+  const int64_t S = x_row_stride(K);
+  std::vector<int8_t> q(2 * S);
   std::vector<float> q_d(G), q_s(2 * G);
   std::vector<int32_t> q_sum(4 * G);
   for (int64_t task = task_begin; task < task_end; ++task) {
@@ -139,8 +140,8 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
     const void* m_e = m ? static_cast<const char*>(m) + e * scale_stride : m;
     for (int64_t i = groups.starts[j]; i < groups.starts[j + 1]; ++i) {
       const int64_t p = groups.pairs[i], x = x_per_pair ? p : p / top_k;
-      std::copy(xq + x * K, xq + (x + 1) * K, q.begin());
-      std::copy(xq + M * K + x * K, xq + M * K + (x + 1) * K, q.begin() + K);
+      std::copy(xq + x * S, xq + x * S + K, q.begin());
+      std::copy(xq + M * S + x * S, xq + M * S + x * S + K, q.begin() + S);
       std::copy(xd + x * G, xd + (x + 1) * G, q_d.begin());
       std::copy(xs + 2 * x * G, xs + 2 * (x + 1) * G, q_s.begin());
       std::copy(xsum + 2 * x * G, xsum + 2 * (x + 1) * G, q_sum.begin());

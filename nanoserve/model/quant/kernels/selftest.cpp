@@ -144,7 +144,8 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
   std::vector<float> xf = random_floats(M * K);
   std::vector<uint8_t> x(M * K * (bf16 ? 2 : 4));
   for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
-  std::vector<int8_t> xq_ref(2 * M * K), xq(2 * M * K);
+  const int64_t stride = nanoserve::x_row_stride(K);  // rows padded: a padding byte is never written
+  std::vector<int8_t> xq_ref(2 * M * stride), xq(2 * M * stride);
   std::vector<float> xd_ref(M * G), xs_ref(2 * M * G), xd(M * G), xs(2 * M * G);
   std::vector<int32_t> sum_ref(4 * M * G), sum(4 * M * G);
   ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq_ref.data(), xd_ref.data(), xs_ref.data(), sum_ref.data());
@@ -222,7 +223,8 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
   std::vector<float> xf = random_floats(M * K);
   std::vector<uint8_t> x(M * K * (bf16 ? 2 : 4));
   for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
-  std::vector<int8_t> xq(2 * M * K);
+  const int64_t stride = nanoserve::x_row_stride(K);
+  std::vector<int8_t> xq(2 * M * stride);
   std::vector<float> xd(M * G), xs(2 * M * G);
   std::vector<int32_t> sum(4 * M * G);
   ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq.data(), xd.data(), xs.data(), sum.data());
@@ -250,9 +252,9 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
       alone = alone && std::all_of(first, first + N * (bf16 ? 2 : 4), [](uint8_t b) { return b == 0; });
       continue;
     }
-    std::vector<int8_t> q(2 * K);
-    std::copy(xq.begin() + row * K, xq.begin() + (row + 1) * K, q.begin());
-    std::copy(xq.begin() + (M + row) * K, xq.begin() + (M + row + 1) * K, q.begin() + K);
+    std::vector<int8_t> q(2 * stride);
+    std::copy(xq.begin() + row * stride, xq.begin() + row * stride + K, q.begin());
+    std::copy(xq.begin() + (M + row) * stride, xq.begin() + (M + row) * stride + K, q.begin() + stride);
     std::vector<int32_t> q_sum(4 * G);
     std::copy(sum.begin() + 2 * row * G, sum.begin() + 2 * (row + 1) * G, q_sum.begin());
     std::copy(sum.begin() + 2 * (M + row) * G, sum.begin() + 2 * (M + row + 1) * G, q_sum.begin() + 2 * G);

@@ -61,8 +61,8 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
       const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_coarse)), bottom), top);
       const V::F rest = V::sub(v[c], V::mul(h, coarse));
       const V::F l = V::min(V::max(V::rint(V::mul(rest, inv_fine)), bottom), top);
-      V::store_int8(xq + i * GROUP + V::LANES * c, V::to_int(h));
-      V::store_int8(xq + M * K + i * GROUP + V::LANES * c, V::to_int(l));
+      V::store_int8(xq + x_group_at(i, G) + V::LANES * c, V::to_int(h));
+      V::store_int8(xq + M * x_row_stride(K) + x_group_at(i, G) + V::LANES * c, V::to_int(l));
       sum_h[2 * c / C] = V::add(sum_h[2 * c / C], h);
       sum_l[2 * c / C] = V::add(sum_l[2 * c / C], l);
     }
@@ -287,8 +287,8 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
-      group_sums<F::BITS, F::LUT, F::SPLIT, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * K + g * GROUP, in, K,
-                                                   xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, zero_point, hi, lo);
+      group_sums<F::BITS, F::LUT, F::SPLIT, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
+                                                   in, x_row_stride(K), xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, zero_point, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
