@@ -3,7 +3,9 @@ step calls them (the whole model's weights stream from memory once a pass: no ca
 between passes once the model outgrows the last-level cache), at 1 and 8 rows, with 16- and
 8-bit activations. Prints each arm's median time and the bytes it read per second, beside the
 host's read floor, so the share of a step that is its products, and their distance from the
-floor, can be read off against the step time `compilebench.py scale` reports.
+floor, can be read off against the step time `compilebench.py scale` reports. Then each distinct
+linear shape alone, called again and again so its weights stay in the last-level cache: what the
+kernel does when memory is not the limit (a shape far below the others is the kernel's fault).
 
     python scripts/step_products.py MODEL.gguf [--repeats 15]
 """
@@ -37,21 +39,38 @@ def main() -> None:
     for x_bits in (16, 8):
         for rows in (1, 8):
             inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
-
-            def step(inputs: dict = inputs, x_bits: int = x_bits) -> None:
-                for m in linears:
-                    torch.ops.nanoserve.group_mm(inputs[m.in_features], m.codes, m.scales, m.mins, m.zero_point,
-                                                 m.handle, x_bits)
-
-            step()
-            times = []
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - started)
-            median = statistics.median(times)
+            median = median_seconds(args.repeats, one_pass, linears, inputs, x_bits)
             print(f"x_bits {x_bits:2d}, {rows} row(s): {median * 1e3:6.1f} ms, {read / median / 1e9:5.1f} GB/s "
                   f"({median * floor / read:.2f}x the floor)")
+    shapes = {(m.in_features, m.out_features): m for m in linears}
+    print("each shape alone, its weights in cache (K x N: time, multiply-adds a second)")
+    for (k, n), m in shapes.items():
+        for rows in (1, 8):
+            cells = []
+            for x_bits in (16, 8):
+                x = torch.randn(rows, k, dtype=dtype)
+                median = median_seconds(5 * args.repeats, product, m, x, x_bits)
+                cells.append(f"x_bits {x_bits}: {median * 1e6:7.1f} us {rows * k * n / median / 1e9:6.1f} G/s")
+            print(f"{k:6d} x {n:6d}, {rows} row(s): " + "; ".join(cells))
+
+
+def product(m: GroupLinear, x: torch.Tensor, x_bits: int) -> torch.Tensor:
+    return torch.ops.nanoserve.group_mm(x, m.codes, m.scales, m.mins, m.zero_point, m.handle, x_bits)
+
+
+def one_pass(linears: list[GroupLinear], inputs: dict[int, torch.Tensor], x_bits: int) -> None:
+    for m in linears:
+        product(m, inputs[m.in_features], x_bits)
+
+
+def median_seconds(repeats: int, call, *args) -> float:
+    call(*args)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call(*args)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
