@@ -40,7 +40,6 @@ class DecodePlan:
     queries: int = 1
     query_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     real_queries: torch.Tensor | None = None
-    ring: tuple[torch.Tensor, torch.Tensor] | None = None  # window layers' (write cells per query, [n, width] cells)
 
     @property
     def width(self) -> int:
@@ -129,8 +128,7 @@ class KVCache:
         table.write_cells(rows, positions, write_slots)
         table.lengths_array[slice(n) if is_window else list(ids)] = host[1].numpy() + 1
         return DecodePlan(ids, table.rect(rows, batch.width), positions + 1, sum(batch.positions) + n,
-                          write_slots, positions, is_window, token_ids,
-                          ring=self._ring_plan(ids, 1, positions, positions + 1, batch.width))
+                          write_slots, positions, is_window, token_ids)
 
     def _plan_verify(self, batch: DecodeBatch) -> DecodePlan:
         """A verify step: each row's fed token and proposals, one query each, padded to
@@ -157,21 +155,21 @@ class KVCache:
         table.lengths_array[slice(n) if is_window else list(ids)] = lengths.numpy()
         device = host.to(self.device)
         last = device[:, [i * q + k for i, k in enumerate(batch.num_proposed)]]  # each row's last token
-        inputs = tuple(device.unbind())
         return DecodePlan(ids, table.rect(n if is_window else ids, batch.width), lengths.to(self.device),
-                          int(lengths.sum()), last[2], last[1], is_window, last[0], q, inputs,
-                          real_queries.to(self.device), ring=self._ring_plan(ids, q, inputs[1], inputs[3], batch.width))
+                          int(lengths.sum()), last[2], last[1], is_window, last[0], q, tuple(device.unbind()),
+                          real_queries.to(self.device))
 
-    def _ring_plan(self, ids: tuple[int, ...], queries: int, positions: torch.Tensor, lengths: torch.Tensor,
-                   width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The window layers' addressing of a decode step outside its graph: each query's ring
-        write cell and the rows' ring cells [n, width] (window_ring), or None without rings."""
+    def ring_addressing(self, plan: DecodePlan, positions: torch.Tensor,
+                        lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The window layers' addressing of a decode step run outside its graph (decode_forward
+        derives the same inside): each query's ring write cell, for queries at ``positions`` with
+        ``lengths``, and the rows' ring cells [n, width] (window_ring); None without rings."""
         if self.ring is None:
             return None
-        rows = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
         table = self.ring.table
-        writes = ring_writes(table, rows.repeat_interleave(queries), positions, lengths)
-        return writes, table.index_select(0, rows)[:, :width]
+        writes = ring_writes(table, rows.repeat_interleave(plan.queries), positions, lengths)
+        return writes, table.index_select(0, rows)[:, :plan.width]
 
     def write_kv(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, kv_heads, head_dim] at `write_slots` [n]."""

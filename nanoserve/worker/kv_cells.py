@@ -140,13 +140,13 @@ class KVLayers:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V [n, KV, D] at ``slots`` [n] (quantised where the side is q8_0)."""
-        _store(self.k_cells[layer], self.k_steps[layer] if self.k_steps else None, slots, k)
-        _store(self.v_cells[layer], self.v_steps[layer] if self.v_steps else None, slots, v)
+        _store(self.k_cells[layer], _of(self.k_steps, layer), slots, k)
+        _store(self.v_cells[layer], _of(self.v_steps, layer), slots, v)
 
     def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The cells at ``slots`` (any shape [...]) as K and V [..., KV, D] in ``dtype``."""
-        return (_load(self.k_cells[layer], self.k_steps[layer] if self.k_steps else None, slots, dtype),
-                _load(self.v_cells[layer], self.v_steps[layer] if self.v_steps else None, slots, dtype))
+        return (_load(self.k_cells[layer], _of(self.k_steps, layer), slots, dtype),
+                _load(self.v_cells[layer], _of(self.v_steps, layer), slots, dtype))
 
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [..., D] as a read of them once written gives them back (in their own dtype):
@@ -165,8 +165,7 @@ class KVLayers:
         """The kernel tier's decode read (cpu_kernels' ``decode_attention``) of this layer."""
         return torch.ops.nanoserve.decode_attention(
             q, self.k_cells[layer], self.v_cells[layer], slot_mapping, context_lens, q.shape[-1] ** -0.5, kernel,
-            window or 0, sinks, self.k_steps[layer] if self.k_steps else None,
-            self.v_steps[layer] if self.v_steps else None)
+            window or 0, sinks, _of(self.k_steps, layer), _of(self.v_steps, layer))
 
 
 def round_trip(x: torch.Tensor, fmt: CellFormat) -> torch.Tensor:
@@ -174,6 +173,11 @@ def round_trip(x: torch.Tensor, fmt: CellFormat) -> torch.Tensor:
     if fmt.quantized:
         return dequantize_q8_0(*quantize_q8_0(x), x.dtype)
     return x if fmt.dtype == x.dtype else x.to(fmt.dtype).to(x.dtype)
+
+
+def _of(steps: list[torch.Tensor], layer: int) -> torch.Tensor | None:
+    """A layer's q8_0 steps, or None for a dense side (no steps)."""
+    return steps[layer] if steps else None
 
 
 def _store(cells: torch.Tensor, steps: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ table: a window ``[:rows, :width]``.
 Reads never see an overwritten cell: a decode row reads its last ``window`` positions after
 writing at most ``max_queries``; a prefill chunk reads its context (the ``window - 1`` positions
 before it) before it writes, and writes only its last ``ring`` positions. A request that moves
-row takes its ring with it (``copy_row``).
+row takes its ring with it (``KVCache.move``).
 
 Restoring a cached prefix would need the window layers' K/V of the prefix's last positions,
 which no ring keeps once its row moves on; so a cache with rings is built only with prefix

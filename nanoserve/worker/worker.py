@@ -185,7 +185,7 @@ class Worker:
                                                            decode.context_lens)
             rows = fed.shape[0]
             window = WindowAttention(self.cache.layers, slots, decode.slot_mapping, lens,
-                                     self.decode_step.attention_kernel, decode.ring)
+                                     self.decode_step.attention_kernel, self.cache.ring_addressing(decode, at, lens))
             attention = DecodeThenPrefill(rows, window, attention)
             token_ids = torch.cat([fed, token_ids])
             positions = torch.cat([at, positions])
