@@ -119,9 +119,8 @@ def run_warmup(args: argparse.Namespace) -> int:
         return 0
     with build_engine(args.model, **options) as engine:
         steps = [("model", engine.worker.decode_step)]
-        draft = getattr(engine.speculator, "proposer", None) if engine.speculator is not None else None
-        if getattr(draft, "worker", None) is not None:
-            steps.append(("draft", draft.worker.decode_step))
+        if engine.worker.draft is not None:
+            steps.append(("draft", engine.worker.draft.worker.decode_step))
         for name, step in steps:
             built = loaded = 0
             with tqdm(total=len(step.shapes), desc=f"{name} graphs", unit="graph", file=sys.stderr) as bar:

@@ -9,7 +9,8 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     """Lines naming the model and load time; the weight format, resident weight bytes, compute
     dtype and CPU kernel tier; the K/V pool's bytes, blocks and tokens; the length and batch limits."""
     stats, config, resolved, cache = engine.stats(), engine.config, engine.resolved, engine.worker.cache
-    kv_bytes = cache.kv_bytes
+    draft = engine.worker.draft  # a draft model's K/V layers share the pool's blocks
+    kv_bytes = cache.kv_bytes + (draft.worker.cache.kv_bytes if draft is not None else 0)
     kv_dtype = describe_kv_formats(*cache.formats)
     compute = stats.compute_dtype or _dtype_name(resolved.dtype)
     blocks, block_size = resolved.num_blocks, config.block_size
@@ -35,7 +36,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     if stats.weight_types:
         lines.append(describe_tensor_types(stats.weight_types))
     if engine.speculator is not None:
-        lines.append(describe_speculation(engine.speculator))
+        lines.append(describe_speculation(engine.speculator, draft))
     size = config.tensor_parallel_size
     if size > 1:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
@@ -85,21 +86,21 @@ def describe_graphs(stats) -> str:
     return line
 
 
-def describe_speculation(speculator) -> str:
-    """One line: the proposer, how many tokens a row proposes, and when it does not."""
+def describe_speculation(speculator, draft=None) -> str:
+    """One line: the proposer (``draft``: the worker's draft model, its K/V in the pool above),
+    how many tokens a row proposes, and when it does not."""
     config = speculator.config
     k = config.num_speculative_tokens
     how = "adapting per row from its acceptance" if config.adaptive else "every step"
     if config.method == "ngram":
         source = f"n-gram lookup of the last {config.prompt_lookup_max}..{config.prompt_lookup_min} tokens"
     else:
-        draft = speculator.proposer.worker
         from nanoserve.model.quant.linear import tensor_bytes  # torch: only once a draft is built
 
         name = config.model if isinstance(config.model, str) else "the target's file" if config.model is None \
             else type(config.model).__name__
-        source = (f"draft model {name} ({config.draft_weights}, {format_bytes(tensor_bytes(draft.model))} resident, "
-                  f"K/V {format_bytes(draft.cache.kv_bytes)})")
+        source = (f"draft model {name} ({config.draft_weights}, {format_bytes(tensor_bytes(draft.worker.model))} "
+                  f"resident; its K/V layers are {format_bytes(draft.worker.cache.kv_bytes)} of the pool's blocks)")
     return (f"speculative decoding: {source}; up to {k} token{'s' if k != 1 else ''} a row, {how}; "
             f"off in steps of {config.disable_by_batch_size}+ rows and for rows under a grammar")
 

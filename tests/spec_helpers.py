@@ -1,6 +1,6 @@
 """Shared by the speculative-decoding engine suites: the target, the proposers (the n-gram
 lookup, the target as its own perfect draft, another random model as a bad one), repetitive
-prompts the n-gram proposer finds matches in, and the drained check (the draft's pool too)."""
+prompts the n-gram proposer finds matches in, and the drained check."""
 
 from __future__ import annotations
 
@@ -30,9 +30,6 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def assert_drained(engine) -> None:
-    """Every block and row of the target back; the draft's pool all free but its scratch block."""
+    """Every block and row back: a draft model's K/V lives in the target's pool, so that pool
+    is the only one to drain."""
     engine.check_drained()
-    proposer = engine.speculator.proposer
-    if hasattr(proposer, "pool"):
-        assert proposer.pool.num_free == proposer.pool.num_blocks - 1
-        assert not proposer.states

@@ -69,7 +69,7 @@ class ScriptedProposer:
             tokens = true[:right] + [(true[right + j] + shift) % VOCAB for j, shift in enumerate(wrong)]
             self.made[request.request_id] = tokens
             proposals.append(tokens)  # may exceed k: the speculator cuts it
-        return proposals, [None] * len(requests)
+        return proposals
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:

@@ -60,12 +60,12 @@ class BlockManager:
         table.advance(num_tokens)
         self._claimed[row] = True
 
-    def slots_of(self, row: int, end: int) -> list[int]:
-        """The slots of the row's tokens [0, end)."""
+    def slots_of(self, row: int, end: int, start: int = 0) -> list[int]:
+        """The slots of the row's tokens [start, end)."""
         table = self.tables[self._row(row)]
-        if not 0 <= end <= table.num_tokens:
-            raise ValueError(f"slots_of: row {row} holds {table.num_tokens} tokens, not {end}")
-        return table.slots(end)
+        if not 0 <= start <= end <= table.num_tokens:
+            raise ValueError(f"slots_of: row {row} holds {table.num_tokens} tokens, not [{start}, {end})")
+        return table.slots(end, start)
 
     def reset_row(self, row: int) -> None:
         """Give the row's blocks back and set its length to zero; the row stays claimed."""

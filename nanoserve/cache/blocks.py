@@ -174,10 +174,12 @@ class BlockTable:
     def slot(self, t: int) -> int:
         return self._blocks[t // self.block_size] * self.block_size + t % self.block_size
 
-    def slots(self, end: int) -> list[int]:
-        """The slots of tokens [0, end)."""
-        blocks = np.asarray(self._blocks, dtype=np.int64)[: -(-end // self.block_size)]
-        return (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)[:end].tolist()
+    def slots(self, end: int, start: int = 0) -> list[int]:
+        """The slots of tokens [start, end)."""
+        first = start // self.block_size
+        blocks = np.asarray(self._blocks[first:-(-end // self.block_size)], dtype=np.int64)
+        cells = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        return cells[start - first * self.block_size:end - first * self.block_size].tolist()
 
     def blocks_needed(self, extra_tokens: int) -> int:
         return max(0, -(-(self.num_tokens + extra_tokens) // self.block_size) - len(self._blocks))

@@ -50,12 +50,15 @@ class PoolPlan:
 
 
 def plan_pool(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float,
-              block_size: int, max_batch_size: int, max_model_len: int, v_dtype_bytes: float | None = None) -> PoolPlan:
+              block_size: int, max_batch_size: int, max_model_len: int, v_dtype_bytes: float | None = None,
+              extra_token_bytes: int = 0) -> PoolPlan:
     """The most blocks `budget_bytes` of K/V can hold, and `max_model_len` clamped to them (one
-    block is the cache's scratch block). Raises ValueError below that block and one for a request."""
+    block is the cache's scratch block); `extra_token_bytes` a token go to more layers over the
+    same slots (a draft model's). Raises ValueError below that block and one for a request."""
     if min(num_layers, num_kv_heads, head_dim, block_size, max_batch_size, max_model_len) < 1:
         raise ValueError("plan_pool needs positive sizes")
-    bytes_per_block = block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, v_dtype_bytes)
+    bytes_per_block = block_size * (kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, v_dtype_bytes)
+                                    + extra_token_bytes)
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"a budget of {budget_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "

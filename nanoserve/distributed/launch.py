@@ -298,10 +298,24 @@ class DrivingWorker:
         self.worker, self.driver = worker, driver
         self.model, self.cache, self.decode_step, self.device = worker.model, worker.cache, worker.decode_step, worker.device
 
+    @property
+    def draft(self):
+        """The draft model proposing on rank 0 (speculative/draft.py), or None."""
+        return self.worker.draft
+
+    @draft.setter
+    def draft(self, draft) -> None:
+        self.worker.draft = draft
+
     def execute(self, plan: StepPlan, sampling: StepSampling | None = None) -> StepOutput:
+        """A plan whose proposals rank 0's draft makes is drafted here first: every rank gets
+        it with its proposals (and its row changes, which rank 0 has applied)."""
         try:
-            self.driver.send(plan)
-            return self.worker.execute(plan, sampling)
+            filled, sampling, drafted = self.worker.propose(plan, sampling)
+            self.driver.send(dataclasses.replace(filled, row_changes=plan.row_changes))
+            output = self.worker.execute(filled, sampling)
+            output.draft = drafted if drafted is not None else output.draft
+            return output
         except Exception:
             self.driver.close(healthy=False)
             raise

@@ -28,7 +28,6 @@ from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, bucket_for, default_query_buckets
 from nanoserve.worker.build import WorkerConfig, build_worker
 from nanoserve.worker.kv_cells import CellFormat, resolve_cell_format
-from nanoserve.worker.sampler import Sampler
 from nanoserve.worker.window_ring import ring_size
 
 # The K/V pool's default size in tokens of context, so that its bytes follow the model (its layers,
@@ -72,7 +71,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     header_seconds = time.perf_counter() - started
     arch = header.config if header is not None else model.config
     kv_formats = tuple(resolve_cell_format(name, dtype, arch.head_dim) for name in kv_cache_types(config))
-    pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats)
+    draft = _draft_source(config, model, arch, dtype)
+    pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats,
+                                        draft_token_bytes=draft.token_bytes if draft is not None else 0)
     compile = config.compile if config.compile is not None else default_compile()
     spec = dataclasses.replace(_worker_spec(config, arch, pool, weight_plan, dtype, compile,
                                             tuple(fmt.name for fmt in kv_formats)), window_ring=ring)
@@ -96,7 +97,9 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     if tokenizer is None and header is not None:
         tokenizer = header.tokenizer()
     tokenizer_seconds = time.perf_counter() - started
-    speculator = _speculator(config, model, spec, arch.vocab_size) if config.speculative is not None else None
+    speculator = None
+    if config.speculative is not None:
+        speculator = _speculator(config, draft, spec, arch.vocab_size, worker)
     engine = Engine(worker, scheduler, tokenizer, config, resolved, checks=spec.checks, speculator=speculator)
     if named:  # the load line's stages: the file's (its metadata read once, here), then the tokenizer's build
         stages = engine.load_stages
@@ -105,22 +108,56 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     return engine
 
 
-def _speculator(config: EngineConfig, target, spec: WorkerConfig, vocab_size: int) -> Speculator:
-    """The proposer the speculative config names: an n-gram lookup, or a draft model (its own
-    ``model``, else the target's file or model object) in ``draft_weights``. A model object
-    drafts as it is unless draft weights other than "auto" are asked for."""
-    speculative = config.speculative
-    if speculative.method == "ngram":
-        return Speculator(speculative, NgramProposals(speculative))
-    from nanoserve.speculative.draft import build_draft  # a second model: only when asked for
+@dataclasses.dataclass(frozen=True)
+class _DraftSource:
+    """The draft model a speculative config names: its ``source`` (a path or a model object),
+    weight plan and dtype, and its K/V bytes a token (its layers are in the target's pool)."""
 
+    source: object
+    plan: WeightPlan | None
+    dtype: torch.dtype
+    token_bytes: int
+
+
+def _draft_source(config: EngineConfig, target, arch: ModelConfig, dtype: torch.dtype) -> _DraftSource | None:
+    """The draft model of a ``method="draft"`` config (its own ``model``, else the target's file
+    or model object) in ``draft_weights``; a model object drafts as it is unless draft weights
+    other than "auto" are asked for (the target's object as the target's build leaves it, in
+    ``dtype``). None without one."""
+    speculative = config.speculative
+    if speculative is None or speculative.method != "draft":
+        return None
     source = speculative.model if speculative.model is not None else target
     if isinstance(source, str) or speculative.draft_weights != "auto":
         plan, dtype = resolve_weights(speculative.draft_weights, None, config.device, named_model=True)
     else:
-        plan, dtype = None, next(source.parameters()).dtype
-    return Speculator(speculative, build_draft(speculative, source, plan, dtype, spec, vocab_size,
-                                               Sampler().distribution))
+        plan, dtype = None, dtype if source is target else next(source.parameters()).dtype
+    if source is target:
+        draft_arch = arch
+    elif isinstance(source, str):
+        from nanoserve.model.formats.loader import load_config  # the file's header only
+
+        draft_arch = load_config(source)
+    else:
+        draft_arch = source.config
+    k_format, v_format = (resolve_cell_format(name, dtype, draft_arch.head_dim) for name in kv_cache_types(config))
+    token_bytes = kv_bytes_per_token(draft_arch.num_layers, draft_arch.num_kv_heads, draft_arch.head_dim,
+                                     k_format.bytes_per_value, v_format.bytes_per_value)
+    return _DraftSource(source, plan, dtype, token_bytes)
+
+
+def _speculator(config: EngineConfig, draft: _DraftSource | None, spec: WorkerConfig, vocab_size: int,
+                worker) -> Speculator:
+    """The proposer the speculative config names: an n-gram lookup on the host, or a draft
+    model on the worker (rank 0's), its K/V layers over the worker's pool and slot table."""
+    speculative = config.speculative
+    if draft is None:
+        return Speculator(speculative, NgramProposals(speculative))
+    from nanoserve.speculative.draft import build_draft  # a second model: only when asked for
+
+    worker.draft = build_draft(speculative, draft.source, draft.plan, draft.dtype, spec, vocab_size,
+                               worker.cache.slot_table)
+    return Speculator(speculative, None)
 
 
 def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight_plan: WeightPlan | None,
@@ -158,9 +195,11 @@ def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig, ring_byte
 
 
 def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-               kv_formats: tuple[CellFormat, CellFormat], rings: bool = True) -> tuple[PoolPlan, int | None, int]:
+               kv_formats: tuple[CellFormat, CellFormat], rings: bool = True,
+               draft_token_bytes: int = 0) -> tuple[PoolPlan, int | None, int]:
     """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
-    block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say; and
+    block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say, a
+    draft model's layers (``draft_token_bytes`` a token) beside the target's in every block; and
     the sliding-window layers' ring cells a row (window_ring; None: they keep the pool's cells)
     with the rings' bytes, which come out of the budget first. Rings only with prefix caching
     off: a cached prefix would need the window layers' K/V that no ring keeps."""
@@ -175,17 +214,18 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
     ring_bytes = ring_layers * rows * (ring + 1) * cell_bytes if ring else 0
     pool_layers = arch.num_layers - ring_layers
     k_bytes, v_bytes = (fmt.bytes_per_value for fmt in kv_formats)
-    per_block = block_size * kv_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)
+    per_block = block_size * (kv_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)
+                              + draft_token_bytes)
     blocks = min(rows * -(-limit // block_size), -(-DEFAULT_KV_TOKENS // block_size)) + 1
     budget = config.kv_cache_bytes or blocks * per_block + ring_bytes
     try:
         plan = plan_pool(budget - ring_bytes, pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, block_size,
-                         rows, limit, v_bytes)
+                         rows, limit, v_bytes, extra_token_bytes=draft_token_bytes)
     except ValueError as exc:
         rings_note = f" ({ring_bytes} of them the sliding-window layers' rings)" if ring_bytes else ""
         raise ValueError(f"kv_cache_bytes={budget}{rings_note}: {exc}") from None
     if ring is not None and ring >= plan.max_model_len:  # a pool too small for rings to save anything
-        return _plan_pool(arch, config, dtype, kv_formats, rings=False)
+        return _plan_pool(arch, config, dtype, kv_formats, rings=False, draft_token_bytes=draft_token_bytes)
     wanted = config.max_model_len
     if wanted is not None and plan.max_model_len < wanted:
         needed_blocks = -(-wanted // block_size) + 1  # + the scratch block

@@ -287,10 +287,11 @@ class Engine:
         if self.speculator is None:
             return {}
         s = self.speculator.stats
-        draft = getattr(self.speculator.proposer, "worker", None)  # a draft model's worker
-        drafted = None if draft is None else draft.stats()
+        draft = self.worker.draft  # a draft model's, on the worker
+        drafted = None if draft is None else draft.worker.stats()
         graphs = {} if drafted is None else dict(spec_draft_graphs_built=drafted.graphs_built,
-                                                 spec_draft_recompiles=drafted.decode.recompiles_after_warmup)
+                                                 spec_draft_recompiles=drafted.decode.recompiles_after_warmup,
+                                                 spec_draft_kv_bytes=draft.worker.cache.kv_bytes)
         return dict(**graphs, spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
                     spec_proposed_tokens=s.proposed, spec_accepted_tokens=s.accepted,
                     spec_acceptance_rate=s.acceptance_rate, spec_mean_accepted_length=s.mean_accepted_length,
@@ -314,9 +315,8 @@ class Engine:
 
 
 def row_sampling(request: Request) -> RowSampling:
-    """What the worker needs to choose the request's next tokens (its proposals' law, if drawn)."""
-    return RowSampling(request.params, request.generator, (request.prompt_token_ids, request.output_token_ids),
-                       request.spec_probs)
+    """What the worker needs to choose the request's next tokens (and to draft them)."""
+    return RowSampling(request.params, request.generator, (request.prompt_token_ids, request.output_token_ids))
 
 
 def structured_compiler(tokenizer, vocab_size: int, eos_token_ids) -> GrammarCompiler | None:

@@ -55,10 +55,12 @@ class Request:
     detokenizer: object | None = None
     block_hashes: BlockHashes | None = None  # its full blocks' prefix hashes, grown as it grows
     grammar: object | None = None  # its RequestGrammar when its params ask for structured output
-    # Speculation: tokens proposed for the next decode step (the scheduler takes them) and, from
-    # a draft model that sampled them, the draft's distributions [k, vocab] they were drawn from.
+    # Speculation: tokens proposed for the next decode step (the scheduler takes them), or how
+    # many the worker's draft model is to propose there; and the positions [0, draft_computed)
+    # whose K/V the draft holds (the scheduler's count: the draft catches up from there).
     spec_tokens: list[int] = field(default_factory=list)
-    spec_probs: object | None = None
+    spec_draft: int = 0
+    draft_computed: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     # Pooling (params.pooling): the pooled vector once the prompt is done; for mean pooling the
     # running sum over the positions computed so far and their count.

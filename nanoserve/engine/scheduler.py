@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.worker.bucketing import Buckets, step_shape
-from nanoserve.worker.plan import DecodeBatch, PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
+from nanoserve.worker.plan import DecodeBatch, DraftRows, PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
 
 if TYPE_CHECKING:
     from nanoserve.worker.worker import StepOutput
@@ -133,35 +133,54 @@ class Scheduler:
             return None
         positions, write_slots = self.blocks.advance(range(n))
         requests = self.running[:n]
-        proposals, proposal_slots = self._place_proposals(requests)
-        most = max(map(len, proposals), default=0)
+        proposals, proposal_slots, draft = self._place_proposals(requests, positions)
+        most = max(map(len, proposal_slots), default=0)
         rows, width, queries = step_shape(self.buckets, n, max(positions) + 1 + most, 1 + most)
         return DecodeBatch(tuple(r.request_id for r in requests), tuple(range(n)),
                            tuple(r.last_token_id for r in requests), tuple(positions), tuple(write_slots), rows, width,
-                           proposals, proposal_slots, queries)
+                           proposals, proposal_slots, queries, draft)
 
-    def _place_proposals(self, requests: list[Request]) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-        """Each decoding row's proposed tokens (``request.spec_tokens``, taken here) and the
-        slots they are written to, cut to what the row may still emit (max_tokens), the step's
-        token budget, the pool and max_model_len. Speculation never preempts: a row the pool
-        cannot extend verifies nothing. ((), ()) when no row verifies."""
-        if not any(r.spec_tokens for r in requests):
-            return (), ()
+    def _place_proposals(self, requests: list[Request], positions: list[int]
+                         ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], DraftRows | None]:
+        """Each decoding row's proposed tokens (``request.spec_tokens``, or ``spec_draft`` tokens
+        its draft is to make on the worker; taken here) and the slots they are written to, cut to
+        what the row may still emit (max_tokens), the step's token budget, the pool and
+        max_model_len. Speculation never preempts: a row the pool cannot extend verifies
+        nothing. ((), (), None) when no row verifies; the draft's work when a draft proposes."""
+        if not any(r.spec_tokens or r.spec_draft for r in requests):
+            return (), (), None
         proposals, slots = [], []
         budget = self.max_num_batched_tokens - len(requests)
         if self.buckets is not None and len(requests) > self.buckets.verify_rows:
             budget = 0  # past the verify grid: plain decode
+        drafting = any(r.spec_draft for r in requests)
         for request in requests:
-            wanted, request.spec_tokens = request.spec_tokens, []
+            wanted = request.spec_draft if drafting else len(request.spec_tokens)
             room = request.params.max_tokens - len(request.output_token_ids) - 1  # the verify emits k + 1 at most
             if self.buckets is not None:
                 room = min(room, self.buckets.queries[-1] - 1)
-            k = max(0, min(len(wanted), room, budget))
+            k = max(0, min(wanted, room, budget))
             placed = self.blocks.extend(request.row, k) if k else None
             budget -= len(placed or ())
-            proposals.append(tuple(wanted[:len(placed or ())]))
+            proposals.append(tuple(request.spec_tokens[:len(placed or ())]))
             slots.append(tuple(placed or ()))
-        return (tuple(proposals), tuple(slots)) if any(proposals) else ((), ())
+            request.spec_tokens, request.spec_draft = [], 0
+        if not any(slots):
+            return (), (), None
+        if not drafting:
+            return tuple(proposals), tuple(slots), None
+        return (), tuple(slots), self._draft_rows(requests, positions, [len(s) for s in slots])
+
+    def _draft_rows(self, requests: list[Request], positions: list[int], counts: list[int]) -> DraftRows:
+        """What each drafting row's draft catches up on first: its tokens from the first
+        position whose draft K/V it lacks to the one it feeds now, and their slots."""
+        starts, tokens, slots = [], [], []
+        for request, position, k in zip(requests, positions, counts):
+            start = min(request.draft_computed, position) if k else position
+            starts.append(start)
+            tokens.append(tuple(request.all_token_ids[start:position]))
+            slots.append(tuple(self.blocks.slots_of(request.row, position, start)))
+        return DraftRows(tuple(counts), tuple(starts), tuple(tokens), tuple(slots))
 
     def update(self, plan: StepPlan, output: StepOutput) -> None:
         """After the worker ran ``plan``: in a verify step each decode row keeps the K/V of its
@@ -169,8 +188,11 @@ class Scheduler:
         decode = plan.decode
         if decode is None or decode.queries == 1:
             return
-        for row, position, sampled in zip(decode.row_ids, decode.positions, output.rows):
+        counts = decode.draft.counts if decode.draft is not None else (0,) * decode.num_rows
+        for row, position, sampled, k in zip(decode.row_ids, decode.positions, output.rows, counts):
             num_tokens = position + 1 + sampled.accepted
+            if k:  # the draft fed the row's token and its first k - 1 proposals
+                self.running[row].draft_computed = position + 1 + min(sampled.accepted, k - 1)
             if num_tokens < self.blocks.num_tokens(row):
                 self.blocks.truncate(row, num_tokens)
                 self._row_changes.append(RowTrim(row, num_tokens))
@@ -225,6 +247,7 @@ class Scheduler:
             tokens = request.all_token_ids
             self.blocks.claim_prefix(row, tokens, _hashes(request, tokens))
         request.row = row
+        request.draft_computed = 0  # a draft catches up on what it adopts: a prefill writes the target's K/V alone
         request.status = RequestStatus.PREFILLING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.perf_counter()
@@ -276,7 +299,7 @@ class Scheduler:
     # -- giving way --------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
         self._release(victim)
-        victim.spec_tokens = []
+        victim.spec_tokens, victim.spec_draft, victim.draft_computed = [], 0, 0
         victim.status = RequestStatus.WAITING
         victim.metrics.num_preemptions += 1
         self.waiting.appendleft(victim)

@@ -75,6 +75,7 @@ class EngineStats:
     spec_verify_seconds: float = 0.0
     spec_draft_graphs_built: int = 0  # the draft model's own decode graphs
     spec_draft_recompiles: int = 0  # ... and its recompiles after warm-up (0, as the target's)
+    spec_draft_kv_bytes: int = 0  # the draft's layers' share of the one K/V pool (blocks_total counts both)
 
     @property
     def mean_mask_seconds(self) -> float:

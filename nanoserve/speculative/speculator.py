@@ -1,8 +1,10 @@
 """The engine's side of speculation: after each step, what every decoding row proposes for
-the next (a proposer's tokens, as many as the row's adaptive length allows), and the counts.
+the next (a host proposer's tokens, or how many the worker's draft model is to draft, as many
+as the row's adaptive length allows), and the counts.
 
-The scheduler takes a row's ``spec_tokens`` into the next plan (cutting them to what fits);
-the worker writes K/V for all of them in one verify forward and accepts a prefix
+The scheduler takes a row's ``spec_tokens`` (or ``spec_draft``) into the next plan (cutting
+them to what fits); the worker drafts where a draft model proposes (speculative/draft.py),
+writes K/V for all of them in one verify forward and accepts a prefix
 (nanoserve.worker.acceptance); the scheduler trims the row to it. Which rows speculate is decided here:
 none in a step of ``disable_by_batch_size`` rows or more, none under a grammar (this engine
 does not check proposals against a grammar: a constrained row decodes one token a step), none
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from nanoserve.speculative.adaptive import SpeculationLength
 from nanoserve.speculative.config import SpeculativeConfig
@@ -36,11 +37,10 @@ DRAFT_COST = 0.25  # a draft step's price until one is measured (an int4 draft o
 
 
 class Proposer(Protocol):
-    """Proposes up to ``ks[i]`` tokens for each request (fewer is fine), and for a proposer that
-    samples, the distributions [k, vocab] it sampled them from (None: deterministic)."""
+    """A host-side proposer: up to ``ks[i]`` tokens for each request (fewer is fine), chosen
+    deterministically (acceptance takes its law as one-hot)."""
 
-    def propose(self, requests: list[Request], ks: list[int]
-                ) -> tuple[list[list[int]], list[torch.Tensor | None]]: ...
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]: ...
 
     def forget(self, request_ids: set[str]) -> None: ...
 
@@ -59,8 +59,8 @@ class NgramProposals:
         self.lookup = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
         self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
 
-    def propose(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        return [self.lookup.propose(self._history(r), k) if k else [] for r, k in zip(requests, ks)], [None] * len(ks)
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [self.lookup.propose(self._history(r), k) if k else [] for r, k in zip(requests, ks)]
 
     def _history(self, request: Request) -> np.ndarray:
         buffer, held = self._histories.get(request.request_id, (None, 0))
@@ -139,31 +139,43 @@ class StepTimes:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    """``proposer`` proposes on the host (the n-gram lookup); None: the worker's draft model
+    does, in the verify step itself (speculative/draft.py), and this only sets how many."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None) -> None:
         self.config, self.proposer = config, proposer
         self.stats = SpecStats()
         self.times = StepTimes()
         self._lengths: dict[str, SpeculationLength] = {}
+        self._draft_step_seconds, self._draft_steps = 0.0, 0  # the worker's draft's compiled-shape steps
 
     def propose(self, requests: list[Request]) -> None:
-        """Set ``spec_tokens`` (and ``spec_probs``) of the rows that decode next, in row order."""
+        """Set ``spec_tokens`` (or, for the worker's draft, ``spec_draft``) of the rows that
+        decode next, in row order."""
         for request in requests:
-            request.spec_tokens, request.spec_probs = [], None
+            request.spec_tokens, request.spec_draft = [], 0
         if not requests or len(requests) >= self.config.disable_by_batch_size:
             return
         ks = [self._k(r) for r in requests]
-        if not any(ks):
-            for request in requests:
-                self._idle(request)
+        if not any(ks) or self.proposer is None:
+            for request, k in zip(requests, ks):
+                request.spec_draft = k
+                if not k:
+                    self._idle(request)
             return
         start = time.perf_counter()
-        proposals, probs = self.proposer.propose(requests, ks)
+        proposals = self.proposer.propose(requests, ks)
         self.stats.draft_seconds += time.perf_counter() - start
-        for request, k, tokens, q in zip(requests, ks, proposals, probs):
+        for request, k, tokens in zip(requests, ks, proposals):
             request.spec_tokens = list(tokens[:k])
-            request.spec_probs = None if q is None or not request.spec_tokens else q[:len(request.spec_tokens)]
             if not request.spec_tokens:
                 self._idle(request)
+
+    def seconds_per_token(self) -> float | None:
+        """What proposing one more token of a row costs, once measured (None: not yet, or free)."""
+        if self.proposer is not None:
+            return self.proposer.seconds_per_token()
+        return self._draft_step_seconds / self._draft_steps if self._draft_steps else None
 
     def _k(self, request: Request) -> int:
         left = request.params.max_tokens - len(request.output_token_ids)
@@ -180,7 +192,7 @@ class Speculator:
         drafting it."""
         length = self._lengths.get(request_id)
         if length is None:
-            per_token, plain = self.proposer.seconds_per_token(), self.times.plain
+            per_token, plain = self.seconds_per_token(), self.times.plain
             if self.config.method == "ngram":
                 draft = 0.0
             elif per_token is not None and plain is not None:
@@ -211,14 +223,18 @@ class Speculator:
         decode = plan.decode
         if decode is None:
             return
+        if output.draft is not None:
+            self.stats.draft_seconds += output.draft.seconds
+            self._draft_step_seconds += output.draft.step_seconds
+            self._draft_steps += output.draft.steps
         # A step beside prefill chunks, or one that built a graph or ran eagerly for want of one,
         # says nothing of a step's price.
         typical = not plan.prefill and not output.graphs_built and not output.eager_steps
         self.record_step(output.seconds, decode.queries, typical)
         if decode.queries > 1:
-            for request, proposals, row in zip(requests, decode.proposals, output.rows):
-                if proposals and row.error is None:
-                    self.record(request, len(proposals), row.accepted)
+            for request, proposed, row in zip(requests, decode.num_proposed, output.rows):
+                if proposed and row.error is None:
+                    self.record(request, proposed, row.accepted)
 
     def record_step(self, seconds: float, queries: int, typical: bool) -> None:
         """A decode step's forward time, ``queries`` a row (1: no verify); only a ``typical``
@@ -233,7 +249,9 @@ class Speculator:
         """The requests left: their adaptive lengths and the proposer's state for them go."""
         for request_id in request_ids:
             self._lengths.pop(request_id, None)
-        self.proposer.forget(request_ids)
+        if self.proposer is not None:
+            self.proposer.forget(request_ids)
 
     def close(self) -> None:
-        self.proposer.close()
+        if self.proposer is not None:
+            self.proposer.close()

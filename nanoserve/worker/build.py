@@ -25,6 +25,7 @@ from nanoserve.worker.graph_build import memory_allows_builder
 from nanoserve.worker.graph_cache import GraphCache
 from nanoserve.worker.kv_cache import KVCache
 from nanoserve.worker.kv_cells import resolve_cell_format
+from nanoserve.worker.slot_table import SlotTable
 from nanoserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,12 @@ class Shard(Protocol):
     def parallelize(self, model: LlamaModel) -> None: ...
 
 
-def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shard: Shard | None = None) -> Worker:
+def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shard: Shard | None = None,
+                 slot_table: SlotTable | None = None) -> Worker:
     """A worker over ``model`` (a name or path, or a file the host already opened, loaded here
     without its tokenizer; or a built ``LlamaModel``: packed per ``spec.weights`` in place, or
-    copied first when ``shard`` cuts it), and a K/V cache of its K/V heads."""
+    copied first when ``shard`` cuts it), and a K/V cache of its K/V heads (over ``slot_table``'s
+    rows and slots where given: a draft model's, over the target's)."""
     if isinstance(model, (str, ModelHeader)):
         model, _ = load_model(model, dtype=spec.dtype, device=spec.device, weights=spec.weights,
                               shard=None if shard is None else shard.shard, with_tokenizer=False)
@@ -92,7 +95,7 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
     cache = KVCache(arch.num_layers, kv_heads, arch.head_dim, spec.num_blocks, spec.block_size, spec.max_batch_size,
                     spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device, k_format=k_format,
                     v_format=v_format, windows=[arch.layer_window(i) for i in range(arch.num_layers)],
-                    ring=spec.window_ring)
+                    ring=spec.window_ring, slot_table=slot_table)
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier,
                                      spec.kv_cache_types)
     # Graphs from the cache: inductor on the CPU. A tensor-parallel rank's graphs hold its

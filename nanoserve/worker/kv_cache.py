@@ -51,13 +51,14 @@ class KVCache:
     ``num_blocks * block_size`` slots, and the slot table of `max_batch_size` rows of
     `max_model_len` cells. K and V are each stored in ``dtype`` or as ``k_format`` /
     ``v_format`` say (kv_cells). `scratch_slot` is the host's reserved block's first slot:
-    padded rows write there and no row reads it."""
+    padded rows write there and no row reads it. With ``slot_table`` the cache addresses another
+    cache's rows and slots (a draft model's layers over the target's pool)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  max_batch_size: int, max_model_len: int, scratch_slot: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", k_format: CellFormat | None = None,
                  v_format: CellFormat | None = None, windows: list[int | None] | None = None,
-                 ring: int | None = None) -> None:
+                 ring: int | None = None, slot_table: SlotTable | None = None) -> None:
         if min(num_layers, num_kv_heads, head_dim, num_blocks, block_size) < 1:
             raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
                              f"head_dim {head_dim}, {num_blocks} blocks of {block_size}")
@@ -72,7 +73,13 @@ class KVCache:
         self.ring_layers = [i for i, w in enumerate(windows or []) if w is not None] if ring else []
         slots = [self.ring.num_cells if i in self.ring_layers else num_blocks * block_size for i in range(num_layers)]
         self.layers = KVLayers.allocate(num_layers, slots, num_kv_heads, head_dim, k_format, v_format, self.device)
-        self.slot_table = SlotTable(max_batch_size, max_model_len, self.device)
+        # A draft model's layers share the target's table (speculative/draft.py): the same rows
+        # and slots, so one pool holds both models' K/V.
+        self.slot_table = slot_table if slot_table is not None else SlotTable(max_batch_size, max_model_len,
+                                                                              self.device)
+        if tuple(self.slot_table.slots.shape) != (max_batch_size, max_model_len):
+            raise ValueError(f"a shared slot table is {tuple(self.slot_table.slots.shape)}; this cache needs "
+                             f"{(max_batch_size, max_model_len)}")
 
     @property
     def ring_table(self) -> torch.Tensor | None:

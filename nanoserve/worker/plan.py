@@ -71,6 +71,20 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class DraftRows:
+    """A verify step whose proposals the worker's draft model makes (speculative/draft.py):
+    decode row i drafts ``counts[i]`` tokens (0: none; its proposal slots are already in the
+    step's plan). Its draft K/V holds positions [0, ``starts[i]``): first it catches up on
+    ``tokens[i]``, the row's tokens at [starts[i], its position), whose K/V the target already
+    holds at ``slots[i]``. The draft's layers live in the target's pool, at the same slots."""
+
+    counts: tuple[int, ...]
+    starts: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     """Rows ``row_ids`` decode one token each: row ``row_ids[i]`` feeds ``token_ids[i]`` at
     ``positions[i]`` and writes its K/V to ``write_slots[i]`` (already appended to its block
@@ -81,7 +95,9 @@ class DecodeBatch:
     Speculation (a verify step): row i also feeds its ``proposals[i]`` at the positions after
     ``positions[i]``, writing their K/V to ``proposal_slots[i]`` (appended too), so it sends
     ``1 + len(proposals[i])`` queries; every row is padded to ``queries`` (the bucketed most) and
-    each query attends to the row's cells up to its own. Without proposals ``queries`` is 1."""
+    each query attends to the row's cells up to its own. Without proposals ``queries`` is 1.
+    With ``draft`` the worker's draft model makes the proposals (``proposals`` stays empty in
+    the scheduler's plan and is filled on the worker before the verify forward)."""
 
     request_ids: tuple[str, ...]
     row_ids: tuple[int, ...]
@@ -93,6 +109,7 @@ class DecodeBatch:
     proposals: tuple[tuple[int, ...], ...] = ()  # per row, or () when no row speculates
     proposal_slots: tuple[tuple[int, ...], ...] = ()
     queries: int = 1
+    draft: DraftRows | None = None
 
     @property
     def num_rows(self) -> int:
@@ -101,7 +118,9 @@ class DecodeBatch:
     @property
     def num_proposed(self) -> tuple[int, ...]:
         """Proposed tokens per row (zeros without speculation)."""
-        return tuple(map(len, self.proposals)) if self.proposals else (0,) * self.num_rows
+        if self.proposals:
+            return tuple(map(len, self.proposals))
+        return self.draft.counts if self.draft is not None else (0,) * self.num_rows
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +134,7 @@ class DecodeBatch:
 
     def row_slots(self, i: int) -> tuple[int, ...]:
         """The slots row i writes this step, in position order."""
-        return (self.write_slots[i], *(self.proposal_slots[i] if self.proposals else ()))
+        return (self.write_slots[i], *(self.proposal_slots[i] if self.proposal_slots else ()))
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,19 @@ sampled row's tokens needs, and ``StepOutput`` all it answers: tokens, never log
 step with both decode rows and prefill chunks runs them as one forward (the decode rows' tokens
 first, then the chunks'), so every layer's weights are read once a step; each part keeps its own
 attention. A compiled decode step runs its fixed-shape graph and the chunks in an eager forward
-beside it. A tensor-parallel rank is one worker applying the same plans; rank 0's samples.
+beside it. A verify step whose proposals a draft model makes has them drafted here first, by
+the draft this worker holds (speculative/draft.py: its K/V in this worker's pool). A
+tensor-parallel rank is one worker applying the same plans; rank 0's samples (and drafts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,10 +37,13 @@ from nanoserve.worker.gates import (
     check_window_intact,
 )
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
-from nanoserve.worker.plan import PrefillChunk, RowFree, RowMove, StepPlan
+from nanoserve.worker.plan import PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
 from nanoserve.worker.sampler import Sampler
 from nanoserve.worker.sampling import SampledRow, StepSampling, sample_step
 from nanoserve.worker.scoring import TokenLogprobs, score_prompt
+
+if TYPE_CHECKING:
+    from nanoserve.speculative.draft import Draft, DraftCost
 
 
 @dataclass
@@ -68,6 +75,7 @@ class StepOutput:
     seconds: float = 0.0
     graphs_built: int = 0
     eager_steps: int = 0
+    draft: DraftCost | None = None  # what the draft model's proposals took, when it made them
 
 
 @dataclass
@@ -93,16 +101,40 @@ class Worker:
         self.device = cache.device
         self.checks = checks
         self.sampler = Sampler()
+        self.draft: Draft | None = None  # a draft model proposing on this worker (speculative/draft.py)
 
     def close(self) -> None:
-        """Stop the decode step's background graph builder (a tensor-parallel worker also stops its ranks)."""
+        """Stop the decode step's background graph builder (a tensor-parallel worker also stops
+        its ranks), and the draft's."""
+        if self.draft is not None:
+            self.draft.close()
         self.decode_step.close()
 
     @torch.inference_mode()
+    def propose(self, plan: StepPlan, sampling: StepSampling | None
+                ) -> tuple[StepPlan, StepSampling | None, DraftCost | None]:
+        """Where the plan's proposals are this worker's draft's to make: the plan's row changes
+        applied, the draft run, and the plan to run now (its proposals filled, its row changes
+        done) with the sampling that verifies them (each drafting row's law q); else as given."""
+        decode = plan.decode
+        if self.draft is None or decode is None or decode.draft is None or decode.proposals:
+            return plan, sampling, None
+        if sampling is None:
+            raise RuntimeError("a draft proposes on the rank that samples: this worker was given no sampling")
+        self._apply(plan.row_changes)
+        n = decode.num_rows
+        proposals, laws, cost = self.draft.propose(decode, sampling.rows[:n])
+        rows = [dataclasses.replace(r, draft_probs=q) for r, q in zip(sampling.rows[:n], laws)] + sampling.rows[n:]
+        filled = dataclasses.replace(plan, row_changes=(), decode=dataclasses.replace(decode, proposals=proposals))
+        return filled, StepSampling(rows, sampling.masks), cost
+
+    @torch.inference_mode()
     def execute(self, plan: StepPlan, sampling: StepSampling | None = None) -> StepOutput:
-        """Run the plan's forward, then choose every sampled row's tokens (worker/sampling.py)
-        under the step's masks, waited for only now: they are filled beside the forward. Without
-        ``sampling`` (a tensor-parallel rank past 0) the forward alone runs."""
+        """Run the plan's forward (its proposals drafted first, where the draft makes them),
+        then choose every sampled row's tokens (worker/sampling.py) under the step's masks,
+        waited for only now: they are filled beside the forward. Without ``sampling`` (a
+        tensor-parallel rank past 0) the forward alone runs."""
+        plan, sampling, drafted = self.propose(plan, sampling)
         step = self.decode_step
         built, eager = step.graphs_built, step.stats.eager_steps
         start = time.perf_counter()
@@ -115,20 +147,14 @@ class Worker:
             masks = sampling.masks.wait() if sampling.masks is not None else None
             rows = sample_step(self.sampler, plan, forward.logits, sampling, masks)
         return StepOutput(rows, forward.prompt_logprobs, forward.prompt_errors, forward.decode, forward.pooled,
-                          seconds, step.graphs_built - built, step.stats.eager_steps - eager)
+                          seconds, step.graphs_built - built, step.stats.eager_steps - eager, drafted)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardOutput:
         """Apply the plan in order (row changes, the decode rows' cells and buffers, the chunks'
-        cells) and run its forward(s); the logits stay on the device (a draft model's proposer
-        chooses from them itself)."""
-        for change in plan.row_changes:
-            if isinstance(change, RowMove):
-                self.cache.move(change.src, change.dst, change.length)
-            elif isinstance(change, RowFree):
-                self.cache.free(change.row)
-            else:
-                self.cache.trim(change.row, change.length)
+        cells) and run its forward(s); the logits stay on the device (a draft model chooses
+        from them itself)."""
+        self._apply(plan.row_changes)
         decode = None
         if plan.decode is not None:
             if self.checks:
@@ -149,6 +175,16 @@ class Worker:
         if self.checks and decode is not None:
             check_window_intact(decode)
         return ForwardOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode, pooled)
+
+    def _apply(self, changes: tuple[RowFree | RowMove | RowTrim, ...]) -> None:
+        """The plan's row changes, in order."""
+        for change in changes:
+            if isinstance(change, RowMove):
+                self.cache.move(change.src, change.dst, change.length)
+            elif isinstance(change, RowFree):
+                self.cache.free(change.row)
+            else:
+                self.cache.trim(change.row, change.length)
 
     def stats(self) -> WorkerStats:
         """The decode step's counters and graphs (graphs a background builder finished swapped in
