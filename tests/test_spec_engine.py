@@ -6,7 +6,7 @@ compiled step. Every engine here runs the gates on every step (NANOSERVE_CHECKS=
 against the block tables before the worker, the slot table against them after, so the K/V of
 a rejected token, trimmed off its row, is never addressed again. Every test checks that
 speculation happened (no test passes vacuously) and that the engine drains (every block and
-row back, the draft's pool all free)."""
+row back: the draft's K/V lives in the same pool)."""
 
 from __future__ import annotations
 
@@ -208,3 +208,20 @@ def test_verify_steps_keep_every_row_at_its_accepted_tokens():
     assert rejected > 0
     assert_drained(engine)
 
+
+
+def test_the_draft_keeps_its_k_v_in_the_targets_pool():
+    """One pool: the draft's layers span the target's slots and read the target's slot table,
+    the budget pays for both models' K/V a block, and the stats say the draft's share. (The
+    perfect draft's acceptance above is what shows its K/V sits at the slots it reads.)"""
+    engine = build(spec="draft-bad")
+    target, draft = engine.worker.cache, engine.worker.draft.worker.cache
+    assert draft.slot_table is target.slot_table
+    slots = target.num_blocks * target.block_size
+    assert all(t.shape[0] == slots for t in draft.layers.tensors())
+    assert engine.resolved.kv_cache_bytes == target.kv_bytes + draft.kv_bytes
+    generate(engine, PROMPTS[:3], greedy(12))
+    s = engine.stats()
+    assert s.spec_draft_kv_bytes == draft.kv_bytes > 0 and s.blocks_total == target.num_blocks
+    assert_speculated(engine, "draft-bad")
+    assert_drained(engine)
