@@ -9,8 +9,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     """Lines naming the model and load time; the weight format, resident weight bytes, compute
     dtype and CPU kernel tier; the K/V pool's bytes, blocks and tokens; the length and batch limits."""
     stats, config, resolved, cache = engine.stats(), engine.config, engine.resolved, engine.worker.cache
-    draft = engine.worker.draft  # a draft model's K/V layers share the pool's blocks
-    kv_bytes = cache.kv_bytes + (draft.worker.cache.kv_bytes if draft is not None else 0)
+    kv_bytes = cache.kv_bytes + stats.spec_draft_kv_bytes  # a draft model's K/V layers share the pool's blocks
     kv_dtype = describe_kv_formats(*cache.formats)
     compute = stats.compute_dtype or _dtype_name(resolved.dtype)
     blocks, block_size = resolved.num_blocks, config.block_size
@@ -36,7 +35,7 @@ def describe_engine(engine, model: str, load_seconds: float) -> list[str]:
     if stats.weight_types:
         lines.append(describe_tensor_types(stats.weight_types))
     if engine.speculator is not None:
-        lines.append(describe_speculation(engine.speculator, draft))
+        lines.append(describe_speculation(engine.speculator, engine.worker.draft, stats.spec_draft_kv_bytes))
     size = config.tensor_parallel_size
     if size > 1:
         lines.append(f"tensor parallel over {size} ranks: the weights and K/V pool above are rank 0's shard "
@@ -48,9 +47,11 @@ def describe_rings(cache) -> list[str]:
     """A line on the sliding-window layers' rings (window_ring), where the cache keeps them."""
     if cache.ring is None:
         return []
+    saved = cache.ring.snapshots
+    kept = f", and {saved} saved rows of rings for cached prefixes" if saved else ""
     return [f"sliding-window layers ({len(cache.ring_layers)} of {len(cache.layers.k_cells)}) keep each row's "
-            f"last {cache.ring.ring:,} positions in a ring, not the pool ({format_bytes(cache.ring_bytes)} of the "
-            "K/V above)"]
+            f"last {cache.ring.ring:,} positions in a ring, not the pool{kept} ({format_bytes(cache.ring_bytes)} "
+            "of the K/V above)"]
 
 
 def describe_kv_formats(k_format, v_format) -> str:
@@ -86,7 +87,7 @@ def describe_graphs(stats) -> str:
     return line
 
 
-def describe_speculation(speculator, draft=None) -> str:
+def describe_speculation(speculator, draft=None, draft_kv_bytes: int = 0) -> str:
     """One line: the proposer (``draft``: the worker's draft model, its K/V in the pool above),
     how many tokens a row proposes, and when it does not."""
     config = speculator.config
@@ -100,7 +101,7 @@ def describe_speculation(speculator, draft=None) -> str:
         name = config.model if isinstance(config.model, str) else "the target's file" if config.model is None \
             else type(config.model).__name__
         source = (f"draft model {name} ({config.draft_weights}, {format_bytes(tensor_bytes(draft.worker.model))} "
-                  f"resident; its K/V layers are {format_bytes(draft.worker.cache.kv_bytes)} of the pool's blocks)")
+                  f"resident; its K/V layers are {format_bytes(draft_kv_bytes)} of the pool's blocks)")
     return (f"speculative decoding: {source}; up to {k} token{'s' if k != 1 else ''} a row, {how}; "
             f"off in steps of {config.disable_by_batch_size}+ rows and for rows under a grammar")
 

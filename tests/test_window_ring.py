@@ -1,7 +1,8 @@
-"""Sliding-window layers keep their window (window_ring): with prefix caching off each row keeps a
-ring of its window's cells for them, and an engine so built gives the tokens and logprobs of the
-same engine keeping every position (swa_full) while its K/V cost the global layers' share plus
-the rings; through chunked prefill, rows that move, speculative verify steps and compiled steps."""
+"""Sliding-window layers keep their window (window_ring): each row keeps a ring of its window's
+cells for them, and an engine so built gives the tokens and logprobs of the same engine keeping
+every position (swa_full) while its K/V cost the global layers' share plus the rings; through
+chunked prefill, rows that move, speculative verify steps and compiled steps. With prefix
+caching, rings are saved at block boundaries and a row adopting a cached prefix restores them."""
 
 from __future__ import annotations
 
@@ -89,9 +90,72 @@ def test_the_rings_cost_the_window_not_the_row(model):
     assert not any(x.startswith("sliding-window") for x in describe_engine(full, "tiny", 0.0))
 
 
-def test_prefix_caching_keeps_every_position_for_the_window_layers(model):
-    engine = engine_for(model, max_num_batched_tokens=10)  # prefix caching on: a cached prefix needs them
-    assert engine.worker.cache.ring is None and engine.resolved.window_ring is None
+def test_prefix_caching_keeps_rings_and_saved_copies_of_them(model):
+    engine = engine_for(model, max_num_batched_tokens=10)  # prefix caching on (the default)
+    ring = engine.worker.cache.ring
+    assert ring.ring == WINDOW + 4 - 1  # a block's positions more: a saved ring holds the window before its boundary
+    assert ring.snapshots == 4 and engine.scheduler.blocks.snapshots.capacity == 4  # a row's worth each
+    per_position = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, fp32
+    assert engine.worker.cache.ring_bytes == 3 * (4 + 4) * (ring.ring + 1) * per_position
+    assert engine.resolved.kv_cache_bytes == engine.worker.cache.kv_bytes
+    line = next(x for x in describe_engine(engine, "tiny", 0.0) if x.startswith("sliding-window layers"))
+    assert "4 saved rows of rings for cached prefixes" in line
+
+
+def prefix_engines(model, **options):
+    """The same engine keeping every position (swa_full) and keeping rings, prefix caching on."""
+    options = dict(max_num_batched_tokens=10, **options)
+    return engine_for(model, swa_full=True, **options), engine_for(model, **options)
+
+
+def test_a_later_turn_adopts_its_prefix_and_restores_the_window(model):
+    """Second turns extend the first turns' whole conversations, and a prompt comes back as it
+    was: each adopts its cached prefix up to a saved ring (a release's, a prompt end's), restores
+    the window layers from it, and gives the tokens and logprobs of the engine keeping every
+    position; rows move and rings are overwritten in between. (Eight rows keep eight saved rings:
+    the first turns' four prompt ends and four releases, until the second turns' saves displace
+    the least recently used.)"""
+    full, ringed = prefix_engines(model, max_batch_size=8)
+    prompts = [[(3 * i + 7 * j) % 256 for j in range(length)] for i, length in enumerate([23, 14, 30, 9])]
+    first = generate(ringed, prompts, greedy(11, logprobs=0))
+    assert [o.token_ids for o in first] == [o.token_ids for o in generate(full, prompts, greedy(11, logprobs=0))]
+    turns = [prompts[2]] + [p + o.token_ids + [5, 6, 7] for p, o in zip(prompts, first)]
+    params = greedy(9, logprobs=0)
+    hits = ringed.stats().prefix_cache_hits
+    for got, want in zip(generate(ringed, turns, params), generate(full, turns, params)):
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+    snapshots = ringed.scheduler.blocks.snapshots
+    assert snapshots.restored >= len(turns) and ringed.stats().prefix_cache_hits > hits
+    ringed.check_drained()
+
+
+def test_a_prefix_without_a_saved_ring_is_computed(model):
+    """A burst sharing an uncached stem: the stem's blocks are cached as the first prompt's chunk
+    is planned, but no ring holds its window yet, so the others compute it (the engine keeping
+    every position adopts it); the tokens agree."""
+    full, ringed = prefix_engines(model)
+    stem = list(range(40, 62))
+    prompts = [stem + [i, i + 1] for i in range(3)]
+    for got, want in zip(generate(ringed, prompts, greedy(6)), generate(full, prompts, greedy(6))):
+        assert got.token_ids == want.token_ids
+    assert ringed.stats().prefix_cache_hits < full.stats().prefix_cache_hits
+    ringed.check_drained()
+
+
+def test_preempted_rows_recompute_or_restore_and_give_the_full_caches_tokens(model):
+    """A pool too small for every row: rows are preempted (their rings saved as they go) and
+    readmitted, adopting what is still cached of their prefix up to a saved ring; the tokens
+    are the full cache's."""
+    full = engine_for(model, max_num_batched_tokens=10, swa_full=True, max_batch_size=4)
+    pool = 12 * 4 * 2 * 2 * 16 * 4  # 12 blocks of 4 tokens of the full layer's K and V (fp32)
+    ringed = engine_for(model, max_num_batched_tokens=10, max_batch_size=4, max_model_len=44,
+                        kv_cache_bytes=pool + 3 * (4 + 4) * (WINDOW + 4) * 2 * 2 * 16 * 4)
+    prompts = [[(5 * i + 3 * j) % 256 for j in range(14)] for i in range(4)]
+    for got, want in zip(generate(ringed, prompts, greedy(24)), generate(full, prompts, greedy(24))):
+        assert got.token_ids == want.token_ids
+    assert ringed.stats().preemptions > 0 and ringed.scheduler.blocks.snapshots.saved > 0
+    ringed.check_drained()
 
 
 def test_rings_under_speculative_verify_steps_give_the_full_caches_tokens(model):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from nanoserve.cache.blocks import BlockPool, BlockTable, PoolExhaustedError
 from nanoserve.cache.pool_plan import clamp_max_model_len
 from nanoserve.cache.prefix_cache import BlockHash, BlockHashes, chain_hashes, root_hash
+from nanoserve.cache.ring_snapshots import RingSnapshots
 
 SCRATCH_BLOCK = 0  # the block a manager reserves: a fresh pool's first allocation
 
@@ -21,7 +22,7 @@ class BlockManager:
     raises before it changes anything, naming itself."""
 
     def __init__(self, num_blocks: int, block_size: int, max_batch_size: int, max_model_len: int,
-                 enable_prefix_caching: bool = False, prefix_salt: str = "") -> None:
+                 enable_prefix_caching: bool = False, prefix_salt: str = "", ring_snapshots: int = 0) -> None:
         if max_model_len < 1 or max_batch_size < 1:
             raise ValueError(f"block manager sizes must be positive: {max_batch_size} rows, "
                              f"max_model_len {max_model_len}")
@@ -39,6 +40,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._root_hash = root_hash(prefix_salt)
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of them adopted
+        # With sliding-window rings and prefix caching: the rings' saved states, which bound what
+        # a row may adopt (ring_snapshots); None where the window layers keep the pool's cells.
+        self.snapshots = RingSnapshots(ring_snapshots) if ring_snapshots and enable_prefix_caching else None
 
     @property
     def live_rows(self) -> list[int]:
@@ -214,7 +218,26 @@ class BlockManager:
         usable = (len(token_ids) - 1) // self.block_size
         if hashes is None:
             hashes = chain_hashes(token_ids[:usable * self.block_size], self.block_size, self._root_hash)
-        return self.pool.lookup(hashes[:usable])
+        blocks = self.pool.lookup(hashes[:usable])
+        if self.snapshots is not None:  # the window layers' last positions must come back too
+            blocks = blocks[:self.snapshots.longest(list(hashes[:len(blocks)]))]
+        return blocks
+
+    def ring_to_restore(self, hashes: Sequence[BlockHash], adopted: int) -> int | None:
+        """The ring snapshot a row that adopted ``adopted`` tokens of a prefix restores (None when
+        rings are not snapshotted or it adopted nothing)."""
+        if self.snapshots is None or not adopted:
+            return None
+        return self.snapshots.restore(hashes[adopted // self.block_size - 1])
+
+    def ring_to_save(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, int] | None:
+        """Where a row holding ``num_tokens`` tokens saves its rings: (the snapshot slot, the
+        block boundary it stands for), or None (no snapshots, no full block, or already saved)."""
+        blocks = num_tokens // self.block_size
+        if self.snapshots is None or not blocks:
+            return None
+        slot = self.snapshots.take(hashes[blocks - 1])
+        return None if slot is None else (slot, blocks * self.block_size)
 
     def _rows(self, rows: Sequence[int], operation: str) -> Sequence[int]:
         if isinstance(rows, range) and rows.start == 0 and rows.step == 1 and 0 < rows.stop <= self.max_batch_size:

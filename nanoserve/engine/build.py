@@ -74,9 +74,13 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     draft = _draft_source(config, model, arch, dtype)
     pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats,
                                         draft_token_bytes=draft.token_bytes if draft is not None else 0)
+    # With prefix caching a row's rings are saved for a later row adopting its prefix: a
+    # snapshot a row's worth (cache/ring_snapshots.py).
+    snapshots = config.max_batch_size if ring is not None and config.enable_prefix_caching else 0
     compile = config.compile if config.compile is not None else default_compile()
     spec = dataclasses.replace(_worker_spec(config, arch, pool, weight_plan, dtype, compile,
-                                            tuple(fmt.name for fmt in kv_formats)), window_ring=ring)
+                                            tuple(fmt.name for fmt in kv_formats)), window_ring=ring,
+                               ring_snapshots=snapshots)
     resolved = _resolve(config, pool, spec, ring_bytes)
     check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
     # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
@@ -89,7 +93,8 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     source = model if named else f"{type(model).__name__}@{id(model):x}"
     blocks = BlockManager(pool.num_blocks, config.block_size, config.max_batch_size, pool.max_model_len,
                           enable_prefix_caching=config.enable_prefix_caching,
-                          prefix_salt=f"{source}|{arch!r}|{dtype}|{resolved.weights}|kv {resolved.kv_cache_types}")
+                          prefix_salt=f"{source}|{arch!r}|{dtype}|{resolved.weights}|kv {resolved.kv_cache_types}",
+                          ring_snapshots=snapshots)
     scheduler = Scheduler(blocks, config.max_batch_size, resolved.max_num_batched_tokens,
                           chunked=config.enable_chunked_prefill, prefill_only_budget=resolved.prefill_only_budget,
                           buckets=spec.buckets)
@@ -201,17 +206,19 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
     block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say, a
     draft model's layers (``draft_token_bytes`` a token) beside the target's in every block; and
     the sliding-window layers' ring cells a row (window_ring; None: they keep the pool's cells)
-    with the rings' bytes, which come out of the budget first. Rings only with prefix caching
-    off: a cached prefix would need the window layers' K/V that no ring keeps."""
+    with the rings' bytes, which come out of the budget first. With prefix caching each row's
+    worth of rings has a saved copy beside it (a cached prefix's window: ring_snapshots), and a
+    ring keeps a block's positions more."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     windows = [arch.layer_window(i) for i in range(arch.num_layers)]
     max_queries = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
-    rings = rings and not (config.enable_prefix_caching or config.swa_full)
-    ring = ring_size(windows, max_queries, limit) if rings else None
+    rings = rings and not config.swa_full
+    saved = config.enable_prefix_caching
+    ring = ring_size(windows, max_queries, limit, block_size if saved else 1) if rings else None
     ring_layers = sum(w is not None for w in windows) if ring else 0
     cell_bytes = arch.num_kv_heads * sum(fmt.bytes_per_head(arch.head_dim) for fmt in kv_formats)
-    ring_bytes = ring_layers * rows * (ring + 1) * cell_bytes if ring else 0
+    ring_bytes = ring_layers * rows * (2 if saved else 1) * (ring + 1) * cell_bytes if ring else 0
     pool_layers = arch.num_layers - ring_layers
     k_bytes, v_bytes = (fmt.bytes_per_value for fmt in kv_formats)
     per_block = block_size * (kv_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)

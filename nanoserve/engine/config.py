@@ -51,8 +51,8 @@ class EngineConfig:
         None, "V's storage alone, as llama.cpp's --cache-type-v (default: kv_cache_dtype)", choices=KV_CACHE_TYPES)
     swa_full: bool = option(
         False, "sliding-window layers keep every position's K/V in the pool, as llama.cpp's --swa-full (default: "
-               "with prefix caching off, each row keeps only their window, in a ring of its own; with it on, "
-               "every position, which a cached prefix needs)")
+               "each row keeps only their window, in a ring of its own; with prefix caching, a row's rings are "
+               "also saved at its prompt's end and its release, for a later row adopting that prefix)")
     block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
     max_num_batched_tokens: int | None = option(
         None, "a step's token budget (decode rows + prefill chunks), binding every step; default on the CPU: "

@@ -38,7 +38,7 @@ from nanoserve.structured.compiler import GrammarCompiler
 from nanoserve.structured.decoding import StructuredDecoding
 from nanoserve.worker.plan import StepPlan
 from nanoserve.worker.sampling import RowSampling, StepSampling
-from nanoserve.worker.worker import StepOutput, Worker
+from nanoserve.worker.worker import StepOutput, Worker, WorkerStats
 
 
 class Engine:
@@ -281,17 +281,17 @@ class Engine:
             prefix_cache_blocks=blocks.pool.num_registered, prefix_cache_evictions=blocks.pool.evictions,
             structured_requests=self.structured.requests, mask_steps=self.structured.mask_steps,
             mask_seconds=self.structured.mask_seconds, verify_bucket_hits=dict(d.verify_bucket_hits),
-            **self._spec_stats())
+            **self._spec_stats(w.draft))
 
-    def _spec_stats(self) -> dict:
+    def _spec_stats(self, drafted: WorkerStats | None) -> dict:
+        """The speculator's counters, and the draft model's graphs and K/V (``drafted``: the worker's
+        stats of its draft, None without one)."""
         if self.speculator is None:
             return {}
         s = self.speculator.stats
-        draft = self.worker.draft  # a draft model's, on the worker
-        drafted = None if draft is None else draft.worker.stats()
         graphs = {} if drafted is None else dict(spec_draft_graphs_built=drafted.graphs_built,
                                                  spec_draft_recompiles=drafted.decode.recompiles_after_warmup,
-                                                 spec_draft_kv_bytes=draft.worker.cache.kv_bytes)
+                                                 spec_draft_kv_bytes=drafted.kv_bytes)
         return dict(**graphs, spec_method=self.speculator.config.method, spec_verify_steps=s.verify_steps,
                     spec_proposed_tokens=s.proposed, spec_accepted_tokens=s.accepted,
                     spec_acceptance_rate=s.acceptance_rate, spec_mean_accepted_length=s.mean_accepted_length,

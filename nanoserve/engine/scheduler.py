@@ -33,7 +33,18 @@ from typing import TYPE_CHECKING
 from nanoserve.cache.block_manager import BlockManager
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.worker.bucketing import Buckets, step_shape
-from nanoserve.worker.plan import DecodeBatch, DraftRows, PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
+from nanoserve.worker.plan import (
+    DecodeBatch,
+    DraftRows,
+    PrefillChunk,
+    RingRestore,
+    RingSave,
+    RowChange,
+    RowFree,
+    RowMove,
+    RowTrim,
+    StepPlan,
+)
 
 if TYPE_CHECKING:
     from nanoserve.worker.worker import StepOutput
@@ -80,7 +91,8 @@ class Scheduler:
         self.running: list[Request] = []  # running[i].row == i; decoding rows first
         self.stats = SchedulerStats()
         # trims, frees and compactions since the last plan, in order
-        self._row_changes: list[RowFree | RowMove | RowTrim] = []
+        self._row_changes: list[RowChange] = []
+        self._ring_saves: list[tuple[int, Request]] = []  # prompts this step ends: rows whose rings are saved after it
         self._registered: list[int] = []
 
     # -- queue -------------------------------------------------------------------------------
@@ -120,6 +132,10 @@ class Scheduler:
             return None
         plan = StepPlan(tuple(self._row_changes), decode, tuple(prefill), tuple(self._registered))
         self._row_changes.clear()
+        # A prompt ending in this step has its rings saved before anything else changes next step.
+        for row, request in self._ring_saves:
+            self._save_rings(row, request, len(request.prompt_token_ids))
+        self._ring_saves.clear()
         self._count(plan)
         self._check_regions()
         return plan
@@ -245,7 +261,10 @@ class Scheduler:
         row = len(self.running)
         if _adopts_prefix(request):  # else its first chunk claims the row
             tokens = request.all_token_ids
-            self.blocks.claim_prefix(row, tokens, _hashes(request, tokens))
+            hashes = _hashes(request, tokens)
+            slot = self.blocks.ring_to_restore(hashes, self.blocks.claim_prefix(row, tokens, hashes))
+            if slot is not None:  # the window layers' last positions of the prefix come back too
+                self._row_changes.append(RingRestore(slot, row))
         request.row = row
         request.draft_computed = 0  # a draft catches up on what it adopts: a prefill writes the target's K/V alone
         request.status = RequestStatus.PREFILLING
@@ -263,6 +282,8 @@ class Scheduler:
         is_last = end == request.num_tokens
         if is_last:  # it decodes from the next step on; its row is the first prefilling one
             request.status = RequestStatus.RUNNING
+            if self.blocks.snapshots is not None and end == len(request.prompt_token_ids):
+                self._ring_saves.append((request.row, request))
         chunk = PrefillChunk(request.request_id, request.row, start, tuple(tokens[start:end]),
                              tuple(self.blocks.slots_of(request.row, end)), is_last)
         if request.params.pooling in ("last", "mean", "cls"):
@@ -335,6 +356,7 @@ class Scheduler:
         # Its K/V stays findable (with prefix caching): a later turn or a recompute adopts it.
         tokens = request.all_token_ids
         self.blocks.cache_full_blocks(row, tokens[:self.blocks.num_tokens(row)], _hashes(request, tokens))
+        self._save_rings(row, request, self.blocks.num_tokens(row))
         self.blocks.free(row)
         self._row_changes.append(RowFree(row))
         hole = row
@@ -346,6 +368,17 @@ class Scheduler:
             self._move(last, hole)
         self.running.pop()
         request.row = None
+
+    def _save_rings(self, row: int, request: Request, num_tokens: int) -> None:
+        """With ring snapshots: the row's window rings, holding its first ``num_tokens`` tokens,
+        are saved at the last block boundary among them (a later row adopting that prefix
+        restores them)."""
+        if self.blocks.snapshots is None or request.block_hashes is None:
+            return
+        tokens = request.all_token_ids[:num_tokens]
+        saved = self.blocks.ring_to_save(_hashes(request, tokens), num_tokens)
+        if saved is not None:
+            self._row_changes.append(RingSave(row, *saved))
 
     def _move(self, src: int, dst: int) -> None:
         mover = self.running[src]

@@ -229,7 +229,7 @@ def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtyp
     tier = plan.tier if plan is not None else None
     buckets = draft_buckets(config, target_spec, head_dim, tier, dtype)
     spec = dataclasses.replace(target_spec, weights=plan, dtype=dtype, buckets=buckets, attention_tier=tier,
-                               max_queries=2, window_ring=None)
+                               max_queries=2, window_ring=None, ring_snapshots=0)
     worker = build_worker(source, spec, slot_table=slot_table)
     vocab = worker.model.config.vocab_size
     if vocab != target_vocab:

@@ -58,7 +58,7 @@ class KVCache:
                  max_batch_size: int, max_model_len: int, scratch_slot: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", k_format: CellFormat | None = None,
                  v_format: CellFormat | None = None, windows: list[int | None] | None = None,
-                 ring: int | None = None, slot_table: SlotTable | None = None) -> None:
+                 ring: int | None = None, slot_table: SlotTable | None = None, ring_snapshots: int = 0) -> None:
         if min(num_layers, num_kv_heads, head_dim, num_blocks, block_size) < 1:
             raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
                              f"head_dim {head_dim}, {num_blocks} blocks of {block_size}")
@@ -68,8 +68,9 @@ class KVCache:
         k_format = k_format or resolve_cell_format(None, dtype, head_dim)
         v_format = v_format or resolve_cell_format(None, dtype, head_dim)
         # With ``ring`` (window_ring.ring_size), the layers ``windows`` gives a sliding window
-        # keep rings of that many cells a row instead of the pool's cells.
-        self.ring = WindowRing(ring, max_batch_size, max_model_len, self.device) if ring else None
+        # keep rings of that many cells a row instead of the pool's cells, and room for
+        # ``ring_snapshots`` saved rows of rings (a cached prefix's: cache/ring_snapshots.py).
+        self.ring = WindowRing(ring, max_batch_size, max_model_len, self.device, ring_snapshots) if ring else None
         self.ring_layers = [i for i, w in enumerate(windows or []) if w is not None] if ring else []
         slots = [self.ring.num_cells if i in self.ring_layers else num_blocks * block_size for i in range(num_layers)]
         self.layers = KVLayers.allocate(num_layers, slots, num_kv_heads, head_dim, k_format, v_format, self.device)
@@ -110,6 +111,16 @@ class KVCache:
         self.slot_table.move(src, dst, length)
         for layer in self.ring_layers:
             self.layers.copy_cells(layer, self.ring.row_cells(src), self.ring.row_cells(dst))
+
+    def save_rings(self, row: int, slot: int) -> None:
+        """Snapshot ``slot`` becomes a copy of the row's window rings."""
+        for layer in self.ring_layers:
+            self.layers.copy_cells(layer, self.ring.row_cells(row), self.ring.snapshot_cells(slot))
+
+    def restore_rings(self, slot: int, row: int) -> None:
+        """The row's window rings become a copy of snapshot ``slot`` (the prefix it adopted)."""
+        for layer in self.ring_layers:
+            self.layers.copy_cells(layer, self.ring.snapshot_cells(slot), self.ring.row_cells(row))
 
     def free(self, row: int) -> None:
         """The row's request left: it holds nothing (its blocks are the host's to reuse)."""

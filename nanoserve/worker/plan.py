@@ -37,6 +37,27 @@ class RowFree:
 
 
 @dataclass(frozen=True)
+class RingSave:
+    """The sliding-window rings of the request on ``row`` are copied to snapshot ``slot``: they
+    hold its window layers' K/V up to block boundary ``position`` (cache/ring_snapshots.py)."""
+
+    row: int
+    slot: int
+    position: int
+
+
+@dataclass(frozen=True)
+class RingRestore:
+    """The request on ``row`` adopted a cached prefix: its rings become a copy of snapshot ``slot``."""
+
+    slot: int
+    row: int
+
+
+RowChange = RowFree | RowMove | RowTrim | RingSave | RingRestore
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """Tokens [start, end) of the request on ``row``. ``slots`` address the row's tokens
     [0, end): the first ``start`` are already in the cache (computed or adopted) and are its
@@ -140,13 +161,14 @@ class DecodeBatch:
 @dataclass(frozen=True)
 class StepPlan:
     """One step. ``row_changes`` happened since the last plan (rows trimmed to their accepted
-    tokens, rows freed by finishes and preemptions, rows moved to fill them), in order;
+    tokens, rows freed by finishes and preemptions, rows moved to fill them, window rings saved
+    and restored), in order;
     ``prefill`` chunks sit on rows after the decode rows, in row order. ``registered`` names the
     blocks this step's forward fills that the prefix cache now lists (a later request in the
     same step may already adopt them: the forward writes every chunk's K/V of a layer before
     any chunk reads its context there)."""
 
-    row_changes: tuple[RowFree | RowMove | RowTrim, ...]
+    row_changes: tuple[RowChange, ...]
     decode: DecodeBatch | None
     prefill: tuple[PrefillChunk, ...]
     registered: tuple[int, ...] = ()

@@ -37,7 +37,7 @@ from nanoserve.worker.gates import (
     check_window_intact,
 )
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
-from nanoserve.worker.plan import PrefillChunk, RowFree, RowMove, RowTrim, StepPlan
+from nanoserve.worker.plan import PrefillChunk, RingSave, RowChange, RowFree, RowMove, RowTrim, StepPlan
 from nanoserve.worker.sampler import Sampler
 from nanoserve.worker.sampling import SampledRow, StepSampling, sample_step
 from nanoserve.worker.scoring import TokenLogprobs, score_prompt
@@ -80,8 +80,9 @@ class StepOutput:
 
 @dataclass
 class WorkerStats:
-    """What ``EngineStats`` reports of the worker: its decode step's counters and graphs, and the
-    slot table's window and gather reads."""
+    """What ``EngineStats`` reports of the worker: its decode step's counters and graphs, the
+    slot table's window and gather reads, its K/V bytes, and its draft model's own (None
+    without one)."""
 
     decode: DecodeStats
     graphs_built: int
@@ -90,6 +91,8 @@ class WorkerStats:
     graphs_pending: int
     windows: int
     gathers: int
+    kv_bytes: int = 0
+    draft: WorkerStats | None = None
 
 
 class Worker:
@@ -176,23 +179,28 @@ class Worker:
             check_window_intact(decode)
         return ForwardOutput(torch.cat(logits) if len(logits) > 1 else logits[0], scored, errors, decode, pooled)
 
-    def _apply(self, changes: tuple[RowFree | RowMove | RowTrim, ...]) -> None:
+    def _apply(self, changes: tuple[RowChange, ...]) -> None:
         """The plan's row changes, in order."""
         for change in changes:
             if isinstance(change, RowMove):
                 self.cache.move(change.src, change.dst, change.length)
             elif isinstance(change, RowFree):
                 self.cache.free(change.row)
-            else:
+            elif isinstance(change, RowTrim):
                 self.cache.trim(change.row, change.length)
+            elif isinstance(change, RingSave):
+                self.cache.save_rings(change.row, change.slot)
+            else:
+                self.cache.restore_rings(change.slot, change.row)
 
     def stats(self) -> WorkerStats:
         """The decode step's counters and graphs (graphs a background builder finished swapped in
-        first), and the slot table's reads."""
+        first), the slot table's reads, the K/V bytes, and the draft's own."""
         step, table = self.decode_step, self.cache.slot_table
         step.poll()
         ready, building, pending = step.graph_counts()
-        return WorkerStats(step.stats, step.graphs_built, ready, building, pending, table.windows, table.gathers)
+        return WorkerStats(step.stats, step.graphs_built, ready, building, pending, table.windows, table.gathers,
+                           self.cache.kv_bytes, self.draft.worker.stats() if self.draft is not None else None)
 
     def check_slots(self, tables: Sequence[BlockTable], rows: Sequence[int]) -> None:
         """The debug gate after a step: the slot table equals the host's block ``tables`` on ``rows``."""
