@@ -94,12 +94,14 @@ def test_prefix_caching_keeps_rings_and_saved_copies_of_them(model):
     engine = engine_for(model, max_num_batched_tokens=10)  # prefix caching on (the default)
     ring = engine.worker.cache.ring
     assert ring.ring == WINDOW + 4 - 1  # a block's positions more: a saved ring holds the window before its boundary
-    assert ring.snapshots == 4 and engine.scheduler.blocks.snapshots.capacity == 4  # a row's worth each
+    assert ring.snapshots == 8 and engine.scheduler.blocks.snapshots.capacity == 8  # two per row
     per_position = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, fp32
-    assert engine.worker.cache.ring_bytes == 3 * (4 + 4) * (ring.ring + 1) * per_position
+    assert engine.worker.cache.ring_bytes == 3 * (4 + 8) * (ring.ring + 1) * per_position
     assert engine.resolved.kv_cache_bytes == engine.worker.cache.kv_bytes
     line = next(x for x in describe_engine(engine, "tiny", 0.0) if x.startswith("sliding-window layers"))
-    assert "4 saved rows of rings for cached prefixes" in line
+    assert "8 saved rows of rings for cached prefixes" in line
+    none = engine_for(model, max_num_batched_tokens=10, ring_snapshots=0)  # rings, no saved copy: nothing adopted
+    assert none.worker.cache.ring.ring == WINDOW and none.scheduler.blocks.snapshots.capacity == 0
 
 
 def prefix_engines(model, **options):
@@ -112,10 +114,10 @@ def test_a_later_turn_adopts_its_prefix_and_restores_the_window(model):
     """Second turns extend the first turns' whole conversations, and a prompt comes back as it
     was: each adopts its cached prefix up to a saved ring (a release's, a prompt end's), restores
     the window layers from it, and gives the tokens and logprobs of the engine keeping every
-    position; rows move and rings are overwritten in between. (Eight rows keep eight saved rings:
+    position; rows move and rings are overwritten in between. (Four rows keep eight saved rings:
     the first turns' four prompt ends and four releases, until the second turns' saves displace
     the least recently used.)"""
-    full, ringed = prefix_engines(model, max_batch_size=8)
+    full, ringed = prefix_engines(model)
     prompts = [[(3 * i + 7 * j) % 256 for j in range(length)] for i, length in enumerate([23, 14, 30, 9])]
     first = generate(ringed, prompts, greedy(11, logprobs=0))
     assert [o.token_ids for o in first] == [o.token_ids for o in generate(full, prompts, greedy(11, logprobs=0))]
@@ -150,7 +152,7 @@ def test_preempted_rows_recompute_or_restore_and_give_the_full_caches_tokens(mod
     full = engine_for(model, max_num_batched_tokens=10, swa_full=True, max_batch_size=4)
     pool = 12 * 4 * 2 * 2 * 16 * 4  # 12 blocks of 4 tokens of the full layer's K and V (fp32)
     ringed = engine_for(model, max_num_batched_tokens=10, max_batch_size=4, max_model_len=44,
-                        kv_cache_bytes=pool + 3 * (4 + 4) * (WINDOW + 4) * 2 * 2 * 16 * 4)
+                        kv_cache_bytes=pool + 3 * (4 + 8) * (WINDOW + 4) * 2 * 2 * 16 * 4)
     prompts = [[(5 * i + 3 * j) % 256 for j in range(14)] for i in range(4)]
     for got, want in zip(generate(ringed, prompts, greedy(24)), generate(full, prompts, greedy(24))):
         assert got.token_ids == want.token_ids

@@ -22,7 +22,7 @@ class BlockManager:
     raises before it changes anything, naming itself."""
 
     def __init__(self, num_blocks: int, block_size: int, max_batch_size: int, max_model_len: int,
-                 enable_prefix_caching: bool = False, prefix_salt: str = "", ring_snapshots: int = 0) -> None:
+                 enable_prefix_caching: bool = False, prefix_salt: str = "", ring_snapshots: int | None = None) -> None:
         if max_model_len < 1 or max_batch_size < 1:
             raise ValueError(f"block manager sizes must be positive: {max_batch_size} rows, "
                              f"max_model_len {max_model_len}")
@@ -40,9 +40,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._root_hash = root_hash(prefix_salt)
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of them adopted
-        # With sliding-window rings and prefix caching: the rings' saved states, which bound what
-        # a row may adopt (ring_snapshots); None where the window layers keep the pool's cells.
-        self.snapshots = RingSnapshots(ring_snapshots) if ring_snapshots and enable_prefix_caching else None
+        # With sliding-window rings and prefix caching: the rings' saved states (``ring_snapshots``
+        # of them), which bound what a row may adopt; None where the window layers keep the pool's cells.
+        self.snapshots = RingSnapshots(ring_snapshots) if ring_snapshots is not None and enable_prefix_caching \
+            else None
 
     @property
     def live_rows(self) -> list[int]:

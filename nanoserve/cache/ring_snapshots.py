@@ -19,8 +19,8 @@ from nanoserve.cache.prefix_cache import BlockHash
 
 class RingSnapshots:
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"ring snapshots need a capacity of at least 1, got {capacity}")
+        if capacity < 0:
+            raise ValueError(f"ring snapshots need a capacity of at least 0, got {capacity}")
         self.capacity = capacity
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # prefix hash -> snapshot slot, oldest use first
         self.saved = self.restored = 0
@@ -44,9 +44,10 @@ class RingSnapshots:
 
     def take(self, key: BlockHash) -> int | None:
         """A slot to save ``key``'s snapshot into (the least recently used one's when every slot
-        is taken), or None when it is already saved (it is the same tokens' K/V)."""
-        if key in self._slots:
-            self._slots.move_to_end(key)
+        is taken), or None when it is already saved (it is the same tokens' K/V) or none is kept."""
+        if key in self._slots or not self.capacity:
+            if key in self._slots:
+                self._slots.move_to_end(key)
             return None
         if len(self._slots) < self.capacity:
             slot = len(self._slots)

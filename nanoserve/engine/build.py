@@ -74,13 +74,11 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     draft = _draft_source(config, model, arch, dtype)
     pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats,
                                         draft_token_bytes=draft.token_bytes if draft is not None else 0)
-    # With prefix caching a row's rings are saved for a later row adopting its prefix: a
-    # snapshot a row's worth (cache/ring_snapshots.py).
-    snapshots = config.max_batch_size if ring is not None and config.enable_prefix_caching else 0
+    snapshots = _ring_snapshots(config) if ring is not None else None  # None: no rings to save
     compile = config.compile if config.compile is not None else default_compile()
     spec = dataclasses.replace(_worker_spec(config, arch, pool, weight_plan, dtype, compile,
                                             tuple(fmt.name for fmt in kv_formats)), window_ring=ring,
-                               ring_snapshots=snapshots)
+                               ring_snapshots=snapshots or 0)
     resolved = _resolve(config, pool, spec, ring_bytes)
     check_token_budget(config.max_batch_size, resolved.max_num_batched_tokens, config.enable_chunked_prefill)
     # The worker first: a tensor-parallel rank other than 0 serves plans from here and never
@@ -206,19 +204,19 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
     block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say, a
     draft model's layers (``draft_token_bytes`` a token) beside the target's in every block; and
     the sliding-window layers' ring cells a row (window_ring; None: they keep the pool's cells)
-    with the rings' bytes, which come out of the budget first. With prefix caching each row's
-    worth of rings has a saved copy beside it (a cached prefix's window: ring_snapshots), and a
-    ring keeps a block's positions more."""
+    with the rings' bytes, which come out of the budget first. With prefix caching the rings
+    have ``ring_snapshots`` saved rows beside them (a cached prefix's window), and a ring keeps a
+    block's positions more."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     windows = [arch.layer_window(i) for i in range(arch.num_layers)]
     max_queries = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
     rings = rings and not config.swa_full
-    saved = config.enable_prefix_caching
+    saved = _ring_snapshots(config)
     ring = ring_size(windows, max_queries, limit, block_size if saved else 1) if rings else None
     ring_layers = sum(w is not None for w in windows) if ring else 0
     cell_bytes = arch.num_kv_heads * sum(fmt.bytes_per_head(arch.head_dim) for fmt in kv_formats)
-    ring_bytes = ring_layers * rows * (2 if saved else 1) * (ring + 1) * cell_bytes if ring else 0
+    ring_bytes = ring_layers * (rows + saved) * (ring + 1) * cell_bytes if ring else 0
     pool_layers = arch.num_layers - ring_layers
     k_bytes, v_bytes = (fmt.bytes_per_value for fmt in kv_formats)
     per_block = block_size * (kv_bytes_per_token(pool_layers, arch.num_kv_heads, arch.head_dim, k_bytes, v_bytes)
@@ -242,6 +240,18 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
             f"request, fewer than one max_model_len={wanted} request needs: raise kv_cache_bytes "
             f"to at least {needed_blocks * plan.bytes_per_block + ring_bytes} or lower max_model_len")
     return plan, ring, ring_bytes
+
+
+def _ring_snapshots(config: EngineConfig) -> int:
+    """Saved rows of rings a prefix-caching engine keeps for a later row adopting a prefix
+    (cache/ring_snapshots.py): two per row by default (a prompt's end and a release each)."""
+    if not config.enable_prefix_caching:
+        return 0
+    if config.ring_snapshots is None:
+        return 2 * config.max_batch_size
+    if config.ring_snapshots < 0:
+        raise ValueError(f"ring_snapshots must be >= 0, got {config.ring_snapshots}")
+    return config.ring_snapshots
 
 
 def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool, compile: bool) -> Buckets | None:

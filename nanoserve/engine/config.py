@@ -53,6 +53,11 @@ class EngineConfig:
         False, "sliding-window layers keep every position's K/V in the pool, as llama.cpp's --swa-full (default: "
                "each row keeps only their window, in a ring of its own; with prefix caching, a row's rings are "
                "also saved at its prompt's end and its release, for a later row adopting that prefix)")
+    ring_snapshots: int | None = option(
+        None, "with prefix caching and sliding-window rings: how many rows of rings are kept saved, each the "
+              "window layers' K/V where a sequence stood at a block boundary, which a row adopting that prefix "
+              "restores (as llama.cpp's --ctx-checkpoints; default: two per row; 0: none, so a cached prefix "
+              "is computed again)", kind="int")
     block_size: int = option(16, "tokens per K/V block, the pool's unit of allocation", kind="int")
     max_num_batched_tokens: int | None = option(
         None, "a step's token budget (decode rows + prefill chunks), binding every step; default on the CPU: "

@@ -132,9 +132,10 @@ class Scheduler:
             return None
         plan = StepPlan(tuple(self._row_changes), decode, tuple(prefill), tuple(self._registered))
         self._row_changes.clear()
-        # A prompt ending in this step has its rings saved before anything else changes next step.
+        # A prompt ending in this step has its rings saved before anything else changes next
+        # step, at the last boundary the same prompt again can adopt (one token is computed).
         for row, request in self._ring_saves:
-            self._save_rings(row, request, len(request.prompt_token_ids))
+            self._save_rings(row, request, len(request.prompt_token_ids) - 1)
         self._ring_saves.clear()
         self._count(plan)
         self._check_regions()
