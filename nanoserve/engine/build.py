@@ -158,8 +158,7 @@ def _speculator(config: EngineConfig, draft: _DraftSource | None, spec: WorkerCo
         return Speculator(speculative, NgramProposals(speculative))
     from nanoserve.speculative.draft import build_draft  # a second model: only when asked for
 
-    worker.draft = build_draft(speculative, draft.source, draft.plan, draft.dtype, spec, vocab_size,
-                               worker.cache.slot_table)
+    worker.draft = build_draft(speculative, draft.source, draft.plan, draft.dtype, spec, vocab_size, worker)
     return Speculator(speculative, None)
 
 

@@ -38,7 +38,6 @@ from nanoserve.worker.worker import Worker
 if TYPE_CHECKING:
     from nanoserve.model.quant.weight_plan import WeightPlan
     from nanoserve.worker.sampling import RowSampling
-    from nanoserve.worker.slot_table import SlotTable
 
 PREFILL_CHUNK = 512  # tokens of a catch-up prefill per row and forward: a prompt's K/V, chunk by chunk
 
@@ -216,11 +215,11 @@ def draft_rows(config: SpeculativeConfig, target_spec: WorkerConfig) -> int:
 
 
 def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtype: torch.dtype,
-                target_spec: WorkerConfig, target_vocab: int, slot_table: SlotTable) -> Draft:
+                target_spec: WorkerConfig, target_vocab: int, target: Worker) -> Draft:
     """The draft for the speculative ``config``: ``source`` (a path, or a LlamaModel used as it
     is where ``plan`` is None) held in ``plan`` / ``dtype``, its K/V layers over the pool and
-    ``slot_table`` of a target built with ``target_spec`` (so with the target's row count:
-    its graphs read windows of that table)."""
+    slot table of ``target``, built with ``target_spec`` (so with the target's row count: its
+    graphs read windows of that table; under tensor parallelism, rank 0's worker)."""
     head_dim = source.config.head_dim if not isinstance(source, str) else None
     if head_dim is None:
         from nanoserve.model.formats.loader import load_config  # the file's header only
@@ -230,7 +229,7 @@ def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtyp
     buckets = draft_buckets(config, target_spec, head_dim, tier, dtype)
     spec = dataclasses.replace(target_spec, weights=plan, dtype=dtype, buckets=buckets, attention_tier=tier,
                                max_queries=2, window_ring=None, ring_snapshots=0)
-    worker = build_worker(source, spec, slot_table=slot_table)
+    worker = build_worker(source, spec, slot_table=target.cache.slot_table)
     vocab = worker.model.config.vocab_size
     if vocab != target_vocab:
         worker.close()
