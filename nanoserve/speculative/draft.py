@@ -8,8 +8,8 @@ its work in the step (``DraftRows``: how many tokens each decode row drafts, and
 K/V lacks) and reserves the slots its proposals take, which the verify then writes again.
 
 A step's draft first catches up on each drafting row's tokens its K/V lacks (a prompt in eager
-prefill chunks, the last one or two tokens in one compiled step shaped like a verify: that step
-also feeds the row's own token), then decodes k - 1 more. The decode rows are its rows, so its
+prefill chunks; the one token a fully accepted verify leaves, in the first compiled step, shaped
+like a verify, beside the row's own token), then decodes k - 1 more. The decode rows are its rows, so its
 compiled graphs read windows of the shared table; a row not drafting (or past its own k) feeds
 its last planned slot again, whose draft K/V no row counts as computed. The draft leaves each
 row's length in the table where the target's plan expects it.
@@ -126,8 +126,9 @@ class Draft:
         return _Feed([batch.token_ids[i]], batch.positions[i] + k, [batch.row_slots(i)[k]])
 
     def _catch_up(self, batch: DecodeBatch) -> list[int]:
-        """Eager prefill chunks over each drafting row's catch-up tokens but its last one;
-        returns how many catch-up tokens each row has left (0 or 1) for the first step."""
+        """Eager prefill chunks over each drafting row's catch-up tokens where it has more than
+        one (a prompt, or a row that did not draft for a while); returns how many each row has
+        left for the first step (0, or the one a verify step's last proposal leaves)."""
         work = batch.draft
         table = self.worker.cache.slot_table
         done = [0] * batch.num_rows  # catch-up tokens fed so far, per row
@@ -135,8 +136,8 @@ class Draft:
             chunks = []
             for i, row in enumerate(batch.row_ids):
                 tokens = work.tokens[i]
-                end = min(len(tokens) - 1, done[i] + PREFILL_CHUNK)
-                if not work.counts[i] or end <= done[i]:
+                end = min(len(tokens), done[i] + PREFILL_CHUNK)
+                if not work.counts[i] or len(tokens) < 2 or end <= done[i]:
                     continue
                 start = work.starts[i] + done[i]
                 context = table.slots[row, :start].tolist()  # the target's cells: [0, start) are its own
