@@ -98,7 +98,7 @@ def describe_speculation(speculator, draft=None, draft_kv_bytes: int = 0) -> str
     else:
         from nanoserve.model.quant.linear import tensor_bytes  # torch: only once a draft is built
 
-        name = config.model if isinstance(config.model, str) else "the target's file" if config.model is None \
+        name = config.model if isinstance(config.model, str) else "the target's own weights" if config.model is None \
             else type(config.model).__name__
         source = (f"draft model {name} ({config.draft_weights}, {format_bytes(tensor_bytes(draft.worker.model))} "
                   f"resident; its K/V layers are {format_bytes(draft_kv_bytes)} of the pool's blocks)")

@@ -183,3 +183,25 @@ def test_compiled_steps_read_and_write_the_rings(dtype):
         assert_greedy_agrees_up_to_near_ties(got, ref, tolerance)
     assert compiled.stats().recompiles_after_warmup == 0 and compiled.stats().bucket_hits
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_saved_rings_under_speculation_give_the_full_caches_tokens(model, method):
+    """Verify steps write past a row's kept tokens before a ring is saved at its release: the
+    ring's extra block of cells keeps the window a later turn restores. A draft model keeps its
+    window layers in the pool (no rings of its own) beside the target's rings."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    full, ringed = prefix_engines(model, speculative=spec)
+    assert ringed.worker.cache.ring.ring == WINDOW + 3 + 4 - 1
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5, 6, 5, 7, 8], [9] * 13]
+    first = generate(ringed, prompts, greedy(14))
+    assert [o.token_ids for o in first] == [o.token_ids for o in generate(full, prompts, greedy(14))]
+    turns = [p + o.token_ids + [4, 4] for p, o in zip(prompts, first)]
+    restored = ringed.scheduler.blocks.snapshots.restored
+    for got, want in zip(generate(ringed, turns, greedy(10)), generate(full, turns, greedy(10))):
+        assert got.token_ids == want.token_ids
+    assert ringed.scheduler.blocks.snapshots.restored >= restored + len(turns)
+    assert ringed.stats().spec_accepted_tokens > 0
+    ringed.check_drained()
