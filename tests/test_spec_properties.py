@@ -183,3 +183,38 @@ def test_scripted_accepts_and_rejects_keep_greedy_outputs_and_the_tables(monkeyp
     run_state_machine_as_test(SpeculationMachine)
     assert TOTALS["accepted"] > 0 and TOTALS["rejected"] > 0, TOTALS
 
+
+
+DRAFT = random_model(tiny_config(num_layers=1, vocab_size=VOCAB), seed=3)  # a bad draft: most proposals fail
+
+
+class DraftMachine(SpeculationMachine):
+    """The same rules with a draft model proposing on the worker, its K/V in the target's pool
+    (14 blocks of both models' K/V): it catches up over chunked prompts, adopted prefixes,
+    preemptions and rows that did not draft, writes the shared slot table, and the gates, the
+    rows' held tokens and the greedy outputs hold as with the scripted proposer."""
+
+    def __init__(self) -> None:
+        RuleBasedStateMachine.__init__(self)
+        self.engine = build_engine(MODEL, max_batch_size=4, block_size=4, max_model_len=40,
+                                   kv_cache_bytes=14 * 2 * BLOCK_BYTES, max_num_batched_tokens=9,
+                                   speculative={"method": "draft", "model": DRAFT, "num_speculative_tokens": 4,
+                                                "adaptive": False})
+        assert self.engine.checks and self.engine.stats().blocks_total == 14
+        self.proposer = ScriptedProposer()  # the rules set its script; the draft proposes instead
+        record = self.engine.speculator.record
+
+        def record_and_count(request, proposed, accepted):
+            TOTALS["accepted"] += accepted
+            TOTALS["rejected"] += proposed - accepted
+            record(request, proposed, accepted)
+
+        self.engine.speculator.record = record_and_count
+        self.live, self.aborted = {}, set()
+
+
+def test_a_draft_in_the_targets_pool_keeps_greedy_outputs_and_the_tables(monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CHECKS", "1")
+    TOTALS.clear()
+    run_state_machine_as_test(DraftMachine)
+    assert TOTALS["accepted"] > 0 and TOTALS["rejected"] > 0, TOTALS
