@@ -314,7 +314,7 @@ class DrivingWorker:
             filled, sampling, drafted = self.worker.propose(plan, sampling)
             self.driver.send(dataclasses.replace(filled, row_changes=plan.row_changes))
             output = self.worker.execute(filled, sampling)
-            output.draft = drafted if drafted is not None else output.draft
+            output.draft = drafted
             return output
         except Exception:
             self.driver.close(healthy=False)

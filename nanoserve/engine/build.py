@@ -72,9 +72,10 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
     arch = header.config if header is not None else model.config
     kv_formats = tuple(resolve_cell_format(name, dtype, arch.head_dim) for name in kv_cache_types(config))
     draft = _draft_source(config, model, arch, dtype)
-    pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats,
+    saved = _ring_snapshots(config)
+    pool, ring, ring_bytes = _plan_pool(arch, config, dtype, kv_formats, saved,
                                         draft_token_bytes=draft.token_bytes if draft is not None else 0)
-    snapshots = _ring_snapshots(config) if ring is not None else None  # None: no rings to save
+    snapshots = saved if ring is not None else None  # None: no rings to save
     compile = config.compile if config.compile is not None else default_compile()
     spec = dataclasses.replace(_worker_spec(config, arch, pool, weight_plan, dtype, compile,
                                             tuple(fmt.name for fmt in kv_formats)), window_ring=ring,
@@ -114,11 +115,13 @@ def build_engine(model: str | LlamaModel = "smollm2", *, tokenizer=None, config:
 @dataclasses.dataclass(frozen=True)
 class _DraftSource:
     """The draft model a speculative config names: its ``source`` (a path or a model object),
-    weight plan and dtype, and its K/V bytes a token (its layers are in the target's pool)."""
+    weight plan and dtype, its architecture, and its K/V bytes a token (its layers are in the
+    target's pool)."""
 
     source: object
     plan: WeightPlan | None
     dtype: torch.dtype
+    arch: ModelConfig
     token_bytes: int
 
 
@@ -146,7 +149,7 @@ def _draft_source(config: EngineConfig, target, arch: ModelConfig, dtype: torch.
     k_format, v_format = (resolve_cell_format(name, dtype, draft_arch.head_dim) for name in kv_cache_types(config))
     token_bytes = kv_bytes_per_token(draft_arch.num_layers, draft_arch.num_kv_heads, draft_arch.head_dim,
                                      k_format.bytes_per_value, v_format.bytes_per_value)
-    return _DraftSource(source, plan, dtype, token_bytes)
+    return _DraftSource(source, plan, dtype, draft_arch, token_bytes)
 
 
 def _speculator(config: EngineConfig, draft: _DraftSource | None, spec: WorkerConfig, vocab_size: int,
@@ -158,7 +161,8 @@ def _speculator(config: EngineConfig, draft: _DraftSource | None, spec: WorkerCo
         return Speculator(speculative, NgramProposals(speculative))
     from nanoserve.speculative.draft import build_draft  # a second model: only when asked for
 
-    worker.draft = build_draft(speculative, draft.source, draft.plan, draft.dtype, spec, vocab_size, worker)
+    worker.draft = build_draft(speculative, draft.source, draft.plan, draft.dtype, draft.arch.head_dim, spec,
+                               vocab_size, worker)
     return Speculator(speculative, None)
 
 
@@ -197,21 +201,19 @@ def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig, ring_byte
 
 
 def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-               kv_formats: tuple[CellFormat, CellFormat], rings: bool = True,
+               kv_formats: tuple[CellFormat, CellFormat], saved: int = 0, rings: bool = True,
                draft_token_bytes: int = 0) -> tuple[PoolPlan, int | None, int]:
     """The pool for the K/V budget (unset: what every row at full length needs, plus the scratch
     block, at most DEFAULT_KV_TOKENS tokens' worth), K and V stored as ``kv_formats`` say, a
     draft model's layers (``draft_token_bytes`` a token) beside the target's in every block; and
     the sliding-window layers' ring cells a row (window_ring; None: they keep the pool's cells)
-    with the rings' bytes, which come out of the budget first. With prefix caching the rings
-    have ``ring_snapshots`` saved rows beside them (a cached prefix's window), and a ring keeps a
-    block's positions more."""
+    with the rings' bytes, which come out of the budget first. With ``saved`` rows of saved rings
+    beside them (a cached prefix's window: _ring_snapshots), a ring keeps a block's positions more."""
     block_size, rows = config.block_size, config.max_batch_size
     limit = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     windows = [arch.layer_window(i) for i in range(arch.num_layers)]
     max_queries = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
     rings = rings and not config.swa_full
-    saved = _ring_snapshots(config)
     ring = ring_size(windows, max_queries, limit, block_size if saved else 1) if rings else None
     ring_layers = sum(w is not None for w in windows) if ring else 0
     cell_bytes = arch.num_kv_heads * sum(fmt.bytes_per_head(arch.head_dim) for fmt in kv_formats)
@@ -229,7 +231,7 @@ def _plan_pool(arch: ModelConfig, config: EngineConfig, dtype: torch.dtype,
         rings_note = f" ({ring_bytes} of them the sliding-window layers' rings)" if ring_bytes else ""
         raise ValueError(f"kv_cache_bytes={budget}{rings_note}: {exc}") from None
     if ring is not None and ring >= plan.max_model_len:  # a pool too small for rings to save anything
-        return _plan_pool(arch, config, dtype, kv_formats, rings=False, draft_token_bytes=draft_token_bytes)
+        return _plan_pool(arch, config, dtype, kv_formats, saved, rings=False, draft_token_bytes=draft_token_bytes)
     wanted = config.max_model_len
     if wanted is not None and plan.max_model_len < wanted:
         needed_blocks = -(-wanted // block_size) + 1  # + the scratch block

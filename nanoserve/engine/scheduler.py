@@ -92,7 +92,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # trims, frees and compactions since the last plan, in order
         self._row_changes: list[RowChange] = []
-        self._ring_saves: list[tuple[int, Request]] = []  # prompts this step ends: rows whose rings are saved after it
+        self._ring_saves: list[Request] = []  # prompts this step ends: their rings are saved after it
         self._registered: list[int] = []
 
     # -- queue -------------------------------------------------------------------------------
@@ -134,8 +134,8 @@ class Scheduler:
         self._row_changes.clear()
         # A prompt ending in this step has its rings saved before anything else changes next
         # step, at the last boundary the same prompt again can adopt (one token is computed).
-        for row, request in self._ring_saves:
-            self._save_rings(row, request, len(request.prompt_token_ids) - 1)
+        for request in self._ring_saves:
+            self._save_rings(request.row, request, len(request.prompt_token_ids) - 1)
         self._ring_saves.clear()
         self._count(plan)
         self._check_regions()
@@ -191,13 +191,12 @@ class Scheduler:
     def _draft_rows(self, requests: list[Request], positions: list[int], counts: list[int]) -> DraftRows:
         """What each drafting row's draft catches up on first: its tokens from the first
         position whose draft K/V it lacks to the one it feeds now, and their slots."""
-        starts, tokens, slots = [], [], []
+        tokens, slots = [], []
         for request, position, k in zip(requests, positions, counts):
             start = min(request.draft_computed, position) if k else position
-            starts.append(start)
             tokens.append(tuple(request.all_token_ids[start:position]))
             slots.append(tuple(self.blocks.slots_of(request.row, position, start)))
-        return DraftRows(tuple(counts), tuple(starts), tuple(tokens), tuple(slots))
+        return DraftRows(tuple(counts), tuple(tokens), tuple(slots))
 
     def update(self, plan: StepPlan, output: StepOutput) -> None:
         """After the worker ran ``plan``: in a verify step each decode row keeps the K/V of its
@@ -284,7 +283,7 @@ class Scheduler:
         if is_last:  # it decodes from the next step on; its row is the first prefilling one
             request.status = RequestStatus.RUNNING
             if self.blocks.snapshots is not None and end == len(request.prompt_token_ids):
-                self._ring_saves.append((request.row, request))
+                self._ring_saves.append(request)
         chunk = PrefillChunk(request.request_id, request.row, start, tuple(tokens[start:end]),
                              tuple(self.blocks.slots_of(request.row, end)), is_last)
         if request.params.pooling in ("last", "mean", "cls"):

@@ -113,8 +113,6 @@ class Draft:
         table = self.worker.cache.slot_table
         for row, position in zip(batch.row_ids, batch.positions):
             table.trim(row, position)  # what the target's plan expects the row to hold
-        if self.worker.device.type == "cuda":
-            torch.cuda.synchronize(self.worker.device)
         cost.seconds = time.perf_counter() - started
         return (tuple(tuple(d) for d in drafted),
                 [torch.stack(d) if d else None for d in dists], cost)
@@ -139,7 +137,7 @@ class Draft:
                 end = min(len(tokens), done[i] + PREFILL_CHUNK)
                 if not work.counts[i] or len(tokens) < 2 or end <= done[i]:
                     continue
-                start = work.starts[i] + done[i]
+                start = batch.positions[i] - len(tokens) + done[i]
                 context = table.slots[row, :start].tolist()  # the target's cells: [0, start) are its own
                 chunks.append(PrefillChunk(batch.request_ids[i], row, start, tuple(tokens[done[i]:end]),
                                            (*context, *work.slots[i][done[i]:end]), is_last=False))
@@ -202,7 +200,7 @@ def draft_buckets(config: SpeculativeConfig, target_spec: WorkerConfig, head_dim
     1- and 2-token steps."""
     if target_spec.buckets is None:
         return None
-    rows = draft_rows(config, target_spec)
+    rows = max(1, min(target_spec.max_batch_size, config.disable_by_batch_size - 1))  # a speculating step's most
     row_buckets = tuple(r for r in target_spec.buckets.rows if r < rows) + (rows,)
     widths = target_spec.buckets.widths
     if decode_attention_kernel(target_spec.device, dtype, head_dim, tier, target_spec.kv_cache_types) is not None:
@@ -210,22 +208,13 @@ def draft_buckets(config: SpeculativeConfig, target_spec: WorkerConfig, head_dim
     return Buckets(tuple(sorted(set(row_buckets))), widths, (1, 2), rows)
 
 
-def draft_rows(config: SpeculativeConfig, target_spec: WorkerConfig) -> int:
-    """The most decode rows a speculating step has."""
-    return max(1, min(target_spec.max_batch_size, config.disable_by_batch_size - 1))
-
-
-def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtype: torch.dtype,
+def build_draft(config: SpeculativeConfig, source, plan: WeightPlan | None, dtype: torch.dtype, head_dim: int,
                 target_spec: WorkerConfig, target_vocab: int, target: Worker) -> Draft:
     """The draft for the speculative ``config``: ``source`` (a path, or a LlamaModel used as it
-    is where ``plan`` is None) held in ``plan`` / ``dtype``, its K/V layers over the pool and
-    slot table of ``target``, built with ``target_spec`` (so with the target's row count: its
-    graphs read windows of that table; under tensor parallelism, rank 0's worker)."""
-    head_dim = source.config.head_dim if not isinstance(source, str) else None
-    if head_dim is None:
-        from nanoserve.model.formats.loader import load_config  # the file's header only
-
-        head_dim = load_config(source).head_dim
+    is where ``plan`` is None; its heads ``head_dim`` wide) held in ``plan`` / ``dtype``, its K/V
+    layers over the pool and slot table of ``target``, built with ``target_spec`` (so with the
+    target's row count: its graphs read windows of that table; under tensor parallelism, rank
+    0's worker)."""
     tier = plan.tier if plan is not None else None
     buckets = draft_buckets(config, target_spec, head_dim, tier, dtype)
     spec = dataclasses.replace(target_spec, weights=plan, dtype=dtype, buckets=buckets, attention_tier=tier,

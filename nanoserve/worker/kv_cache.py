@@ -109,18 +109,21 @@ class KVCache:
         """The request on `src` (`length` tokens) now lives on `dst`; `src` holds nothing (its
         window layers' ring goes with it)."""
         self.slot_table.move(src, dst, length)
-        for layer in self.ring_layers:
-            self.layers.copy_cells(layer, self.ring.row_cells(src), self.ring.row_cells(dst))
+        if self.ring is not None:
+            self._copy_rings(self.ring.row_cells(src), self.ring.row_cells(dst))
 
     def save_rings(self, row: int, slot: int) -> None:
         """Snapshot ``slot`` becomes a copy of the row's window rings."""
-        for layer in self.ring_layers:
-            self.layers.copy_cells(layer, self.ring.row_cells(row), self.ring.snapshot_cells(slot))
+        self._copy_rings(self.ring.row_cells(row), self.ring.snapshot_cells(slot))
 
     def restore_rings(self, slot: int, row: int) -> None:
         """The row's window rings become a copy of snapshot ``slot`` (the prefix it adopted)."""
+        self._copy_rings(self.ring.snapshot_cells(slot), self.ring.row_cells(row))
+
+    def _copy_rings(self, src: slice, dst: slice) -> None:
+        """Every window layer's ring cells ``dst`` become a copy of its cells ``src``."""
         for layer in self.ring_layers:
-            self.layers.copy_cells(layer, self.ring.snapshot_cells(slot), self.ring.row_cells(row))
+            self.layers.copy_cells(layer, src, dst)
 
     def free(self, row: int) -> None:
         """The row's request left: it holds nothing (its blocks are the host's to reuse)."""

@@ -95,12 +95,11 @@ class PrefillChunk:
 class DraftRows:
     """A verify step whose proposals the worker's draft model makes (speculative/draft.py):
     decode row i drafts ``counts[i]`` tokens (0: none; its proposal slots are already in the
-    step's plan). Its draft K/V holds positions [0, ``starts[i]``): first it catches up on
-    ``tokens[i]``, the row's tokens at [starts[i], its position), whose K/V the target already
-    holds at ``slots[i]``. The draft's layers live in the target's pool, at the same slots."""
+    step's plan). First it catches up on ``tokens[i]``, the row's tokens just before its
+    position whose draft K/V it lacks, and whose K/V the target already holds at ``slots[i]``.
+    The draft's layers live in the target's pool, at the same slots."""
 
     counts: tuple[int, ...]
-    starts: tuple[int, ...]
     tokens: tuple[tuple[int, ...], ...]
     slots: tuple[tuple[int, ...], ...]
 
