@@ -134,18 +134,25 @@ inline V::I finish_codes(V::A a) {
   else return V::finish_wide(a);
 }
 
+// What a product adds per unit of the activation codes' sums: it undoes the byte tiers' flip to
+// signed codes and, with a zero point z, makes the code sums those of c - z.
+template <int BITS, bool LUT>
+constexpr int32_t sums_offset(int32_t zero_point) {
+  return ((BITS == 8 || LUT) && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
+}
+
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
 // over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
-// k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127; sums[row[r] *
-// sum_stride + h], the sums of those codes per half, undo the byte tiers' flip to signed codes and, with a
-// zero point z, make the sums those of c - z. Each code vector is loaded once for all rows; each
-// sum is split over two accumulators (the halves, or even and odd j with few rows), so dependent
-// multiply-adds do not wait on each other. LUT: 4-bit codes through the table in `lut`, as
-// byte codes (zero_point 128: sums_zero_point).
+// k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127; with an
+// offset (sums_offset), offset times sums[row[r] * sum_stride + h], the sums of those codes per
+// half, is added (block16 adds it in floats instead, beside a format's minimums, and passes 0).
+// Each code vector is loaded once for all rows; each sum is split over two accumulators (the
+// halves, or even and odd j with few rows), so dependent multiply-adds do not wait on each other.
+// LUT: 4-bit codes through the table in `lut`, as byte codes (zero_point 128: sums_zero_point).
 template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
-                       int64_t stride, const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t zero_point,
+                       int64_t stride, const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t offset,
                        V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
@@ -176,8 +183,6 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
       hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
       if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
     }
-    // the byte tiers without unsigned products multiplied the codes as c - 128
-    const int32_t offset = ((BITS == 8 || LUT) && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
     if (offset != 0) {
       const int32_t* sh = sum_hi + row[r] * sum_stride;
       #pragma GCC unroll 2
@@ -255,8 +260,10 @@ struct RoutedPairs {
 // One block of 16 outputs for R rows (`rows`): for each group, each code vector is loaded (from
 // cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
 // stay in registers across the groups. d, m: the block's first scale and minimum (none in a
-// symmetric format, whose zero point the integer sums take out); out: the block's first output
-// of output row 0. LO: the activations' lo codes too (x_bits 16), else hi alone (x_bits 8).
+// symmetric format); out: the block's first output of output row 0. LO: the activations' lo
+// codes too (x_bits 16), else hi alone (x_bits 8). A zero point (and the byte tiers' flip) is
+// taken out in floats, with the minimums: a multiply-add a row per scale group, where in the
+// integer sums it cost a broadcast and two adds (Q4_0 at 8 rows ran 25% slower than Q4_K).
 template <typename F, bool LO, int R, typename Rows>
 void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
@@ -265,7 +272,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
   const bool symmetric = f.zero_point != 0 || f.table;  // no minimums stored
   V::C lut{};
   if constexpr (F::LUT) lut = lut_register(f.table);
-  const int32_t zero_point = sums_zero_point(f);
+  const int32_t offset = sums_offset<F::BITS, F::LUT>(sums_zero_point(f));
   int64_t in[R];
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) in[r] = rows.in(r);
@@ -288,20 +295,23 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
       group_sums<F::BITS, F::LUT, F::SPLIT, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
-                                                   in, x_row_stride(K), xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, zero_point, hi, lo);
+                                                   in, x_row_stride(K), xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, 0, hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
         const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          V::I sum = V::times254(hi[h][r]);
-          if constexpr (LO) sum = V::iadd(sum, lo[h][r]);
-          const V::F dot = V::to_float(sum);
+          // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
+          V::F dot;
+          if constexpr (LO) dot = V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r]));
+          else dot = V::to_float(V::times254(hi[h][r]));
           acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[in[r] * G + g])), acc[s][r]);
         }
-        if (!symmetric) {
-          const V::F mv = load_scales<F::SPLIT>(f.scale_kind, m, at);
+        if (!symmetric || offset != 0) {
+          // the minimums, and the offset as one: d * offset per unit of the activations' sum
+          V::F mv = symmetric ? V::fzero() : load_scales<F::SPLIT>(f.scale_kind, m, at);
+          if (offset != 0) mv = V::fma(dv, V::set1(static_cast<float>(offset)), mv);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             float x_sum;  // the activations' sum over the scale group: fine, or of the hi codes alone
@@ -451,7 +461,8 @@ struct GroupDots {
           const int64_t row[1] = {0};
           group_sums<F::BITS, F::LUT, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, lut,
                                                           x + g * GROUP, nullptr, row, 0, x_sums, nullptr, 0,
-                                                          sums_zero_point(f), sums, unused);
+                                                          sums_offset<F::BITS, F::LUT>(sums_zero_point(f)), sums,
+                                                          unused);
           for (int h = 0; h < F::PER; ++h) {
             V::istore(lanes, sums[h][0]);
             for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
