@@ -144,16 +144,14 @@ constexpr int32_t sums_offset(int32_t zero_point) {
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
 // over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
-// k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127; with an
-// offset (sums_offset), offset times sums[row[r] * sum_stride + h], the sums of those codes per
-// half, is added (block16 adds it in floats instead, beside a format's minimums, and passes 0).
-// Each code vector is loaded once for all rows; each sum is split over two accumulators (the
+// k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127. The sums are
+// the raw products of the codes as the tier multiplies them: the offset (sums_offset) is the
+// caller's to take out. Each code vector is loaded once for all rows; each sum is split over two accumulators (the
 // halves, or even and odd j with few rows), so dependent multiply-adds do not wait on each other.
 // LUT: 4-bit codes through the table in `lut`, as byte codes (zero_point 128: sums_zero_point).
 template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
-                       int64_t stride, const int32_t* sum_hi, const int32_t* sum_lo, int64_t sum_stride, int32_t offset,
-                       V::I (*hi)[R], V::I (*lo)[R]) {
+                       int64_t stride, V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
   #pragma GCC unroll 16
@@ -182,17 +180,6 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
     if constexpr (!SPLIT && CHAINS == 2) {
       hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
       if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
-    }
-    if (offset != 0) {
-      const int32_t* sh = sum_hi + row[r] * sum_stride;
-      #pragma GCC unroll 2
-      for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
-        hi[h][r] = V::iadd(hi[h][r], V::iset1(offset * (SPLIT ? sh[h] : sh[0] + sh[1])));
-        if constexpr (LO) {
-          const int32_t* sl = sum_lo + row[r] * sum_stride;
-          lo[h][r] = V::iadd(lo[h][r], V::iset1(offset * (SPLIT ? sl[h] : sl[0] + sl[1])));
-        }
-      }
     }
   }
 }
@@ -295,7 +282,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     for (int s = 0; s < SUB; ++s) {
       V::I hi[F::PER][R], lo[F::PER][R];
       group_sums<F::BITS, F::LUT, F::SPLIT, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
-                                                   in, x_row_stride(K), xsum + 2 * g, xsum + 2 * M * G + 2 * g, 2 * G, 0, hi, lo);
+                                                   in, x_row_stride(K), hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
@@ -451,6 +438,7 @@ struct GroupDots {
     V::C lut{};
     if constexpr (F::LUT) lut = lut_register(f.table);
     const int64_t G = K / GROUP, H = G * F::PER, block_bytes = G * F::GROUP_BYTES;
+    const int32_t offset = sums_offset<F::BITS, F::LUT>(sums_zero_point(f));  // back to the codes' own sums
     for (int64_t b = 0; b < N / 16; ++b) {
       for (int64_t g = 0; g < G; ++g) {
         int32_t x_sums[2] = {0, 0};
@@ -460,12 +448,12 @@ struct GroupDots {
           V::I sums[F::PER][1], unused[F::PER][1];
           const int64_t row[1] = {0};
           group_sums<F::BITS, F::LUT, F::SPLIT, 1, false>(w + b * block_bytes + g * F::GROUP_BYTES, s, lut,
-                                                          x + g * GROUP, nullptr, row, 0, x_sums, nullptr, 0,
-                                                          sums_offset<F::BITS, F::LUT>(sums_zero_point(f)), sums,
-                                                          unused);
+                                                          x + g * GROUP, nullptr, row, 0, sums, unused);
           for (int h = 0; h < F::PER; ++h) {
             V::istore(lanes, sums[h][0]);
-            for (int i = 0; i < V::LANES; ++i) out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i];
+            const int32_t x_sum = F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1];
+            for (int i = 0; i < V::LANES; ++i)
+              out[(16 * b + V::LANES * s + i) * H + g * F::PER + h] = lanes[i] + offset * x_sum;
           }
         }
       }
