@@ -270,7 +270,7 @@ def _buckets(config: EngineConfig, max_model_len: int, decode_kernel: bool, comp
         return Buckets(rows, tuple(config.width_buckets or widths))
     # Verify graphs for the row buckets a speculating step can land in (fewer rows than
     # disable_by_batch_size), one per query bucket.
-    verify_rows = bucket_for(min(speculative.disable_by_batch_size - 1, config.max_batch_size), rows)
+    verify_rows = bucket_for(speculative.most_rows(config.max_batch_size), rows)
     return Buckets(rows, tuple(config.width_buckets or widths), default_query_buckets(speculative.num_speculative_tokens),
                    verify_rows)
 

@@ -49,6 +49,10 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be true or false, got {self.adaptive!r}")
 
+    def most_rows(self, max_batch_size: int) -> int:
+        """The most decode rows a speculating step has (fewer than ``disable_by_batch_size``)."""
+        return max(1, min(max_batch_size, self.disable_by_batch_size - 1))
+
     @classmethod
     def of(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
         """From a config, a dict of its fields, or that dict as JSON (the command line's);

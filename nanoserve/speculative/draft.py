@@ -200,7 +200,7 @@ def draft_buckets(config: SpeculativeConfig, target_spec: WorkerConfig, head_dim
     1- and 2-token steps."""
     if target_spec.buckets is None:
         return None
-    rows = max(1, min(target_spec.max_batch_size, config.disable_by_batch_size - 1))  # a speculating step's most
+    rows = config.most_rows(target_spec.max_batch_size)
     row_buckets = tuple(r for r in target_spec.buckets.rows if r < rows) + (rows,)
     widths = target_spec.buckets.widths
     if decode_attention_kernel(target_spec.device, dtype, head_dim, tier, target_spec.kv_cache_types) is not None:
