@@ -27,7 +27,7 @@ FIDELITY_TEXT = HERE / "texts" / "fidelity.txt"  # original prose written for th
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "auto")
 # What --weights may name: the formats, and auto with a dense copy for steps of many rows.
-WEIGHT_CHOICES = (*WEIGHT_FORMATS, "auto+dense", "auto+a8")
+WEIGHT_CHOICES = (*WEIGHT_FORMATS, "auto+dense", "auto+a8", "auto+a16")
 MODES = ("eager", "compile")
 
 

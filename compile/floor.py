@@ -22,6 +22,7 @@ from torch import nn
 
 from compile.common import median_seconds
 from nanoserve.model.network.experts import ExpertMLP, PackedExperts
+from nanoserve.model.quant import cpu_kernels
 
 
 def last_level_cache_bytes() -> int:
@@ -89,20 +90,29 @@ def step_weight_bytes(model, rows: int) -> int:
 def step_multiply_adds(model) -> int:
     """The integer multiply-adds of one batch-1 decode step's products: each weight of the linear
     layers, the LM head and the routed experts times the row, twice through nanoserve's kernels
-    with 16-bit activations (hi and lo codes), once with 8-bit ones (``x_bits``) or dense."""
+    with 16-bit activations (hi and lo codes), once with 8-bit ones (a one-row step's
+    ``cpu_kernels.activation_bits``) or dense."""
     total = 0
     for module in [*matmul_modules(model), head_module(model)]:
         parts = getattr(module, "parts", None) or [getattr(module, "table", module)]  # ConcatLinear, GroupEmbedding
         for part in parts:
-            total += part.out_features * part.in_features * getattr(part, "x_bits", 8) // 8
+            total += part.out_features * part.in_features * _passes(part)
     for layer in model.layers:
         if isinstance(layer.mlp, ExpertMLP):
             experts = layer.mlp.experts
             # packed: its width and activation bits; dense: gate_proj [E, width, hidden], float products
             width = experts.intermediate if isinstance(experts, PackedExperts) else experts.gate_proj.shape[1]
-            passes = experts.x_bits // 8 if isinstance(experts, PackedExperts) else 1
+            passes = _passes(experts) if isinstance(experts, PackedExperts) else 1
             total += layer.mlp.top_k * 3 * layer.mlp.gate.in_features * width * passes
     return total
+
+
+def _passes(module: nn.Module) -> int:
+    """How many integer multiply-adds a weight of ``module`` costs a batch-1 step: 2 with 16-bit
+    activations, 1 with 8-bit ones or a dense weight."""
+    if not hasattr(module, "a8_from_rows"):
+        return 1
+    return cpu_kernels.activation_bits(1, module.a8_from_rows) // 8
 
 
 def _read_at(module: nn.Module, tensor_name: str, rows: int) -> bool:

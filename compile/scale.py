@@ -206,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="nanoserve's decode width buckets (default: the engine's, doubling to the context): "
                              "fewer graphs to compile for a big model, e.g. 64,1024 covers this benchmark's steps")
     parser.add_argument("--weights", default="auto",
-                        help="nanoserve's weights, comma-separated for an arm each (e.g. auto,auto+a8: 8-bit "
-                             "activations beside the default)")
+                        help="nanoserve's weights, comma-separated for an arm each (e.g. auto,auto+a16: 16-bit "
+                             "activations at every batch beside the default)")
     parser.add_argument("--worker", nargs=2, metavar=("SYSTEM", "FILE"), help=argparse.SUPPRESS)
     add_output_options(parser)
     args = parser.parse_args(argv)

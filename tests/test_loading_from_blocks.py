@@ -20,6 +20,7 @@ from nanoserve.model.formats.gguf_loader import GGUFCheckpoint
 from nanoserve.model.formats.loader import load_model
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.gguf_blocks import PACKED_TYPES, BlockTensor, StackedBlocks
+from nanoserve.model.quant.linear import A8_FROM_ROWS
 from nanoserve.model.quant.weight_plan import WeightPlan
 
 OUR_TIERS = [t for t in cpu_kernels.host_tiers() if t not in ("torch",)]
@@ -188,7 +189,8 @@ def test_auto_holds_no_dense_copy_and_auto_dense_asks_for_one():
 
 @pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int4", int8_head=True), WeightPlan("int8"),
                                   WeightPlan("fp32"), WeightPlan("bf16"), auto_cpu_plan(), auto_cpu_plan(dense=True),
-                                  WeightPlan("int4", activation_bits=8), auto_cpu_plan(activation_bits=8),
+                                  WeightPlan("int4", a8_from_rows=1), WeightPlan("int4", a8_from_rows=12),
+                                  auto_cpu_plan(a8_from_rows=1), auto_cpu_plan(a8_from_rows=None),
                                   *(WeightPlan("int4", kernel=t) for t in OUR_TIERS)], ids=lambda p: p.name)
 def test_a_plans_name_parses_back_to_the_plan(plan):
     assert WeightPlan.parse(plan.name) == plan
@@ -196,17 +198,23 @@ def test_a_plans_name_parses_back_to_the_plan(plan):
 
 
 @pytest.mark.parametrize("name", ["int3", "int4+", "int4+int9head", "fp32+int8head", "int4+bf16>=x", "int4+a12",
-                                  "fp32+a8", "int8+a8", "int4+torch+a8"])
+                                  "fp32+a8", "int8+a8", "int4+torch+a8", "int4+a8>=0", "int4+a8>=x",
+                                  "int4+torch+a8>=16"])
 def test_a_name_that_is_no_plan_is_refused(name):
     with pytest.raises(ValueError, match="weights"):
         WeightPlan.parse(name)
 
 
-def test_auto_takes_8_bit_activations_and_refuses_other_parts():
+def test_auto_rounds_activations_to_8_bits_from_a8_from_rows_and_refuses_other_parts():
+    default, _ = resolve_weights("auto", None, "cpu", named_model=True)
+    assert default == auto_cpu_plan() and default.a8_from_rows == A8_FROM_ROWS
+    assert default.name.endswith(f"+a8>={A8_FROM_ROWS}")
+    assert auto_cpu_plan(tier="torch").a8_from_rows is None  # torch's int4 kernel has 16 bits only
     for name, dense in (("auto+a8", False), ("auto+dense+a8", True), ("auto+a8+dense", True)):
         plan, _ = resolve_weights(name, None, "cpu", named_model=True)
-        assert plan == auto_cpu_plan(dense=dense, activation_bits=8) and plan.name.endswith("+a8")
-    assert resolve_weights("auto+a16", None, "cpu", named_model=True)[0] == auto_cpu_plan()
+        assert plan == auto_cpu_plan(dense=dense, a8_from_rows=1) and plan.name.endswith("+a8")
+    sixteen, _ = resolve_weights("auto+a16", None, "cpu", named_model=True)
+    assert sixteen == auto_cpu_plan(a8_from_rows=None) and "a8" not in sixteen.name
     for name in ("auto+a9", "auto+a8+a8", "auto+int8head", "auto+"):
         with pytest.raises(ValueError, match="auto takes"):
             resolve_weights(name, None, "cpu", named_model=True)
@@ -214,19 +222,25 @@ def test_auto_takes_8_bit_activations_and_refuses_other_parts():
         resolve_weights("auto+a8", None, "cuda", named_model=True)
 
 
-def test_8_bit_activations_reach_every_packed_product_and_stay_near_16(smollm2_path):
-    """auto+a8 runs every group-wise product with x_bits 8 (the plan names it); its logits differ
-    from the 16-bit default's, within the q8_0 rounding's small divergence."""
+def test_8_bit_activations_reach_every_packed_product_from_their_row_count_and_stay_near_16(smollm2_path):
+    """The default plan's products take 8-bit activations from A8_FROM_ROWS rows and 16-bit ones
+    below: its logits at fewer rows are auto+a16's exactly, and at that many rows auto+a8's
+    exactly, which differ from 16 bits within the rounding's small divergence."""
     from nanoserve.model.network.fidelity import teacher_forced_logits
     from nanoserve.model.quant.linear import GroupLinear
 
-    models = {bits: load_model(smollm2_path, weights=auto_cpu_plan(activation_bits=bits))[0] for bits in (16, 8)}
-    for bits, model in models.items():
+    plans = {"auto": auto_cpu_plan(), "a16": auto_cpu_plan(a8_from_rows=None), "a8": auto_cpu_plan(a8_from_rows=1)}
+    models = {name: load_model(smollm2_path, weights=plan)[0] for name, plan in plans.items()}
+    for name, model in models.items():
         linears = [m for m in model.modules() if isinstance(m, GroupLinear)]
-        assert linears and {m.x_bits for m in linears} == {bits}
-    ids = list(range(100, 140))
-    logits = {bits: teacher_forced_logits(model, ids, chunk_rows=8).float() for bits, model in models.items()}
-    kl = torch.nn.functional.kl_div(logits[8].log_softmax(-1), logits[16].log_softmax(-1), log_target=True,
+        assert linears and {m.a8_from_rows for m in linears} == {plans[name].a8_from_rows}
+    ids = list(range(100, 100 + 2 * A8_FROM_ROWS))
+    logits = {(name, rows): teacher_forced_logits(model, ids, chunk_rows=rows).float()
+              for name, model in models.items() for rows in (A8_FROM_ROWS - 1, A8_FROM_ROWS)}
+    assert torch.equal(logits["auto", A8_FROM_ROWS - 1], logits["a16", A8_FROM_ROWS - 1])
+    assert torch.equal(logits["auto", A8_FROM_ROWS], logits["a8", A8_FROM_ROWS])
+    kl = torch.nn.functional.kl_div(logits["a8", A8_FROM_ROWS].log_softmax(-1),
+                                    logits["a16", A8_FROM_ROWS].log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     assert 0 < kl.mean() < 0.05, kl
 

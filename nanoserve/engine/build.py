@@ -21,7 +21,7 @@ from nanoserve.model.formats.loader import read_header
 from nanoserve.model.network.config import ModelConfig
 from nanoserve.model.network.llama import LlamaModel
 from nanoserve.model.quant import cpu_kernels
-from nanoserve.model.quant.linear import DENSE_FROM_ROWS
+from nanoserve.model.quant.linear import A8_FROM_ROWS, DENSE_FROM_ROWS
 from nanoserve.model.quant.weight_plan import WeightPlan
 from nanoserve.speculative.speculator import NgramProposals, Speculator
 from nanoserve.worker.attention import decode_attention_kernel
@@ -287,21 +287,24 @@ def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int,
     return max(2048, max_model_len)
 
 
-def auto_cpu_plan(tier: str | None = None, dense: bool = False, activation_bits: int = 16) -> WeightPlan:
+def auto_cpu_plan(tier: str | None = None, dense: bool = False, a8_from_rows: int | None = A8_FROM_ROWS,
+                  ) -> WeightPlan:
     """"auto" on the CPU: the fastest format that passes the fidelity gates against fp32
     (README): int4 codes and the file's Q8_0 LM head (group-wise int8), resident at about the
     file's size: a prompt's many rows dequantise each weight for the call (DEQUANT_FROM_ROWS).
     ``dense`` ("auto+dense") also keeps a dense copy of the linears (and the embedding table as
     the head) from the kernel tier's measured crossover (DENSE_FROM_ROWS) where it has one: about
-    5x the memory of int4 codes, for faster steps of many rows. ``activation_bits`` 8 ("auto+a8"):
-    the int4 products round activations as llama.cpp's q8_0 does (WeightPlan). ``tier``:
-    cpu_kernels.resolve_tier's choice by default."""
+    5x the memory of int4 codes, for faster steps of many rows. ``a8_from_rows``: from how many
+    rows the int4 products round activations to 8 bits (WeightPlan): A8_FROM_ROWS, where the
+    arithmetic sets a step's time; 1 for "auto+a8", None (16 bits at every row count, so a row's
+    logits do not depend on the batch it runs in) for "auto+a16"; torch's kernel has 16 bits only.
+    ``tier``: cpu_kernels.resolve_tier's choice by default."""
     tier = tier or cpu_kernels.resolve_tier()
     # The crossovers were measured against a bf16 copy; an fp32 one (a CPU without native bf16,
     # such as AVX-512 VNNI before AVX-512 BF16) is 4x the codes and pays only at larger batches.
     bf16 = cpu_kernels.compute_dtype(tier) == torch.bfloat16
     return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier] if dense and bf16 else None, int8_head=True,
-                      activation_bits=activation_bits)
+                      a8_from_rows=None if tier == "torch" else a8_from_rows)
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,
@@ -317,10 +320,10 @@ def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str |
         parts = weights.split("+")[1:] if weights else []
         if set(parts) - {"dense", "a8", "a16"} or len(set(parts)) != len(parts):
             raise ValueError(f"weights {weights!r}: auto takes +dense and +a8 (or +a16), once each")
-        bits = 8 if "a8" in parts else 16
-        if cuda and bits != 16:
+        if cuda and "a8" in parts:
             raise ValueError(f"weights {weights!r}: 8-bit activations are a CPU int4 kernel option; cuda runs bf16")
-        plan = WeightPlan("bf16") if cuda else auto_cpu_plan(dense="dense" in parts, activation_bits=bits)
+        a8_from_rows = 1 if "a8" in parts else None if "a16" in parts else A8_FROM_ROWS
+        plan = WeightPlan("bf16") if cuda else auto_cpu_plan(dense="dense" in parts, a8_from_rows=a8_from_rows)
     elif isinstance(weights, WeightPlan):
         plan = weights
     else:

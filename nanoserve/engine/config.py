@@ -74,10 +74,12 @@ class EngineConfig:
         choices=("float32", "float16", "bfloat16"))
     weights: str | WeightPlan | None = option(
         None, "weight format: auto, auto+dense (with a dense copy for steps of many rows), fp32, bf16, int8, int4, "
-              "a plan name or a WeightPlan (default: auto, or dense in dtype when that is given); +a8 after auto "
-              "or int4: 8-bit activations in the int4 kernels' products (q8_0's step, as llama.cpp's: faster "
-              "batches of several rows, a mean KL about 3.5x the default's 16-bit activations)",
-        choices=("auto", "auto+dense", "auto+a8", "auto+dense+a8", "fp32", "bf16", "int8", "int4", "int4+a8"))
+              "a plan name or a WeightPlan (default: auto, or dense in dtype when that is given). auto's int4 "
+              "kernels round activations to 8 bits from 16 rows of a step (each weight code multiplied once: "
+              "faster large batches, logits about as close to fp32 as llama.cpp's) and to 16 below; +a8 after "
+              "auto or int4: 8 bits at every row count; auto+a16: 16 bits at every row count, so a row's logits "
+              "do not depend on its batch",
+        choices=("auto", "auto+dense", "auto+a8", "auto+a16", "auto+dense+a8", "fp32", "bf16", "int8", "int4", "int4+a8"))
     device: str = option("cpu", "torch device, e.g. cpu or cuda")
     compile: bool | None = option(
         None, "torch.compile the decode step: one graph per [rows, width] bucket, built once per machine into "

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.network.config import ModelConfig
+from nanoserve.model.quant.cpu_kernels import activation_bits
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ class PackedStep:
     """A layer's packed experts as experts_packed receives them: gate_up and down each (codes,
     scales, mins, zero point) with one leading index per expert, the tier's handle, the
     activation (``glu``'s), the optional biases and the products' activation bits (8 or 16,
-    ``WeightPlan.activation_bits``)."""
+    ``cpu_kernels.activation_bits``)."""
 
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -252,14 +253,14 @@ class PackedExperts(nn.Module):
     """Every expert packed group-wise for nanoserve's kernel tier ``handle``: ``gate_up`` (gate
     and up stacked, [2 I, H] per expert) and ``down`` ([H, I]), each a (codes, scales, mins)
     stack with one leading index per expert and a zero point; optional float biases
-    ``gate_up_bias`` [E, 2 I] and ``down_bias`` [E, H]; ``x_bits`` the products' activation
-    bits (8 or 16)."""
+    ``gate_up_bias`` [E, 2 I] and ``down_bias`` [E, H]; ``a8_from_rows``: from how many rows of a
+    step the products round activations to 8 bits instead of 16 (None: never)."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
                  down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], intermediate: int, handle: int,
                  dequant_from_rows: int, activation: str, gate_up_bias: torch.Tensor | None = None,
                  down_bias: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 1.0,
-                 x_bits: int = 16) -> None:
+                 a8_from_rows: int | None = None) -> None:
         super().__init__()
         for prefix, (codes, scales, mins, zero) in (("gate_up", gate_up), ("down", down)):
             self.register_buffer(f"{prefix}_codes", codes)
@@ -270,7 +271,7 @@ class PackedExperts(nn.Module):
         self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
         self.intermediate, self.handle = intermediate, handle
         self.dequant_from_rows, self.activation = dequant_from_rows, activation
-        self.limit, self.alpha, self.x_bits = limit, alpha, x_bits
+        self.limit, self.alpha, self.a8_from_rows = limit, alpha, a8_from_rows
 
     @property
     def num_experts(self) -> int:
@@ -281,7 +282,7 @@ class PackedExperts(nn.Module):
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
             self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha,
-            self.x_bits)
+            activation_bits(x.shape[0], self.a8_from_rows))
 
 
 class ExpertMLP(nn.Module):

@@ -161,34 +161,41 @@ nanoserve_format format_of(const at::Tensor& codes, const at::Tensor& d, const a
   return {bits, static_cast<int32_t>(group), kind, static_cast<int32_t>(zero_point), nullptr};
 }
 
-// x [M, K] bf16 or fp32 -> its two int8 codes per value into xq [2, M, K], xd [M, G], xs [M, 2G]
-// and the codes' sums per half group [2, M, 2G] (common.h); rows split over threads only when there are enough of
-// them to pay for it (a prefill).
-void quantize_into(const nanoserve_kernel_table& tier, const at::Tensor& x, int8_t* xq, float* xd, float* xs,
-                   int32_t* sums) {
+void check_x_bits(int64_t x_bits) {
+  TORCH_CHECK(x_bits == 8 || x_bits == 16, "x_bits must be 8 or 16, got ", x_bits);
+}
+
+// x [M, K] bf16 or fp32 -> its int8 codes into xq [2, M, K] (two a value with x_bits 16, one and
+// zeros with 8), xd [M, G] (x_bits 16) or [M, 2G] (8), xs [M, 2G] and the codes' sums per half
+// group [2, M, 2G] (common.h); rows split over threads only when there are enough of them to pay
+// for it (a prefill).
+void quantize_into(const nanoserve_kernel_table& tier, const at::Tensor& x, int64_t x_bits, int8_t* xq, float* xd,
+                   float* xs, int32_t* sums) {
   TORCH_CHECK(x.dim() == 2 && is_float_input(x) && x.device().is_cpu(),
               "x must be a [rows, K] bf16 or fp32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  check_x_bits(x_bits);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "K = ", K, " is not a multiple of 32");
   const at::Tensor xc = x.contiguous();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, M, M >= 16 ? 4 : M, [&](int64_t begin, int64_t end) {
-    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, xq, xd, xs, sums);
+    tier.quantize_rows(xc.data_ptr(), bf16, M, K, begin, end, static_cast<int32_t>(x_bits), xq, xd, xs, sums);
   });
 }
 
-// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G], xs [M, 2G], sums [2, M, 2G] int32).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle) {
+// x [M, K] bf16 or fp32 -> (codes [2, M, K] int8, xd [M, G] or [M, 2G], xs [M, 2G], sums [2, M, 2G] int32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t handle,
+                                                                         int64_t x_bits) {
   const int64_t M = x.dim() == 2 ? x.size(0) : 0, G = x.dim() == 2 ? x.size(1) / 32 : 0;
   const at::Tensor xq = at::empty({2, M, nanoserve::x_row_stride(32 * G)}, x.options().dtype(at::kChar));
-  const at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat)), xs = at::empty({M, 2 * G}, xd.options());
-  const at::Tensor sums = at::empty({2, M, 2 * G}, x.options().dtype(at::kInt));
-  quantize_into(tier_of(handle), x, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
+  const at::Tensor xd = at::empty({M, x_bits == 8 ? 2 * G : G}, x.options().dtype(at::kFloat));
+  const at::Tensor xs = at::empty({M, 2 * G}, xd.options()), sums = at::empty({2, M, 2 * G}, x.options().dtype(at::kInt));
+  quantize_into(tier_of(handle), x, x_bits, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
                 sums.data_ptr<int32_t>());
   return {xq.narrow(2, 0, 32 * G), xd, xs, sums};  // the codes without their rows' padding
 }
 
-// x's codes, scales and sums as quantize_into writes them, in one scratch allocation.
+// x's codes, steps and sums as quantize_into writes them, in one scratch allocation.
 struct QuantizedRows {
   at::Tensor scratch;
   int8_t* xq;
@@ -196,23 +203,19 @@ struct QuantizedRows {
   float* xs;
   int32_t* sums;
 
-  QuantizedRows(const nanoserve_kernel_table& tier, const at::Tensor& x) {
+  QuantizedRows(const nanoserve_kernel_table& tier, const at::Tensor& x, int64_t x_bits) {
     const int64_t M = x.size(0), K = x.size(1), G = K / 32, codes = 2 * M * nanoserve::x_row_stride(K);
-    scratch = at::empty({codes + 28 * M * G}, x.options().dtype(at::kChar));
+    scratch = at::empty({codes + 32 * M * G}, x.options().dtype(at::kChar));
     xq = scratch.data_ptr<int8_t>();
     xd = reinterpret_cast<float*>(xq + codes);  // codes is a multiple of 64: aligned
-    xs = xd + M * G;
+    xs = xd + 2 * M * G;
     sums = reinterpret_cast<int32_t*>(xs + 2 * M * G);
-    quantize_into(tier, x, xq, xd, xs, sums);
+    quantize_into(tier, x, x_bits, xq, xd, xs, sums);
   }
 };
 
-void check_x_bits(int64_t x_bits) {
-  TORCH_CHECK(x_bits == 8 || x_bits == 16, "x_bits must be 8 or 16, got ", x_bits);
-}
-
 // x [M, K] @ w.T for the packed weight w of N x K (format_of; N from the scales).
-// x_bits: the activations' precision, 16 (hi and lo codes) or 8 (hi alone; kernels/common.h).
+// x_bits: the activations' precision, 16 (hi and lo codes) or 8 (one code, a step per 16; kernels/common.h).
 at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                     int64_t zero_point, int64_t handle, int64_t x_bits) {
   TORCH_CHECK(x.dim() == 2 && d.dim() == 3, "x must be [rows, K] and the scales [N / 16, K / group, 16]");
@@ -220,11 +223,11 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const int64_t M = x.size(0), K = x.size(1), N = 16 * d.size(0);
   const nanoserve_format format = format_of(codes, d, m, zero_point, N, K);
   const nanoserve_kernel_table& tier = tier_of(handle);
-  const QuantizedRows q(tier, x);
+  const QuantizedRows q(tier, x, x_bits);
   at::Tensor out = at::empty({M, N}, x.options());
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, q.xq, q.xd,
-                  q.xs, q.sums, static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
+                  q.xs, static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
   });
   return out;
 }
@@ -266,7 +269,7 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   if (tasks == 0) return out;
   const nanoserve_kernel_table& tier = tier_of(handle);
   const int64_t M = x.size(0);
-  const QuantizedRows q(tier, x);
+  const QuantizedRows q(tier, x, x_bits);
   // a task of expert j costs about READ + its rows, READ rows' worth of arithmetic for reading its block
   constexpr int64_t READ = 2;
   int64_t total = 0;
@@ -287,7 +290,7 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
     for (int64_t thread = begin; thread < end; ++thread) {
       tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins,
                       codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, q.xq, q.xd,
-                      q.xs, q.sums, static_cast<int32_t>(x_bits), first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
+                      q.xs, static_cast<int32_t>(x_bits), first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
                       x.scalar_type() == at::kBFloat16);
     }
   });
@@ -440,7 +443,7 @@ TORCH_LIBRARY(nanoserve, lib) {
   lib.def("tier_name(int tier) -> str");
   lib.def("dot_peak(int rounds, int tier) -> int");
   lib.def("cpu_features() -> str");
-  lib.def("quantize_rows(Tensor x, int tier) -> (Tensor, Tensor, Tensor, Tensor)");
+  lib.def("quantize_rows(Tensor x, int tier, int x_bits=16) -> (Tensor, Tensor, Tensor, Tensor)");
   lib.def("group_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier, int x_bits=16) "
           "-> Tensor");
   lib.def("experts_mm(Tensor x, Tensor ids, Tensor codes, Tensor scales, Tensor mins, int zero_point, int tier, "

@@ -62,6 +62,13 @@ DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "
 # weight) is shared by every row. Same bench as above.
 DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 64, "neon-dot": 64, "neon": 64,
                                      "scalar": 16}
+# From how many rows auto's products round activations to 8 bits (kernels/common.h: a step per
+# 16 values) rather than 16: where a step's arithmetic, not its read of the weights, sets its
+# time, 8 bits multiply each weight code once instead of twice (a 1B pass of Q4_0 products at 32
+# rows: 212 -> 133 ms on Zen 4); fewer rows keep 16 bits, faithful well beyond llama.cpp, and
+# their step is bound by the read. 8-bit logits stay at least as close to fp32 as llama.cpp's
+# (`compilebench.py fidelity --chunk-rows 16`, the README's table).
+A8_FROM_ROWS = 16
 # The group-wise LM head reads a byte per weight (Q8_0) against the body's half, so its dense
 # copy takes over sooner where the body has one.
 HEAD_DENSE_FROM_ROWS = 16
@@ -115,13 +122,14 @@ class GroupLinear(_PackedLinear):
     """A group-wise weight (``GroupCodes``) run by ``kernel`` (resolve_group_kernel): nanoserve's
     tiers hold ``codes``, ``scales`` and ``mins`` (cpu_kernels' layout) and call the tier by its
     handle; torch's int4 kernel (group 32 only) holds ``packed`` and ``scales_and_zeros``.
-    ``x_bits``: the activations' precision in our tiers' products, 16 or 8 (kernels/common.h)."""
+    ``a8_from_rows``: from how many rows of input our tiers' products round the activations to 8
+    bits instead of 16 (None: never; kernels/common.h)."""
 
     def __init__(self, weight: GroupCodes | StackedBlocks, bias: torch.Tensor | None, dtype: torch.dtype,
                  dense: torch.Tensor | None = None, dense_from_rows: int | None = None, kernel: str = "auto",
-                 x_bits: int = 16) -> None:
+                 a8_from_rows: int | None = None) -> None:
         super().__init__(bias, dense, dense_from_rows)
-        self.x_bits = x_bits
+        self.a8_from_rows = a8_from_rows
         self.kernel = resolve_group_kernel(kernel, dtype)
         self.handle = cpu_kernels.handle(self.kernel)
         self.out_features, self.in_features = weight.shape
@@ -157,7 +165,7 @@ class GroupLinear(_PackedLinear):
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.handle is not None:
             return torch.ops.nanoserve.group_mm(x, self.codes, self.scales, self.mins, self.zero_point, self.handle,
-                                                self.x_bits)
+                                                cpu_kernels.activation_bits(x.shape[0], self.a8_from_rows))
         x = torch.cat([x, x], dim=-1) if self.doubled_input else x
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 

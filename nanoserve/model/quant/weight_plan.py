@@ -40,8 +40,6 @@ from nanoserve.model.quant.linear import (
 
 # A weight as a loader hands it over to be packed as it is: unpacked codes, or a GGUF's blocks.
 WeightSource = GroupCodes | BlockTensor | ExpertBlocks
-# The activations' codes in our tiers' products: 16 bits (hi and lo int8 codes) or 8 (hi alone).
-ACTIVATION_BITS = (16, 8)
 
 
 @dataclass(frozen=True)
@@ -55,16 +53,16 @@ class WeightPlan:
     stays a dense table, except where nanoserve's kernels run the head without a dense copy
     (then ``GroupEmbedding`` reads it from the head's codes). With a dense copy the head takes it from
     ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows. ``kernel`` (GROUP_KERNELS, int4 only)
-    says who runs the group-wise layers. ``activation_bits`` (int4 on nanoserve's kernels): the
-    activations' codes in those products, 16 (two int8 codes a value, finer than bf16) or 8 (one,
-    a step of max |x| / 127 per group of 32, as llama.cpp's q8_0 activations), which multiplies
-    each weight code once instead of twice."""
+    says who runs the group-wise layers. ``a8_from_rows`` (int4 on nanoserve's kernels): from how
+    many rows of input those products round activations to 8 bits (one int8 code a value, a step
+    of max |x| / 127 per 16, about llama.cpp's q8_0), which multiplies each weight code once
+    instead of twice; fewer rows (all, with None) keep 16 (two codes a value, finer than bf16)."""
 
     format: str
     dense_from_rows: int | None = None
     int8_head: bool = False
     kernel: str = "auto"
-    activation_bits: int = 16
+    a8_from_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.format not in WEIGHT_FORMATS:
@@ -75,15 +73,15 @@ class WeightPlan:
             raise ValueError(f"a group-wise int8 LM head only applies to int4, not {self.format}")
         if self.kernel not in GROUP_KERNELS or (self.kernel != "auto" and self.format != "int4"):
             raise ValueError(f"kernel {self.kernel!r}: one of {', '.join(GROUP_KERNELS)}, and only with int4")
-        if self.activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation bits must be 8 or 16, got {self.activation_bits!r}")
-        if self.activation_bits != 16 and (self.format != "int4" or self.tier == "torch"):
+        if self.a8_from_rows is not None and (type(self.a8_from_rows) is not int or self.a8_from_rows < 1):
+            raise ValueError(f"8-bit activations start from a row count of at least 1, got {self.a8_from_rows!r}")
+        if self.a8_from_rows is not None and (self.format != "int4" or self.tier == "torch"):
             raise ValueError("8-bit activations (a8) apply to int4 on nanoserve's kernels only")
 
     @classmethod
     def parse(cls, name: str) -> WeightPlan:
         """The plan a ``name`` (``WeightPlan.name``) describes: "int4", "int4+int8head",
-        "int4+int8head+bf16>=24", "int4+avx2", "int4+a8"... Raises ValueError naming what it
+        "int4+int8head+bf16>=24", "int4+avx2", "int4+a8", "int4+a8>=16"... Raises ValueError naming what it
         cannot read."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"weights must be one of auto, {', '.join(WEIGHT_FORMATS)} or a plan name, got {name!r}")
@@ -95,19 +93,21 @@ class WeightPlan:
                 fields["int8_head"] = True
             elif sep and dtype in ("bf16", "fp32") and rows.isdigit():
                 fields["dense_from_rows"] = int(rows)
+            elif sep and dtype == "a8" and rows.isdigit():
+                fields["a8_from_rows"] = int(rows)
             elif option in GROUP_KERNELS:
                 fields["kernel"] = option
             elif option in ("a8", "a16"):
-                fields["activation_bits"] = int(option[1:])
+                fields["a8_from_rows"] = 1 if option == "a8" else None
             else:
-                raise ValueError(f"weights {name!r}: unknown part {option!r} (int8head, bf16>=N, a8, a16, or a "
+                raise ValueError(f"weights {name!r}: unknown part {option!r} (int8head, bf16>=N, a8, a8>=N, a16, or a "
                                  f"kernel: {', '.join(GROUP_KERNELS)})")
         try:
             plan = cls(fmt, **fields)
         except ValueError as e:
             raise ValueError(f"weights {name!r}: {e}") from None
         short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[plan.dtype]
-        if any(o.split(">=")[0] != short for o in options if ">=" in o):
+        if any(o.split(">=")[0] not in (short, "a8") for o in options if ">=" in o):
             raise ValueError(f"weights {name!r}: {plan.format} computes in {short} on this host, so its dense copy "
                              f"is {short}>=N")
         return plan
@@ -120,11 +120,12 @@ class WeightPlan:
     @property
     def name(self) -> str:
         """"int4", or "int4+int8head+bf16>=10" with a group-wise int8 head and a bf16 copy from 10
-        rows ("+torch" or "+avx2" when the kernel is chosen, "+a8" with 8-bit activations)."""
+        rows ("+torch" or "+avx2" when the kernel is chosen, "+a8" with 8-bit activations, "+a8>=16"
+        with them from 16 rows)."""
         head = "+int8head" if self.int8_head else ""
         short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
         dense = "" if self.dense_from_rows is None else f"+{short}>={self.dense_from_rows}"
-        bits = "" if self.activation_bits == 16 else f"+a{self.activation_bits}"
+        bits = {None: "", 1: "+a8"}.get(self.a8_from_rows, f"+a8>={self.a8_from_rows}")
         return self.format + head + dense + ("" if self.kernel == "auto" else f"+{self.kernel}") + bits
 
     @property
@@ -242,7 +243,7 @@ def _pack_group_embedding(model: nn.Module, plan: WeightPlan, sources: Mapping[s
     if source is None or plan.tier == "torch" or not int4_kernel_accepts(*source.shape):
         return {}
     model.embed_tokens = GroupEmbedding(GroupLinear(source, None, plan.dtype, kernel=plan.kernel,
-                                                    x_bits=plan.activation_bits))
+                                                    a8_from_rows=plan.a8_from_rows))
     return {"model.embed_tokens.weight": "packed"}
 
 
@@ -265,7 +266,7 @@ def _pack_group_head(model: nn.Module, plan: WeightPlan, sources: Mapping[str, W
     weight = source if source is not None else int8_groups(*quantize_int8_groups(head.weight))
     dense_from_rows = None if dense is None else min(plan.dense_from_rows, HEAD_DENSE_FROM_ROWS)
     model.lm_head = GroupLinear(weight, None if tied else head.bias, plan.dtype, dense, dense_from_rows, plan.kernel,
-                                plan.activation_bits)
+                                plan.a8_from_rows)
     if tied and dense is None and model.lm_head.handle is not None:
         model.embed_tokens = GroupEmbedding(model.lm_head)  # the head's codes serve as the table
     return "packed" if source is not None else "int8"
@@ -333,7 +334,7 @@ def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | Sta
         weights = linear.weight.split(rows) if plan.dense_from_rows is not None else [None] * len(source)
         biases = linear.bias.split(rows) if linear.bias is not None else [None] * len(source)
         return ConcatLinear([GroupLinear(part, bias, plan.dtype, None if w is None else _dense_copy(w, plan),
-                                         plan.dense_from_rows, plan.kernel, plan.activation_bits)
+                                         plan.dense_from_rows, plan.kernel, plan.a8_from_rows)
                              for part, w, bias in zip(source, weights, biases)]), "packed"
     if plan.format == "int8":
         return (_int8_linear(linear.weight, linear.bias, plan), "int8") if int8_kernel_accepts(k) else (linear, "dense")
@@ -341,7 +342,7 @@ def _packed_linear(linear: nn.Linear, plan: WeightPlan, source: GroupCodes | Sta
         return linear, "dense"
     weight = source if source is not None else quantize_int4(linear.weight)
     layer = GroupLinear(weight, linear.bias, plan.dtype, _dense_copy(linear.weight, plan), plan.dense_from_rows,
-                        plan.kernel, plan.activation_bits)
+                        plan.kernel, plan.a8_from_rows)
     return layer, "packed" if source is not None else "int4"
 
 
@@ -391,7 +392,7 @@ def _pack_experts(module: nn.Module, name: str, full: str, experts: DenseExperts
     packed = PackedExperts(stacked(["gate_proj", "up_proj"]), stacked(["down_proj"]), width, handle,
                            DEQUANT_FROM_ROWS[plan.tier],
                            experts.activation, gate_up_bias, experts.down_bias, experts.limit, experts.alpha,
-                           plan.activation_bits)
+                           plan.a8_from_rows)
     _replace(module, name, packed)
     return dict.fromkeys(hf.values(), "packed" if from_blocks else "int4")
 

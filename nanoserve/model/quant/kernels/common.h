@@ -20,13 +20,15 @@
 // Per scale group h (group = 32 or 16 weights along K) of output n: w[n, k] = d[n, h] * c[n, k] +
 // m[n, h], c unsigned, of 4, 5, 6 or 8 bits; or, in a format with a code table (IQ4_NL, IQ4_XS,
 // MXFP4: 4-bit codes, the file's nibbles), w[n, k] = d[n, h] * table[c[n, k]], no m.
-// Activations, per row and group of 32: x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo int8 in
-// -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m * xs,
-// xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16). A product
-// with x_bits 8 multiplies hi alone (x[k] ~= 254 xd hi[k], max |x| / 127 a step, as llama.cpp's
-// q8_0 activations): each code meets one activation vector instead of two, and the minimum meets
-// the same rounded activations (254 xd sum hi in place of xs), so the rounding errors of d c and
-// m, of opposite signs, cancel as they do in sum (d c + m) x_q.
+// Activations, x_bits 16: per row and group of 32, x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo
+// int8 in -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m *
+// xs, xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16). x_bits 8:
+// one int8 code a value, x[k] ~= xd[h] * hi[k] with its own step xd[h] = max |x| / 127 per half
+// group h of 16 (llama.cpp's q8_0 steps are per 32: halving the group halves the rounding error
+// where one large value sets the step, which keeps a step's logits as faithful as llama.cpp's
+// after bf16's own rounding); lo is zero and xs = xd[h] * sum hi. Each code meets one activation
+// vector instead of two, and the minimum meets the same rounded activations, so the rounding
+// errors of d c and m, of opposite signs, cancel as they do in sum (d c + m) x_q.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -35,7 +37,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 10
+#define NANOSERVE_KERNEL_ABI 11
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -64,16 +66,16 @@ struct nanoserve_cells {
 struct nanoserve_kernel_table {
   int32_t abi;
   const char* tier;
-  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, x_row_stride(K)] (hi then lo), xd [M, K / 32],
-  // xs [M, K / 16] and xsum [2, M, K / 16] (the integer sums of hi and of lo per half group of
-  // 16, xs from them as above); rows [row_begin, row_end) only.
+  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, x_row_stride(K)] (hi then lo), xd, xs [M, K / 16]
+  // and xsum [2, M, K / 16] (the integer sums of hi and of lo per half group of 16, xs from them
+  // as above); xd [M, K / 32] with x_bits 16, [M, K / 16] with 8; rows [row_begin, row_end) only.
   void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
-                        int8_t* xq, float* xd, float* xs, int32_t* xsum);
+                        int32_t x_bits, int8_t* xq, float* xd, float* xs, int32_t* xsum);
   // out[M, N] (row stride N; bf16 bits if out_bf16, else fp32), output blocks [block_begin, block_end).
-  // xq, xd, xs, xsum as quantize_rows wrote them for M rows; x_bits 16 (hi and lo) or 8 (hi alone).
+  // xq, xd, xs as quantize_rows wrote them for M rows with the same x_bits, 16 or 8.
   void (*group_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
                    int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd,
-                   const float* xs, const int32_t* xsum, int32_t x_bits, void* out, int32_t out_bf16);
+                   const float* xs, int32_t x_bits, void* out, int32_t out_bf16);
   // The raw integer group sums out[n, h] = sum_k c[n, group h + k] * x[group h + k] (unsigned
   // codes, or with a table its values table[c]; x int8 in -127..127, group 32 or 16), through the
   // same instructions as group_mm: tiers are tested on these.
@@ -100,14 +102,13 @@ struct nanoserve_kernel_table {
   // was, for the caller to fill otherwise), whose weight of N x K is packed at w + e * w_stride and
   // its scales and minimums at d + e * scale_stride, m + e * scale_stride (bytes). out[p, N]
   // (row stride N; bf16 bits if out_bf16, else fp32) = that weight times activation row p if
-  // x_per_pair, else row p / top_k; xq, xd, xs, xsum as quantize_rows wrote them for those rows
+  // x_per_pair, else row p / top_k; xq, xd, xs as quantize_rows wrote them for those rows
   // (rows * top_k, or rows). The work is a list of tasks: the experts ids names, ascending, times
   // their N / 16 output blocks (ExpertGroups); this call does tasks [task_begin, task_end). Each
   // task reads its block's codes once for all of the expert's rows. x_bits as group_mm's.
   void (*experts_mm)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
                      int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
-                     int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
-                     int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16);
+                     int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16);
   // The tier's arithmetic peak: `rounds` passes of independent 4-bit code dots (the instructions
   // group_mm multiplies codes with) on values held in registers, no memory traffic. Returns the
   // multiply-adds done; timed, it gives the rate a product's arithmetic cannot beat.
@@ -214,6 +215,20 @@ inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2]
     xsum[2 * M * G + 2 * i + h] = sum_lo[h];
     xs[2 * i + h] = fine * static_cast<float>(254 * sum_hi[h] + sum_lo[h]);
   }
+}
+
+// Where half group i (of M rows x 2 G halves of 16) of the hi codes starts in xq.
+constexpr int64_t x_half_at(int64_t i, int64_t G) { return (i / (2 * G)) * x_row_stride(G * GROUP) + (i % (2 * G)) * 16; }
+
+// What an 8-bit product reads of half group i besides its codes: its step, and the sum of its
+// codes (as an integer, and times the step). Its lo codes are zero.
+inline void store_half(int64_t i, int64_t M, int64_t G, int32_t sum_hi, float step, int8_t* xq, float* xd, float* xs,
+                       int32_t* xsum) {
+  memset(xq + M * x_row_stride(G * GROUP) + x_half_at(i, G), 0, 16);
+  xd[i] = step;
+  xsum[i] = sum_hi;
+  xsum[2 * M * G + i] = 0;
+  xs[i] = step * static_cast<float>(sum_hi);
 }
 
 enum { SCALES_FP16 = 0, SCALES_FP32 = 1, SCALES_SUPER = 2, SCALES_E8M0 = 3 };

@@ -49,10 +49,42 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
   }
 }
 
-void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
-                   float* xd, float* xs, int32_t* xsum) {
-  if (x_bf16) quantize_rows_typed<true>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
-  else quantize_rows_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+// One int8 code per activation (x_bits 8): per half group of 16, hi = round(x / step) with step
+// = max |x| / 127, as the hi codes above are rounded.
+template <bool BF16>
+inline void quantize_halves_typed(const void* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
+                                  float* xd, float* xs, int32_t* xsum) {
+  const int64_t G = K / GROUP;
+  for (int64_t i = row_begin * 2 * G; i < row_end * 2 * G; ++i) {
+    float v[16];
+    float amax = 0.f;
+    for (int64_t k = 0; k < 16; ++k) {
+      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * 16 + k]) : static_cast<const float*>(x)[i * 16 + k];
+      const float a = v[k] < 0.f ? -v[k] : v[k];
+      amax = a > amax ? a : amax;
+    }
+    const GroupScales sc = group_scales(amax);
+    int32_t sum = 0;
+    for (int64_t k = 0; k < 16; ++k) {
+      const float h = __builtin_rintf(v[k] * sc.inv_coarse);
+      const int32_t code = static_cast<int32_t>(h > 127.f ? 127.f : (h < -127.f ? -127.f : h));
+      xq[x_half_at(i, G) + k] = static_cast<int8_t>(code);
+      sum += code;
+    }
+    store_half(i, M, G, sum, sc.coarse, xq, xd, xs, xsum);
+  }
+}
+
+void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
+                   int32_t x_bits, int8_t* xq, float* xd, float* xs, int32_t* xsum) {
+  if (x_bits == 8) {
+    if (x_bf16) quantize_halves_typed<true>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+    else quantize_halves_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+  } else if (x_bf16) {
+    quantize_rows_typed<true>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+  } else {
+    quantize_rows_typed<false>(x, M, K, row_begin, row_end, xq, xd, xs, xsum);
+  }
 }
 
 void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out) {
@@ -71,14 +103,14 @@ void group_dots(nanoserve_format f, const uint8_t* w, int64_t N, int64_t K, cons
 }
 
 // Per group of 32 and scale group h within it (one, or two halves of 16), the integer sums of
-// the codes (a table's values) with hi and lo, then acc += d * xd * (254 dot_hi + dot_lo) + m *
-// xs over h's k (m = -zero_point * d in a symmetric format; none with a table). With x_bits 8,
-// dot_lo is 0 and the minimum meets the same rounded activations, 254 xd sum(hi) for xs: sum_k
-// (d c + m) x_q, whose error (d c + m) (x_q - x) is centred where the exact sum's, d c (x_q - x),
-// is not (c >= 0): twice as large on a Q4_1 weight.
+// the codes (a table's values) with the activation codes, then acc += d * (activations' dot) + m
+// * xs over h's k (m = -zero_point * d in a symmetric format; none with a table). The dot is xd
+// * (254 dot_hi + dot_lo) with x_bits 16, and with 8 each half's dot_hi times its own step. The
+// minimum meets the activations as rounded (xs): sum_k (d c + m) x_q, whose error (d c + m) (x_q
+// - x) is centred where the exact sum's, d c (x_q - x), is not (c >= 0).
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K,
               int64_t block_begin, int64_t block_end, int64_t M, const int8_t* xq, const float* xd, const float* xs,
-              const int32_t* xsum, int32_t x_bits, void* out, int32_t out_bf16) {
+              int32_t x_bits, void* out, int32_t out_bf16) {
   const int64_t G = K / GROUP, bytes_per_group = group_bytes(f.bits), per = GROUP / f.group;
   std::vector<float> acc(16 * M);
   int32_t codes[16][GROUP];
@@ -92,25 +124,30 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
       for (int64_t row = 0; row < M; ++row) {
         const int8_t* hi = xq + row * x_row_stride(K) + g * GROUP;
         const int8_t* lo = hi + M * x_row_stride(K);
+        const float* halves = xs + row * 2 * G + 2 * g;
         for (int64_t h = 0; h < per; ++h) {
           // the activations' sum over this scale group: one half of 16, or both
-          float x_sum = per == 2 ? xs[row * 2 * G + 2 * g + h] : xs[row * 2 * G + 2 * g] + xs[row * 2 * G + 2 * g + 1];
-          if (x_bits == 8) {
-            const int32_t* hi_sum = xsum + row * 2 * G + 2 * g;
-            x_sum = static_cast<float>(254 * (per == 2 ? hi_sum[h] : hi_sum[0] + hi_sum[1])) * xd[row * G + g];
-          }
+          const float x_sum = per == 2 ? halves[h] : halves[0] + halves[1];
           for (int64_t r = 0; r < 16; ++r) {
-            int32_t dot_hi = 0, dot_lo = 0;
+            int32_t dot[2] = {0, 0}, dot_lo = 0;  // hi's per half of 16
             for (int64_t k = h * f.group; k < (h + 1) * f.group; ++k) {
-              dot_hi += codes[r][k] * hi[k];
-              if (x_bits == 16) dot_lo += codes[r][k] * lo[k];
+              dot[k / 16] += codes[r][k] * hi[k];
+              dot_lo += codes[r][k] * lo[k];
             }
             const int64_t at = ((b * G + g) * per + h) * 16 + r;
             const float d_at = load_scale(d, at, f.scale_kind, f.group);
             const float low = f.table ? 0.f
                               : f.zero_point ? -static_cast<float>(f.zero_point) * d_at
                                              : load_scale(m, at, f.scale_kind, f.group);
-            acc[row * 16 + r] += static_cast<float>(254 * dot_hi + dot_lo) * (d_at * xd[row * G + g]);
+            float x_dot;
+            if (x_bits == 16) {
+              x_dot = static_cast<float>(254 * (dot[0] + dot[1]) + dot_lo) * xd[row * G + g];
+            } else {
+              const float* steps = xd + row * 2 * G + 2 * g;
+              x_dot = per == 2 ? static_cast<float>(dot[h]) * steps[h]
+                               : static_cast<float>(dot[0]) * steps[0] + static_cast<float>(dot[1]) * steps[1];
+            }
+            acc[row * 16 + r] += x_dot * d_at;
             acc[row * 16 + r] += low * x_sum;
           }
         }
@@ -126,14 +163,14 @@ void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m
 // group_mm's one row.
 void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
                 int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
-                int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+                int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs,
                 int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
   const ExpertGroups groups(ids, rows * top_k);
   const int64_t blocks = N / 16, G = K / GROUP, M = x_per_pair ? rows * top_k : rows, size = out_bf16 ? 2 : 4;
   const int64_t S = x_row_stride(K);
   std::vector<int8_t> q(2 * S);
-  std::vector<float> q_d(G), q_s(2 * G);
-  std::vector<int32_t> q_sum(4 * G);
+  const int64_t steps = x_bits == 8 ? 2 * G : G;  // xd's per row
+  std::vector<float> q_d(steps), q_s(2 * G);
   for (int64_t task = task_begin; task < task_end; ++task) {
     const int64_t j = task / blocks, b = task % blocks, e = groups.experts[j];
     const void* d_e = static_cast<const char*>(d) + e * scale_stride;
@@ -142,11 +179,9 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
       const int64_t p = groups.pairs[i], x = x_per_pair ? p : p / top_k;
       std::copy(xq + x * S, xq + x * S + K, q.begin());
       std::copy(xq + M * S + x * S, xq + M * S + x * S + K, q.begin() + S);
-      std::copy(xd + x * G, xd + (x + 1) * G, q_d.begin());
+      std::copy(xd + x * steps, xd + (x + 1) * steps, q_d.begin());
       std::copy(xs + 2 * x * G, xs + 2 * (x + 1) * G, q_s.begin());
-      std::copy(xsum + 2 * x * G, xsum + 2 * (x + 1) * G, q_sum.begin());
-      std::copy(xsum + 2 * M * G + 2 * x * G, xsum + 2 * M * G + 2 * (x + 1) * G, q_sum.begin() + 2 * G);
-      group_mm(f, w + e * w_stride, d_e, m_e, N, K, b, b + 1, 1, q.data(), q_d.data(), q_s.data(), q_sum.data(),
+      group_mm(f, w + e * w_stride, d_e, m_e, N, K, b, b + 1, 1, q.data(), q_d.data(), q_s.data(),
                x_bits, static_cast<char*>(out) + p * N * size, out_bf16);
     }
   }

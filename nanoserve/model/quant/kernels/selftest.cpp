@@ -145,28 +145,29 @@ void test_products(const nanoserve_kernel_table* ref, const nanoserve_kernel_tab
   std::vector<uint8_t> x(M * K * (bf16 ? 2 : 4));
   for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
   const int64_t stride = nanoserve::x_row_stride(K);  // rows padded: a padding byte is never written
-  std::vector<int8_t> xq_ref(2 * M * stride), xq(2 * M * stride);
-  std::vector<float> xd_ref(M * G), xs_ref(2 * M * G), xd(M * G), xs(2 * M * G);
-  std::vector<int32_t> sum_ref(4 * M * G), sum(4 * M * G);
-  ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq_ref.data(), xd_ref.data(), xs_ref.data(), sum_ref.data());
-  tier->quantize_rows(x.data(), bf16, M, K, 0, M / 2, xq.data(), xd.data(), xs.data(), sum.data());
-  tier->quantize_rows(x.data(), bf16, M, K, M / 2, M, xq.data(), xd.data(), xs.data(), sum.data());
-  check(xq == xq_ref && xd == xd_ref && xs == xs_ref && sum == sum_ref, name + ": activation codes");
-  // products
   std::vector<uint16_t> d = random_scales(N * H, f.scale_kind, f.group), m = random_scales(N * H, f.scale_kind, f.group);
   for (int32_t x_bits : {16, 8}) {
+    const std::string bits = " x_bits " + std::to_string(x_bits);
+    std::vector<int8_t> xq_ref(2 * M * stride), xq(2 * M * stride);
+    std::vector<float> xd_ref(2 * M * G), xs_ref(2 * M * G), xd(2 * M * G), xs(2 * M * G);
+    std::vector<int32_t> sum_ref(4 * M * G), sum(4 * M * G);
+    ref->quantize_rows(x.data(), bf16, M, K, 0, M, x_bits, xq_ref.data(), xd_ref.data(), xs_ref.data(), sum_ref.data());
+    tier->quantize_rows(x.data(), bf16, M, K, 0, M / 2, x_bits, xq.data(), xd.data(), xs.data(), sum.data());
+    tier->quantize_rows(x.data(), bf16, M, K, M / 2, M, x_bits, xq.data(), xd.data(), xs.data(), sum.data());
+    check(xq == xq_ref && xd == xd_ref && xs == xs_ref && sum == sum_ref, name + bits + ": activation codes");
+    // products
     std::vector<uint8_t> out_ref(M * N * 4), out(M * N * 4);
-    ref->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), sum.data(),
-                  x_bits, out_ref.data(), bf16);
+    ref->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 16, M, xq.data(), xd.data(), xs.data(), x_bits,
+                  out_ref.data(), bf16);
     // two calls over halves of the blocks, as the glue splits them over threads
-    tier->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(), sum.data(),
-                   x_bits, out.data(), bf16);
+    tier->group_mm(f, w.data(), d.data(), m.data(), N, K, 0, N / 32, M, xq.data(), xd.data(), xs.data(), x_bits,
+                   out.data(), bf16);
     tier->group_mm(f, w.data(), d.data(), m.data(), N, K, N / 32, N / 16, M, xq.data(), xd.data(), xs.data(),
-                   sum.data(), x_bits, out.data(), bf16);
+                   x_bits, out.data(), bf16);
     float scale;
     const float diff = max_abs_diff(as_floats(out_ref, bf16, M * N), as_floats(out, bf16, M * N), &scale);
-    check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale, name + " x_bits " + std::to_string(x_bits) + ": products, max diff " +
-                                                       std::to_string(diff) + " of " + std::to_string(scale));
+    check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * scale, name + bits + ": products, max diff " + std::to_string(diff) +
+                                                       " of " + std::to_string(scale));
   }
   // the dequantised weight is the same on both
   std::vector<uint8_t> dense_ref(N * K * 4), dense(N * K * 4);
@@ -225,17 +226,18 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
   for (int64_t i = 0; i < M * K; ++i) nanoserve::store_float(x.data(), i, xf[i], bf16);
   const int64_t stride = nanoserve::x_row_stride(K);
   std::vector<int8_t> xq(2 * M * stride);
-  std::vector<float> xd(M * G), xs(2 * M * G);
+  std::vector<float> xd(2 * M * G), xs(2 * M * G);
   std::vector<int32_t> sum(4 * M * G);
-  ref->quantize_rows(x.data(), bf16, M, K, 0, M, xq.data(), xd.data(), xs.data(), sum.data());
+  ref->quantize_rows(x.data(), bf16, M, K, 0, M, x_bits, xq.data(), xd.data(), xs.data(), sum.data());
+  const int64_t steps = x_bits == 8 ? 2 * G : G;  // xd's per row
   const int64_t tasks = static_cast<int64_t>(nanoserve::ExpertGroups(routing.ids.data(), pairs).experts.size()) * (N / 16);
   std::vector<uint8_t> out_ref(pairs * N * 4), out(pairs * N * 4);
   ref->experts_mm(f, w.data(), d.data(), m.data(), w_stride, scale_stride, N, K, routing.rows, routing.top_k,
-                  routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), x_bits, 0, tasks,
+                  routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), x_bits, 0, tasks,
                   out_ref.data(), bf16);
   for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, tasks / 2}, {tasks / 2, tasks}}) {
     tier->experts_mm(f, w.data(), d.data(), m.data(), w_stride, scale_stride, N, K, routing.rows, routing.top_k,
-                     routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), sum.data(), x_bits, begin, end,
+                     routing.ids.data(), x_per_pair, xq.data(), xd.data(), xs.data(), x_bits, begin, end,
                      out.data(), bf16);
   }
   float scale;
@@ -255,13 +257,10 @@ void test_experts(const nanoserve_kernel_table* ref, const nanoserve_kernel_tabl
     std::vector<int8_t> q(2 * stride);
     std::copy(xq.begin() + row * stride, xq.begin() + row * stride + K, q.begin());
     std::copy(xq.begin() + (M + row) * stride, xq.begin() + (M + row) * stride + K, q.begin() + stride);
-    std::vector<int32_t> q_sum(4 * G);
-    std::copy(sum.begin() + 2 * row * G, sum.begin() + 2 * (row + 1) * G, q_sum.begin());
-    std::copy(sum.begin() + 2 * (M + row) * G, sum.begin() + 2 * (M + row + 1) * G, q_sum.begin() + 2 * G);
     std::vector<uint8_t> one(N * 4);
     ref->group_mm(f, w.data() + e * w_stride, reinterpret_cast<const char*>(d.data()) + e * scale_stride,
                   reinterpret_cast<const char*>(m.data()) + e * scale_stride, N, K, 0, N / 16, 1, q.data(),
-                  xd.data() + row * G, xs.data() + 2 * row * G, q_sum.data(), x_bits, one.data(), bf16);
+                  xd.data() + row * steps, xs.data() + 2 * row * G, x_bits, one.data(), bf16);
     alone = alone && std::equal(one.begin(), one.begin() + N * (bf16 ? 2 : 4), out_ref.begin() + p * N * (bf16 ? 2 : 4));
   }
   check(alone, name + ": the reference is each pair through group_mm alone");

@@ -72,10 +72,43 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
   }
 }
 
-void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
-                   float* xd, float* xs, int32_t* xsum) {
-  if (x_bf16) quantize_rows_typed(static_cast<const uint16_t*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
-  else quantize_rows_typed(static_cast<const float*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+// reference.cpp's one-code quantiser (x_bits 8) in vector operations: per half group of 16, a
+// step of max |x| / 127, the same codes bit for bit.
+template <typename E>
+void quantize_halves_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
+                           float* xd, float* xs, int32_t* xsum) {
+  constexpr int C = 16 / V::LANES;
+  const int64_t G = K / GROUP;
+  const V::F top = V::set1(127.f), bottom = V::set1(-127.f);
+  for (int64_t i = row_begin * 2 * G; i < row_end * 2 * G; ++i) {
+    V::F v[C];
+    V::F amax = V::fzero();
+    for (int c = 0; c < C; ++c) {
+      v[c] = V::load(x + i * 16 + V::LANES * c);
+      amax = V::max(amax, V::abs(v[c]));
+    }
+    const GroupScales sc = group_scales(V::hmax(amax));
+    const V::F inv_step = V::set1(sc.inv_coarse);
+    V::F sum = V::fzero();  // exact integers
+    for (int c = 0; c < C; ++c) {
+      const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_step)), bottom), top);
+      V::store_int8(xq + x_half_at(i, G) + V::LANES * c, V::to_int(h));
+      sum = V::add(sum, h);
+    }
+    store_half(i, M, G, static_cast<int32_t>(V::hsum(sum)), sc.coarse, xq, xd, xs, xsum);
+  }
+}
+
+void quantize_rows(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
+                   int32_t x_bits, int8_t* xq, float* xd, float* xs, int32_t* xsum) {
+  if (x_bits == 8) {
+    if (x_bf16) quantize_halves_typed(static_cast<const uint16_t*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+    else quantize_halves_typed(static_cast<const float*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+  } else if (x_bf16) {
+    quantize_rows_typed(static_cast<const uint16_t*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+  } else {
+    quantize_rows_typed(static_cast<const float*>(x), M, K, row_begin, row_end, xq, xd, xs, xsum);
+  }
 }
 
 // LANES fp32 sums to out[at ..] as fp32 or (rounded to nearest even) bf16.
@@ -143,8 +176,8 @@ constexpr int32_t sums_offset(int32_t zero_point) {
 
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
-// over each half of 16 (h = 0, 1: a group-16 format's two scale groups; code vectors j < 4 hold
-// k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127. The sums are
+// over each half of 16 (h = 0, 1: a group-16 format's two scale groups, or 8-bit activations' two
+// steps; code vectors j < 4 hold k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127. The sums are
 // the raw products of the codes as the tier multiplies them: the offset (sums_offset) is the
 // caller's to take out. Each code vector is loaded once for all rows; each sum is split over two accumulators (the
 // halves, or even and odd j with few rows), so dependent multiply-adds do not wait on each other.
@@ -219,8 +252,8 @@ struct Format {
     if (kind == SCALES_SUPER) return super_record_bytes(32 / PER) / 8;
     return 16 * PER * (kind == SCALES_FP32 ? 4 : kind == SCALES_E8M0 ? 1 : 2);
   }
-  // Rows sharing each code vector, with 16-bit activations (LO) or 8: split sums hold twice the
-  // accumulators.
+  // Rows sharing each code vector, with 16-bit activations (LO) or 8: a group-16 format's sums
+  // hold twice the accumulators.
   template <bool LO>
   static constexpr int rows() {
     constexpr int base = LO ? V::ROWS : V::ROWS_A8;
@@ -248,12 +281,12 @@ struct RoutedPairs {
 // cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
 // stay in registers across the groups. d, m: the block's first scale and minimum (none in a
 // symmetric format); out: the block's first output of output row 0. LO: the activations' lo
-// codes too (x_bits 16), else hi alone (x_bits 8). A zero point (and the byte tiers' flip) is
+// codes too (x_bits 16), else hi alone, a step per half group (x_bits 8). A zero point (and the byte tiers' flip) is
 // taken out in floats, with the minimums: one multiply-add a row per scale group, where in the
 // integer sums it cost a broadcast and two adds a row (6% of a pass at 8 rows, more at -O2).
 template <typename F, bool LO, int R, typename Rows>
 void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
-             const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
+             const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
              int64_t ldo, nanoserve_format f) {
   const int64_t G = K / GROUP, scale_bytes = F::scale_bytes(f.scale_kind);
   const bool symmetric = f.zero_point != 0 || f.table;  // no minimums stored
@@ -280,20 +313,29 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
-      V::I hi[F::PER][R], lo[F::PER][R];
-      group_sums<F::BITS, F::LUT, F::SPLIT, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
-                                                   in, x_row_stride(K), hi, lo);
+      // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's
+      constexpr bool HALVES = F::SPLIT || !LO;
+      V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R];
+      group_sums<F::BITS, F::LUT, HALVES, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
+                                                 in, x_row_stride(K), hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
         const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
-          V::F dot;
-          if constexpr (LO) dot = V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r]));
-          else dot = V::to_float(V::times254(hi[h][r]));
-          acc[s][r] = V::fma(dot, V::mul(dv, V::set1(xd[in[r] * G + g])), acc[s][r]);
+          V::F dot;  // the activations' dot with the codes
+          if constexpr (LO) {
+            // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
+            dot = V::mul(V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r])),
+                         V::set1(xd[in[r] * G + g]));
+          } else if constexpr (F::SPLIT) {
+            dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
+          } else {
+            const float* steps = xd + in[r] * 2 * G + 2 * g;
+            dot = V::fma(V::to_float(hi[1][r]), V::set1(steps[1]), V::mul(V::to_float(hi[0][r]), V::set1(steps[0])));
+          }
+          acc[s][r] = V::fma(dot, dv, acc[s][r]);
         }
         if (!symmetric || offset != 0) {
           // the minimums, and the offset as one: d * offset per unit of the activations' sum
@@ -301,15 +343,8 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
           if (offset != 0) mv = V::fma(dv, V::set1(static_cast<float>(offset)), mv);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            float x_sum;  // the activations' sum over the scale group: fine, or of the hi codes alone
-            if constexpr (LO) {
-              const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // per half
-              x_sum = F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1];
-            } else {
-              const int32_t* hi_sums = xsum + in[r] * 2 * G + 2 * g;
-              x_sum = static_cast<float>(254 * (F::SPLIT ? hi_sums[h] : hi_sums[0] + hi_sums[1])) * xd[in[r] * G + g];
-            }
-            acc[s][r] = V::fma(mv, V::set1(x_sum), acc[s][r]);
+            const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
+            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
           }
         }
       }
@@ -325,19 +360,19 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
 // R rows or fewer (down to 1) of `rows`: the template for the count.
 template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows>
 void rows_block(int count, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
-                const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out, bool out_bf16,
+                const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
   if constexpr (R > 1) {
-    if (count < R) return rows_block<F, LO, R - 1>(count, w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
+    if (count < R) return rows_block<F, LO, R - 1>(count, w, d, m, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
   }
-  block16<F, LO, R>(w, d, m, K, M, rows, xq, xd, xs, xsum, out, out_bf16, ldo, f);
+  block16<F, LO, R>(w, d, m, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
 // every chunk of F::rows<LO>() rows multiplies them.
 template <typename F, bool LO>
 void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
-                    int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, void* out,
+                    int64_t M, const int8_t* xq, const float* xd, const float* xs, void* out,
                     bool out_bf16, nanoserve_format f) {
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
@@ -346,7 +381,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
     for (int64_t r = 0; r < M; r += ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - r));
       rows_block<F, LO>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
-                    static_cast<const char*>(m) + b * scale_bytes, K, M, RowRun{r}, xq, xd, xs, xsum,
+                    static_cast<const char*>(m) + b * scale_bytes, K, M, RowRun{r}, xq, xd, xs,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
   }
@@ -371,17 +406,17 @@ void with_format(nanoserve_format f, Args... args) {
 template <typename F>
 struct GroupMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0, int64_t b1,
-                  int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, bool lo,
+                  int64_t M, const int8_t* xq, const float* xd, const float* xs, bool lo,
                   void* out, bool out_bf16, nanoserve_format f) {
-    if (lo) group_mm_typed<F, true>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
-    else group_mm_typed<F, false>(w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, out, out_bf16, f);
+    if (lo) group_mm_typed<F, true>(w, d, m, N, K, b0, b1, M, xq, xd, xs, out, out_bf16, f);
+    else group_mm_typed<F, false>(w, d, m, N, K, b0, b1, M, xq, xd, xs, out, out_bf16, f);
   }
 };
 
 void group_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t N, int64_t K, int64_t b0,
-              int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+              int64_t b1, int64_t M, const int8_t* xq, const float* xd, const float* xs,
               int32_t x_bits, void* out, int32_t out_bf16) {
-  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, xsum, x_bits == 16, out, static_cast<bool>(out_bf16),
+  with_format<GroupMm>(f, w, d, m, N, K, b0, b1, M, xq, xd, xs, x_bits == 16, out, static_cast<bool>(out_bf16),
                        f);
 }
 
@@ -391,18 +426,18 @@ template <typename F>
 struct ExpertsMm {
   static void run(const uint8_t* w, const void* d, const void* m, int64_t w_stride, int64_t scale_stride, int64_t N,
                   int64_t K, int64_t rows, int64_t top_k, const int64_t* ids, bool x_per_pair, const int8_t* xq,
-                  const float* xd, const float* xs, const int32_t* xsum, bool lo, int64_t task_begin, int64_t task_end,
+                  const float* xd, const float* xs, bool lo, int64_t task_begin, int64_t task_end,
                   void* out, bool out_bf16, nanoserve_format f) {
-    if (lo) tasks<true>(w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, x_per_pair, xq, xd, xs, xsum,
+    if (lo) tasks<true>(w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, x_per_pair, xq, xd, xs,
                         task_begin, task_end, out, out_bf16, f);
-    else tasks<false>(w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, x_per_pair, xq, xd, xs, xsum,
+    else tasks<false>(w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, x_per_pair, xq, xd, xs,
                       task_begin, task_end, out, out_bf16, f);
   }
 
   template <bool LO>
   static void tasks(const uint8_t* w, const void* d, const void* m, int64_t w_stride, int64_t scale_stride, int64_t N,
                     int64_t K, int64_t rows, int64_t top_k, const int64_t* ids, bool x_per_pair, const int8_t* xq,
-                    const float* xd, const float* xs, const int32_t* xsum, int64_t task_begin, int64_t task_end,
+                    const float* xd, const float* xs, int64_t task_begin, int64_t task_end,
                     void* out, bool out_bf16, nanoserve_format f) {
     const ExpertGroups groups(ids, rows * top_k);
     const int64_t blocks = N / 16, G = K / GROUP, block_bytes = G * F::GROUP_BYTES;
@@ -417,7 +452,7 @@ struct ExpertsMm {
       constexpr int64_t ROWS = F::template rows<LO>();
       for (int64_t i = 0; i < count; i += ROWS) {
         rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, d_b, m_b, K, M,
-                      RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs, xsum,
+                      RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs,
                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       }
     }
@@ -426,10 +461,10 @@ struct ExpertsMm {
 
 void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void* m, int64_t w_stride,
                 int64_t scale_stride, int64_t N, int64_t K, int64_t rows, int64_t top_k, const int64_t* ids,
-                int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum,
+                int32_t x_per_pair, const int8_t* xq, const float* xd, const float* xs,
                 int32_t x_bits, int64_t task_begin, int64_t task_end, void* out, int32_t out_bf16) {
   with_format<ExpertsMm>(f, w, d, m, w_stride, scale_stride, N, K, rows, top_k, ids, static_cast<bool>(x_per_pair),
-                         xq, xd, xs, xsum, x_bits == 16, task_begin, task_end, out, static_cast<bool>(out_bf16), f);
+                         xq, xd, xs, x_bits == 16, task_begin, task_end, out, static_cast<bool>(out_bf16), f);
 }
 
 template <typename F>
