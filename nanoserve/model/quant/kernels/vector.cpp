@@ -252,12 +252,12 @@ struct Format {
     if (kind == SCALES_SUPER) return super_record_bytes(32 / PER) / 8;
     return 16 * PER * (kind == SCALES_FP32 ? 4 : kind == SCALES_E8M0 ? 1 : 2);
   }
-  // Rows sharing each code vector, with 16-bit activations (LO) or 8: a group-16 format's sums
-  // hold twice the accumulators.
+  // Rows sharing each code vector, with 16-bit activations (LO) or 8: a group-16 format's 16-bit
+  // sums hold twice the accumulators (8-bit sums come per half in every format: ROWS_A8 counts them).
   template <bool LO>
   static constexpr int rows() {
-    constexpr int base = LO ? V::ROWS : V::ROWS_A8;
-    return SPLIT ? (base > 1 ? base / 2 : 1) : base;
+    if constexpr (!LO) return V::ROWS_A8;
+    return SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
   }
 };
 
