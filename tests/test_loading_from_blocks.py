@@ -190,7 +190,7 @@ def test_auto_holds_no_dense_copy_and_auto_dense_asks_for_one():
 @pytest.mark.parametrize("plan", [WeightPlan("int4"), WeightPlan("int4", int8_head=True), WeightPlan("int8"),
                                   WeightPlan("fp32"), WeightPlan("bf16"), auto_cpu_plan(), auto_cpu_plan(dense=True),
                                   WeightPlan("int4", a8_from_rows=1), WeightPlan("int4", a8_from_rows=12),
-                                  auto_cpu_plan(a8_from_rows=1), auto_cpu_plan(a8_from_rows=None),
+                                  auto_cpu_plan(activations="a8"), auto_cpu_plan(activations="a16"),
                                   *(WeightPlan("int4", kernel=t) for t in OUR_TIERS)], ids=lambda p: p.name)
 def test_a_plans_name_parses_back_to_the_plan(plan):
     assert WeightPlan.parse(plan.name) == plan
@@ -207,14 +207,15 @@ def test_a_name_that_is_no_plan_is_refused(name):
 
 def test_auto_rounds_activations_to_8_bits_from_a8_from_rows_and_refuses_other_parts():
     default, _ = resolve_weights("auto", None, "cpu", named_model=True)
-    assert default == auto_cpu_plan() and default.a8_from_rows == A8_FROM_ROWS
-    assert default.name.endswith(f"+a8>={A8_FROM_ROWS}")
+    from_rows = A8_FROM_ROWS[cpu_kernels.resolve_tier()]
+    assert default == auto_cpu_plan() and default.a8_from_rows == from_rows
+    assert default.name.endswith(f"+a8>={from_rows}")
     assert auto_cpu_plan(tier="torch").a8_from_rows is None  # torch's int4 kernel has 16 bits only
     for name, dense in (("auto+a8", False), ("auto+dense+a8", True), ("auto+a8+dense", True)):
         plan, _ = resolve_weights(name, None, "cpu", named_model=True)
-        assert plan == auto_cpu_plan(dense=dense, a8_from_rows=1) and plan.name.endswith("+a8")
+        assert plan == auto_cpu_plan(dense=dense, activations="a8") and plan.name.endswith("+a8")
     sixteen, _ = resolve_weights("auto+a16", None, "cpu", named_model=True)
-    assert sixteen == auto_cpu_plan(a8_from_rows=None) and "a8" not in sixteen.name
+    assert sixteen == auto_cpu_plan(activations="a16") and "a8" not in sixteen.name
     for name in ("auto+a9", "auto+a8+a8", "auto+int8head", "auto+"):
         with pytest.raises(ValueError, match="auto takes"):
             resolve_weights(name, None, "cpu", named_model=True)
@@ -229,18 +230,20 @@ def test_8_bit_activations_reach_every_packed_product_from_their_row_count_and_s
     from nanoserve.model.network.fidelity import teacher_forced_logits
     from nanoserve.model.quant.linear import GroupLinear
 
-    plans = {"auto": auto_cpu_plan(), "a16": auto_cpu_plan(a8_from_rows=None), "a8": auto_cpu_plan(a8_from_rows=1)}
+    plans = {name: auto_cpu_plan(activations=name) for name in ("auto", "a16", "a8")}
+    from_rows = plans["auto"].a8_from_rows
     models = {name: load_model(smollm2_path, weights=plan)[0] for name, plan in plans.items()}
     for name, model in models.items():
         linears = [m for m in model.modules() if isinstance(m, GroupLinear)]
         assert linears and {m.a8_from_rows for m in linears} == {plans[name].a8_from_rows}
-    ids = list(range(100, 100 + 2 * A8_FROM_ROWS))
+    ids = list(range(100, 100 + 2 * from_rows))
     logits = {(name, rows): teacher_forced_logits(model, ids, chunk_rows=rows).float()
-              for name, model in models.items() for rows in (A8_FROM_ROWS - 1, A8_FROM_ROWS)}
-    assert torch.equal(logits["auto", A8_FROM_ROWS - 1], logits["a16", A8_FROM_ROWS - 1])
-    assert torch.equal(logits["auto", A8_FROM_ROWS], logits["a8", A8_FROM_ROWS])
-    kl = torch.nn.functional.kl_div(logits["a8", A8_FROM_ROWS].log_softmax(-1),
-                                    logits["a16", A8_FROM_ROWS].log_softmax(-1), log_target=True,
+              for name, model in models.items() for rows in (from_rows - 1, from_rows)}
+    if from_rows > 1:
+        assert torch.equal(logits["auto", from_rows - 1], logits["a16", from_rows - 1])
+    assert torch.equal(logits["auto", from_rows], logits["a8", from_rows])
+    kl = torch.nn.functional.kl_div(logits["a8", from_rows].log_softmax(-1),
+                                    logits["a16", from_rows].log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     assert 0 < kl.mean() < 0.05, kl
 

@@ -287,24 +287,23 @@ def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int,
     return max(2048, max_model_len)
 
 
-def auto_cpu_plan(tier: str | None = None, dense: bool = False, a8_from_rows: int | None = A8_FROM_ROWS,
-                  ) -> WeightPlan:
+def auto_cpu_plan(tier: str | None = None, dense: bool = False, activations: str = "auto") -> WeightPlan:
     """"auto" on the CPU: the fastest format that passes the fidelity gates against fp32
     (README): int4 codes and the file's Q8_0 LM head (group-wise int8), resident at about the
     file's size: a prompt's many rows dequantise each weight for the call (DEQUANT_FROM_ROWS).
     ``dense`` ("auto+dense") also keeps a dense copy of the linears (and the embedding table as
     the head) from the kernel tier's measured crossover (DENSE_FROM_ROWS) where it has one: about
-    5x the memory of int4 codes, for faster steps of many rows. ``a8_from_rows``: from how many
-    rows the int4 products round activations to 8 bits (WeightPlan): A8_FROM_ROWS, where the
-    arithmetic sets a step's time; 1 for "auto+a8", None (16 bits at every row count, so a row's
-    logits do not depend on the batch it runs in) for "auto+a16"; torch's kernel has 16 bits only.
-    ``tier``: cpu_kernels.resolve_tier's choice by default."""
+    5x the memory of int4 codes, for faster steps of many rows. ``activations``: the bits the int4
+    products round activations to (WeightPlan.a8_from_rows): "auto", 8 from the tier's
+    A8_FROM_ROWS, where the arithmetic sets a step's time; "a8" ("auto+a8"), 8 at every row count;
+    "a16" ("auto+a16"), 16 at every row count, so a row's logits do not depend on the batch it
+    runs in. ``tier``: cpu_kernels.resolve_tier's choice by default."""
     tier = tier or cpu_kernels.resolve_tier()
     # The crossovers were measured against a bf16 copy; an fp32 one (a CPU without native bf16,
     # such as AVX-512 VNNI before AVX-512 BF16) is 4x the codes and pays only at larger batches.
     bf16 = cpu_kernels.compute_dtype(tier) == torch.bfloat16
     return WeightPlan("int4", dense_from_rows=DENSE_FROM_ROWS[tier] if dense and bf16 else None, int8_head=True,
-                      a8_from_rows=None if tier == "torch" else a8_from_rows)
+                      a8_from_rows={"auto": A8_FROM_ROWS[tier], "a8": 1, "a16": None}[activations])
 
 
 def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str | None, device: str,
@@ -322,8 +321,8 @@ def resolve_weights(weights: str | WeightPlan | None, dtype: torch.dtype | str |
             raise ValueError(f"weights {weights!r}: auto takes +dense and +a8 (or +a16), once each")
         if cuda and "a8" in parts:
             raise ValueError(f"weights {weights!r}: 8-bit activations are a CPU int4 kernel option; cuda runs bf16")
-        a8_from_rows = 1 if "a8" in parts else None if "a16" in parts else A8_FROM_ROWS
-        plan = WeightPlan("bf16") if cuda else auto_cpu_plan(dense="dense" in parts, a8_from_rows=a8_from_rows)
+        activations = "a8" if "a8" in parts else "a16" if "a16" in parts else "auto"
+        plan = WeightPlan("bf16") if cuda else auto_cpu_plan(dense="dense" in parts, activations=activations)
     elif isinstance(weights, WeightPlan):
         plan = weights
     else:

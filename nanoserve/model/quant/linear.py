@@ -63,12 +63,17 @@ DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "
 DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 64, "neon-dot": 64, "neon": 64,
                                      "scalar": 16}
 # From how many rows auto's products round activations to 8 bits (kernels/common.h: a step per
-# 16 values) rather than 16: where a step's arithmetic, not its read of the weights, sets its
-# time, 8 bits multiply each weight code once instead of twice (a 1B pass of Q4_0 products at 32
-# rows: 212 -> 133 ms on Zen 4); fewer rows keep 16 bits, faithful well beyond llama.cpp, and
-# their step is bound by the read. 8-bit logits stay at least as close to fp32 as llama.cpp's
-# (`compilebench.py fidelity --chunk-rows 16`, the README's table).
-A8_FROM_ROWS = 16
+# 16 values) rather than 16, per tier: where a step's arithmetic, not its read of the weights,
+# sets its time, 8 bits multiply each weight code once instead of twice (a 1B pass of Q4_0
+# products at 32 rows: 212 -> 133 ms on Zen 4's avx512-vnni); fewer rows keep 16 bits, faithful
+# well beyond llama.cpp, where the step is bound by the read. 8-bit logits stay at least as close
+# to fp32 as llama.cpp's (`compilebench.py fidelity --chunk-rows 16`, the README's table). On
+# avx2 (no VNNI) 16-bit products are arithmetic-bound from 2 rows: the same pass at 2 rows takes
+# 42.1 ms with 16 bits, 25.5 with 8 (8 rows: 225 against 86). avx-vnni and the NEON tiers were
+# not measured and take avx512-vnni's. None: 16 bits at every row count (torch's kernel has no
+# other; the scalar tier is a reference). Batch 1 keeps 16 bits on every tier.
+A8_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 16, "avx-vnni": 16, "avx2": 2, "neon-dot": 16, "neon": 16,
+                                       "scalar": None, "torch": None}
 # The group-wise LM head reads a byte per weight (Q8_0) against the body's half, so its dense
 # copy takes over sooner where the body has one.
 HEAD_DENSE_FROM_ROWS = 16
