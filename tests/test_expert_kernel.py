@@ -171,6 +171,25 @@ def test_packed_experts_decode_step_equals_the_dequantised_experts(tier, qtype, 
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_packed_experts_take_8_bit_activations_from_a8_from_rows(tier):
+    """A step of fewer rows than ``a8_from_rows`` runs the 16-bit products, one of that many the
+    8-bit ones: each equal to the experts built with that precision at every row count."""
+    hidden, width, top_k, from_rows = 256, 256, 2, 3
+    gate_up, down = stacked_experts(Q.Q4_K, 2 * width, hidden, 6), stacked_experts(Q.Q4_K, hidden, width, 7)
+    dtype = cpu_kernels.compute_dtype(tier)
+    made = {a8: PackedExperts(gate_up, down, width, cpu_kernels.handle(tier), 64, "silu", a8_from_rows=a8).to(dtype)
+            for a8 in (from_rows, None, 1)}
+    generator = torch.Generator().manual_seed(0)
+    for rows, same_as in ((from_rows - 1, None), (from_rows, 1)):
+        x = torch.randn(rows, hidden, generator=generator).to(dtype)
+        ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:top_k] for _ in range(rows)])
+        weights = torch.softmax(torch.randn(rows, top_k, generator=generator), -1).to(dtype)
+        outputs = {a8: experts(x, ids, weights) for a8, experts in made.items()}
+        assert torch.equal(outputs[from_rows], outputs[same_as])
+        assert not torch.equal(outputs[None], outputs[1])
+
+
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("rows", [1, 8, 40])
 def test_the_packed_step_equals_the_expert_by_expert_step(tier, rows):
     """The grouped step against the one it replaced (each expert's products called one by one):

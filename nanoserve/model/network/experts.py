@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.network.config import ModelConfig
-from nanoserve.model.quant.cpu_kernels import activation_bits
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -278,11 +277,13 @@ class PackedExperts(nn.Module):
         return self.gate_up_codes.shape[0]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # quant.cpu_kernels.activation_bits's rule, which this package (below quant) cannot import
+        x_bits = 8 if self.a8_from_rows is not None and x.shape[0] >= self.a8_from_rows else 16
         return torch.ops.nanoserve.experts_packed(
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
             self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha,
-            activation_bits(x.shape[0], self.a8_from_rows))
+            x_bits)
 
 
 class ExpertMLP(nn.Module):
