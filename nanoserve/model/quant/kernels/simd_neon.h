@@ -59,7 +59,6 @@ struct Simd {
   static I finish_wide(A a) { return finish_nibbles(a); }
   static I iadd(I a, I b) { return vaddq_s32(a, b); }
   static I iset1(int32_t v) { return vdupq_n_s32(v); }
-  static I times254(I h) { return vmulq_n_s32(h, 254); }
   static void istore(int32_t* p, I v) { vst1q_s32(p, v); }
   static F to_float(I v) { return vcvtq_f32_s32(v); }
   static F fzero() { return vdupq_n_f32(0.f); }

@@ -41,7 +41,6 @@ struct Simd {
   static I finish_bytes(A a) { return a; }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
-  static I times254(I h) { return _mm512_sub_epi32(_mm512_slli_epi32(h, 8), _mm512_slli_epi32(h, 1)); }
   static void istore(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
@@ -132,7 +131,6 @@ struct Simd {
   static I finish_bytes(A a) { return a; }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
-  static I times254(I h) { return _mm256_sub_epi32(_mm256_slli_epi32(h, 8), _mm256_slli_epi32(h, 1)); }
   static void istore(int32_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }

@@ -177,10 +177,11 @@ constexpr int32_t sums_offset(int32_t zero_point) {
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
 // hi[h][r] = sum_k c x_hi, lo[h][r] = sum_k c x_lo, over the group's 32 k (h = 0) or, with SPLIT,
 // over each half of 16 (h = 0, 1: a group-16 format's two scale groups, or 8-bit activations' two
-// steps; code vectors j < 4 hold k < 16 in both layouts). Row r's codes at + row[r] * stride, int8 in -127..127. The sums are
-// the raw products of the codes as the tier multiplies them: the offset (sums_offset) is the
-// caller's to take out. Each code vector is loaded once for all rows; each sum is split over two accumulators (the
-// halves, or even and odd j with few rows), so dependent multiply-adds do not wait on each other.
+// steps; code vectors j < 4 hold k < 16 in both layouts). Row r's codes at + row[r] * stride,
+// int8 in -127..127. The sums are the raw products of the codes as the tier multiplies them: the
+// offset (sums_offset) is the caller's to take out. Each code vector is loaded once for all rows;
+// each sum is split over two accumulators (the halves, or even and odd j with few rows), so
+// dependent multiply-adds do not wait on each other.
 // LUT: 4-bit codes through the table in `lut`, as byte codes (zero_point 128: sums_zero_point).
 template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
@@ -281,9 +282,10 @@ struct RoutedPairs {
 // cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
 // stay in registers across the groups. d, m: the block's first scale and minimum (none in a
 // symmetric format); out: the block's first output of output row 0. LO: the activations' lo
-// codes too (x_bits 16), else hi alone, a step per half group (x_bits 8). A zero point (and the byte tiers' flip) is
-// taken out in floats, with the minimums: one multiply-add a row per scale group, where in the
-// integer sums it cost a broadcast and two adds a row (6% of a pass at 8 rows, more at -O2).
+// codes too (x_bits 16), else hi alone, a step per half group (x_bits 8). A zero point (and the
+// byte tiers' flip) is taken out in floats, with the minimums: one multiply-add a row per scale
+// group, where in the integer sums it cost a broadcast and two adds a row (6% of a pass at 8
+// rows, more at -O2).
 template <typename F, bool LO, int R, typename Rows>
 void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
