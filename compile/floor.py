@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from compile.common import median_seconds
-from nanoserve.model.network.experts import ExpertMLP, PackedExperts
-from nanoserve.model.quant import cpu_kernels
+from nanoserve.model.network.experts import ExpertMLP, PackedExperts, activation_bits
 
 
 def last_level_cache_bytes() -> int:
@@ -91,7 +90,7 @@ def step_multiply_adds(model) -> int:
     """The integer multiply-adds of one batch-1 decode step's products: each weight of the linear
     layers, the LM head and the routed experts times the row, twice through nanoserve's kernels
     with 16-bit activations (hi and lo codes), once with 8-bit ones (a one-row step's
-    ``cpu_kernels.activation_bits``) or dense."""
+    ``activation_bits``) or dense."""
     total = 0
     for module in [*matmul_modules(model), head_module(model)]:
         parts = getattr(module, "parts", None) or [getattr(module, "table", module)]  # ConcatLinear, GroupEmbedding
@@ -112,7 +111,7 @@ def _passes(module: nn.Module) -> int:
     activations, 1 with 8-bit ones or a dense weight."""
     if not hasattr(module, "a8_from_rows"):
         return 1
-    return cpu_kernels.activation_bits(1, module.a8_from_rows) // 8
+    return activation_bits(1, module.a8_from_rows) // 8
 
 
 def _read_at(module: nn.Module, tensor_name: str, rows: int) -> bool:

@@ -110,6 +110,13 @@ def _(x, ids, weights, gate, up, down, gate_bias, up_bias, down_bias, activation
     return torch.empty_like(x)
 
 
+def activation_bits(rows: int, a8_from_rows: int | None) -> int:
+    """The ``x_bits`` of a packed product of ``rows`` rows (the kernels' activation codes, 8 or
+    16 bits): 8 from ``a8_from_rows`` rows on (None: never), else 16. Here, below quant, so that
+    the experts and quant's linears share it."""
+    return 8 if a8_from_rows is not None and rows >= a8_from_rows else 16
+
+
 @torch.library.custom_op("nanoserve::experts_packed", mutates_args=())
 def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_codes: torch.Tensor,
                    gate_up_scales: torch.Tensor, gate_up_mins: torch.Tensor, gate_up_zero: int,
@@ -131,7 +138,7 @@ class PackedStep:
     """A layer's packed experts as experts_packed receives them: gate_up and down each (codes,
     scales, mins, zero point) with one leading index per expert, the tier's handle, the
     activation (``glu``'s), the optional biases and the products' activation bits (8 or 16,
-    ``cpu_kernels.activation_bits``)."""
+    ``activation_bits``)."""
 
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -277,13 +284,11 @@ class PackedExperts(nn.Module):
         return self.gate_up_codes.shape[0]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # quant.cpu_kernels.activation_bits's rule, which this package (below quant) cannot import
-        x_bits = 8 if self.a8_from_rows is not None and x.shape[0] >= self.a8_from_rows else 16
         return torch.ops.nanoserve.experts_packed(
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
             self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha,
-            x_bits)
+            activation_bits(x.shape[0], self.a8_from_rows))
 
 
 class ExpertMLP(nn.Module):

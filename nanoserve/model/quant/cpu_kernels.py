@@ -244,12 +244,6 @@ def _build(tier: Tier) -> Path:
     return out
 
 
-def activation_bits(rows: int, a8_from_rows: int | None) -> int:
-    """The ``x_bits`` of a product of ``rows`` rows: 8 from ``a8_from_rows`` rows on (None: never),
-    else 16."""
-    return 8 if a8_from_rows is not None and rows >= a8_from_rows else 16
-
-
 def _output_like(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, zero_point: int,
                  tier: int, x_bits: int = 16) -> torch.Tensor:
     return x.new_empty((x.shape[0], 16 * scales.shape[0]))

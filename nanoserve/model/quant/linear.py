@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.model.network.experts import activation_bits
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.cpu_kernels import GROUP_SIZE
 from nanoserve.model.quant.gguf_blocks import StackedBlocks
@@ -170,7 +171,7 @@ class GroupLinear(_PackedLinear):
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.handle is not None:
             return torch.ops.nanoserve.group_mm(x, self.codes, self.scales, self.mins, self.zero_point, self.handle,
-                                                cpu_kernels.activation_bits(x.shape[0], self.a8_from_rows))
+                                                activation_bits(x.shape[0], self.a8_from_rows))
         x = torch.cat([x, x], dim=-1) if self.doubled_input else x
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
