@@ -541,6 +541,16 @@ struct Q8Cells {  // q8_0: int8 codes, an fp16 step per 32
 
 constexpr int64_t MAX_HEAD = 1024;  // q8_0 cells: the op refuses a longer head
 
+// Prefetches every cache line of one head's cell in `slot` (D values) and, if scaled, its steps.
+template <typename C>
+inline void fetch_cell(const C& cells, int64_t slot, int64_t D) {
+  const char* cell = reinterpret_cast<const char*>(cells.cell(slot));
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(*cells.cell(slot)));
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(cell + l);
+  __builtin_prefetch(cell + bytes - 1);  // a cell need not start on a line
+  if constexpr (C::SCALED) __builtin_prefetch(cells.steps(slot));
+}
+
 template <typename E, typename KC, typename VC>
 void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t group,
                   int64_t D, float scale, E* out, int64_t out_stride, float* scratch, const float* sinks) {
@@ -558,12 +568,13 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
       V::store(acc + g * D + V::LANES * c, V::fzero());
     }
   }
-  constexpr int64_t AHEAD = 8;  // cells are scattered over the cache: fetch a few ahead
+  // Cells are scattered over the cache and, at batch 1, cold (the step's weights streamed through
+  // the caches since this layer wrote them): every line of a cell is fetched AHEAD cells early,
+  // and V's first cells while K's scores are reduced.
+  constexpr int64_t AHEAD = 16;
+  for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(k, slots[t], D);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + AHEAD < len) {
-      __builtin_prefetch(k.cell(slots[t + AHEAD]));
-      if constexpr (KC::SCALED) __builtin_prefetch(k.steps(slots[t + AHEAD]));
-    }
+    if (t + AHEAD < len) fetch_cell(k, slots[t + AHEAD], D);
     const auto* cell = k.cell(slots[t]);
     float steps[MAX_HEAD / 32];
     if constexpr (KC::SCALED) for (int64_t b = 0; b < D / 32; ++b) steps[b] = k.step(slots[t], b);
@@ -577,6 +588,7 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
       scores[g * padded + t] = V::hsum(sum);
     }
   }
+  for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(v, slots[t], D);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * padded;
     const float top = sinks ? std::max(sinks[g], *std::max_element(row, row + len)) : *std::max_element(row, row + len);
@@ -593,10 +605,7 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
     for (int64_t t = 0; t < len; ++t) row[t] *= inv;
   }
   for (int64_t t = 0; t < len; ++t) {
-    if (t + AHEAD < len) {
-      __builtin_prefetch(v.cell(slots[t + AHEAD]));
-      if constexpr (VC::SCALED) __builtin_prefetch(v.steps(slots[t + AHEAD]));
-    }
+    if (t + AHEAD < len) fetch_cell(v, slots[t + AHEAD], D);
     const auto* cell = v.cell(slots[t]);
     for (int64_t b = 0; b < D; b += v_block) {
       const float step = v.step(slots[t], b / 32);
