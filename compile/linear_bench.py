@@ -3,7 +3,10 @@ default model and per kernel tier (`python compilebench.py linear [--tier T]`, a
 `python -m compile.linear_bench`), written to ``compile/results/runs/linear_crossover-<tier>.csv``. ``int4`` and ``int8g`` (group-wise int8, the LM
 head's format) run the tier's kernels with activations in its compute dtype (bf16 where the CPU
 computes it natively, else fp32), ``dense`` is the dense copy ``auto`` would keep (that dtype),
-``int4_torch`` torch's int4 kernel (bf16).
+``int4_torch`` torch's int4 kernel (bf16). ``int4`` runs from ``DEQUANT_FROM_ROWS`` rows on
+through the dequantised weight and a dense GEMM, as the engine does; ``int4_a8`` is the tier's
+kernel with 8-bit activations at every row count, never dequantised (where it beats ``int4`` at
+a prompt's rows, the tier's ``A8_DEQUANT_FROM_ROWS`` says so).
 
 Each shape holds as many distinct random weights as the model has layers, called in turn, so
 the weights stream from memory as in a real step rather than sitting in cache. The arms run
@@ -36,19 +39,23 @@ from nanoserve.model.quant.linear import GroupLinear, Int8GroupLinear
 # [N, K] of the default model's linears (fused q/k/v, o, gate and up, down) and its LM head.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
-COLUMNS = ["tier", "dtype", "shape", "n", "k", "rows", "threads", "fp32_us", "bf16_us", "int4_us", "int4_torch_us",
-           "int8g_us", "dense_vs_int4", "dense_vs_int8g"]
+COLUMNS = ["tier", "dtype", "shape", "n", "k", "rows", "threads", "fp32_us", "bf16_us", "int4_us", "int4_a8_us", "int4_torch_us",
+           "int8g_us", "dense_vs_int4", "dense_vs_int8g",
+           "int4_vs_int4_a8"]
 
 
 def arms(n: int, k: int, copies: int, tier: str, dtype: torch.dtype) -> dict[str, list]:
     """Per arm, ``copies`` callables taking x in ``dtype``."""
-    out: dict[str, list] = {"fp32": [], "bf16": [], "int4": [], "int4_torch": [], "int8g": []}
+    out: dict[str, list] = {"fp32": [], "bf16": [], "int4": [], "int4_a8": [], "int4_torch": [], "int8g": []}
     for _ in range(copies):
         w = torch.randn(n, k) * k ** -0.5
         dense32, dense16 = w, w.bfloat16()
         out["fp32"].append(lambda x, w=dense32: F.linear(x.float(), w))
         out["bf16"].append(lambda x, w=dense16: F.linear(x.bfloat16(), w))
         out["int4"].append(GroupLinear(quantize_int4(w), None, dtype, kernel=tier))
+        a8 = GroupLinear(quantize_int4(w), None, dtype, kernel=tier, a8_from_rows=1)
+        a8.dense_from_rows = None  # the kernel at every row count
+        out["int4_a8"].append(a8)
         out["int4_torch"].append(lambda x, m=GroupLinear(quantize_int4(w), None, torch.bfloat16, kernel="torch"):  # noqa: B008
                                  m(x.bfloat16()))
         out["int8g"].append(Int8GroupLinear(*quantize_int8_groups(w), None, dtype, kernel=tier))
@@ -73,7 +80,8 @@ def measure(shape: str, rows: int, repeats: int, layers: int, tier: str) -> dict
     dense = us["bf16" if dtype == torch.bfloat16 else "fp32"]
     return dict(tier=tier, dtype=str(dtype).removeprefix("torch."), shape=shape, n=n, k=k, rows=rows,
                 threads=torch.get_num_threads(), **{f"{arm}_us": round(v, 1) for arm, v in us.items()},
-                dense_vs_int4=round(dense / us["int4"], 3), dense_vs_int8g=round(dense / us["int8g"], 3))
+                dense_vs_int4=round(dense / us["int4"], 3), dense_vs_int8g=round(dense / us["int8g"], 3),
+                int4_vs_int4_a8=round(us["int4"] / us["int4_a8"], 3))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

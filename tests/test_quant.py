@@ -19,6 +19,7 @@ from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.group_codes import GroupCodes, quantize_int4, quantize_int8, quantize_int8_groups
 from nanoserve.model.quant.linear import (
     GROUP_SIZE,
+    DEQUANT_FROM_ROWS,
     HEAD_DENSE_FROM_ROWS,
     GroupLinear,
     Int8GroupLinear,
@@ -420,6 +421,31 @@ def test_a_tied_int8_head_without_a_dense_copy_serves_the_embedding_from_its_cod
     assert got.shape == (2, 3, 64) and got.dtype == plan.dtype and torch.equal(got, want.to(plan.dtype))
     with pytest.raises(RuntimeError, match="rows must lie"):
         model.embed_tokens(torch.tensor([256]))
+
+
+@pytest.mark.parametrize("kernel", [k for k in GROUP_KERNELS if k != "torch"])
+def test_a_prompts_rows_at_8_bit_activations_run_the_kernel_where_the_tier_computes_in_fp32(kernel):
+    # Where a layer's activations are 8-bit by a prompt's row count and the dense GEMM would run
+    # in fp32, the kernel beats dequantise-and-GEMM (linear_bench's int4_vs_int4_a8): the layer
+    # never dequantises. A bf16 tier keeps the bf16 GEMM (16-bit fidelity for prompts).
+    torch.manual_seed(0)
+    weight = quantize_int4(torch.randn(96, 128) * 128 ** -0.5)
+    dtype = cpu_kernels.compute_dtype(kernel)
+    rows = DEQUANT_FROM_ROWS[kernel] + 16
+    layer = GroupLinear(weight, None, dtype, kernel=kernel, a8_from_rows=2)
+    x = torch.randn(rows, 128, dtype=dtype)
+    if dtype == torch.bfloat16:
+        assert layer.dense_from_rows == DEQUANT_FROM_ROWS[kernel]
+        return
+    assert layer.dense_from_rows is None
+    want = torch.ops.nanoserve.group_mm(x, layer.codes, layer.scales, layer.mins, layer.zero_point, layer.handle, 8)
+    assert torch.equal(layer(x), want)
+    exact = x.float() @ weight.dequantize().float().t()
+    assert (want.float() - exact).abs().max() <= 2 ** -6 * exact.abs().max()
+    # 16-bit activations at those rows (or 8 only from past them) still dequantise.
+    assert GroupLinear(weight, None, dtype, kernel=kernel).dense_from_rows == DEQUANT_FROM_ROWS[kernel]
+    late = GroupLinear(weight, None, dtype, kernel=kernel, a8_from_rows=rows)
+    assert late.dense_from_rows == DEQUANT_FROM_ROWS[kernel]
 
 
 def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():

@@ -290,7 +290,8 @@ def default_token_budget(chunked: bool, max_batch_size: int, max_model_len: int,
 def auto_cpu_plan(tier: str | None = None, dense: bool = False, activations: str = "auto") -> WeightPlan:
     """"auto" on the CPU: the fastest format that passes the fidelity gates against fp32
     (README): int4 codes and the file's Q8_0 LM head (group-wise int8), resident at about the
-    file's size: a prompt's many rows dequantise each weight for the call (DEQUANT_FROM_ROWS).
+    file's size: a prompt's many rows dequantise each weight for the call, or run the kernels at
+    8 bits on a tier that computes in fp32 (linear.dequant_from_rows).
     ``dense`` ("auto+dense") also keeps a dense copy of the linears (and the embedding table as
     the head) from the kernel tier's measured crossover (DENSE_FROM_ROWS) where it has one: about
     5x the memory of int4 codes, for faster steps of many rows. ``activations``: the bits the int4

@@ -60,7 +60,8 @@ DENSE_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 24, "avx-vnni": None, "
 # From how many rows a group-wise layer without a dense copy dequantises its weight into the
 # compute dtype and multiplies it in a dense GEMM: at a prompt's hundreds of rows the GEMM's
 # arithmetic rate wins over the integer kernels, and the dequantisation (one pass over the
-# weight) is shared by every row. Same bench as above.
+# weight) is shared by every row. Same bench as above, with 16-bit activations; where the tier
+# computes in fp32 and the activations are 8-bit at these rows, never (dequant_from_rows).
 DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 64, "neon-dot": 64, "neon": 64,
                                      "scalar": 16}
 # From how many rows auto's products round activations to 8 bits (kernels/common.h: a step per
@@ -75,6 +76,23 @@ DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 
 # other; the scalar tier is a reference). Batch 1 keeps 16 bits on every tier.
 A8_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 16, "avx-vnni": 16, "avx2": 2, "neon-dot": 16, "neon": 16,
                                        "scalar": None, "torch": None}
+
+
+def dequant_from_rows(tier: str, a8_from_rows: int | None) -> int | None:
+    """From how many rows a group-wise layer on ``tier`` that holds no dense copy multiplies
+    through its dequantised weight (None: never). Never where the tier computes in fp32 (no
+    native bf16: AVX2, NEON, AVX-512 without BF16) and the activations are 8-bit by then
+    (``a8_from_rows``): there the kernel at 8 bits beats dequantise-and-fp32-GEMM at every
+    prompt size measured (64-512 rows of the default model's gate/up and down, 1.3-4.8x on
+    avx2: `python compilebench.py linear --tier avx2 --rows 64 128 512`, ``int4_vs_int4_a8``)
+    and, with fp32 around it, keeps a prompt's logits well within the fidelity gate. A bf16
+    tier keeps the bf16 GEMM for prompts: 8-bit activations on top of bf16 rounding sit at
+    llama.cpp's top-1 with no margin (the README's fidelity table)."""
+    rows = DEQUANT_FROM_ROWS[tier]
+    fp32 = cpu_kernels.compute_dtype(tier) == torch.float32
+    return None if fp32 and a8_from_rows is not None and a8_from_rows <= rows else rows
+
+
 # The group-wise LM head reads a byte per weight (Q8_0) against the body's half, so its dense
 # copy takes over sooner where the body has one.
 HEAD_DENSE_FROM_ROWS = 16
@@ -149,8 +167,8 @@ class GroupLinear(_PackedLinear):
                                                                    weight.min_factors)
             for name, tensor in zip(("codes", "scales", "mins"), packed):
                 self.register_buffer(name, tensor)
-            if dense is None:  # no copy held: from DEQUANT_FROM_ROWS rows the weight is dequantised for the call
-                self.dense_from_rows = DEQUANT_FROM_ROWS[self.kernel]
+            if dense is None:  # no copy held: the weight is dequantised for a call of many rows
+                self.dense_from_rows = dequant_from_rows(self.kernel, a8_from_rows)
             return
         if weight.group != GROUP_SIZE:
             raise ValueError(f"torch's int4 kernel runs groups of {GROUP_SIZE} only, not {weight.group}")
