@@ -18,8 +18,8 @@ from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.group_codes import GroupCodes, quantize_int4, quantize_int8, quantize_int8_groups
 from nanoserve.model.quant.linear import (
-    GROUP_SIZE,
     DEQUANT_FROM_ROWS,
+    GROUP_SIZE,
     HEAD_DENSE_FROM_ROWS,
     GroupLinear,
     Int8GroupLinear,
@@ -451,7 +451,6 @@ def test_a_prompts_rows_at_8_bit_activations_run_the_kernel_where_the_tier_compu
 def test_a_compiled_bucket_past_the_dequantise_row_count_decodes_as_eager():
     # A row bucket of DEQUANT_FROM_ROWS rows or more traces the dequantise-and-GEMM path (the
     # op's fake shape) into the graph: it decodes as eager does, with no recompile.
-    from nanoserve.model.quant.linear import DEQUANT_FROM_ROWS
     plan = WeightPlan("int4", int8_head=True)
     rows = DEQUANT_FROM_ROWS.get(plan.tier)
     if rows is None:  # torch's kernel: no dequantised path to trace
