@@ -278,6 +278,29 @@ inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) 
 // What code c multiplies: itself, or its table's value.
 inline int32_t code_value(const int8_t* table, uint8_t c) { return table ? table[c] : c; }
 
+// Row r's 32 codes of group wg (code_in_group's, a word at a time): 4-bit codes come four to a
+// word per pair of code vectors (low nibbles, then high), each fifth and sixth bit from its plane.
+template <int BITS>
+inline void codes_of_row(const uint8_t* wg, int64_t r, uint8_t* c) {
+  if constexpr (BITS == 8) {
+    for (int q = 0; q < 8; ++q) memcpy(c + 4 * q, wg + 64 * q + 4 * r, 4);
+  } else {
+    for (int q = 0; q < 4; ++q) {
+      uint32_t word;
+      memcpy(&word, wg + 64 * q + 4 * r, 4);
+      const uint32_t low = word & 0x0F0F0F0Fu, high = (word >> 4) & 0x0F0F0F0Fu;  // byte i: k = i, 4 + i
+      memcpy(c + 8 * q, &low, 4);
+      memcpy(c + 8 * q + 4, &high, 4);
+    }
+    for (int plane = 0; plane < BITS - 4; ++plane) {
+      for (int v = 0; v < 8; ++v) {  // vector v's four codes of row r: k = 8 (v / 2) + 4 (v % 2) + i
+        const int bits = (wg[256 + 64 * plane + 8 * v + r / 2] >> (4 * (r % 2))) & 15;
+        for (int i = 0; i < 4; ++i) c[8 * (v / 2) + 4 * (v % 2) + i] |= static_cast<uint8_t>(((bits >> i) & 1) << (4 + plane));
+      }
+    }
+  }
+}
+
 // Output row n of the weight, out[k] = d * c + m (or d * table[c]) over its K codes (out fp32,
 // or bf16 bits); each group's 32 codes are read first, so the loops stay simple enough to vectorise.
 template <int BITS, bool BF16>
@@ -286,8 +309,14 @@ inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m,
   const int64_t G = K / GROUP, b = n / 16, r = n % 16, per = GROUP / f.group, group = f.group;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + (b * G + g) * group_bytes(BITS);
+    uint8_t raw[GROUP];
+    codes_of_row<BITS>(wg, r, raw);
     float codes[GROUP];
-    for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_value(f.table, code_in_group(wg, BITS, r, k)));
+    if (f.table) {
+      for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(f.table[raw[k]]);
+    } else {
+      for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(raw[k]);
+    }
     for (int64_t h = 0; h < per; ++h) {
       const int64_t at = ((b * G + g) * per + h) * 16 + r;
       const float scale = load_scale(d, at, f.scale_kind, f.group);
