@@ -171,6 +171,27 @@ def test_packed_experts_decode_step_equals_the_dequantised_experts(tier, qtype, 
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_packed_experts_without_a_dequantise_row_count_run_a_prompts_busy_experts_in_the_kernel(tier):
+    """dequant_from_rows None (a tier computing in fp32 with 8-bit activations by a prompt's
+    rows): an expert with a prompt's rows stays in the grouped kernel, as with a row count no
+    step reaches, where 16 rows dequantise it."""
+    hidden, width, top_k, rows = 256, 256, 2, 40
+    gate_up, down = stacked_experts(Q.Q4_K, 2 * width, hidden, 6), stacked_experts(Q.Q4_K, hidden, width, 7)
+    dtype = cpu_kernels.compute_dtype(tier)
+    made = {limit: PackedExperts(gate_up, down, width, cpu_kernels.handle(tier), limit, "silu").to(dtype)
+            for limit in (None, 10 ** 6, 16)}
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=generator)[:top_k] for _ in range(rows)])
+    ids[:, 0] = 3  # expert 3 in every row: past 16
+    weights = torch.softmax(torch.randn(rows, top_k, generator=generator), -1).to(dtype)
+    outputs = {limit: experts(x, ids, weights) for limit, experts in made.items()}
+    assert torch.equal(outputs[None], outputs[10 ** 6])
+    assert not torch.equal(outputs[None], outputs[16])
+    assert (outputs[None].float() - outputs[16].float()).abs().max() <= 0.03 * outputs[16].float().abs().max()
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_packed_experts_take_8_bit_activations_from_a8_from_rows(tier):
     """A step of fewer rows than ``a8_from_rows`` runs the 16-bit products, one of that many the
     8-bit ones: each equal to the experts built with that precision at every row count."""

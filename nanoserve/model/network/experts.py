@@ -12,7 +12,7 @@ leading dimension), packed expert by expert from the file's blocks: a step reads
 experts' bytes. Their step runs every routed pair in two grouped kernel calls (gate and up of
 every pair, then down; ``nanoserve::experts_mm``), with no per-expert Python; in a prompt's step
 an expert with many rows dequantises its matrix and runs a dense GEMM instead, as a packed linear
-does (``quant.DEQUANT_FROM_ROWS``).
+does (``quant.linear.dequant_from_rows``: not on a tier computing in fp32 with 8-bit activations).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def activation_bits(rows: int, a8_from_rows: int | None) -> int:
 def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_codes: torch.Tensor,
                    gate_up_scales: torch.Tensor, gate_up_mins: torch.Tensor, gate_up_zero: int,
                    down_codes: torch.Tensor, down_scales: torch.Tensor, down_mins: torch.Tensor, down_zero: int,
-                   intermediate: int, tier: int, dequant_from_rows: int, activation: str,
+                   intermediate: int, tier: int, dequant_from_rows: int | None, activation: str,
                    gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, limit: float,
                    alpha: float, x_bits: int = 16) -> torch.Tensor:
     """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
@@ -157,14 +157,15 @@ class PackedStep:
 
 
 def _packed_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedStep,
-                 dequant_from_rows: int) -> torch.Tensor:
+                 dequant_from_rows: int | None) -> torch.Tensor:
     """Every routed pair through the grouped kernel (_grouped_outputs: a layer's experts in two
     calls), except, in a step of ``dequant_from_rows`` rows or more (a prompt), the pairs of the
     experts with that many: those experts dequantise their matrices for a dense GEMM each, as a
-    packed linear does. Then each row's pairs weighted and summed (in fp32, rounded once)."""
+    packed linear does (None: never, quant.linear.dequant_from_rows). Then each row's pairs
+    weighted and summed (in fp32, rounded once)."""
     rows, top_k = ids.shape
     busy: list[int] = []
-    if rows >= dequant_from_rows:
+    if dequant_from_rows is not None and rows >= dequant_from_rows:
         counts = torch.bincount(ids.reshape(-1), minlength=experts.gate_up[0].shape[0])
         busy = (counts >= dequant_from_rows).nonzero().flatten().tolist()
     grouped_ids = ids.masked_fill(torch.isin(ids, torch.tensor(busy, dtype=ids.dtype)), -1) if busy else ids
@@ -212,12 +213,13 @@ def _dequantised_expert(rows: torch.Tensor, e: int, experts: PackedStep, dense: 
 
 
 def _per_expert_step(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: PackedStep,
-                     dequant_from_rows: int) -> torch.Tensor:
+                     dequant_from_rows: int | None) -> torch.Tensor:
     """The step expert by expert from Python (_mix), each expert's products a call of their
-    own (dequantised from ``dequant_from_rows`` rows): what the grouped kernel replaced, kept as
-    the baseline its benchmark and tests compare with."""
+    own (dequantised from ``dequant_from_rows`` rows; None: never): what the grouped kernel
+    replaced, kept as the baseline its benchmark and tests compare with."""
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return _dequantised_expert(rows, e, experts, dense=rows.shape[0] >= dequant_from_rows)
+        dense = dequant_from_rows is not None and rows.shape[0] >= dequant_from_rows
+        return _dequantised_expert(rows, e, experts, dense=dense)
 
     return _mix(x, ids, weights, experts.gate_up[0].shape[0], expert)
 
@@ -264,7 +266,7 @@ class PackedExperts(nn.Module):
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
                  down: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], intermediate: int, handle: int,
-                 dequant_from_rows: int, activation: str, gate_up_bias: torch.Tensor | None = None,
+                 dequant_from_rows: int | None, activation: str, gate_up_bias: torch.Tensor | None = None,
                  down_bias: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 1.0,
                  a8_from_rows: int | None = None) -> None:
         super().__init__()

@@ -25,7 +25,6 @@ from nanoserve.model.quant.group_codes import (
     quantize_int8_groups,
 )
 from nanoserve.model.quant.linear import (
-    DEQUANT_FROM_ROWS,
     GROUP_KERNELS,
     HEAD_DENSE_FROM_ROWS,
     WEIGHT_FORMATS,
@@ -34,6 +33,7 @@ from nanoserve.model.quant.linear import (
     GroupLinear,
     Int8Embedding,
     Int8Linear,
+    dequant_from_rows,
     int4_kernel_accepts,
     int8_kernel_accepts,
 )
@@ -390,7 +390,7 @@ def _pack_experts(module: nn.Module, name: str, full: str, experts: DenseExperts
 
     gate_up_bias = None if experts.gate_bias is None else torch.cat([experts.gate_bias, experts.up_bias], dim=-1)
     packed = PackedExperts(stacked(["gate_proj", "up_proj"]), stacked(["down_proj"]), width, handle,
-                           DEQUANT_FROM_ROWS[plan.tier],
+                           dequant_from_rows(plan.tier, plan.a8_from_rows),
                            experts.activation, gate_up_bias, experts.down_bias, experts.limit, experts.alpha,
                            plan.a8_from_rows)
     _replace(module, name, packed)
