@@ -5,8 +5,8 @@ head's format) run the tier's kernels with activations in its compute dtype (bf1
 computes it natively, else fp32), ``dense`` is the dense copy ``auto`` would keep (that dtype),
 ``int4_torch`` torch's int4 kernel (bf16). ``int4`` runs from ``DEQUANT_FROM_ROWS`` rows on
 through the dequantised weight and a dense GEMM, as the engine does; ``int4_a8`` is the tier's
-kernel with 8-bit activations at every row count, never dequantised (where it beats ``int4`` at
-a prompt's rows, the tier's ``A8_DEQUANT_FROM_ROWS`` says so).
+kernel with 8-bit activations at every row count, never dequantised (``int4_vs_int4_a8``: what
+``quant.linear.dequant_from_rows`` rests on).
 
 Each shape holds as many distinct random weights as the model has layers, called in turn, so
 the weights stream from memory as in a real step rather than sitting in cache. The arms run

@@ -312,11 +312,7 @@ inline void dequantize_row_typed(const uint8_t* w, const void* d, const void* m,
     uint8_t raw[GROUP];
     codes_of_row<BITS>(wg, r, raw);
     float codes[GROUP];
-    if (f.table) {
-      for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(f.table[raw[k]]);
-    } else {
-      for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(raw[k]);
-    }
+    for (int64_t k = 0; k < GROUP; ++k) codes[k] = static_cast<float>(code_value(f.table, raw[k]));
     for (int64_t h = 0; h < per; ++h) {
       const int64_t at = ((b * G + g) * per + h) * 16 + r;
       const float scale = load_scale(d, at, f.scale_kind, f.group);
