@@ -13,7 +13,8 @@ inline int32_t four_codes(const int8_t* p) { return *reinterpret_cast<const alia
 
 #if defined(NANOSERVE_TIER_AVX512_VNNI)
 struct Simd {
-  static constexpr int LANES = 16, ROWS = 8, ROWS_A8 = 8;  // rows sharing each code vector (32 registers)
+  static constexpr int LANES = 16, ROWS = 8, ROWS_A8 = 8;  // rows sharing each code vector
+  static constexpr int REGISTERS = 32;  // vector registers: a block's live sums must fit them
   static constexpr bool UNSIGNED_BYTES = true;  // vpdpbusd takes unsigned codes up to 255
   using I = __m512i;
   using A = __m512i;
@@ -75,6 +76,7 @@ struct Simd {
 #else
   static constexpr int LANES = 8, ROWS = 2, ROWS_A8 = 4;
 #endif
+  static constexpr int REGISTERS = 16;  // vector registers: a block's live sums must fit them
   using I = __m256i;
   using A = __m256i;
   using C = __m256i;
