@@ -71,10 +71,13 @@ DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 
 # well beyond llama.cpp, where the step is bound by the read. 8-bit logits stay at least as close
 # to fp32 as llama.cpp's (`compilebench.py fidelity --chunk-rows 16`, the README's table). On
 # avx2 (no VNNI) 16-bit products are arithmetic-bound from 2 rows: the same pass at 2 rows takes
-# 42.1 ms with 16 bits, 25.5 with 8 (8 rows: 225 against 86). avx-vnni and the NEON tiers were
-# not measured and take avx512-vnni's. None: 16 bits at every row count (torch's kernel has no
-# other; the scalar tier is a reference). Batch 1 keeps 16 bits on every tier.
-A8_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 16, "avx-vnni": 16, "avx2": 2, "neon-dot": 16, "neon": 16,
+# 42.1 ms with 16 bits, 25.5 with 8 (8 rows: 225 against 86), and even at one row 8 bits is
+# faster (21.7 -> 18.7 ms, near the read floor) and, with the rest of the forward in fp32, as
+# faithful as at a batch's rows (`--tier avx2 --chunk-rows 1`): so avx2 takes 8 bits at every
+# row count, and a row's logits there do not depend on its batch. avx-vnni and the NEON tiers
+# were not measured and take avx512-vnni's. None: 16 bits at every row count (torch's kernel has
+# no other; the scalar tier is a reference).
+A8_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 16, "avx-vnni": 16, "avx2": 1, "neon-dot": 16, "neon": 16,
                                        "scalar": None, "torch": None}
 
 
