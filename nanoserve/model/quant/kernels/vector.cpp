@@ -319,9 +319,13 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
       // Where both halves' integer sums and the fp32 sums would not fit the tier's registers, a
       // group-32 format's halves are summed and folded one after the other instead (AVX2 at 4 rows:
-      // a 1B pass of Q4_0 products 1.27x faster than spilling; Q6_K's group-16 codes were slower so).
+      // a 1B pass of Q4_0 products 1.17x faster than spilling; Q6_K's group-16 codes were slower so).
+      // On such a tier every row count folds the halves one by one, in the same order, so a row's
+      // result does not depend on how many rows share its call.
+      constexpr int MOST = F::template rows<LO>();
+      constexpr bool FOLD_HALVES = !LO && !F::SPLIT && 2 * MOST + SUB * MOST + 2 > V::REGISTERS;
       constexpr bool HALVES = F::SPLIT || !LO;
-      constexpr bool ONE_HALF_AT_A_TIME = !LO && !F::SPLIT && 2 * R + SUB * R + 2 > V::REGISTERS;
+      constexpr bool ONE_HALF_AT_A_TIME = FOLD_HALVES && 2 * R + SUB * R + 2 > V::REGISTERS;
       V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R];
       if constexpr (!ONE_HALF_AT_A_TIME)
         group_sums<F::BITS, F::LUT, HALVES, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
@@ -351,6 +355,10 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
                          V::set1(xd[in[r] * G + g]));
           } else if constexpr (F::SPLIT) {
             dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
+          } else if constexpr (FOLD_HALVES) {
+            const float* steps = xd + in[r] * 2 * G + 2 * g;
+            acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
+            dot = V::mul(V::to_float(hi[1][r]), V::set1(steps[1]));
           } else {
             const float* steps = xd + in[r] * 2 * G + 2 * g;
             dot = V::fma(V::to_float(hi[1][r]), V::set1(steps[1]), V::mul(V::to_float(hi[0][r]), V::set1(steps[0])));
