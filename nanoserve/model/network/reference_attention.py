@@ -108,9 +108,11 @@ class ChunkedCausalAttention:
                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self.stored is not None:
             k, v = self.stored(k, v)
-        self.keys[layer_idx].append(k)
-        self.values[layer_idx].append(v)
-        keys, values = torch.cat(self.keys[layer_idx]), torch.cat(self.values[layer_idx])
+        keys = torch.cat([*self.keys[layer_idx], k])
+        values = torch.cat([*self.values[layer_idx], v])
+        # One tensor kept per layer: a chunk's small tensors, each kept for the whole text between
+        # the large ones made and freed every chunk, fragmented the heap past 24 GB at one row a chunk.
+        self.keys[layer_idx], self.values[layer_idx] = [keys], [values]
         mask = causal_visibility(q.shape[0], keys.shape[0], window, q.device)
         out = causal_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                values.transpose(0, 1)[None], mask, sinks)
