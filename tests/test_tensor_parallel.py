@@ -47,6 +47,12 @@ def run_recorded(engine, prompts, params):
     return [done[i] for i in ids], logits, engine.stats()
 
 
+# Two ranks sum a row-parallel product's halves apart, then add them: fp32 rounding in another
+# order, a few ulps of the logits' scale, more where the BLAS blocks its sums otherwise (torch
+# capped at AVX2 measured 1.5e-5).
+SHARDED_RTOL = 5e-5
+
+
 def assert_close(got: list[torch.Tensor], ref: list[torch.Tensor], rtol: float) -> None:
     assert len(got) == len(ref)
     for step, (a, b) in enumerate(zip(got, ref)):
@@ -83,7 +89,7 @@ def test_two_ranks_give_one_rank_logits_and_tokens(tiny, compiled):
     with build_engine(tiny, tensor_parallel_size=2, **options) as engine:
         got, logits, stats = run_recorded(engine, PROMPTS, params())
         engine.check_drained()
-    assert_close(logits, ref_logits, rtol=1e-5)
+    assert_close(logits, ref_logits, rtol=SHARDED_RTOL)
     for a, b in zip(got, ref):
         assert a.token_ids == b.token_ids  # greedy and seeded sampling alike
         if b.prompt_logprobs:
@@ -133,7 +139,7 @@ def test_per_head_norms_and_sliding_windows_shard_with_their_heads(variant, cach
     ref, ref_logits, _ = run_recorded(alone, prompts, p)
     with build_engine(model, tensor_parallel_size=2, **options) as engine:
         got, logits, _ = run_recorded(engine, prompts, p)
-    assert_close(logits, ref_logits, rtol=1e-5)
+    assert_close(logits, ref_logits, rtol=SHARDED_RTOL)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
