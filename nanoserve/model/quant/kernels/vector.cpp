@@ -31,6 +31,10 @@ namespace {
 using namespace nanoserve;
 using V = Simd;
 constexpr int SUB = 16 / V::LANES;  // vectors per 16-output block
+
+// Whether a block of `rows` rows with 8-bit activations, holding both halves' integer sums beside
+// its fp32 sums, a code vector and an activation, needs more vector registers than the tier has.
+constexpr bool halves_spill(int rows) { return 2 * rows + SUB * rows + 2 > V::REGISTERS; }
 // Codes are fetched this many bytes ahead of their use: the hardware prefetcher alone leaves a
 // one-row product short of the memory bandwidth.
 constexpr int64_t PREFETCH_BYTES = 8192;
@@ -323,9 +327,9 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       // On such a tier every row count folds the halves one by one, in the same order, so a row's
       // result does not depend on how many rows share its call.
       constexpr int MOST = F::template rows<LO>();
-      constexpr bool FOLD_HALVES = !LO && !F::SPLIT && 2 * MOST + SUB * MOST + 2 > V::REGISTERS;
+      constexpr bool FOLD_HALVES = !LO && !F::SPLIT && halves_spill(MOST);
       constexpr bool HALVES = F::SPLIT || !LO;
-      constexpr bool ONE_HALF_AT_A_TIME = FOLD_HALVES && 2 * R + SUB * R + 2 > V::REGISTERS;
+      constexpr bool ONE_HALF_AT_A_TIME = FOLD_HALVES && halves_spill(R);
       V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R];
       if constexpr (!ONE_HALF_AT_A_TIME)
         group_sums<F::BITS, F::LUT, HALVES, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
@@ -345,25 +349,26 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
             for (int r = 0; r < R; ++r)
               acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
           }
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < R && !ONE_HALF_AT_A_TIME; ++r) {
-          V::F dot;  // the activations' dot with the codes
-          if constexpr (LO) {
-            // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
-            dot = V::mul(V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r])),
-                         V::set1(xd[in[r] * G + g]));
-          } else if constexpr (F::SPLIT) {
-            dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
-          } else if constexpr (FOLD_HALVES) {
-            const float* steps = xd + in[r] * 2 * G + 2 * g;
-            acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
-            dot = V::mul(V::to_float(hi[1][r]), V::set1(steps[1]));
-          } else {
-            const float* steps = xd + in[r] * 2 * G + 2 * g;
-            dot = V::fma(V::to_float(hi[1][r]), V::set1(steps[1]), V::mul(V::to_float(hi[0][r]), V::set1(steps[0])));
+        } else {
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            V::F dot;  // the activations' dot with the codes
+            if constexpr (LO) {
+              // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
+              dot = V::mul(V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r])),
+                           V::set1(xd[in[r] * G + g]));
+            } else if constexpr (F::SPLIT) {
+              dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
+            } else if constexpr (FOLD_HALVES) {
+              const float* steps = xd + in[r] * 2 * G + 2 * g;
+              acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
+              dot = V::mul(V::to_float(hi[1][r]), V::set1(steps[1]));
+            } else {
+              const float* steps = xd + in[r] * 2 * G + 2 * g;
+              dot = V::fma(V::to_float(hi[1][r]), V::set1(steps[1]), V::mul(V::to_float(hi[0][r]), V::set1(steps[0])));
+            }
+            acc[s][r] = V::fma(dot, dv, acc[s][r]);
           }
-          acc[s][r] = V::fma(dot, dv, acc[s][r]);
         }
         if (!symmetric || offset != 0) {
           // the minimums, and the offset as one: d * offset per unit of the activations' sum
