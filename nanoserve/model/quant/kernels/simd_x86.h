@@ -115,18 +115,25 @@ struct Simd {
   // (c - 128) and multiplied as |c| * sign(x, c), at most 2 * 128 * 127 = 32512, widened at once.
   static constexpr bool UNSIGNED_BYTES = false;
   static I flip(I b) { return _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  // Each product is added to its accumulator where it is made: GCC would otherwise reassociate a
+  // group's unrolled adds into a tree, keep every product live and spill them to the stack.
+  static A accumulate(A sum) {
+    asm("" : "+x"(sum));
+    return sum;
+  }
   static A dot_nibbles(A acc, I codes, const int8_t* x) {
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four_codes(x))));
+    return accumulate(_mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four_codes(x)))));
   }
   static A dot_bytes(A acc, I codes, const int8_t* x) {
     const I xs = _mm256_sign_epi8(_mm256_set1_epi32(four_codes(x)), codes);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(codes), xs), _mm256_set1_epi16(1)));
+    return accumulate(_mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(codes), xs),
+                                                              _mm256_set1_epi16(1))));
   }
   static I finish_nibbles(A a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
   // 5- and 6-bit codes: a pair reaches 2 * 63 * 127 = 16002, so the int16 sums are widened at once.
   static A dot_wide(A acc, I codes, const int8_t* x) {
     const I pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four_codes(x)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return accumulate(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
   }
   static I finish_wide(A a) { return a; }
 #endif

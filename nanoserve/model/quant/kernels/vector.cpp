@@ -187,8 +187,7 @@ constexpr int32_t sums_offset(int32_t zero_point) {
 // each sum is split over two accumulators (the halves, or even and odd j with few rows), so
 // dependent multiply-adds do not wait on each other.
 // LUT: 4-bit codes through the table in `lut`, as byte codes (zero_point 128: sums_zero_point).
-// J0, COUNT: the code vectors summed (all 8 unless a caller takes a group's halves one at a time).
-template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true, int J0 = 0, int COUNT = 8>
+template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true>
 inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
                        int64_t stride, V::I (*hi)[R], V::I (*lo)[R]) {
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
@@ -199,7 +198,7 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
     for (int r = 0; r < R; ++r) ah[c][r] = al[c][r] = V::azero();
   }
   #pragma GCC unroll 16
-  for (int j = J0; j < J0 + COUNT; ++j) {
+  for (int j = 0; j < 8; ++j) {
     const V::C code = code_vector<BITS, LUT>(wg, s, j, lut);
     const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<BITS>(j);
     #pragma GCC unroll 16
@@ -220,6 +219,38 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
       hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
       if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
     }
+  }
+}
+
+// The hi sums of half a group (code vectors J0 .. J0 + 3, the k of one 8-bit activation step) for
+// every vector s of the 16-output block at once: sums[s][r] for the LANES outputs of vector s and
+// row r. Each row's four activations are broadcast once per code offset and multiplied by the SUB
+// code vectors, where group_sums, called per s, broadcasts them SUB times.
+template <int BITS, bool LUT, int R, int J0>
+inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const int64_t* row, int64_t stride,
+                            V::I (*sums)[R]) {
+  V::A a[SUB][R];
+  #pragma GCC unroll 16
+  for (int s = 0; s < SUB; ++s) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[s][r] = V::azero();
+  }
+  #pragma GCC unroll 4
+  for (int j = J0; j < J0 + 4; ++j) {
+    V::C code[SUB];
+    #pragma GCC unroll 16
+    for (int s = 0; s < SUB; ++s) code[s] = code_vector<BITS, LUT>(wg, s, j, lut);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      #pragma GCC unroll 16
+      for (int s = 0; s < SUB; ++s)
+        a[s][r] = dot_codes<BITS, LUT>(a[s][r], code[s], x + row[r] * stride + code_offset<BITS>(j));
+    }
+  }
+  #pragma GCC unroll 16
+  for (int s = 0; s < SUB; ++s) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) sums[s][r] = finish_codes<BITS, LUT>(a[s][r]);
   }
 }
 
@@ -318,68 +349,76 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       __builtin_prefetch(static_cast<const char*>(d) + ahead);
       if (!symmetric) __builtin_prefetch(static_cast<const char*>(m) + ahead);
     }
+    // The minimums, and the offset as one (d * offset per unit of the activations' sum), of scale
+    // group h of vector s: one multiply-add a row.
+    const auto add_minimums = [&](int s, int h, int64_t at, V::F dv) {
+      if (symmetric && offset == 0) return;
+      V::F mv = symmetric ? V::fzero() : load_scales<F::SPLIT>(f.scale_kind, m, at);
+      if (offset != 0) mv = V::fma(dv, V::set1(static_cast<float>(offset)), mv);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
+        acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
+      }
+    };
+    // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
+    // Where both halves' integer sums and the fp32 sums would not fit the tier's registers (AVX2
+    // and AVX-VNNI at 4 rows), a group-32 format's halves are summed one after the other, for both
+    // vectors s at once (half_block_sums), and each folded into the fp32 sums in turn. On such a tier
+    // fewer rows fold the halves one by one in the same order, so a row's result does not depend on
+    // how many rows share its call.
+    constexpr bool FOLD_HALVES = !LO && !F::SPLIT && halves_spill(F::template rows<LO>());
+    if constexpr (FOLD_HALVES && halves_spill(R)) {
+      #pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        V::I sums[SUB][R];
+        if (half == 0) half_block_sums<F::BITS, F::LUT, R, 0>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+        else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+        #pragma GCC unroll 16
+        for (int s = 0; s < SUB; ++s) {
+          const V::F dv = load_scales<false>(f.scale_kind, d, g * 16 + V::LANES * s);
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; ++r)
+            acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
+        }
+      }
+      #pragma GCC unroll 16
+      for (int s = 0; s < SUB; ++s) {
+        const int64_t at = g * 16 + V::LANES * s;
+        add_minimums(s, 0, at, load_scales<false>(f.scale_kind, d, at));
+      }
+      continue;
+    }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
-      // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
-      // Where both halves' integer sums and the fp32 sums would not fit the tier's registers, a
-      // group-32 format's halves are summed and folded one after the other instead (AVX2 at 4 rows:
-      // a 1B pass of Q4_0 products 1.17x faster than spilling; Q6_K's group-16 codes were slower so).
-      // On such a tier every row count folds the halves one by one, in the same order, so a row's
-      // result does not depend on how many rows share its call.
-      constexpr int MOST = F::template rows<LO>();
-      constexpr bool FOLD_HALVES = !LO && !F::SPLIT && halves_spill(MOST);
       constexpr bool HALVES = F::SPLIT || !LO;
-      constexpr bool ONE_HALF_AT_A_TIME = FOLD_HALVES && halves_spill(R);
       V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R];
-      if constexpr (!ONE_HALF_AT_A_TIME)
-        group_sums<F::BITS, F::LUT, HALVES, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
-                                                   in, x_row_stride(K), hi, lo);
+      group_sums<F::BITS, F::LUT, HALVES, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
+                                                 in, x_row_stride(K), hi, lo);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
         const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
-        if constexpr (ONE_HALF_AT_A_TIME) {
-          #pragma GCC unroll 2
-          for (int half = 0; half < 2; ++half) {
-            if (half == 0) group_sums<F::BITS, F::LUT, false, R, false, 0, 4>(wg, s, lut, xq + g * GROUP, nullptr, in,
-                                                                             x_row_stride(K), hi, lo);
-            else group_sums<F::BITS, F::LUT, false, R, false, 4, 4>(wg, s, lut, xq + g * GROUP, nullptr, in,
-                                                                   x_row_stride(K), hi, lo);
-            #pragma GCC unroll 16
-            for (int r = 0; r < R; ++r)
-              acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          V::F dot;  // the activations' dot with the codes
+          if constexpr (LO) {
+            // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
+            dot = V::mul(V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r])),
+                         V::set1(xd[in[r] * G + g]));
+          } else if constexpr (F::SPLIT) {
+            dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
+          } else if constexpr (FOLD_HALVES) {
+            const float* steps = xd + in[r] * 2 * G + 2 * g;
+            acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
+            dot = V::mul(V::to_float(hi[1][r]), V::set1(steps[1]));
+          } else {
+            const float* steps = xd + in[r] * 2 * G + 2 * g;
+            dot = V::fma(V::to_float(hi[1][r]), V::set1(steps[1]), V::mul(V::to_float(hi[0][r]), V::set1(steps[0])));
           }
-        } else {
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            V::F dot;  // the activations' dot with the codes
-            if constexpr (LO) {
-              // 254 hi + lo, exact in either order (|254 hi| < 2^24 for 4-bit codes; one rounding)
-              dot = V::mul(V::fma(V::to_float(hi[h][r]), V::set1(254.f), V::to_float(lo[h][r])),
-                           V::set1(xd[in[r] * G + g]));
-            } else if constexpr (F::SPLIT) {
-              dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
-            } else if constexpr (FOLD_HALVES) {
-              const float* steps = xd + in[r] * 2 * G + 2 * g;
-              acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
-              dot = V::mul(V::to_float(hi[1][r]), V::set1(steps[1]));
-            } else {
-              const float* steps = xd + in[r] * 2 * G + 2 * g;
-              dot = V::fma(V::to_float(hi[1][r]), V::set1(steps[1]), V::mul(V::to_float(hi[0][r]), V::set1(steps[0])));
-            }
-            acc[s][r] = V::fma(dot, dv, acc[s][r]);
-          }
+          acc[s][r] = V::fma(dot, dv, acc[s][r]);
         }
-        if (!symmetric || offset != 0) {
-          // the minimums, and the offset as one: d * offset per unit of the activations' sum
-          V::F mv = symmetric ? V::fzero() : load_scales<F::SPLIT>(f.scale_kind, m, at);
-          if (offset != 0) mv = V::fma(dv, V::set1(static_cast<float>(offset)), mv);
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
-            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
-          }
-        }
+        add_minimums(s, h, at, dv);
       }
     }
   }
