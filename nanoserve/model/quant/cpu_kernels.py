@@ -4,7 +4,7 @@ tier per instruction set, chosen at run time.
 ``torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, tier, x_bits=16)`` computes ``x @ w.T``
 for bf16 or fp32 ``x`` [M, K] with ``w[n, k] = scales[n, k // g] * c[n, k] + mins[n, k // g]``
 (a symmetric format stores no mins: ``mins = -zero_point * scales``), unsigned codes
-c stored in 4 bits (two a byte), 5 or 6 (a nibble and bit planes) or 8 (a byte each),
+c stored in 4 bits (two a byte), 5 or 6 (a nibble and a bit plane, or crumbs of 2 bits) or 8 (a byte each),
 scale groups of g = 32 or 16 weights along K,
 scales and minimums in fp16 or fp32 (held as int16 or int32 bits): the format follows from the
 tensors' sizes and dtypes (``pack_groups``). A GGUF's table types (``pack_gguf``) pass 16 int8
@@ -351,22 +351,38 @@ def _from_bit_plane(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return bits.view(n // 16, k // GROUP_SIZE, 4, 2, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(n, k)
 
 
+def _crumbs(codes: torch.Tensor) -> torch.Tensor:
+    """Bits 4 and 5 of each code [N, K] as the 6-bit layout's crumb vectors: [N / 16, G, 128] bytes,
+    bits 2 t, 2 t + 1 of byte b of vector q those of the code in byte b of code vector 4 q + t."""
+    n, k = codes.shape
+    high = ((codes >> 4) & 3).view(n // 16, 16, k // GROUP_SIZE, 2, 4, 4)  # [blocks, r, G, q, t, i]
+    shifted = high.permute(0, 2, 3, 1, 5, 4).to(torch.int32) << (2 * torch.arange(4, dtype=torch.int32))
+    return shifted.sum(-1).to(torch.uint8).reshape(n // 16, k // GROUP_SIZE, 128)
+
+
+def _from_crumbs(crumbs: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of _crumbs: [N, K] values 0..3."""
+    shifts = 2 * torch.arange(4, dtype=torch.uint8)
+    high = crumbs.reshape(n // 16, k // GROUP_SIZE, 2, 16, 4, 1) >> shifts & 3  # [blocks, G, q, r, i, t]
+    return high.permute(0, 3, 1, 2, 5, 4).reshape(n, k)
+
+
 def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] below 2 ** bits (5 or 6) as the kernels' layout: per group the low nibbles,
-    then one bit plane per bit above them, N / 16 * K / 32 * 64 * bits bytes."""
+    """Codes [N, K] below 2 ** bits (5 or 6) as the kernels' layout: per group the low nibbles, then
+    the fifth bits' plane (5 bits) or the crumbs of the fifth and sixth (6 bits), N / 16 * K / 32 *
+    64 * bits bytes."""
     n, k = codes.shape
     nibbles = pack_nibbles(codes & 15).view(n // 16, k // GROUP_SIZE, 256)
-    planes = [_bit_plane(codes, bit) for bit in range(4, bits)]
-    return torch.cat([nibbles, *planes], dim=-1).contiguous().view(-1)
+    high = _bit_plane(codes, 4) if bits == 5 else _crumbs(codes)
+    return torch.cat([nibbles, high], dim=-1).contiguous().view(-1)
 
 
 def unpack_planes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     bits = 8 * codes.numel() // (n * k)
     groups = codes.view(n // 16, k // GROUP_SIZE, 64 * bits)
     out = unpack_nibbles(groups[..., :256].contiguous().view(-1), n, k)
-    for plane, bit in enumerate(range(4, bits)):
-        out = out | (_from_bit_plane(groups[..., 256 + 64 * plane:320 + 64 * plane], n, k) << bit)
-    return out
+    high = _from_bit_plane(groups[..., 256:], n, k) if bits == 5 else _from_crumbs(groups[..., 256:], n, k)
+    return out | high << 4
 
 
 STORAGE = {4: (pack_nibbles, unpack_nibbles), 5: (lambda c: pack_planes(c, 5), unpack_planes),

@@ -236,16 +236,27 @@ inline void store_codes_words(const uint8_t (*c)[32], uint8_t* __restrict dst) {
       const uint32_t lanes = static_cast<uint32_t>((word & 0x0F0F0F0Full) | ((word >> 28) & 0xF0F0F0F0ull));
       memcpy(dst + (j * 16 + r) * 4, &lanes, 4);
     }
-  for (int bit = 4; bit < BITS; ++bit) {
-    uint8_t* plane = dst + 256 + 64 * (bit - 4);
+  if constexpr (BITS == 5) {
+    uint8_t* plane = dst + 256;
     for (int j = 0; j < 4; ++j)
       for (int half = 0; half < 2; ++half)
         for (int p = 0; p < 8; ++p) {
           uint32_t even, odd;
           memcpy(&even, c[2 * p] + 8 * j + 4 * half, 4);
           memcpy(&odd, c[2 * p + 1] + 8 * j + 4 * half, 4);
-          plane[16 * j + 8 * half + p] = static_cast<uint8_t>(bit_nibble(even, bit) | (bit_nibble(odd, bit) << 4));
+          plane[16 * j + 8 * half + p] = static_cast<uint8_t>(bit_nibble(even, 4) | (bit_nibble(odd, 4) << 4));
         }
+  } else if constexpr (BITS == 6) {
+    for (int q = 0; q < 2; ++q)  // crumb vector q: bits 2 t, 2 t + 1 of a byte from code vector 4 q + t
+      for (int r = 0; r < 16; ++r) {
+        uint32_t crumbs = 0;
+        for (int t = 0; t < 4; ++t) {
+          uint32_t word;  // code vector v's 4 codes of row r: k = 4 v + i
+          memcpy(&word, c[r] + 4 * (4 * q + t), 4);
+          crumbs |= ((word >> 4) & 0x03030303u) << (2 * t);
+        }
+        memcpy(dst + 256 + 64 * q + 4 * r, &crumbs, 4);
+      }
   }
 }
 

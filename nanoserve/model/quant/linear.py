@@ -16,7 +16,7 @@ group 16 with its scales and minimums as records (4.56 and 5.13 bits against the
 (``quantize_int4``) or, for an LM head, int8 groups.
 
 nanoserve's kernels (``cpu_kernels``) run every such format where a tier of them runs on the host:
-4-bit codes two a byte, 5- and 6-bit codes as a nibble and bit planes, 8-bit codes a byte each;
+4-bit codes two a byte, 5- and 6-bit codes as a nibble and a bit plane or 2-bit crumbs, 8-bit codes a byte each;
 scales and minimums in fp16 where they all are fp16 numbers, a K-quant's as its fp16
 super-block scales times int8 multipliers (``SuperScales``), fp32 otherwise; no minimums in a
 symmetric format (a zero point instead): every GGUF type in its file's own size. Each activation

@@ -10,7 +10,10 @@
 //   5 bits:  those 256 bytes of low nibbles, then 64 bytes of fifth bits: bit b of the 8 bytes
 //            at 256 + 8 v is bit 4 of the code in byte b of nibble vector v (v = 2 j, low
 //            nibbles of row j; v = 2 j + 1, high nibbles), 320 bytes a group
-//   6 bits:  the 5-bit layout, then 64 bytes of sixth bits (bit 5) in the same order, 384 bytes
+//   6 bits:  those 256 bytes of low nibbles, then 2 crumb vectors of 64 bytes: bits 2 t and 2 t + 1
+//            of byte b of crumb vector q are bits 4 and 5 of the code in byte b of code vector
+//            v = 4 q + t (v as above), 384 bytes a group: a code vector's high bits are one
+//            shift and mask of a vector load, where a bit plane takes a spread and a compare
 //   8 bits:  byte (block, g, j < 8, r, i < 4) = c[16 block + r, 32 g + 4 j + i]
 //   d, m:    [N / 16, K / group, 16], fp16 or fp32 (nanoserve_format), or exponent bytes e for
 //            d = 2^(e - 128) (SCALES_E8M0: MXFP4's scale, its table's values doubled); or, as a
@@ -37,7 +40,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 11
+#define NANOSERVE_KERNEL_ABI 12
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -267,19 +270,18 @@ inline uint8_t code_in_group(const uint8_t* wg, int bits, int64_t r, int64_t k) 
   if (bits == 8) return wg[64 * (k / 4) + 4 * r + k % 4];
   const uint8_t byte = wg[64 * (k / 8) + 4 * r + k % 4];
   const uint8_t low = (k % 8) < 4 ? (byte & 15) : (byte >> 4);
-  const int64_t vector = 2 * (k / 8) + (k % 8) / 4, bit = 4 * r + k % 4;
-  uint8_t code = low;
-  for (int plane = 0; plane < bits - 4; ++plane) {  // the fifth, then the sixth bits
-    code |= ((wg[256 + 64 * plane + 8 * vector + bit / 8] >> (bit % 8)) & 1) << (4 + plane);
-  }
-  return code;
+  const int64_t vector = 2 * (k / 8) + (k % 8) / 4, at = 4 * r + k % 4;  // the code's byte in its vector
+  if (bits == 4) return low;
+  if (bits == 5) return low | ((wg[256 + 8 * vector + at / 8] >> (at % 8)) & 1) << 4;
+  return low | ((wg[256 + 64 * (vector / 4) + at] >> (2 * (vector % 4))) & 3) << 4;
 }
 
 // What code c multiplies: itself, or its table's value.
 inline int32_t code_value(const int8_t* table, uint8_t c) { return table ? table[c] : c; }
 
 // Row r's 32 codes of group wg (code_in_group's, a word at a time): 4-bit codes come four to a
-// word per pair of code vectors (low nibbles, then high), each fifth and sixth bit from its plane.
+// word per pair of code vectors (low nibbles, then high), a 5-bit code's fifth bit from its
+// plane, a 6-bit code's fifth and sixth from its crumbs.
 template <int BITS>
 inline void codes_of_row(const uint8_t* wg, int64_t r, uint8_t* c) {
   if constexpr (BITS == 8) {
@@ -292,10 +294,14 @@ inline void codes_of_row(const uint8_t* wg, int64_t r, uint8_t* c) {
       memcpy(c + 8 * q, &low, 4);
       memcpy(c + 8 * q + 4, &high, 4);
     }
-    for (int plane = 0; plane < BITS - 4; ++plane) {
-      for (int v = 0; v < 8; ++v) {  // vector v's four codes of row r: k = 8 (v / 2) + 4 (v % 2) + i
-        const int bits = (wg[256 + 64 * plane + 8 * v + r / 2] >> (4 * (r % 2))) & 15;
-        for (int i = 0; i < 4; ++i) c[8 * (v / 2) + 4 * (v % 2) + i] |= static_cast<uint8_t>(((bits >> i) & 1) << (4 + plane));
+    for (int v = 0; v < (BITS > 4 ? 8 : 0); ++v) {  // vector v's four codes of row r: k = 8 (v / 2) + 4 (v % 2) + i
+      uint8_t* out = c + 8 * (v / 2) + 4 * (v % 2);
+      if constexpr (BITS == 5) {
+        const int bits = (wg[256 + 8 * v + r / 2] >> (4 * (r % 2))) & 15;
+        for (int i = 0; i < 4; ++i) out[i] |= static_cast<uint8_t>(((bits >> i) & 1) << 4);
+      } else {
+        const uint8_t* crumbs = wg + 256 + 64 * (v / 4) + 4 * r;
+        for (int i = 0; i < 4; ++i) out[i] |= static_cast<uint8_t>(((crumbs[i] >> (2 * (v % 4))) & 3) << 4);
       }
     }
   }

@@ -33,6 +33,13 @@ struct Simd {
     memcpy(&mask, bits, 8);
     return _mm512_or_si512(codes, _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(value)));
   }
+  // codes | the bits 4 and 5 at bits 2 T, 2 T + 1 of each byte of crumbs, moved to bits 4, 5
+  template <int T>
+  static I or_crumbs(I codes, I crumbs) {
+    const I at = T == 0 ? _mm512_slli_epi16(crumbs, 4) : T == 1 ? _mm512_slli_epi16(crumbs, 2)
+               : T == 2 ? crumbs : _mm512_srli_epi16(crumbs, 2);
+    return _mm512_ternarylogic_epi32(codes, at, _mm512_set1_epi8(0x30), 0xF8);  // codes | (at & 0x30)
+  }
   static A azero() { return _mm512_setzero_si512(); }
   static A dot_nibbles(A acc, I codes, const int8_t* x) { return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(four_codes(x))); }
   static A dot_wide(A acc, I codes, const int8_t* x) { return dot_nibbles(acc, codes, x); }
@@ -96,6 +103,13 @@ struct Simd {
     const I select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
     const I set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
     return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(value)));
+  }
+  // codes | the bits 4 and 5 at bits 2 T, 2 T + 1 of each byte of crumbs, moved to bits 4, 5
+  template <int T>
+  static I or_crumbs(I codes, I crumbs) {
+    const I at = T == 0 ? _mm256_slli_epi16(crumbs, 4) : T == 1 ? _mm256_slli_epi16(crumbs, 2)
+               : T == 2 ? crumbs : _mm256_srli_epi16(crumbs, 2);
+    return _mm256_or_si256(codes, _mm256_and_si256(at, _mm256_set1_epi8(0x30)));
   }
   static A azero() { return _mm256_setzero_si256(); }
 #if defined(NANOSERVE_TIER_AVX_VNNI)

@@ -124,8 +124,9 @@ inline void store_out(void* out, int64_t at, V::F v, bool bf16) {
 }
 
 // The code vector j (of 8) of one group for the vector s of outputs: it multiplies the 4
-// activations at k offset code_offset(j) of the group. 5- and 6-bit codes are the 4-bit vector
-// with each fifth (sixth) bit, from the bit planes after the group's nibbles, set back as 16 (32).
+// activations at k offset code_offset(j) of the group. 5-bit codes are the 4-bit vector with each
+// fifth bit, from the bit plane after the group's nibbles, set back as 16; 6-bit codes take their
+// fifth and sixth bits from the crumb vector after the nibbles, shifted into place (common.h).
 // A table's 4-bit codes are looked up in `lut` (lut_register), which gives them as byte codes.
 template <int BITS, bool LUT = false>
 inline V::C code_vector(const uint8_t* wg, int s, int j, V::C lut) {
@@ -136,9 +137,14 @@ inline V::C code_vector(const uint8_t* wg, int s, int j, V::C lut) {
     const V::C low = j % 2 ? V::high_nibbles(b) : V::low_nibbles(b);
     if constexpr (LUT) return V::lookup(lut, low);
     if constexpr (BITS == 4) return low;
-    const V::C five = V::or_bit(low, wg + 256 + 8 * j, s, 16);
-    if constexpr (BITS == 5) return five;
-    else return V::or_bit(five, wg + 320 + 8 * j, s, 32);
+    if constexpr (BITS == 5) return V::or_bit(low, wg + 256 + 8 * j, s, 16);
+    const V::C crumbs = V::load_codes(wg + 256 + 64 * (j / 4) + 4 * V::LANES * s);
+    switch (j % 4) {
+      case 0: return V::template or_crumbs<0>(low, crumbs);
+      case 1: return V::template or_crumbs<1>(low, crumbs);
+      case 2: return V::template or_crumbs<2>(low, crumbs);
+      default: return V::template or_crumbs<3>(low, crumbs);
+    }
   }
 }
 
