@@ -355,18 +355,13 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       __builtin_prefetch(static_cast<const char*>(d) + ahead);
       if (!symmetric) __builtin_prefetch(static_cast<const char*>(m) + ahead);
     }
-    // The minimums, and the offset as one (d * offset per unit of the activations' sum), of scale
-    // group h of vector s: one multiply-add a row.
-    const auto add_minimums = [&](int s, int h, int64_t at, V::F dv) {
-      if (symmetric && offset == 0) return;
+    // What scale group `at` (scales dv) adds per unit of the activations' sum: its minimums, and the
+    // offset as one (d * offset). (A lambda that wrote acc itself kept acc out of registers.)
+    const auto minimums = [&](int64_t at, V::F dv) {
       V::F mv = symmetric ? V::fzero() : load_scales<F::SPLIT>(f.scale_kind, m, at);
-      if (offset != 0) mv = V::fma(dv, V::set1(static_cast<float>(offset)), mv);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
-        acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
-      }
+      return offset != 0 ? V::fma(dv, V::set1(static_cast<float>(offset)), mv) : mv;
     };
+    const bool has_minimums = !symmetric || offset != 0;
     // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
     // Where both halves' integer sums and the fp32 sums would not fit the tier's registers (AVX2
     // and AVX-VNNI at 4 rows), a group-32 format's halves are summed one after the other, for both
@@ -390,8 +385,14 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       }
       #pragma GCC unroll 16
       for (int s = 0; s < SUB; ++s) {
+        if (!has_minimums) break;
         const int64_t at = g * 16 + V::LANES * s;
-        add_minimums(s, 0, at, load_scales<false>(f.scale_kind, d, at));
+        const V::F mv = minimums(at, load_scales<false>(f.scale_kind, d, at));
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
+          acc[s][r] = V::fma(mv, V::set1(x_sums[0] + x_sums[1]), acc[s][r]);
+        }
       }
       continue;
     }
@@ -424,7 +425,14 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
           }
           acc[s][r] = V::fma(dot, dv, acc[s][r]);
         }
-        add_minimums(s, h, at, dv);
+        if (has_minimums) {
+          const V::F mv = minimums(at, dv);
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const float* x_sums = xs + in[r] * 2 * G + 2 * g;
+            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
+          }
+        }
       }
     }
   }
