@@ -294,7 +294,8 @@ inline void codes_of_row(const uint8_t* wg, int64_t r, uint8_t* c) {
       memcpy(c + 8 * q, &low, 4);
       memcpy(c + 8 * q + 4, &high, 4);
     }
-    for (int v = 0; v < (BITS > 4 ? 8 : 0); ++v) {  // vector v's four codes of row r: k = 8 (v / 2) + 4 (v % 2) + i
+    if constexpr (BITS == 4) return;
+    for (int v = 0; v < 8; ++v) {  // vector v's four codes of row r: k = 8 (v / 2) + 4 (v % 2) + i
       uint8_t* out = c + 8 * (v / 2) + 4 * (v % 2);
       if constexpr (BITS == 5) {
         const int bits = (wg[256 + 8 * v + r / 2] >> (4 * (r % 2))) & 15;

@@ -28,7 +28,6 @@ struct Simd {
   // A 16-byte table, and each nibble's entry of it (tbl).
   static C load_table(const uint8_t* p) { return vreinterpretq_s8_u8(vld1q_u8(p)); }
   static C lookup(C table, C nibbles) { return vqtbl1q_s8(table, vreinterpretq_u8_s8(nibbles)); }
-  // Codes | value where their bit (one per byte: the 16 bits of vector s) is set.
   // codes | the bits 4 and 5 at bits 2 T, 2 T + 1 of each byte of crumbs, moved to bits 4, 5
   template <int T>
   static C or_crumbs(C codes, C crumbs) {
@@ -36,6 +35,7 @@ struct Simd {
     const uint8x16_t at = T == 0 ? vshlq_n_u8(c, 4) : T == 1 ? vshlq_n_u8(c, 2) : T == 2 ? c : vshrq_n_u8(c, 2);
     return vorrq_s8(codes, vreinterpretq_s8_u8(vandq_u8(at, vdupq_n_u8(0x30))));
   }
+  // Codes | value where their bit (one per byte: the 16 bits of vector s) is set.
   static C or_bit(C codes, const uint8_t* bits, int s, char value) {
     const uint8x16_t spread = vcombine_u8(vdup_n_u8(bits[2 * s]), vdup_n_u8(bits[2 * s + 1]));
     static const uint8_t select_bytes[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};

@@ -384,8 +384,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
         }
       }
       #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        if (!has_minimums) break;
+      for (int s = 0; s < SUB && has_minimums; ++s) {
         const int64_t at = g * 16 + V::LANES * s;
         const V::F mv = minimums(at, load_scales<false>(f.scale_kind, d, at));
         #pragma GCC unroll 16
