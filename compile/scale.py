@@ -138,7 +138,7 @@ def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
     row["rss_peak_gb"] = _peak_rss_gb()
     # Which instruction sets this llama.cpp build runs (an AVX2-only build beside a forced tier).
     info = peer.lib.llama_print_system_info().decode()
-    row["kernels"] = "llama.cpp " + "+".join(name for name in ("AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")
+    row["kernels"] = "llama.cpp " + "+".join(name for name in ("AVX2", "AVX_VNNI", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")
                                              if f"{name} = 1" in info)
     row["dtype"] = ""
     peer.close()
@@ -176,6 +176,11 @@ def arms(llama_cpp: bool, repack: str, weights: Sequence[str] = ("auto",)) -> li
     return runs
 
 
+# The tiers a run can force, each with the caps that hold torch's own kernels (MKL, oneDNN; ATen
+# has nothing between AVX2 and AVX-512) to the same instructions: AVX-VNNI is MKL's AVX2_E1.
+TORCH_CAPS = {"avx2": ("AVX2", "AVX2"), "avx-vnni": ("AVX2_E1", "AVX2_VNNI")}
+
+
 def worker_env(system: str, tier: str | None, llama_cpp_path: Path | None) -> dict[str, str]:
     """The environment one system's worker runs in: a forced tier caps torch's kernels as well
     (in an inductor cache of its own: graphs compiled for one capability must not serve another)."""
@@ -183,8 +188,9 @@ def worker_env(system: str, tier: str | None, llama_cpp_path: Path | None) -> di
         return {} if llama_cpp_path is None else {"PYTHONPATH": f"{llama_cpp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if tier is None:
         return {}
-    return {"NANOSERVE_CPU_KERNELS": tier, "MKL_ENABLE_INSTRUCTIONS": tier.upper(), "ONEDNN_MAX_CPU_ISA": tier.upper(),
-            "ATEN_CPU_CAPABILITY": tier, "TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"inductor-{tier}")}
+    mkl, onednn = TORCH_CAPS[tier]
+    return {"NANOSERVE_CPU_KERNELS": tier, "MKL_ENABLE_INSTRUCTIONS": mkl, "ONEDNN_MAX_CPU_ISA": onednn,
+            "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"inductor-{tier}")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--llama-repack", choices=("both", "on", "off"), default="both",
                         help="llama.cpp's arms: its defaults (weights repacked: 'on'), unrepacked ('off'), or both "
                              "(the default); a crashed arm is a row saying how it died")
-    parser.add_argument("--tier", choices=("avx2",), help="force nanoserve's kernel tier and cap torch's own "
+    parser.add_argument("--tier", choices=tuple(TORCH_CAPS), help="force nanoserve's kernel tier and cap torch's own "
                         "kernels to it (with a fresh inductor cache); compare with --llama-cpp-path")
     parser.add_argument("--llama-cpp-path", type=Path, help="a folder holding another llama-cpp-python build "
                         "(e.g. one without AVX-512, installed with pip --target), put first on the peer's path")
