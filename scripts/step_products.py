@@ -7,7 +7,7 @@ floor, can be read off against the step time `compilebench.py scale` reports. Th
 linear shape alone, called again and again so its weights stay in the last-level cache: what the
 kernel does when memory is not the limit (a shape far below the others is the kernel's fault).
 
-    python scripts/step_products.py MODEL.gguf [--repeats 15]
+    python scripts/step_products.py MODEL.gguf [--repeats 15] [--rows 1,8] [--passes-only]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from compile.floor import read_bandwidth
 from nanoserve.engine import build_engine
+from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.linear import GroupLinear
 
 
@@ -27,25 +28,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rows", type=lambda text: [int(r) for r in text.split(",")], default=[1, 8],
+                        help="the row counts of the passes and shapes, e.g. 1,2,4,8,16 for a tier's 8-bit crossover")
+    parser.add_argument("--passes-only", action="store_true", help="the whole-model passes, not each shape alone")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model = build_engine(args.model, max_batch_size=1, max_model_len=256, compile=False).model
     linears = [m for m in model.modules() if isinstance(m, GroupLinear) and m.handle is not None]
     read = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
     floor = read_bandwidth()
-    print(f"{len(linears)} packed linears, {read / 1e6:.0f} MB a pass; read floor {floor / 1e9:.1f} GB/s "
+    print(f"tier {cpu_kernels.resolve_tier()}, {model.norm.weight.dtype}; "
+          f"{len(linears)} packed linears, {read / 1e6:.0f} MB a pass; read floor {floor / 1e9:.1f} GB/s "
           f"({read / floor * 1e3:.1f} ms a pass)")
     dtype = model.norm.weight.dtype
     for x_bits in (16, 8):
-        for rows in (1, 8):
+        for rows in args.rows:
             inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
             median = median_seconds(args.repeats, one_pass, linears, inputs, x_bits)
             print(f"x_bits {x_bits:2d}, {rows} row(s): {median * 1e3:6.1f} ms, {read / median / 1e9:5.1f} GB/s "
                   f"({median * floor / read:.2f}x the floor)")
+    if args.passes_only:
+        return
     shapes = {(m.in_features, m.out_features): m for m in linears}
     print("each shape alone, its weights in cache (K x N: time, multiply-adds a second)")
     for (k, n), m in shapes.items():
-        for rows in (1, 8):
+        for rows in args.rows:
             cells = []
             for x_bits in (16, 8):
                 x = torch.randn(rows, k, dtype=dtype)

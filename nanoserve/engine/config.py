@@ -75,7 +75,7 @@ class EngineConfig:
     weights: str | WeightPlan | None = option(
         None, "weight format: auto, auto+dense (with a dense copy for steps of many rows), fp32, bf16, int8, int4, "
               "a plan name or a WeightPlan (default: auto, or dense in dtype when that is given). auto's int4 "
-              "kernels round activations to 8 bits from 16 rows of a step (avx2: from 1; each weight code multiplied once: "
+              "kernels round activations to 8 bits from 16 rows of a step (avx2 and avx-vnni: from 1; each weight code multiplied once: "
               "faster large batches, logits about as close to fp32 as llama.cpp's) and to 16 below; +a8 after "
               "auto or int4: 8 bits at every row count; auto+a16: 16 bits at every row count, so a row's logits "
               "do not depend on its batch",

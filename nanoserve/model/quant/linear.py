@@ -74,10 +74,13 @@ DEQUANT_FROM_ROWS: dict[str, int] = {"avx512-vnni": 64, "avx-vnni": 64, "avx2": 
 # 42.1 ms with 16 bits, 25.5 with 8 (8 rows: 225 against 86), and even at one row 8 bits is
 # faster (21.7 -> 18.7 ms, near the read floor) and, with the rest of the forward in fp32, as
 # faithful as at a batch's rows (`--tier avx2 --chunk-rows 1`): so avx2 takes 8 bits at every
-# row count, and a row's logits there do not depend on its batch. avx-vnni and the NEON tiers
-# were not measured and take avx512-vnni's. None: 16 bits at every row count (torch's kernel has
-# no other; the scalar tier is a reference).
-A8_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 16, "avx-vnni": 16, "avx2": 1, "neon-dot": 16, "neon": 16,
+# row count, and a row's logits there do not depend on its batch. avx-vnni (256-bit vpdpbusd, fp32
+# around it) likewise: on Sapphire Rapids with the tier forced, the 1B Q4_0 pass takes 37.7 ms at
+# one row with 16 bits and 31.8 with 8, 64.3 against 38.6 at 4 rows, 130 against 77 at 8
+# (`scripts/step_products.py --rows 1,2,4,8,16`). The NEON tiers were not measured and take
+# avx512-vnni's. None: 16 bits at every row count (torch's kernel has no other; the scalar tier is
+# a reference).
+A8_FROM_ROWS: dict[str, int | None] = {"avx512-vnni": 16, "avx-vnni": 1, "avx2": 1, "neon-dot": 16, "neon": 16,
                                        "scalar": None, "torch": None}
 
 
