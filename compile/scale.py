@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     floor = read_bandwidth()
     tier = args.tier or host["kernels"]
     peak = None if tier == "torch" else cpu_kernels.dot_peak_rate(tier)
-    dtype = str(cpu_kernels.compute_dtype(tier)).removeprefix("torch.") if args.tier else host["dtype"]
+    dtype = str(cpu_kernels.compute_dtype(tier)).removeprefix("torch.")
     print(f"CPU: {host['cpu']}; nanoserve kernels: {tier}{' (forced)' if args.tier else ''}, compute dtype {dtype}; "
           f"read bandwidth floor {floor / 1e9:.1f} GB/s; int8 multiply-add peak "
           f"{'-' if peak is None else f'{peak / 1e9:.0f} G/s'} ({tier})")

@@ -37,10 +37,10 @@ def main() -> None:
     linears = [m for m in model.modules() if isinstance(m, GroupLinear) and m.handle is not None]
     read = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
     floor = read_bandwidth()
-    print(f"tier {cpu_kernels.resolve_tier()}, {model.norm.weight.dtype}; "
+    dtype = model.norm.weight.dtype
+    print(f"tier {cpu_kernels.resolve_tier()}, {dtype}; "
           f"{len(linears)} packed linears, {read / 1e6:.0f} MB a pass; read floor {floor / 1e9:.1f} GB/s "
           f"({read / floor * 1e3:.1f} ms a pass)")
-    dtype = model.norm.weight.dtype
     for x_bits in (16, 8):
         for rows in args.rows:
             inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
