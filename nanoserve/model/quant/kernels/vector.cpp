@@ -260,15 +260,14 @@ inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const 
   }
 }
 
-// LANES scales (or minimums) from element i = 16 h + lane of a block's numbers (common.h). The
-// kind is a run-time value: one branch per group, taken the same way throughout a weight.
-template <bool SPLIT>
-inline V::F load_scales(int kind, const void* p, int64_t i) {
-  if (kind == SCALES_FP32) {
+// LANES scales (or minimums) of kind KIND from element i = 16 h + lane of a block's numbers (common.h).
+template <bool SPLIT, int KIND>
+__attribute__((always_inline)) inline V::F scales_of(const void* p, int64_t i) {
+  if constexpr (KIND == SCALES_FP32) {
     return V::load(static_cast<const float*>(p) + i);
-  } else if (kind == SCALES_FP16) {
+  } else if constexpr (KIND == SCALES_FP16) {
     return V::load_fp16(static_cast<const uint16_t*>(p) + i);
-  } else if (kind == SCALES_E8M0) {
+  } else if constexpr (KIND == SCALES_E8M0) {
     float lanes[V::LANES];
     for (int l = 0; l < V::LANES; ++l) lanes[l] = e8m0_half(static_cast<const uint8_t*>(p)[i + l]);
     return V::load(lanes);
@@ -279,6 +278,16 @@ inline V::F load_scales(int kind, const void* p, int64_t i) {
     const V::F super = V::load_fp16(reinterpret_cast<const uint16_t*>(record) + lane);
     return V::mul(super, V::load_int8(reinterpret_cast<const int8_t*>(record) + 32 + 16 * (h % per_record) + lane));
   }
+}
+
+// The same with the kind a run-time value: one branch per group, taken the same way throughout a
+// weight (GCC calls it out of line; inlining its four kinds at every fold measured slower).
+template <bool SPLIT>
+inline V::F load_scales(int kind, const void* p, int64_t i) {
+  if (kind == SCALES_FP32) return scales_of<SPLIT, SCALES_FP32>(p, i);
+  if (kind == SCALES_FP16) return scales_of<SPLIT, SCALES_FP16>(p, i);
+  if (kind == SCALES_E8M0) return scales_of<SPLIT, SCALES_E8M0>(p, i);
+  return scales_of<SPLIT, SCALES_SUPER>(p, i);
 }
 
 // What of a weight format the code is specialised on: the codes' storage bits, scale groups of
@@ -304,6 +313,89 @@ struct Format {
   }
 };
 
+// Where block16 reads a block's scales (scale) and what a scale group adds per unit of the
+// activations' sum (minimum: its minimum, and the offset sums_offset gives as d * offset), for
+// element i = 16 h + lane of the block's numbers (load_scales).
+//   KindScales: decoded from the file's kind at each fold. The kind is a run-time value, so each
+//     decode is an out-of-line call, and a call spills every live vector register: right for one
+//     row, where the fold is rare against the loads of codes.
+//   DecodedScales: decoded to fp32 once for every chunk of rows that multiplies the block
+//     (decode_scales), read as plain vectors: no call in the loops over rows.
+template <bool SPLIT>
+struct KindScales {
+  nanoserve_format f;
+  const void* d;
+  const void* m;
+  int64_t group_bytes;  // a group of 32's scale bytes: prefetched as far ahead as its codes
+  bool symmetric() const { return f.zero_point != 0 || f.table; }  // no minimums stored
+  V::F scale(int64_t i) const { return load_scales<SPLIT>(f.scale_kind, d, i); }
+  template <int BITS, bool LUT>
+  V::F minimum(int64_t i, V::F dv) const {
+    const V::F mv = symmetric() ? V::fzero() : load_scales<SPLIT>(f.scale_kind, m, i);
+    const int32_t offset = sums_offset<BITS, LUT>(sums_zero_point(f));
+    return offset != 0 ? V::fma(dv, V::set1(static_cast<float>(offset)), mv) : mv;
+  }
+  // Group g's scales as far ahead as its codes are fetched (code_bytes: a group's codes).
+  void prefetch(int64_t g, int64_t code_bytes) const {
+    for (int64_t l = 0; l < group_bytes; l += 64) {
+      const int64_t at = g * group_bytes + PREFETCH_BYTES * group_bytes / code_bytes + l;
+      __builtin_prefetch(static_cast<const char*>(d) + at);
+      if (!symmetric()) __builtin_prefetch(static_cast<const char*>(m) + at);
+    }
+  }
+};
+
+struct DecodedScales {
+  const float* ds;
+  const float* ms;
+  V::F scale(int64_t i) const { return V::load(ds + i); }
+  template <int BITS, bool LUT>
+  V::F minimum(int64_t i, V::F) const { return V::load(ms + i); }
+  void prefetch(int64_t, int64_t) const {}  // the block's scales are in cache
+};
+
+// A block's KindScales decoded into this thread's scratch, the same operations in the same order
+// (so the products are the same bit for bit). `ahead`: the bytes of the next block's scales (and
+// minimums), prefetched meanwhile, as they are read in a burst at its start (0: none).
+template <typename F, int KIND>
+void decode_kind(const KindScales<F::SPLIT>& kind, int64_t count, float* ds, float* ms) {
+  const bool symmetric = kind.symmetric();
+  const int32_t offset = sums_offset<F::BITS, F::LUT>(sums_zero_point(kind.f));
+  const V::F offset_v = V::set1(static_cast<float>(offset));
+  for (int64_t i = 0; i < count; i += V::LANES) {
+    const V::F dv = scales_of<F::SPLIT, KIND>(kind.d, i);
+    const V::F mv = symmetric ? V::fzero() : scales_of<F::SPLIT, KIND>(kind.m, i);
+    V::store(ds + i, dv);
+    V::store(ms + i, offset != 0 ? V::fma(dv, offset_v, mv) : mv);  // as KindScales::minimum
+  }
+}
+
+template <typename F>
+DecodedScales decode_scales(const KindScales<F::SPLIT>& kind, int64_t K, int64_t ahead) {
+  thread_local std::vector<float> scratch;
+  const int64_t count = K / GROUP * F::PER * 16;
+  if (static_cast<int64_t>(scratch.size()) < 2 * count) scratch.resize(2 * count);
+  float* ds = scratch.data();
+  float* ms = ds + count;
+  for (int64_t l = 0; l < ahead; l += 64) {
+    __builtin_prefetch(static_cast<const char*>(kind.d) + ahead + l);
+    if (!kind.symmetric()) __builtin_prefetch(static_cast<const char*>(kind.m) + ahead + l);
+  }
+  switch (kind.f.scale_kind) {
+    case SCALES_FP32: decode_kind<F, SCALES_FP32>(kind, count, ds, ms); break;
+    case SCALES_FP16: decode_kind<F, SCALES_FP16>(kind, count, ds, ms); break;
+    case SCALES_E8M0: decode_kind<F, SCALES_E8M0>(kind, count, ds, ms); break;
+    default: decode_kind<F, SCALES_SUPER>(kind, count, ds, ms);
+  }
+  return {ds, ms};
+}
+
+// Whether a product adds anything per unit of the activations' sums (minimums, or an offset).
+template <typename F>
+bool has_minimums(nanoserve_format f) {
+  return !(f.zero_point != 0 || f.table) || sums_offset<F::BITS, F::LUT>(sums_zero_point(f)) != 0;
+}
+
 // Which activation rows a block16 call multiplies, and where each one's outputs go (in rows of
 // ldo from out): consecutive rows from r0 into consecutive rows (group_mm), or some of a step's
 // routed pairs, pair p reading activation row p / per_x and writing output row p (experts_mm).
@@ -322,21 +414,19 @@ struct RoutedPairs {
 
 // One block of 16 outputs for R rows (`rows`): for each group, each code vector is loaded (from
 // cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
-// stay in registers across the groups. d, m: the block's first scale and minimum (none in a
-// symmetric format); out: the block's first output of output row 0. LO: the activations' lo
-// codes too (x_bits 16), else hi alone, a step per half group (x_bits 8). A zero point (and the
-// byte tiers' flip) is taken out in floats, with the minimums: one multiply-add a row per scale
-// group, where in the integer sums it cost a broadcast and two adds a row (6% of a pass at 8
-// rows, more at -O2).
-template <typename F, bool LO, int R, typename Rows>
-void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
+// stay in registers across the groups. scales: the block's scales and minimums (KindScales or
+// DecodedScales; minimums read only if has_minimums); out: the block's first output of output
+// row 0. LO: the activations' lo codes too (x_bits 16), else hi alone, a step per half group
+// (x_bits 8). A zero point (and the byte tiers' flip) is taken out in floats, with the minimums:
+// one multiply-add a row per scale group, where in the integer sums it cost a broadcast and two
+// adds a row (6% of a pass at 8 rows, more at -O2).
+template <typename F, bool LO, int R, typename Rows, typename Scales>
+void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
              int64_t ldo, nanoserve_format f) {
-  const int64_t G = K / GROUP, scale_bytes = F::scale_bytes(f.scale_kind);
-  const bool symmetric = f.zero_point != 0 || f.table;  // no minimums stored
+  const int64_t G = K / GROUP;
   V::C lut{};
   if constexpr (F::LUT) lut = lut_register(f.table);
-  const int32_t offset = sums_offset<F::BITS, F::LUT>(sums_zero_point(f));
   int64_t in[R];
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) in[r] = rows.in(r);
@@ -350,18 +440,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
     const uint8_t* wg = w + g * F::GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
     for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
-    for (int64_t l = 0; l < scale_bytes; l += 64) {
-      const int64_t ahead = g * scale_bytes + PREFETCH_BYTES * scale_bytes / F::GROUP_BYTES + l;
-      __builtin_prefetch(static_cast<const char*>(d) + ahead);
-      if (!symmetric) __builtin_prefetch(static_cast<const char*>(m) + ahead);
-    }
-    // What scale group `at` (scales dv) adds per unit of the activations' sum: its minimums, and the
-    // offset as one (d * offset). (A lambda that wrote acc itself kept acc out of registers.)
-    const auto minimums = [&](int64_t at, V::F dv) {
-      V::F mv = symmetric ? V::fzero() : load_scales<F::SPLIT>(f.scale_kind, m, at);
-      return offset != 0 ? V::fma(dv, V::set1(static_cast<float>(offset)), mv) : mv;
-    };
-    const bool has_minimums = !symmetric || offset != 0;
+    scales.prefetch(g, F::GROUP_BYTES);
     // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
     // Where both halves' integer sums and the fp32 sums would not fit the tier's registers (AVX2
     // and AVX-VNNI at 4 rows), a group-32 format's halves are summed one after the other, for both
@@ -377,7 +456,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
         else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
         #pragma GCC unroll 16
         for (int s = 0; s < SUB; ++s) {
-          const V::F dv = load_scales<false>(f.scale_kind, d, g * 16 + V::LANES * s);
+          const V::F dv = scales.scale(g * 16 + V::LANES * s);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r)
             acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
@@ -386,7 +465,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       #pragma GCC unroll 16
       for (int s = 0; s < SUB && has_minimums; ++s) {
         const int64_t at = g * 16 + V::LANES * s;
-        const V::F mv = minimums(at, load_scales<false>(f.scale_kind, d, at));
+        const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
@@ -404,7 +483,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
-        const V::F dv = load_scales<F::SPLIT>(f.scale_kind, d, at);
+        const V::F dv = scales.scale(at);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           V::F dot;  // the activations' dot with the codes
@@ -425,7 +504,7 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
           acc[s][r] = V::fma(dot, dv, acc[s][r]);
         }
         if (has_minimums) {
-          const V::F mv = minimums(at, dv);
+          const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, dv);
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             const float* x_sums = xs + in[r] * 2 * G + 2 * g;
@@ -444,13 +523,15 @@ void block16(const uint8_t* w, const void* d, const void* m, int64_t K, int64_t 
 
 // R rows or fewer (down to 1) of `rows`: the template for the count.
 template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows>
-void rows_block(int count, const uint8_t* w, const void* d, const void* m, int64_t K, int64_t M, Rows rows,
-                const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
+void rows_block(int count, const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t M,
+                Rows rows, const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
   if constexpr (R > 1) {
-    if (count < R) return rows_block<F, LO, R - 1>(count, w, d, m, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+    if (count < R) {
+      return rows_block<F, LO, R - 1>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+    }
   }
-  block16<F, LO, R>(w, d, m, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+  block16<F, LO, R>(w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
@@ -461,12 +542,20 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
                     bool out_bf16, nanoserve_format f) {
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
+  const bool minimums = has_minimums<F>(f);
   for (int64_t b = b0; b < b1; ++b) {
+    const KindScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
+                                    static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
+    if (M == 1) {
+      block16<F, LO, 1>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
+                        static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
+      continue;
+    }
+    const DecodedScales scales = decode_scales<F>(kind, K, b + 1 < b1 ? scale_bytes : 0);
     constexpr int64_t ROWS = F::template rows<LO>();
     for (int64_t r = 0; r < M; r += ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - r));
-      rows_block<F, LO>(rows, w + b * block_bytes, static_cast<const char*>(d) + b * scale_bytes,
-                    static_cast<const char*>(m) + b * scale_bytes, K, M, RowRun{r}, xq, xd, xs,
+      rows_block<F, LO>(rows, w + b * block_bytes, scales, minimums, K, M, RowRun{r}, xq, xd, xs,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
   }
@@ -534,9 +623,17 @@ struct ExpertsMm {
       const uint8_t* w_b = w + e * w_stride + b * block_bytes;
       const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
       const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
+      const KindScales<F::SPLIT> kind{f, d_b, m_b, F::scale_bytes(f.scale_kind)};
+      if (count == 1) {  // one pair: as group_mm's one row
+        const RoutedPairs pair{groups.pairs.data() + first, per_x};
+        block16<F, LO, 1>(w_b, kind, has_minimums<F>(f), K, M, pair, xq, xd, xs,
+                          static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
+        continue;
+      }
+      const DecodedScales scales = decode_scales<F>(kind, K, 0);
       constexpr int64_t ROWS = F::template rows<LO>();
       for (int64_t i = 0; i < count; i += ROWS) {
-        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, d_b, m_b, K, M,
+        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, scales, has_minimums<F>(f), K, M,
                       RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs,
                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       }
