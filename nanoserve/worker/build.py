@@ -16,6 +16,7 @@ import torch
 
 from nanoserve.cache.gates import check_table_fits
 from nanoserve.model.formats.loader import ModelHeader, load_model
+from nanoserve.model.huge_pages import move_to_huge_pages
 from nanoserve.model.network.llama import LlamaModel
 from nanoserve.model.quant.weight_plan import WeightPlan, pack_model
 from nanoserve.worker.attention import decode_attention_kernel
@@ -58,6 +59,7 @@ class WorkerConfig:
     max_queries: int = 1  # tokens a decode row may feed in one step (1 + the speculative tokens)
     kv_cache_types: tuple[str, str] = ("auto", "auto")  # K's and V's storage (kv_cells)
     window_ring: int | None = None  # sliding-window layers' ring cells a row (window_ring; None: the pool's)
+    huge_pages: bool = True  # the CPU weights moved onto transparent huge pages (huge_pages.py)
     ring_snapshots: int = 0  # saved rows of rings, for prefix caching beside them (cache/ring_snapshots.py)
 
 
@@ -89,6 +91,8 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
         model = model.to(device=spec.device, dtype=spec.dtype)
     if shard is not None:
         shard.parallelize(model)
+    if spec.huge_pages and torch.device(spec.device).type == "cpu":
+        move_to_huge_pages(model)
     model.eval().requires_grad_(False)  # inference only: a cache write must never join a graph
     arch = model.config
     kv_heads = arch.num_kv_heads // (shard.size if shard is not None else 1)

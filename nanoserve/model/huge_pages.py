@@ -1,0 +1,83 @@
+"""A loaded model's large tensors moved onto memory advised for transparent huge pages.
+
+A decode step streams every weight once. On 4 KB pages that is a TLB miss every 64 cache lines,
+and in a virtual machine each miss is a two-level page walk, enough to hold a stream well below
+the memory's rate (the README's "Huge pages" has the figures). Linux backs an anonymous mapping with 2 MB pages where it is told
+to (``madvise(MADV_HUGEPAGE)``), which its default setting ("madvise") needs; torch's allocator
+does not ask. So a loaded model's tensor storages of at least 2 MB that torch's allocator owns
+(not a file's mapped bytes) are copied, one at a time, into one such mapping (an arena: a 2 MB
+page of slack in all, not per tensor) and every parameter and buffer that viewed one is pointed
+at the copy. Elsewhere (no MADV_HUGEPAGE, transparent huge pages compiled out) nothing moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+ALIGN = 4096  # each storage starts on its own small page: no two share a cache line
+
+
+def available() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def huge_page_arena(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping of at least `nbytes` advised for huge pages, and the offset in it of
+    its first 2 MB boundary (where the arena starts)."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: its faults then take 2 MB pages
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    return mapping, -address % HUGE_PAGE
+
+
+def _movable(t: torch.Tensor, min_bytes: int) -> bool:
+    storage = t.untyped_storage()
+    # resizable: torch's allocator owns the bytes (a tensor over a mapped file's bytes is not)
+    return t.device.type == "cpu" and storage.nbytes() >= min_bytes and storage.resizable()
+
+
+def move_to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
+    """Moves the model's parameter and buffer storages of at least `min_bytes` that torch's
+    allocator owns into one huge-page arena, keeping every alias (tied weights, views) an alias.
+    Returns the bytes moved (0 where the host cannot advise huge pages). Each old storage is
+    freed as soon as its tensors point at the copy, so the peak is the model plus one storage."""
+    if not available():
+        return 0
+    holders: dict[int, list[tuple[nn.Module, str, bool]]] = defaultdict(list)
+    storages: dict[int, torch.UntypedStorage] = {}
+    for module in model.modules():
+        for is_param, table in ((True, module._parameters), (False, module._buffers)):
+            for name, t in table.items():
+                if t is not None and _movable(t, min_bytes):
+                    key = t.untyped_storage().data_ptr()
+                    storages[key] = t.untyped_storage()
+                    holders[key].append((module, name, is_param))
+    if not storages:
+        return 0
+    sizes = {key: -(-s.nbytes() // ALIGN) * ALIGN for key, s in storages.items()}
+    try:
+        mapping, start = huge_page_arena(sum(sizes.values()))
+    except OSError:  # the kernel refuses the advice: nothing moves
+        return 0
+    moved = 0
+    for key in list(storages):
+        nbytes = storages[key].nbytes()
+        copy = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+        copy.copy_(torch.empty(0, dtype=torch.uint8).set_(storages.pop(key), 0, (nbytes,), (1,)))
+        for module, name, is_param in holders.pop(key):
+            old = (module._parameters if is_param else module._buffers)[name]
+            view = torch.empty(0, dtype=old.dtype).set_(copy.untyped_storage(), old.storage_offset(),
+                                                        old.size(), old.stride())
+            if is_param:
+                old.data = view  # the Parameter object stays: tied parameters stay one
+            else:
+                module._buffers[name] = view
+        start += sizes[key]
+        moved += nbytes
+    return moved
