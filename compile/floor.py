@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from compile.common import median_seconds
-from nanoserve.model import huge_pages
 from nanoserve.model.network.experts import ExpertMLP, PackedExperts, activation_bits
+from nanoserve.worker import huge_pages
 
 
 def last_level_cache_bytes() -> int:

@@ -1,4 +1,4 @@
-"""The weights' move onto transparent huge pages (nanoserve/model/huge_pages.py): what moves, that
+"""The weights' move onto transparent huge pages (nanoserve/worker/huge_pages.py): what moves, that
 values and aliases survive it, and that an engine built with or without it decodes the same tokens."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from nanoserve import SamplingParams, build_engine
-from nanoserve.model import huge_pages
 from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.model.quant.linear import GroupLinear
+from nanoserve.worker import huge_pages
 
 pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="this OS has no MADV_HUGEPAGE (Linux only)")
 

@@ -16,7 +16,6 @@ import torch
 
 from nanoserve.cache.gates import check_table_fits
 from nanoserve.model.formats.loader import ModelHeader, load_model
-from nanoserve.model.huge_pages import move_to_huge_pages
 from nanoserve.model.network.llama import LlamaModel
 from nanoserve.model.quant.weight_plan import WeightPlan, pack_model
 from nanoserve.worker.attention import decode_attention_kernel
@@ -24,6 +23,7 @@ from nanoserve.worker.bucketing import Buckets
 from nanoserve.worker.decode_step import DecodeStep
 from nanoserve.worker.graph_build import memory_allows_builder
 from nanoserve.worker.graph_cache import GraphCache
+from nanoserve.worker.huge_pages import move_to_huge_pages
 from nanoserve.worker.kv_cache import KVCache
 from nanoserve.worker.kv_cells import resolve_cell_format
 from nanoserve.worker.slot_table import SlotTable

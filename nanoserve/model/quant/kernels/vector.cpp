@@ -318,7 +318,8 @@ struct Format {
 // element i = 16 h + lane of the block's numbers (load_scales).
 //   KindScales: decoded from the file's kind at each fold. The kind is a run-time value, so each
 //     decode is an out-of-line call, and a call spills every live vector register: right for one
-//     row, where the fold is rare against the loads of codes.
+//     row, which uses each scale once (decoding ahead would only add a store and a load), and
+//     whose few live sums make the spills cheap.
 //   DecodedScales: decoded to fp32 once for every chunk of rows that multiplies the block
 //     (decode_scales), read as plain vectors: no call in the loops over rows.
 template <bool SPLIT>
