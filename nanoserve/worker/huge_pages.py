@@ -2,9 +2,9 @@
 
 A decode step streams every weight once. On 4 KB pages that is a TLB miss every 64 cache lines,
 and in a virtual machine each miss is a two-level page walk, enough to hold a stream well below
-the memory's rate (the README's "Huge pages" has the figures). Linux backs an anonymous mapping with 2 MB pages where it is told
-to (``madvise(MADV_HUGEPAGE)``), which its default setting ("madvise") needs; torch's allocator
-does not ask. So a loaded model's tensor storages of at least 2 MB that torch's allocator owns
+the memory's rate (the README's session 15 figures, under Measured). Linux backs an anonymous
+mapping with 2 MB pages where it is told to (``madvise(MADV_HUGEPAGE)``), which its default
+setting ("madvise") needs; torch's allocator does not ask. So a loaded model's tensor storages of at least 2 MB that torch's allocator owns
 (not a file's mapped bytes) are copied, one at a time, into one such mapping (an arena: a 2 MB
 page of slack in all, not per tensor) and every parameter and buffer that viewed one is pointed
 at the copy. Elsewhere (no MADV_HUGEPAGE, transparent huge pages compiled out) nothing moves.

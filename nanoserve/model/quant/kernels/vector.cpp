@@ -329,6 +329,9 @@ struct KindScales {
   const void* m;
   int64_t group_bytes;  // a group of 32's scale bytes: prefetched as far ahead as its codes
   bool symmetric() const { return f.zero_point != 0 || f.table; }  // no minimums stored
+  // Whether a product adds anything per unit of the activations' sums (minimums, or an offset).
+  template <int BITS, bool LUT>
+  bool has_minimums() const { return !symmetric() || sums_offset<BITS, LUT>(sums_zero_point(f)) != 0; }
   V::F scale(int64_t i) const { return load_scales<SPLIT>(f.scale_kind, d, i); }
   template <int BITS, bool LUT>
   V::F minimum(int64_t i, V::F dv) const {
@@ -391,11 +394,6 @@ DecodedScales decode_scales(const KindScales<F::SPLIT>& kind, int64_t K, int64_t
   return {ds, ms};
 }
 
-// Whether a product adds anything per unit of the activations' sums (minimums, or an offset).
-template <typename F>
-bool has_minimums(nanoserve_format f) {
-  return !(f.zero_point != 0 || f.table) || sums_offset<F::BITS, F::LUT>(sums_zero_point(f)) != 0;
-}
 
 // Which activation rows a block16 call multiplies, and where each one's outputs go (in rows of
 // ldo from out): consecutive rows from r0 into consecutive rows (group_mm), or some of a step's
@@ -543,10 +541,10 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
                     bool out_bf16, nanoserve_format f) {
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
-  const bool minimums = has_minimums<F>(f);
   for (int64_t b = b0; b < b1; ++b) {
     const KindScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
                                     static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
+    const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
     if (M == 1) {
       block16<F, LO, 1>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
                         static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
@@ -625,16 +623,17 @@ struct ExpertsMm {
       const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
       const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
       const KindScales<F::SPLIT> kind{f, d_b, m_b, F::scale_bytes(f.scale_kind)};
+      const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
       if (count == 1) {  // one pair: as group_mm's one row
         const RoutedPairs pair{groups.pairs.data() + first, per_x};
-        block16<F, LO, 1>(w_b, kind, has_minimums<F>(f), K, M, pair, xq, xd, xs,
+        block16<F, LO, 1>(w_b, kind, minimums, K, M, pair, xq, xd, xs,
                           static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
         continue;
       }
       const DecodedScales scales = decode_scales<F>(kind, K, 0);
       constexpr int64_t ROWS = F::template rows<LO>();
       for (int64_t i = 0; i < count; i += ROWS) {
-        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, scales, has_minimums<F>(f), K, M,
+        rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, scales, minimums, K, M,
                       RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs,
                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       }
