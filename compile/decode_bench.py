@@ -35,18 +35,12 @@ from nanoserve.worker.decode_step import DecodeStep
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
 from nanoserve.worker.plan import DecodeBatch
 
-
-def cpp_wrapper_backend():
-    """Inductor with its C++ wrapper (torch.compile takes a mode or explicit options, not both)."""
-    return torch._TorchCompileInductorWrapper(None, {"cpp_wrapper": True}, False)
-
-
-# arm -> (compiled, mode, backend)
-ARMS: dict[str, tuple[bool, str | None, object]] = {
-    "eager": (False, None, "inductor"),
-    "compile": (True, None, "inductor"),
-    "reduce-overhead": (True, "reduce-overhead", "inductor"),
-    "cpp-wrapper": (True, None, cpp_wrapper_backend),
+# arm -> (compiled, mode, the graph's calls in C++ on a CPU: DecodeStep's cpp_wrapper, the engine's default)
+ARMS: dict[str, tuple[bool, str | None, bool]] = {
+    "eager": (False, None, False),
+    "compile": (True, None, False),
+    "reduce-overhead": (True, "reduce-overhead", False),
+    "cpp-wrapper": (True, "reduce-overhead", True),
 }
 COLUMNS = ["arm", "rows", "width", "step_ms", "tokens_per_s", "vs_eager", "floor_ms", "x_floor",
            "warmup_s", "cache_hits", "graphs", "recompiles", "cudagraph_skips"]
@@ -89,7 +83,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, 16, max(args.rows),
                     blocks.max_model_len, blocks.scratch_slot, dtype=dtype, device=device)
     steps = {arm: DecodeStep(model, cache, max(args.rows), buckets, compile=ARMS[arm][0], mode=ARMS[arm][1],
-                             backend=_backend(ARMS[arm][2]), device=device) for arm in args.arms}
+                             cpp_wrapper=ARMS[arm][2], device=device) for arm in args.arms}
     results = []
     for rows in args.rows:
         floor = matmul_floor_seconds(model, rows)
@@ -119,10 +113,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                     dtype=args.dtype, model=args.model))
                 print(format_table(results[-1:], COLUMNS).splitlines()[-1], flush=True)
     return results
-
-
-def _backend(backend):
-    return backend() if callable(backend) else backend
 
 
 def _cudagraph_skips() -> int:
@@ -160,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int_list, default=(1, 8, 32, 64))
     parser.add_argument("--widths", type=int_list, default=(128, 512))
     parser.add_argument("--steps", type=int, default=20, help="timed calls per arm and bucket")
-    parser.add_argument("--arms", type=lambda t: t.split(","), default=["eager", "compile", "reduce-overhead"])
+    parser.add_argument("--arms", type=lambda t: t.split(","),
+                        default=["eager", "compile", "reduce-overhead", "cpp-wrapper"])
     parser.add_argument("--quick", action="store_true", help="rows 1,8,32 at width 128, 8 steps")
     add_output_options(parser)
     args = parser.parse_args(argv)

@@ -1,12 +1,13 @@
-"""What inductor's C++ wrapper (``TORCHINDUCTOR_CPP_WRAPPER=1``: the graph's glue between kernels
-in C++ rather than Python) does to a batch-1 compiled decode step on the CPU, and to a cold build.
+"""What inductor's C++ wrapper (the graph's calls of its kernels in C++ rather than Python: the
+engine's default on a CPU, ``compile_cpp_wrapper``) does to a batch-1 compiled decode step, and to
+a cold build.
 
     PYTHONPATH=. python scripts/cpp_wrapper_ab.py MODEL [--rounds 3] [--tokens 64]
 
 Each arm runs in its own process with its own graph cache (so a later round of an arm loads its
 graph: warm), the arms alternating; a process times ``--tokens`` greedy tokens five times and
 reports the median. Prints a table and writes cpp-wrapper-ab-<model>.csv under --out (default
-compile/results/runs). Not used by the engine: a measurement of what the option would buy.
+compile/results/runs).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from compile.common import RUNS, format_table, host_description, write_results
 COLUMNS = ["arm", "round", "tok_s", "build_s", "graphs_built"]
 
 
-def measure(model: str, tokens: int) -> dict:
+def measure(model: str, tokens: int, cpp_wrapper: bool) -> dict:
     """In this process: build a compiled batch-1 engine, time ``tokens`` greedy tokens five times."""
     from nanoserve.engine import SamplingParams, build_engine
 
     started = time.perf_counter()
     engine = build_engine(model, max_batch_size=1, row_buckets=[1], compile=True, warmup="eager",
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, compile_cpp_wrapper=cpp_wrapper)
     build = time.perf_counter() - started
     prompt = list(range(100, 140))
     engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -51,10 +52,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RUNS)
-    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=("python", "cpp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.model, args.tokens)))
+        print(json.dumps(measure(args.model, args.tokens, args.measure == "cpp")))
         return 0
     host = host_description()
     caches = {arm: tempfile.mkdtemp(prefix=f"nanoserve-{arm}-") for arm in ("python", "cpp")}
@@ -62,10 +63,8 @@ def main() -> int:
     for round_ in range(1, args.rounds + 1):
         for arm in ("python", "cpp"):
             env = dict(os.environ, NANOSERVE_CACHE_DIR=caches[arm])
-            env.pop("TORCHINDUCTOR_CPP_WRAPPER", None)
-            if arm == "cpp":
-                env["TORCHINDUCTOR_CPP_WRAPPER"] = "1"
-            out = subprocess.run([sys.executable, __file__, args.model, "--tokens", str(args.tokens), "--measure"],
+            command = [sys.executable, __file__, args.model, "--tokens", str(args.tokens), "--measure", arm]
+            out = subprocess.run(command,
                                  env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             rows.append(dict(host, arm=arm, round=round_, model=Path(args.model).name, **json.loads(out)))
             print(format_table(rows[-1:], COLUMNS))

@@ -181,7 +181,7 @@ def _worker_spec(config: EngineConfig, arch: ModelConfig, pool: PoolPlan, weight
                       config.compile_backend, tier, config.warmup,
                       checks=os.environ.get("NANOSERVE_CHECKS", "") == "1",
                       max_queries=1 + (config.speculative.num_speculative_tokens if config.speculative else 0),
-                      kv_cache_types=kv_types, huge_pages=config.huge_pages)
+                      kv_cache_types=kv_types, huge_pages=config.huge_pages, cpp_wrapper=config.compile_cpp_wrapper)
 
 
 def _resolve(config: EngineConfig, pool: PoolPlan, spec: WorkerConfig, ring_bytes: int = 0) -> ResolvedConfig:

@@ -61,6 +61,7 @@ class WorkerConfig:
     window_ring: int | None = None  # sliding-window layers' ring cells a row (window_ring; None: the pool's)
     huge_pages: bool = True  # the CPU weights moved onto transparent huge pages (huge_pages.py)
     ring_snapshots: int = 0  # saved rows of rings, for prefix caching beside them (cache/ring_snapshots.py)
+    cpp_wrapper: bool = True  # on a CPU, the graphs' calls in generated C++ (graph_build.inductor_backend)
 
 
 class Shard(Protocol):
@@ -108,7 +109,8 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
     cached = (spec.compile and spec.compile_backend == "inductor" and torch.device(spec.device).type == "cpu"
               and spec.buckets is not None)
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
-                      device=spec.device, backend=spec.compile_backend, attention_kernel=kernel,
+                      device=spec.device, backend=spec.compile_backend, cpp_wrapper=spec.cpp_wrapper,
+                      attention_kernel=kernel,
                       max_queries=spec.max_queries, graph_cache=GraphCache(spec.compile_cache) if cached else None)
     if spec.checks:  # the slot table's reservation against this worker's K/V
         check_table_fits(spec.max_batch_size, spec.max_model_len, spec.block_size, cache.kv_bytes)

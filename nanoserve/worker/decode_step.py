@@ -22,7 +22,14 @@ import torch
 
 from nanoserve.worker.attention import WindowAttention
 from nanoserve.worker.bucketing import Buckets, PaddingWaste
-from nanoserve.worker.graph_build import BackgroundBuilder, BuildJob, Shape, build_entry, load_entry
+from nanoserve.worker.graph_build import (
+    BackgroundBuilder,
+    BuildJob,
+    Shape,
+    build_entry,
+    inductor_backend,
+    load_entry,
+)
 from nanoserve.worker.graph_cache import GraphCache, GraphKey, model_fingerprint
 from nanoserve.worker.kv_cache import DecodePlan, KVCache
 from nanoserve.worker.kv_cells import KVLayers
@@ -77,7 +84,7 @@ class DecodeStep:
 
     def __init__(self, model, cache: KVCache, max_batch_size: int, buckets: Buckets | None,
                  compile: bool = False, mode: str | None = "reduce-overhead",
-                 device: torch.device | str = "cpu", backend="inductor",
+                 device: torch.device | str = "cpu", backend="inductor", cpp_wrapper: bool = True,
                  attention_kernel: int | None = None, max_queries: int = 1,
                  graph_cache: GraphCache | None = None) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
@@ -91,6 +98,7 @@ class DecodeStep:
         self.attention_kernel = attention_kernel  # decode_attention_kernel's handle, or None: SDPA
         self.stats = DecodeStats()
         self.compiled, self.mode = compile, mode
+        self.cpp_wrapper = cpp_wrapper and self.device.type == "cpu"  # graph_build.inductor_backend
         self.graph_cache = graph_cache if compile else None
         self.graphs: dict[Shape, object] = {}  # bucket -> its loaded ahead-of-time graph
         self.builder: BackgroundBuilder | None = None
@@ -131,7 +139,7 @@ class DecodeStep:
         layers = self.cache.layers
         kv = layers.k_cells[0]
         return GraphKey.of(
-            device=self.device, mode=self.mode, attention_kernel=self.attention_kernel, model=self._fingerprint,
+            device=self.device, mode=self.mode, cpp_wrapper=self.cpp_wrapper, attention_kernel=self.attention_kernel, model=self._fingerprint,
             kv=(len(layers.k_cells), tuple(kv.shape), *(fmt.name for fmt in layers.formats),
                 self.cache.ring.ring if self.cache.ring is not None else None, tuple(self.cache.ring_layers)),
             slots=tuple(self.cache.slot_table.slots.shape),
@@ -215,7 +223,7 @@ class DecodeStep:
         # mode only means something to inductor; other backends (tests use "eager" to check
         # dynamo's shape discipline without paying for code generation) take none.
         if backend == "inductor":
-            compiler = torch._TorchCompileInductorWrapper(mode, None, False)
+            compiler = inductor_backend(mode, self.cpp_wrapper)
         elif callable(backend):
             compiler = backend
         else:
