@@ -56,6 +56,20 @@ def test_a_cached_graph_loads_without_compiling_and_runs_another_models_weights(
     assert tokens(got) == tokens(want)
 
 
+def test_the_cpp_and_python_wrappers_run_the_same_tokens_from_graphs_of_their_own(cache_dir):
+    model = random_model(tiny_config(), seed=2)
+    cpp = build_engine(model, compile=True, warmup="eager", **OPTIONS)
+    python = build_engine(model, compile=True, warmup="eager", compile_cpp_wrapper=False, **OPTIONS)
+    assert cpp.worker.decode_step.cpp_wrapper and not python.worker.decode_step.cpp_wrapper
+    assert python.stats().graphs_built == 2, "the Python wrapper's graphs were taken from the C++ wrapper's"
+    wrappers = [p for p in (cache_dir / "inductor").rglob("*.cpp") if "inductor_entry_impl" in p.read_text()]
+    assert len(wrappers) == 2, "one C++ wrapper per bucket of the C++ engine, none for the Python one's"
+    want = build_engine(model, compile=False, **OPTIONS).generate(PROMPTS, GREEDY, use_tqdm=False)
+    for engine in (cpp, python):
+        assert tokens(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(want)
+        assert engine.stats().eager_steps == 0
+
+
 def test_a_changed_key_misses(cache_dir, monkeypatch):
     step = build_engine(random_model(tiny_config()), compile=True, warmup="none", **OPTIONS).worker.decode_step
     key = step.graph_key((2, 64, 1)).digest
