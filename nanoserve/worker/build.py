@@ -109,7 +109,9 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
     cached = (spec.compile and spec.compile_backend == "inductor" and torch.device(spec.device).type == "cpu"
               and spec.buckets is not None)
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
-                      device=spec.device, backend=spec.compile_backend, cpp_wrapper=spec.cpp_wrapper,
+                      device=spec.device, backend=spec.compile_backend,
+                      # a rank's collectives take arguments (a process group) the C++ wrapper cannot pass
+                      cpp_wrapper=spec.cpp_wrapper and shard is None,
                       attention_kernel=kernel,
                       max_queries=spec.max_queries, graph_cache=GraphCache(spec.compile_cache) if cached else None)
     if spec.checks:  # the slot table's reservation against this worker's K/V
