@@ -90,7 +90,7 @@ class EngineConfig:
     compile_backend: str = option("inductor", "torch.compile backend of the decode step", cli=False)
     compile_cpp_wrapper: bool = option(
         True, "on a CPU, the decode graphs call their kernels from generated C++ (inductor's cpp_wrapper), not "
-              "Python: ~2 ms less a 1B step; a graph takes ~1.5x as long to build", cli=False)
+              "Python: ~2 ms less a 1B step; a graph takes 1.5-2x as long to build", cli=False)
     bucketing: bool | None = option(None, "pad decode steps to [rows, width] buckets (default: with compile)",
                                     cli=False)
     row_buckets: tuple[int, ...] | None = option(None, "decode row buckets (default: 1, 2, 4, 8, then steps of "

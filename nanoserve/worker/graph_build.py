@@ -44,7 +44,7 @@ def inductor_backend(mode: str | None, cpp_wrapper: bool) -> torch._TorchCompile
     """Inductor in ``mode``; with ``cpp_wrapper`` (a CPU graph: DecodeStep.cpp_wrapper) the graph
     calls its kernels from generated C++ rather than Python. A 1B step makes ~200 calls, on which
     the Python wrapper spent ~2 ms of a 32 ms step. The C++ wrapper is built apart from the
-    kernels, which keeps a build ~1.5x a Python wrapper's rather than 2x; CUDA graphs (what
+    kernels, which keeps a build 1.5-2x a Python wrapper's rather than 3.5x; CUDA graphs (what
     reduce-overhead means) need the Python wrapper, and a CPU has none to record."""
     options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False}
     return torch._TorchCompileInductorWrapper(mode, options if cpp_wrapper else None, False)
