@@ -64,8 +64,8 @@ def main() -> int:
         for arm in ("python", "cpp"):
             env = dict(os.environ, NANOSERVE_CACHE_DIR=caches[arm])
             command = [sys.executable, __file__, args.model, "--tokens", str(args.tokens), "--measure", arm]
-            out = subprocess.run(command,
-                                 env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            out = subprocess.run(command, env=env, capture_output=True, text=True,
+                                 check=True).stdout.strip().splitlines()[-1]
             rows.append(dict(host, arm=arm, round=round_, model=Path(args.model).name, **json.loads(out)))
             print(format_table(rows[-1:], COLUMNS))
     write_results(rows, args.out, f"cpp-wrapper-ab-{Path(args.model).stem}")

@@ -139,7 +139,8 @@ class DecodeStep:
         layers = self.cache.layers
         kv = layers.k_cells[0]
         return GraphKey.of(
-            device=self.device, mode=self.mode, cpp_wrapper=self.cpp_wrapper, attention_kernel=self.attention_kernel, model=self._fingerprint,
+            device=self.device, mode=self.mode, cpp_wrapper=self.cpp_wrapper, attention_kernel=self.attention_kernel,
+            model=self._fingerprint,
             kv=(len(layers.k_cells), tuple(kv.shape), *(fmt.name for fmt in layers.formats),
                 self.cache.ring.ring if self.cache.ring is not None else None, tuple(self.cache.ring_layers)),
             slots=tuple(self.cache.slot_table.slots.shape),
