@@ -255,7 +255,7 @@ def test_compiled_decode_of_packed_experts_never_recompiles_as_routing_changes(t
 
     monkeypatch.setattr(experts_module, "_grouped_outputs", recorded)
     engine = build_engine(str(path), compile=True, compile_backend="inductor", warmup="eager", max_batch_size=4,
-                          max_model_len=128, kv_cache_bytes=1 << 22, row_buckets=(1, 2, 4), width_buckets=(32, 64, 128))
+                          max_model_len=64, kv_cache_bytes=1 << 22, row_buckets=(1, 4), width_buckets=(32, 64))
     assert all(isinstance(layer.mlp.experts, PackedExperts) for layer in engine.model.layers)
     routings.clear()
     out = engine.generate([[1, 2, 3], [5, 6, 7, 8, 9], [11] * 4], SamplingParams(temperature=0.0, max_tokens=24,

@@ -31,6 +31,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+# The expert ops take their activation as an index into GLUS: with a string argument the CPU
+# graph's C++ wrapper would box the call through c10's dispatcher, whose headers cost each graph
+# ~5 s more to build, where ints, floats and tensors go through torch's C shim.
+GLUS = (*ACTIVATIONS, "swiglu_oai")
 
 
 class Router(nn.Linear):
@@ -93,14 +97,14 @@ def _mix_one(x: torch.Tensor, ids: list[int], weights: list[float], expert) -> t
 @torch.library.custom_op("nanoserve::experts_dense", mutates_args=())
 def experts_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                   down: torch.Tensor, gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
-                  down_bias: torch.Tensor | None, activation: str, limit: float, alpha: float) -> torch.Tensor:
+                  down_bias: torch.Tensor | None, activation: int, limit: float, alpha: float) -> torch.Tensor:
     """Experts held as float matrices gate, up [E, I, H] and down [E, H, I], with optional
-    biases gate, up [E, I] and down [E, H] (gpt-oss)."""
+    biases gate, up [E, I] and down [E, H] (gpt-oss); ``activation``: the GLUS index."""
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         g = _biased(F.linear(rows, gate[e]), gate_bias, e)
         u = _biased(F.linear(rows, up[e]), up_bias, e)
-        return _biased(F.linear(glu(activation, g, u, limit, alpha), down[e]), down_bias, e)
+        return _biased(F.linear(glu(GLUS[activation], g, u, limit, alpha), down[e]), down_bias, e)
 
     return _mix(x, ids, weights, gate.shape[0], expert)
 
@@ -121,15 +125,15 @@ def activation_bits(rows: int, a8_from_rows: int | None) -> int:
 def experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_codes: torch.Tensor,
                    gate_up_scales: torch.Tensor, gate_up_mins: torch.Tensor, gate_up_zero: int,
                    down_codes: torch.Tensor, down_scales: torch.Tensor, down_mins: torch.Tensor, down_zero: int,
-                   intermediate: int, tier: int, dequant_from_rows: int | None, activation: str,
+                   intermediate: int, tier: int, dequant_from_rows: int | None, activation: int,
                    gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, limit: float,
                    alpha: float, x_bits: int = 16) -> torch.Tensor:
     """Experts held packed (``cpu_kernels.pack_groups`` layout, one leading index per expert):
     gate and up as one [2 I, H] matrix per expert, down [H, I]; optional biases [E, 2 I] (gate's
-    then up's) and [E, H]. Runs _packed_step."""
+    then up's) and [E, H]; ``activation``: the GLUS index. Runs _packed_step."""
     experts = PackedStep((gate_up_codes, gate_up_scales, gate_up_mins, gate_up_zero),
-                         (down_codes, down_scales, down_mins, down_zero), intermediate, tier, activation, gate_up_bias,
-                         down_bias, limit, alpha, x_bits)
+                         (down_codes, down_scales, down_mins, down_zero), intermediate, tier, GLUS[activation],
+                         gate_up_bias, down_bias, limit, alpha, x_bits)
     return _packed_step(x, ids, weights, experts, dequant_from_rows)
 
 
@@ -253,8 +257,8 @@ class DenseExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.ops.nanoserve.experts_dense(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
-                                                 self.gate_bias, self.up_bias, self.down_bias, self.activation,
-                                                 self.limit, self.alpha)
+                                                 self.gate_bias, self.up_bias, self.down_bias,
+                                                 GLUS.index(self.activation), self.limit, self.alpha)
 
 
 class PackedExperts(nn.Module):
@@ -289,7 +293,8 @@ class PackedExperts(nn.Module):
         return torch.ops.nanoserve.experts_packed(
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
-            self.dequant_from_rows, self.activation, self.gate_up_bias, self.down_bias, self.limit, self.alpha,
+            self.dequant_from_rows, GLUS.index(self.activation), self.gate_up_bias, self.down_bias, self.limit,
+            self.alpha,
             activation_bits(x.shape[0], self.a8_from_rows))
 
 
