@@ -281,16 +281,6 @@ __attribute__((always_inline)) inline V::F scales_of(const void* p, int64_t i) {
   }
 }
 
-// The same with the kind a run-time value: one branch per group, taken the same way throughout a
-// weight (GCC calls it out of line; inlining its four kinds at every fold measured slower).
-template <bool SPLIT>
-inline V::F load_scales(int kind, const void* p, int64_t i) {
-  if (kind == SCALES_FP32) return scales_of<SPLIT, SCALES_FP32>(p, i);
-  if (kind == SCALES_FP16) return scales_of<SPLIT, SCALES_FP16>(p, i);
-  if (kind == SCALES_E8M0) return scales_of<SPLIT, SCALES_E8M0>(p, i);
-  return scales_of<SPLIT, SCALES_SUPER>(p, i);
-}
-
 // What of a weight format the code is specialised on: the codes' storage bits, scale groups of
 // 16 and a code table (the scales' kind, the zero point and the table's values are run-time values).
 template <int BITS_, bool SPLIT_, bool LUT_ = false>
@@ -316,15 +306,18 @@ struct Format {
 
 // Where block16 reads a block's scales (scale) and what a scale group adds per unit of the
 // activations' sum (minimum: its minimum, and the offset sums_offset gives as d * offset), for
-// element i = 16 h + lane of the block's numbers (load_scales).
-//   KindScales: decoded from the file's kind at each fold. The kind is a run-time value, so each
-//     decode is an out-of-line call, and a call spills every live vector register: right for one
-//     row, which uses each scale once (decoding ahead would only add a store and a load), and
-//     whose few live sums make the spills cheap.
+// element i = 16 h + lane of the block's numbers (scales_of).
+//   KindScales: the block's scales as the file holds them, decoded at each fold with the kind a
+//     template argument (one_row picks it once per block): right for one row, which uses each
+//     scale once (decoding ahead would only add a store and a load). With the kind a run-time
+//     value the decode was an out-of-line call per scale group, which spilled the live sums: a
+//     one-row product in cache, one thread, ran at 51 (Q4_0) and 44 (Q4_K) G multiply-adds/s on
+//     avx512-vnni, 59 and 52 inline.
 //   DecodedScales: decoded to fp32 once for every chunk of rows that multiplies the block
-//     (decode_scales), read as plain vectors: no call in the loops over rows.
+//     (decode_scales), read as plain vectors.
+// BlockScales: where a block's scales are, whatever their kind.
 template <bool SPLIT>
-struct KindScales {
+struct BlockScales {
   nanoserve_format f;
   const void* d;
   const void* m;
@@ -333,13 +326,6 @@ struct KindScales {
   // Whether a product adds anything per unit of the activations' sums (minimums, or an offset).
   template <int BITS, bool LUT>
   bool has_minimums() const { return !symmetric() || sums_offset<BITS, LUT>(sums_zero_point(f)) != 0; }
-  V::F scale(int64_t i) const { return load_scales<SPLIT>(f.scale_kind, d, i); }
-  template <int BITS, bool LUT>
-  V::F minimum(int64_t i, V::F dv) const {
-    const V::F mv = symmetric() ? V::fzero() : load_scales<SPLIT>(f.scale_kind, m, i);
-    const int32_t offset = sums_offset<BITS, LUT>(sums_zero_point(f));
-    return offset != 0 ? V::fma(dv, V::set1(static_cast<float>(offset)), mv) : mv;
-  }
   // Group g's scales as far ahead as its codes are fetched (code_bytes: a group's codes).
   void prefetch(int64_t g, int64_t code_bytes) const {
     for (int64_t l = 0; l < group_bytes; l += 64) {
@@ -347,6 +333,17 @@ struct KindScales {
       __builtin_prefetch(static_cast<const char*>(d) + at);
       if (!symmetric()) __builtin_prefetch(static_cast<const char*>(m) + at);
     }
+  }
+};
+
+template <bool SPLIT, int KIND>
+struct KindScales : BlockScales<SPLIT> {
+  V::F scale(int64_t i) const { return scales_of<SPLIT, KIND>(this->d, i); }
+  template <int BITS, bool LUT>
+  V::F minimum(int64_t i, V::F dv) const {
+    const V::F mv = this->symmetric() ? V::fzero() : scales_of<SPLIT, KIND>(this->m, i);
+    const int32_t offset = sums_offset<BITS, LUT>(sums_zero_point(this->f));
+    return offset != 0 ? V::fma(dv, V::set1(static_cast<float>(offset)), mv) : mv;
   }
 };
 
@@ -359,11 +356,11 @@ struct DecodedScales {
   void prefetch(int64_t, int64_t) const {}  // the block's scales are in cache
 };
 
-// A block's KindScales decoded into this thread's scratch, the same operations in the same order
+// A block's scales decoded into this thread's scratch, the same operations in the same order
 // (so the products are the same bit for bit). `ahead`: the bytes of the next block's scales (and
 // minimums), prefetched meanwhile, as they are read in a burst at its start (0: none).
 template <typename F, int KIND>
-void decode_kind(const KindScales<F::SPLIT>& kind, int64_t count, float* ds, float* ms) {
+void decode_kind(const BlockScales<F::SPLIT>& kind, int64_t count, float* ds, float* ms) {
   const bool symmetric = kind.symmetric();
   const int32_t offset = sums_offset<F::BITS, F::LUT>(sums_zero_point(kind.f));
   const V::F offset_v = V::set1(static_cast<float>(offset));
@@ -376,7 +373,7 @@ void decode_kind(const KindScales<F::SPLIT>& kind, int64_t count, float* ds, flo
 }
 
 template <typename F>
-DecodedScales decode_scales(const KindScales<F::SPLIT>& kind, int64_t K, int64_t ahead) {
+DecodedScales decode_scales(const BlockScales<F::SPLIT>& kind, int64_t K, int64_t ahead) {
   thread_local std::vector<float> scratch;
   const int64_t count = K / GROUP * F::PER * 16;
   if (static_cast<int64_t>(scratch.size()) < 2 * count) scratch.resize(2 * count);
@@ -399,10 +396,13 @@ DecodedScales decode_scales(const KindScales<F::SPLIT>& kind, int64_t K, int64_t
 // Which activation rows a block16 call multiplies, and where each one's outputs go (in rows of
 // ldo from out): consecutive rows from r0 into consecutive rows (group_mm), or some of a step's
 // routed pairs, pair p reading activation row p / per_x and writing output row p (experts_mm).
+// skip(n): the same rows past their first n.
 struct RowRun {
   int64_t r0;
+  int64_t o0 = 0;  // where row r0's outputs go
   int64_t in(int r) const { return r0 + r; }
-  int64_t out(int r) const { return r; }
+  int64_t out(int r) const { return o0 + r; }
+  RowRun skip(int n) const { return {r0 + n, o0 + n}; }
 };
 
 struct RoutedPairs {
@@ -410,6 +410,7 @@ struct RoutedPairs {
   int64_t per_x;  // pairs per activation row: top_k, or 1 where each pair has its own row
   int64_t in(int r) const { return pairs[r] / per_x; }
   int64_t out(int r) const { return pairs[r]; }
+  RoutedPairs skip(int n) const { return {pairs + n, per_x}; }
 };
 
 // One block of 16 outputs for R rows (`rows`): for each group, each code vector is loaded (from
@@ -521,17 +522,51 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
   }
 }
 
-// R rows or fewer (down to 1) of `rows`: the template for the count.
+// One row's block (a batch-1 product, or an expert with one pair): the scales' kind made a
+// template argument here, once per block, so that block16 decodes each group's scales inline
+// (KindScales).
+template <typename F, bool LO, typename Rows>
+void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K, int64_t M, Rows rows,
+             const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16, int64_t ldo,
+             nanoserve_format f) {
+  switch (f.scale_kind) {
+    case SCALES_FP32:
+      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_FP32>{kind}, has_minimums, K, M, rows, xq, xd,
+                               xs, out, out_bf16, ldo, f);
+    case SCALES_FP16:
+      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_FP16>{kind}, has_minimums, K, M, rows, xq, xd,
+                               xs, out, out_bf16, ldo, f);
+    case SCALES_E8M0:
+      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_E8M0>{kind}, has_minimums, K, M, rows, xq, xd,
+                               xs, out, out_bf16, ldo, f);
+    default:
+      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_SUPER>{kind}, has_minimums, K, M, rows, xq, xd,
+                               xs, out, out_bf16, ldo, f);
+  }
+}
+
+// `count` rows of `rows`, 1 .. R at the top call (R: the tier's rows, a power of two), under 2 R
+// below it: R at a time, then the rest by halves, so that a tier instantiates block16 for
+// log2(R) + 1 row counts, not R (at R each, the avx512-vnni tier took 63 s to build). A row's
+// result does not depend on how many rows share its call, and the decode steps' row buckets
+// (powers of two) take a single call.
 template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows>
 void rows_block(int count, const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t M,
                 Rows rows, const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
+  static_assert((R & (R - 1)) == 0, "a tier's rows are a power of two");
   if constexpr (R > 1) {
     if (count < R) {
-      return rows_block<F, LO, R - 1>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+      return rows_block<F, LO, R / 2>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
     }
   }
   block16<F, LO, R>(w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+  if constexpr (R > 1) {
+    if (count > R) {
+      rows_block<F, LO, R / 2>(count - R, w, scales, has_minimums, K, M, rows.skip(R), xq, xd, xs, out, out_bf16,
+                               ldo, f);
+    }
+  }
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
@@ -543,12 +578,12 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
-    const KindScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
+    const BlockScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
                                     static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
     const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
     if (M == 1) {
-      block16<F, LO, 1>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
-                        static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
+      one_row<F, LO>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
+                     static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       continue;
     }
     const DecodedScales scales = decode_scales<F>(kind, K, b + 1 < b1 ? scale_bytes : 0);
@@ -623,12 +658,12 @@ struct ExpertsMm {
       const uint8_t* w_b = w + e * w_stride + b * block_bytes;
       const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
       const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
-      const KindScales<F::SPLIT> kind{f, d_b, m_b, F::scale_bytes(f.scale_kind)};
+      const BlockScales<F::SPLIT> kind{f, d_b, m_b, F::scale_bytes(f.scale_kind)};
       const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
       if (count == 1) {  // one pair: as group_mm's one row
         const RoutedPairs pair{groups.pairs.data() + first, per_x};
-        block16<F, LO, 1>(w_b, kind, minimums, K, M, pair, xq, xd, xs,
-                          static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
+        one_row<F, LO>(w_b, kind, minimums, K, M, pair, xq, xd, xs,
+                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
         continue;
       }
       const DecodedScales scales = decode_scales<F>(kind, K, 0);
