@@ -72,6 +72,30 @@ def test_the_cpp_and_python_wrappers_run_the_same_tokens_from_graphs_of_their_ow
         assert engine.stats().eager_steps == 0
 
 
+# The ops a decode graph calls. The C++ wrapper passes tensors, ints, floats and bools (and their
+# optionals; a ScalarType is an int there) through torch's C shim; any other argument type (a
+# string) makes it box the call through c10's dispatcher, whose headers cost a graph ~5 s to build.
+GRAPH_OPS = ("group_mm", "experts_mm", "quantize_rows", "dequantize", "dequantize_rows", "decode_attention",
+             "experts_dense", "experts_packed")
+
+
+def test_every_op_a_graph_calls_takes_what_the_cpp_wrapper_passes_through_torchs_c_shim():
+    from nanoserve.model.network import experts  # noqa: F401 (registers the expert ops)
+    from nanoserve.model.quant import cpu_kernels
+
+    if not cpu_kernels._ops_loaded():
+        pytest.skip("nanoserve's CPU ops did not build on this host")
+    plain = (torch.TensorType, torch.IntType, torch.FloatType, torch.BoolType)
+
+    def passes(t) -> bool:
+        return passes(t.getElementType()) if isinstance(t, torch.OptionalType) else isinstance(t, plain)
+
+    for name in GRAPH_OPS:
+        schema = getattr(torch.ops.nanoserve, name).default._schema
+        boxed = [f"{a.name}: {a.type}" for a in (*schema.arguments, *schema.returns) if not passes(a.type)]
+        assert not boxed, f"nanoserve::{name} takes {boxed}"
+
+
 def test_a_changed_key_misses(cache_dir, monkeypatch):
     step = build_engine(random_model(tiny_config()), compile=True, warmup="none", **OPTIONS).worker.decode_step
     key = step.graph_key((2, 64, 1)).digest

@@ -294,8 +294,7 @@ class PackedExperts(nn.Module):
             x, ids, weights, self.gate_up_codes, self.gate_up_scales, self.gate_up_mins, self.gate_up_zero,
             self.down_codes, self.down_scales, self.down_mins, self.down_zero, self.intermediate, self.handle,
             self.dequant_from_rows, GLUS.index(self.activation), self.gate_up_bias, self.down_bias, self.limit,
-            self.alpha,
-            activation_bits(x.shape[0], self.a8_from_rows))
+            self.alpha, activation_bits(x.shape[0], self.a8_from_rows))
 
 
 class ExpertMLP(nn.Module):

@@ -579,7 +579,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
   const int64_t size = out_bf16 ? 2 : 4;
   for (int64_t b = b0; b < b1; ++b) {
     const BlockScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
-                                    static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
+                                     static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
     const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
     if (M == 1) {
       one_row<F, LO>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
