@@ -32,6 +32,22 @@ settings.load_profile(os.environ.get("NANOSERVE_HYPOTHESIS", "ci"))
 HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_tiers_built():
+    """Every kernel tier the host runs built before the first test, one compiler a core: the
+    suite runs them all, and one by one, as tests first used them, a cold machine spent ~45 s a
+    tier on 2 cores. A tier that fails to build fails here silently and is refused where used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nanoserve.model.quant import cpu_kernels
+
+    tiers = [cpu_kernels.TIERS[t] for t in cpu_kernels.host_tiers() if t in cpu_kernels.TIERS]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for done in [pool.submit(cpu_kernels._build, tier) for tier in tiers]:
+            with contextlib.suppress(Exception):
+                done.result()
+
+
 @pytest.fixture
 def dense_greedy():
     """The greedy continuation by the dense oracle: the whole sequence re-run for every token."""
