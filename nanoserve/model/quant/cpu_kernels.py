@@ -31,8 +31,8 @@ The tiers (``kernels/``, one source tree): ``avx512-vnni`` (vpdpbusd on 512 bits
 with its own explicit instruction flags (never ``-march=native``: the build cache is keyed by
 source and flags, not by the CPU), the first time it is used (about 40 s a tier with g++ on 2
 cores, kept under torch's extension directory), and loaded only where the CPU has those
-instructions, as cpuid / hwcaps report them. ``NANOSERVE_CPU_KERNELS=auto|<tier>`` forces a tier the host can run; ``auto`` takes
-the best vector tier, and ``torch`` where none builds.
+instructions, as cpuid / hwcaps report them. ``NANOSERVE_CPU_KERNELS=auto|<tier>`` forces a tier
+the host can run; ``auto`` takes the best vector tier, and ``torch`` where none builds.
 """
 
 from __future__ import annotations

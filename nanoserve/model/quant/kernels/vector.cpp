@@ -529,19 +529,14 @@ template <typename F, bool LO, typename Rows>
 void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16, int64_t ldo,
              nanoserve_format f) {
+  const auto run = [&](auto scales) {
+    block16<F, LO, 1>(w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+  };
   switch (f.scale_kind) {
-    case SCALES_FP32:
-      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_FP32>{kind}, has_minimums, K, M, rows, xq, xd,
-                               xs, out, out_bf16, ldo, f);
-    case SCALES_FP16:
-      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_FP16>{kind}, has_minimums, K, M, rows, xq, xd,
-                               xs, out, out_bf16, ldo, f);
-    case SCALES_E8M0:
-      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_E8M0>{kind}, has_minimums, K, M, rows, xq, xd,
-                               xs, out, out_bf16, ldo, f);
-    default:
-      return block16<F, LO, 1>(w, KindScales<F::SPLIT, SCALES_SUPER>{kind}, has_minimums, K, M, rows, xq, xd,
-                               xs, out, out_bf16, ldo, f);
+    case SCALES_FP32: return run(KindScales<F::SPLIT, SCALES_FP32>{kind});
+    case SCALES_FP16: return run(KindScales<F::SPLIT, SCALES_FP16>{kind});
+    case SCALES_E8M0: return run(KindScales<F::SPLIT, SCALES_E8M0>{kind});
+    default: return run(KindScales<F::SPLIT, SCALES_SUPER>{kind});
   }
 }
 
