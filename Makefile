@@ -26,8 +26,10 @@ $(STAMP): pyproject.toml Makefile
 peers: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q -c $(VENV)/constraints.txt -e ".[dev,peers]"
 
+# A worker a core (pytest-xdist), a test module to a worker: most tests are single-threaded
+# Python, and on 2 cores the suite takes about half the time it takes in one process.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadscope
 
 # make bench PEERS=1 adds llama.cpp first.
 bench: setup $(if $(PEERS),peers)

@@ -12,14 +12,20 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 common=(-O2 -std=c++17 -ffp-contract=off)
 
-build_and_run() {  # compiler, runner (may be empty), tier define, tier flags...
-  local cxx=$1 runner=$2 tier=$3
-  shift 3
-  "$cxx" "${common[@]}" -DNANOSERVE_ENTRY=nanoserve_kernels_reference -c reference.cpp -o "$out/ref.o"
-  "$cxx" "${common[@]}" "$@" -D"$tier" -DNANOSERVE_ENTRY=nanoserve_kernels_tier -c vector.cpp -o "$out/tier.o"
-  "$cxx" "${common[@]}" -D"$tier" $([ -n "$runner" ] && echo -static) selftest.cpp "$out/ref.o" "$out/tier.o" \
-    -o "$out/selftest"
-  $runner "$out/selftest"
+build() {  # compiler, static (yes/no), tier define, output dir, tier flags...
+  local cxx=$1 static=$2 tier=$3 dir=$4
+  shift 4
+  mkdir -p "$dir"
+  "$cxx" "${common[@]}" -DNANOSERVE_ENTRY=nanoserve_kernels_reference -c reference.cpp -o "$dir/ref.o"
+  "$cxx" "${common[@]}" "$@" -D"$tier" -DNANOSERVE_ENTRY=nanoserve_kernels_tier -c vector.cpp -o "$dir/tier.o"
+  "$cxx" "${common[@]}" -D"$tier" $([ "$static" = yes ] && echo -static) selftest.cpp "$dir/ref.o" "$dir/tier.o" \
+    -o "$dir/selftest"
+}
+
+# The tiers build side by side (a compiler a core), then run one after another.
+wait_all() {
+  local job
+  for job in $(jobs -p); do wait "$job"; done
 }
 
 case $mode in
@@ -29,9 +35,12 @@ case $mode in
       exit 0
     fi
     cxx=${CXX:-c++}
-    build_and_run "$cxx" "" NANOSERVE_TIER_AVX512_VNNI -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mf16c -mfma
-    build_and_run "$cxx" "" NANOSERVE_TIER_AVX_VNNI -mavx2 -mavxvnni -mf16c -mfma
-    build_and_run "$cxx" "" NANOSERVE_TIER_AVX2 -mavx2 -mf16c -mfma
+    build "$cxx" no NANOSERVE_TIER_AVX512_VNNI "$out/avx512-vnni" -mavx512f -mavx512bw -mavx512vl -mavx512vnni \
+      -mf16c -mfma &
+    build "$cxx" no NANOSERVE_TIER_AVX_VNNI "$out/avx-vnni" -mavx2 -mavxvnni -mf16c -mfma &
+    build "$cxx" no NANOSERVE_TIER_AVX2 "$out/avx2" -mavx2 -mf16c -mfma &
+    wait_all
+    for tier in avx512-vnni avx-vnni avx2; do "$out/$tier/selftest"; done
     ;;
   arm)
     cxx=aarch64-linux-gnu-g++
@@ -39,8 +48,10 @@ case $mode in
       echo "kernel self-test (ARM) skipped: needs $cxx and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)"
       exit 0
     fi
-    build_and_run "$cxx" "qemu-aarch64 -cpu max" NANOSERVE_TIER_NEON_DOT -march=armv8.2-a+dotprod
-    build_and_run "$cxx" "qemu-aarch64 -cpu max" NANOSERVE_TIER_NEON -march=armv8-a
+    build "$cxx" yes NANOSERVE_TIER_NEON_DOT "$out/neon-dot" -march=armv8.2-a+dotprod &
+    build "$cxx" yes NANOSERVE_TIER_NEON "$out/neon" -march=armv8-a &
+    wait_all
+    for tier in neon-dot neon; do qemu-aarch64 -cpu max "$out/$tier/selftest"; done
     ;;
   *)
     echo "usage: $0 native|arm" >&2

@@ -31,6 +31,11 @@ settings.load_profile(os.environ.get("NANOSERVE_HYPOTHESIS", "ci"))
 
 HAS_CUDA = torch.cuda.is_available()
 
+# Under pytest-xdist (`make test` runs a worker a core) each worker takes its share of the cores:
+# two workers' OpenMP teams of a core count each would fight over the same cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_tiers_built():
@@ -46,6 +51,14 @@ def kernel_tiers_built():
         for done in [pool.submit(cpu_kernels._build, tier) for tier in tiers]:
             with contextlib.suppress(Exception):
                 done.result()
+
+
+@pytest.fixture
+def threads():
+    """torch.set_num_threads for one test: what the test sets is put back after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -131,6 +131,25 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, 
     assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
 
 
+@pytest.mark.parametrize("tier", VECTOR_TIERS)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_products_split_over_threads_equal_one_threads_bit_for_bit(tier, rows, threads):
+    """Threads split a product by its outputs, each output summed by one thread in one order: any
+    team size, an uneven one included, gives one thread's bits."""
+    n, k = 208, 512
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=generator)
+    for bits, group, kind, zero_point in [(4, 32, FP16, 8), (4, 32, SUPER, 0), (6, 16, SUPER, 32)]:
+        codes = random_codes(n, k, bits, seed=rows)
+        scales = random_scales(n, k, group, kind, generator)
+        mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+        got = {}
+        for team in (1, 3):
+            threads(team)
+            got[team] = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier), 8)
+        assert torch.equal(got[1], got[3]), (bits, group, kind)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)

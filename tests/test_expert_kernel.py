@@ -91,6 +91,21 @@ def test_grouped_products_are_each_pair_through_its_expert(tier, qtype, routing,
 
 
 @pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("routing", ["uneven", "duplicates"])
+def test_grouped_products_split_over_threads_equal_one_threads_bit_for_bit(tier, routing, threads):
+    """Threads split the (expert, 16 outputs) tasks by cost, each pair's output summed by one
+    thread: any team size, an uneven one included, gives one thread's bits."""
+    codes, scales, mins, zero = stacked_experts(Q.Q4_K, 80, 256, seed=1)
+    ids = torch.tensor(ROUTINGS[routing])
+    x = torch.randn(ids.shape[0], 256, generator=torch.Generator().manual_seed(2))
+    got = {}
+    for team in (1, 3):
+        threads(team)
+        got[team] = torch.ops.nanoserve.experts_mm(x, ids, codes, scales, mins, zero, cpu_kernels.handle(tier))
+    assert torch.equal(got[1], got[3])
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_skipped_pairs_are_zeros_and_leave_the_others_as_they_were(tier):
     codes, scales, mins, zero = stacked_experts(Q.Q5_K, 32, 256, 3)
     handle = cpu_kernels.handle(tier)
