@@ -230,6 +230,25 @@ def test_a_background_process_builds_the_graphs_while_eager_steps_serve(cache_di
         lazy.close()
 
 
+def test_a_builder_that_dies_leaves_its_buckets_eager_saying_why(tmp_path, monkeypatch, caplog):
+    from nanoserve.worker import graph_build
+
+    died = "import sys; sys.stderr.write('MemoryError: the builder ran out\\n'); sys.exit(3)"
+    monkeypatch.setattr(graph_build, "_CHILD", died)
+    shapes = [(1, 64, 1), (2, 64, 1)]
+    job = graph_build.BuildJob(None, None, str(tmp_path), dict.fromkeys(shapes))
+    with caplog.at_level(logging.WARNING, logger=graph_build.__name__):
+        builder = graph_build.BackgroundBuilder(job, GraphCache(tmp_path), shapes)
+        builder._reader.join(60)
+    try:
+        assert builder.building == 0 and builder.pending == []
+        why = "the graph builder exited with code 3: MemoryError: the builder ran out"
+        assert builder.failed == dict.fromkeys(shapes, why)
+        assert why in caplog.text and "2 bucket(s) stay eager" in caplog.text
+    finally:
+        builder.close()
+
+
 WARM = """
 import sys
 from nanoserve import build_engine

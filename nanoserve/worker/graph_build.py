@@ -121,12 +121,15 @@ class _HollowPickler(pickle.Pickler):
 class BuildJob:
     """What the child needs to rebuild the parent's step: the model object (sent hollow: its
     modules and every tensor's layout, no values), the worker's spec, the cache, and the key
-    the parent expects per shape."""
+    the parent expects per shape. ``threads``: the parent's torch threads, the team inductor's
+    generated loops are written for (the child itself runs on one), so a graph built here is the
+    one an eager warmup in the parent builds."""
 
     model: object
     spec: object
     cache_root: str
     keys: dict[Shape, GraphKey]
+    threads: int = dataclasses.field(default_factory=torch.get_num_threads)
 
 
 JOIN_SECONDS = 30.0  # how long close waits for the reader to finish the graph it is loading
@@ -151,9 +154,12 @@ class BackgroundBuilder:
                    NANOSERVE_BUILDER_PARENT=str(os.getpid()))
         # The child lowers its own priority before it imports torch (no preexec_fn: the engine's
         # process is then spawned from, not forked with its page tables).
+        # Its stderr goes to a file: the last lines name the cause if it dies before it says "failed".
+        self._errors = tempfile.TemporaryFile(mode="w+", dir=cache.root, prefix=".builder-")
+        self._closing = False
         self._child = subprocess.Popen(
             [sys.executable, "-c", _CHILD, self._job_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+            stderr=self._errors, text=True, env=env, bufsize=1)
         for shape in shapes:
             self._send("add", shape)
         self._reader = threading.Thread(target=self._read, name="nanoserve-graph-loader", daemon=True)
@@ -200,8 +206,18 @@ class BackgroundBuilder:
                     self._ready.put((shape, compiled))
             with contextlib.suppress(ValueError):
                 self.pending.remove(shape)
+        code = self._child.wait()
+        if self.pending and not self._closing:  # it died (a crash, the OOM killer) with buckets to build
+            self._errors.seek(0)
+            last = [line.strip() for line in self._errors.read().splitlines()[-20:] if line.strip()]
+            why = f"the graph builder exited with code {code}" + (f": {last[-1][:300]}" if last else "")
+            for shape in self.pending:
+                self.failed[shape] = why
+            log.warning("nanoserve: %s; %d bucket(s) stay eager", why, len(self.pending))
+            self.pending = []
 
     def close(self) -> None:
+        self._closing = True
         if self._child.poll() is None:
             self._child.kill()
         self._child.wait()
@@ -209,7 +225,7 @@ class BackgroundBuilder:
         # no thread of the engine's is still inside torch when the process exits.
         if self._reader is not threading.current_thread():
             self._reader.join(JOIN_SECONDS)
-        for stream in (self._child.stdin, self._child.stdout):
+        for stream in (self._child.stdin, self._child.stdout, self._errors):
             with contextlib.suppress(OSError, ValueError):
                 stream.close()
         with contextlib.suppress(FileNotFoundError):
@@ -250,6 +266,9 @@ def _child_main(job_path: str) -> int:
     with open(job_path, "rb") as job_file:
         job: BuildJob = pickle.load(job_file)  # the parent's own file, made for this child
     os.unlink(job_path)
+    from torch._inductor import config as inductor_config
+
+    inductor_config.cpp.threads = job.threads
     cache = GraphCache(job.cache_root)
     step = build_worker(job.model, dataclasses.replace(job.spec, compile=False)).decode_step
     todo: collections.deque[Shape] = collections.deque()
