@@ -29,6 +29,7 @@ class Holder(nn.Module):
         self.weight = nn.Parameter(big.clone(), requires_grad=False)
         self.register_buffer("table", big.clone().view(1024, 1024))
         self.register_buffer("rows", self.table[256:512])  # a view sharing the table's storage
+        self.register_buffer("scales", torch.arange(1 << 15, dtype=torch.float16))  # 64 KiB: a product's scales
         self.register_buffer("small", torch.ones(16))
         mapping = mmap.mmap(-1, 4 << 20)
         self.register_buffer("mapped", torch.frombuffer(mapping, dtype=torch.float32))  # not torch's bytes
@@ -36,20 +37,20 @@ class Holder(nn.Module):
         self.tied.weight = self.weight  # one Parameter in two modules
 
 
-def test_large_owned_storages_move_and_keep_their_values_and_aliases():
+def test_owned_storages_of_a_page_or_more_move_and_keep_their_values_and_aliases():
     holder = Holder()
     expected = {name: t.clone() for name, t in holder.state_dict().items()}
     mapped_at = holder.mapped.data_ptr()
     moved = huge_pages.move_to_huge_pages(holder)
-    assert moved == 2 * (4 << 20)  # the parameter's storage and the table's; the view rides along
+    assert moved == 2 * (4 << 20) + (64 << 10)  # the parameter's, the table's, the scales'; the view rides along
     for name, t in holder.state_dict().items():
         assert torch.equal(t, expected[name]), name
-    assert not owned_by_torch(holder.weight) and not owned_by_torch(holder.table)
+    assert not any(owned_by_torch(t) for t in (holder.weight, holder.table, holder.scales))
     assert holder.rows.untyped_storage().data_ptr() == holder.table.untyped_storage().data_ptr()
     assert holder.rows.data_ptr() == holder.table.data_ptr() + 256 * 1024 * 4
     assert holder.tied.weight is holder.weight and isinstance(holder.weight, nn.Parameter)
     assert owned_by_torch(holder.small) and holder.mapped.data_ptr() == mapped_at  # too small; not torch's
-    for t in (holder.weight, holder.table):
+    for t in (holder.weight, holder.table, holder.scales):
         assert t.data_ptr() % 4096 == 0
     assert huge_pages.move_to_huge_pages(holder) == 0  # moved once: nothing left to move
 
@@ -92,7 +93,7 @@ def test_an_engine_decodes_the_same_tokens_with_and_without_huge_pages(weights):
         engine = build_engine(random_model(model.config, seed=3) if huge else model, weights=weights,
                               max_batch_size=2, max_model_len=64, compile=False, huge_pages=huge)
         tokens[huge] = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        big = [t for t in engine.model.state_dict().values() if t.untyped_storage().nbytes() >= huge_pages.HUGE_PAGE]
+        big = [t for t in engine.model.state_dict().values() if t.untyped_storage().nbytes() >= huge_pages.ALIGN]
         owned[huge] = {owned_by_torch(t) for t in big}
         if weights == "int4":
             assert any(isinstance(m, GroupLinear) for m in engine.model.modules())

@@ -4,10 +4,13 @@ A decode step streams every weight once. On 4 KB pages that is a TLB miss every 
 and in a virtual machine each miss is a two-level page walk, enough to hold a stream well below
 the memory's rate (the README's session 15 figures, under Measured). Linux backs an anonymous
 mapping with 2 MB pages where it is told to (``madvise(MADV_HUGEPAGE)``), which its default
-setting ("madvise") needs; torch's allocator does not ask. So a loaded model's tensor storages of at least 2 MB that torch's allocator owns
-(not a file's mapped bytes) are copied, one at a time, into one such mapping (an arena: a 2 MB
-page of slack in all, not per tensor) and every parameter and buffer that viewed one is pointed
-at the copy. Elsewhere (no MADV_HUGEPAGE, transparent huge pages compiled out) nothing moves.
+setting ("madvise") needs; torch's allocator does not ask. So a loaded model's tensor storages of
+at least a small page that torch's allocator owns (not a file's mapped bytes) are copied, one at
+a time, into one such mapping (an arena: a 2 MB page of slack in all, not per tensor) and every
+parameter and buffer that viewed one is pointed at the copy. The small ones matter too: a
+product streams its scales beside its codes, and a 1B step's scale tensors (128 KB to 1 MB each)
+left on small pages held its products 8-15% slower (the README's session 18 figures). Elsewhere
+(no MADV_HUGEPAGE, transparent huge pages compiled out) nothing moves.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _movable(t: torch.Tensor, min_bytes: int) -> bool:
     return t.device.type == "cpu" and storage.nbytes() >= min_bytes and storage.resizable()
 
 
-def move_to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
+def move_to_huge_pages(model: nn.Module, min_bytes: int = ALIGN) -> int:
     """Moves the model's parameter and buffer storages of at least `min_bytes` that torch's
     allocator owns into one huge-page arena, keeping every alias (tied weights, views) an alias.
     Returns the bytes moved (0 where the host cannot advise huge pages). Each old storage is
