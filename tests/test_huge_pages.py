@@ -1,5 +1,6 @@
-"""The weights' move onto transparent huge pages (nanoserve/worker/huge_pages.py): what moves, that
-values and aliases survive it, and that an engine built with or without it decodes the same tokens."""
+"""The weights' move onto transparent huge pages and the K/V pool made there
+(nanoserve/worker/huge_pages.py): what moves, that values and aliases survive it, and that an
+engine built with or without them decodes the same tokens."""
 
 from __future__ import annotations
 
@@ -83,6 +84,19 @@ def test_the_arena_is_eligible_for_huge_pages():
     assert smaps_field(t.data_ptr(), "THPeligible") == 1
 
 
+def test_zeros_on_huge_pages_are_zeros_of_their_shapes_each_on_its_own_pages():
+    specs = [((512, 32, 128), torch.bfloat16), ((5, 3, 2), torch.float16), ((7,), torch.float32), ((2, 4), torch.int8)]
+    tensors = huge_pages.zeros_on_huge_pages(specs)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == specs
+    for i, t in enumerate(tensors):
+        assert not t.any() and t.is_contiguous() and t.data_ptr() % huge_pages.ALIGN == 0
+        t.fill_(i + 1)  # writable, and no write reaches another tensor
+    assert [int(t.flatten()[0]) for t in tensors] == [1, 2, 3, 4] and all(bool((t == t.flatten()[0]).all())
+                                                                           for t in tensors)
+    if thp_mode() not in (None, "never"):  # a mapping holding a whole 2 MB page (the first tensor's 4 MB)
+        assert smaps_field(tensors[0].data_ptr(), "THPeligible") == 1
+
+
 @pytest.mark.parametrize("weights", ["int4", None])
 def test_an_engine_decodes_the_same_tokens_with_and_without_huge_pages(weights):
     model = random_model(tiny_config(hidden_size=512, intermediate_size=1024, vocab_size=2048), seed=3)
@@ -94,7 +108,7 @@ def test_an_engine_decodes_the_same_tokens_with_and_without_huge_pages(weights):
                               max_batch_size=2, max_model_len=64, compile=False, huge_pages=huge)
         tokens[huge] = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
         big = [t for t in engine.model.state_dict().values() if t.untyped_storage().nbytes() >= huge_pages.ALIGN]
-        owned[huge] = {owned_by_torch(t) for t in big}
+        owned[huge] = {owned_by_torch(t) for t in big + engine.worker.cache.layers.tensors()}
         if weights == "int4":
             assert any(isinstance(m, GroupLinear) for m in engine.model.modules())
     assert tokens[True] == tokens[False]

@@ -108,9 +108,9 @@ class EngineConfig:
         True, "turns prefix caching off: every prompt is computed from its first token (default: on, a prompt "
               "reuses the cached K/V of a prefix already seen)", flag="--no-prefix-caching")
     huge_pages: bool = option(
-        True, "turns huge pages off: the weights stay where torch allocated them, on the host's default "
-              "pages (default: on, the CPU weights move to memory advised for transparent huge pages, which "
-              "a decode step streams faster)", flag="--no-huge-pages")
+        True, "turns huge pages off: the weights and the K/V pool stay where torch allocates them, on the "
+              "host's default pages (default: on, the CPU weights move to, and the K/V pool is made in, memory "
+              "advised for transparent huge pages, which a decode step streams faster)", flag="--no-huge-pages")
     threads: int | None = option(
         None, "CPU threads for torch's ops and nanoserve's CPU kernels (torch.set_num_threads, process-wide; "
               "default: torch's, one per core)", kind="int")

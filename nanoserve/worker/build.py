@@ -59,7 +59,7 @@ class WorkerConfig:
     max_queries: int = 1  # tokens a decode row may feed in one step (1 + the speculative tokens)
     kv_cache_types: tuple[str, str] = ("auto", "auto")  # K's and V's storage (kv_cells)
     window_ring: int | None = None  # sliding-window layers' ring cells a row (window_ring; None: the pool's)
-    huge_pages: bool = True  # the CPU weights moved onto transparent huge pages (huge_pages.py)
+    huge_pages: bool = True  # the CPU weights and K/V pool on transparent huge pages (huge_pages.py)
     ring_snapshots: int = 0  # saved rows of rings, for prefix caching beside them (cache/ring_snapshots.py)
     cpp_wrapper: bool = True  # on a CPU, the graphs' calls in generated C++ (graph_build.inductor_backend)
 
@@ -101,7 +101,8 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
     cache = KVCache(arch.num_layers, kv_heads, arch.head_dim, spec.num_blocks, spec.block_size, spec.max_batch_size,
                     spec.max_model_len, spec.scratch_slot, dtype=spec.dtype, device=spec.device, k_format=k_format,
                     v_format=v_format, windows=[arch.layer_window(i) for i in range(arch.num_layers)],
-                    ring=spec.window_ring, slot_table=slot_table, ring_snapshots=spec.ring_snapshots)
+                    ring=spec.window_ring, slot_table=slot_table, ring_snapshots=spec.ring_snapshots,
+                    huge_pages=spec.huge_pages)
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier,
                                      spec.kv_cache_types)
     # Graphs from the cache: inductor on the CPU. A tensor-parallel rank's graphs hold its

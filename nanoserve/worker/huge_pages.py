@@ -16,6 +16,7 @@ left on small pages held its products 8-15% slower (the README's session 18 figu
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 from collections import defaultdict
 
@@ -84,3 +85,24 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = ALIGN) -> int:
         start += sizes[key]
         moved += nbytes
     return moved
+
+
+def zeros_on_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """Zeroed tensors of these shapes and dtypes, each on its own small page in one arena advised
+    for huge pages (the K/V pool: a step reads each live row's cells), or None where the host
+    cannot advise them. Written once here, as torch.zeros would: the memory is taken at start (a
+    pool too large for the host fails now, not once rows fill it), and the faults take 2 MB pages."""
+    if not available():
+        return None
+    nbytes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    sizes = [-(-n // ALIGN) * ALIGN for n in nbytes]
+    try:
+        mapping, start = huge_page_arena(sum(sizes))
+    except OSError:
+        return None
+    tensors = []
+    for (shape, dtype), n, size in zip(specs, nbytes, sizes):
+        tensors.append(torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=start).zero_()
+                       .view(dtype).view(shape))
+        start += size
+    return tensors

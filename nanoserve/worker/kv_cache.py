@@ -52,13 +52,15 @@ class KVCache:
     `max_model_len` cells. K and V are each stored in ``dtype`` or as ``k_format`` /
     ``v_format`` say (kv_cells). `scratch_slot` is the host's reserved block's first slot:
     padded rows write there and no row reads it. With ``slot_table`` the cache addresses another
-    cache's rows and slots (a draft model's layers over the target's pool)."""
+    cache's rows and slots (a draft model's layers over the target's pool). ``huge_pages``: the
+    cells in memory advised for huge pages (KVLayers.allocate)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  max_batch_size: int, max_model_len: int, scratch_slot: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", k_format: CellFormat | None = None,
                  v_format: CellFormat | None = None, windows: list[int | None] | None = None,
-                 ring: int | None = None, slot_table: SlotTable | None = None, ring_snapshots: int = 0) -> None:
+                 ring: int | None = None, slot_table: SlotTable | None = None, ring_snapshots: int = 0,
+                 huge_pages: bool = False) -> None:
         if min(num_layers, num_kv_heads, head_dim, num_blocks, block_size) < 1:
             raise ValueError(f"cache sizes must be positive: {num_layers} layers, {num_kv_heads} KV heads, "
                              f"head_dim {head_dim}, {num_blocks} blocks of {block_size}")
@@ -73,7 +75,8 @@ class KVCache:
         self.ring = WindowRing(ring, max_batch_size, max_model_len, self.device, ring_snapshots) if ring else None
         self.ring_layers = [i for i, w in enumerate(windows or []) if w is not None] if ring else []
         slots = [self.ring.num_cells if i in self.ring_layers else num_blocks * block_size for i in range(num_layers)]
-        self.layers = KVLayers.allocate(num_layers, slots, num_kv_heads, head_dim, k_format, v_format, self.device)
+        self.layers = KVLayers.allocate(num_layers, slots, num_kv_heads, head_dim, k_format, v_format, self.device,
+                                        huge_pages)
         # A draft model's layers share the target's table (speculative/draft.py): the same rows
         # and slots, so one pool holds both models' K/V.
         self.slot_table = slot_table if slot_table is not None else SlotTable(max_batch_size, max_model_len,

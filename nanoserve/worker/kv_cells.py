@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.worker.huge_pages import zeros_on_huge_pages
+
 Q8_BLOCK = 32  # values per q8_0 step
 DENSE = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 NAMES = {dtype: name for name, dtype in DENSE.items()}
@@ -94,20 +96,25 @@ class KVLayers:
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int | list[int], num_kv_heads: int, head_dim: int,
-                 k_format: CellFormat, v_format: CellFormat, device: torch.device) -> KVLayers:
+                 k_format: CellFormat, v_format: CellFormat, device: torch.device,
+                 huge_pages: bool = False) -> KVLayers:
         """Zeroed cells: ``num_slots`` in every layer, or layer i's own number (a sliding-window
-        layer's rings: window_ring)."""
+        layer's rings: window_ring). With ``huge_pages`` (a CPU pool) they lie in memory advised
+        for transparent huge pages (huge_pages.zeros_on_huge_pages), where the host allows."""
         # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
         # place, inductor copies the whole stack every step.
         sizes = num_slots if isinstance(num_slots, list) else [num_slots] * num_layers
-
-        def side(fmt: CellFormat) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            cells = [torch.zeros(n, num_kv_heads, head_dim, dtype=fmt.dtype, device=device) for n in sizes]
-            steps = [torch.zeros(n, num_kv_heads, head_dim // Q8_BLOCK, dtype=torch.float16, device=device)
-                     for n in sizes] if fmt.quantized else []
-            return cells, steps
-
-        (k_cells, k_steps), (v_cells, v_steps) = side(k_format), side(v_format)
+        specs = []  # (shape, dtype) of K cells, K steps, V cells, V steps, each a tensor per layer
+        for fmt in (k_format, v_format):
+            specs += [((n, num_kv_heads, head_dim), fmt.dtype) for n in sizes]
+            specs += [((n, num_kv_heads, head_dim // Q8_BLOCK), torch.float16) for n in sizes] if fmt.quantized else []
+        tensors = zeros_on_huge_pages(specs) if huge_pages and torch.device(device).type == "cpu" else None
+        if tensors is None:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+        layers = len(sizes)
+        k_cells, rest = tensors[:layers], tensors[layers:]
+        k_steps, rest = (rest[:layers], rest[layers:]) if k_format.quantized else ([], rest)
+        v_cells, v_steps = rest[:layers], rest[layers:]
         return cls(k_cells, v_cells, k_steps, v_steps)
 
     @property
