@@ -34,8 +34,9 @@ HAS_CUDA = torch.cuda.is_available()
 # Under pytest-xdist (`make test` runs a worker a core) each worker takes its share of the cores:
 # two workers' OpenMP teams of a core count each would fight over the same cores.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    from nanoserve.distributed.launch import usable_cores
+
+    torch.set_num_threads(max(1, usable_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -118,8 +118,7 @@ def build_tensor_parallel(model, spec: WorkerConfig, size: int, timeout: float) 
     port = free_port()
     if not spec.device.startswith("cuda"):
         # The ranks share this host's cores: each takes its part (the workers get the same count).
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // size)))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), usable_cores() // size)))
     threads = torch.get_num_threads()
     context = mp.get_context("spawn")
     workers = []
@@ -137,6 +136,11 @@ def build_tensor_parallel(model, spec: WorkerConfig, size: int, timeout: float) 
         _kill(workers)
         _leave_process_group()
         raise
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def free_port() -> int:

@@ -209,8 +209,8 @@ class BackgroundBuilder:
         code = self._child.wait()
         if self.pending and not self._closing:  # it died (a crash, the OOM killer) with buckets to build
             self._errors.seek(0)
-            last = [line.strip() for line in self._errors.read().splitlines()[-20:] if line.strip()]
-            why = f"the graph builder exited with code {code}" + (f": {last[-1][:300]}" if last else "")
+            said = [line.strip() for line in self._errors.read().splitlines() if line.strip()]
+            why = f"the graph builder exited with code {code}" + (f": {said[-1][:300]}" if said else "")
             for shape in self.pending:
                 self.failed[shape] = why
             log.warning("nanoserve: %s; %d bucket(s) stay eager", why, len(self.pending))

@@ -16,6 +16,7 @@ left on small pages held its products 8-15% slower (the README's session 18 figu
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import mmap
 from collections import defaultdict
@@ -40,6 +41,21 @@ def huge_page_arena(nbytes: int) -> tuple[mmap.mmap, int]:
     return mapping, -address % HUGE_PAGE
 
 
+def arena_slices(nbytes: list[int]) -> list[torch.Tensor] | None:
+    """Byte tensors of these sizes, each starting on its own small page of one huge-page arena
+    (nothing is touched yet: a slice takes its memory as it is first written), or None where
+    the host cannot advise huge pages."""
+    if not available():
+        return None
+    sizes = [-(-n // ALIGN) * ALIGN for n in nbytes]
+    try:
+        mapping, start = huge_page_arena(sum(sizes))
+    except OSError:  # the kernel refuses the advice
+        return None
+    offsets = itertools.accumulate(sizes[:-1], initial=start)
+    return [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=at) for n, at in zip(nbytes, offsets)]
+
+
 def _movable(t: torch.Tensor, min_bytes: int) -> bool:
     storage = t.untyped_storage()
     # resizable: torch's allocator owns the bytes (a tensor over a mapped file's bytes is not)
@@ -51,8 +67,6 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = ALIGN) -> int:
     allocator owns into one huge-page arena, keeping every alias (tied weights, views) an alias.
     Returns the bytes moved (0 where the host cannot advise huge pages). Each old storage is
     freed as soon as its tensors point at the copy, so the peak is the model plus one storage."""
-    if not available():
-        return 0
     holders: dict[int, list[tuple[nn.Module, str, bool]]] = defaultdict(list)
     storages: dict[int, torch.UntypedStorage] = {}
     for module in model.modules():
@@ -62,17 +76,12 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = ALIGN) -> int:
                     key = t.untyped_storage().data_ptr()
                     storages[key] = t.untyped_storage()
                     holders[key].append((module, name, is_param))
-    if not storages:
-        return 0
-    sizes = {key: -(-s.nbytes() // ALIGN) * ALIGN for key, s in storages.items()}
-    try:
-        mapping, start = huge_page_arena(sum(sizes.values()))
-    except OSError:  # the kernel refuses the advice: nothing moves
+    copies = arena_slices([s.nbytes() for s in storages.values()]) if storages else None
+    if copies is None:
         return 0
     moved = 0
-    for key in list(storages):
+    for key, copy in zip(list(storages), copies):
         nbytes = storages[key].nbytes()
-        copy = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
         copy.copy_(torch.empty(0, dtype=torch.uint8).set_(storages.pop(key), 0, (nbytes,), (1,)))
         for module, name, is_param in holders.pop(key):
             old = (module._parameters if is_param else module._buffers)[name]
@@ -82,7 +91,6 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = ALIGN) -> int:
                 old.data = view  # the Parameter object stays: tied parameters stay one
             else:
                 module._buffers[name] = view
-        start += sizes[key]
         moved += nbytes
     return moved
 
@@ -92,17 +100,7 @@ def zeros_on_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> lis
     for huge pages (the K/V pool: a step reads each live row's cells), or None where the host
     cannot advise them. Written once here, as torch.zeros would: the memory is taken at start (a
     pool too large for the host fails now, not once rows fill it), and the faults take 2 MB pages."""
-    if not available():
+    slices = arena_slices([math.prod(shape) * dtype.itemsize for shape, dtype in specs])
+    if slices is None:
         return None
-    nbytes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-    sizes = [-(-n // ALIGN) * ALIGN for n in nbytes]
-    try:
-        mapping, start = huge_page_arena(sum(sizes))
-    except OSError:
-        return None
-    tensors = []
-    for (shape, dtype), n, size in zip(specs, nbytes, sizes):
-        tensors.append(torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=start).zero_()
-                       .view(dtype).view(shape))
-        start += size
-    return tensors
+    return [bytes_.zero_().view(dtype).view(shape) for bytes_, (shape, dtype) in zip(slices, specs)]

@@ -104,17 +104,16 @@ class KVLayers:
         # One tensor per layer: when a compiled graph writes a slice of a stacked tensor in
         # place, inductor copies the whole stack every step.
         sizes = num_slots if isinstance(num_slots, list) else [num_slots] * num_layers
-        specs = []  # (shape, dtype) of K cells, K steps, V cells, V steps, each a tensor per layer
-        for fmt in (k_format, v_format):
-            specs += [((n, num_kv_heads, head_dim), fmt.dtype) for n in sizes]
-            specs += [((n, num_kv_heads, head_dim // Q8_BLOCK), torch.float16) for n in sizes] if fmt.quantized else []
+        def side(fmt: CellFormat) -> list[list[tuple[tuple[int, ...], torch.dtype]]]:  # cells, steps
+            cells = [((n, num_kv_heads, head_dim), fmt.dtype) for n in sizes]
+            steps = [((n, num_kv_heads, head_dim // Q8_BLOCK), torch.float16) for n in sizes] if fmt.quantized else []
+            return [cells, steps]
+
+        groups = side(k_format) + side(v_format)  # K cells, K steps, V cells, V steps: (shape, dtype) a layer
+        specs = [spec for group in groups for spec in group]
         tensors = zeros_on_huge_pages(specs) if huge_pages and torch.device(device).type == "cpu" else None
-        if tensors is None:
-            tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
-        layers = len(sizes)
-        k_cells, rest = tensors[:layers], tensors[layers:]
-        k_steps, rest = (rest[:layers], rest[layers:]) if k_format.quantized else ([], rest)
-        v_cells, v_steps = rest[:layers], rest[layers:]
+        made = iter(tensors or [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs])
+        k_cells, k_steps, v_cells, v_steps = ([next(made) for _ in group] for group in groups)
         return cls(k_cells, v_cells, k_steps, v_steps)
 
     @property
