@@ -16,6 +16,7 @@ struct Simd {
   // rows sharing each code vector (a row's 16 sums: 4 vectors); with 8-bit activations a row
   // holds half the integer sums, so twice the rows fit
   static constexpr int LANES = 4, ROWS = 2, ROWS_A8 = 4;
+  static constexpr int ROWS_A8_G16 = ROWS_A8;  // with 8-bit activations, in a format of scale groups of 16
   static constexpr int REGISTERS = 32;  // vector registers: a block's live sums must fit them
   static constexpr bool UNSIGNED_BYTES = false;
   using I = int32x4_t;

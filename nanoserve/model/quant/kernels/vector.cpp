@@ -171,6 +171,19 @@ inline V::A dot_codes(V::A acc, V::C code, const int8_t* x) {
   else return V::dot_wide(acc, code, x);
 }
 
+// Whether a tier multiplies a format's codes two code vectors at a time (V::WIDE_PAIRS: AVX2,
+// whose 5- and 6-bit products are each widened from int16 at once): then group_sums takes the
+// code vectors in pairs, one widening for two. Its sums are integers, the same in any order.
+template <typename S> constexpr bool has_wide_pairs(decltype(S::WIDE_PAIRS)) { return S::WIDE_PAIRS; }
+template <typename S> constexpr bool has_wide_pairs(...) { return false; }
+template <int BITS, bool LUT>
+constexpr bool wide_pairs() { return !LUT && (BITS == 5 || BITS == 6) && has_wide_pairs<V>(true); }
+// V::dot_wide_pair, looked up only where wide_pairs holds (S makes the name dependent).
+template <int BITS, typename S = V>
+inline V::A dot_wide_pair(V::A acc, V::C c0, const int8_t* x0, V::C c1, const int8_t* x1) {
+  return S::dot_wide_pair(acc, c0, x0, c1, x1);
+}
+
 template <int BITS, bool LUT>
 inline V::I finish_codes(V::A a) {
   if constexpr (LUT || BITS == 8) return V::finish_bytes(a);
@@ -204,6 +217,22 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) ah[c][r] = al[c][r] = V::azero();
   }
+  if constexpr (wide_pairs<BITS, LUT>()) {
+    #pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+      const V::C c0 = code_vector<BITS, LUT>(wg, s, j, lut), c1 = code_vector<BITS, LUT>(wg, s, j + 1, lut);
+      const int c = SPLIT ? j / 4 : (j / 2) % CHAINS, at0 = code_offset<BITS>(j), at1 = code_offset<BITS>(j + 1);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xh = hi_x + row[r] * stride;
+        ah[c][r] = dot_wide_pair<BITS>(ah[c][r], c0, xh + at0, c1, xh + at1);
+        if constexpr (LO) {
+          const int8_t* xl = lo_x + row[r] * stride;
+          al[c][r] = dot_wide_pair<BITS>(al[c][r], c0, xl + at0, c1, xl + at1);
+        }
+      }
+    }
+  } else
   #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
     const V::C code = code_vector<BITS, LUT>(wg, s, j, lut);
@@ -296,10 +325,11 @@ struct Format {
     return 16 * PER * (kind == SCALES_FP32 ? 4 : kind == SCALES_E8M0 ? 1 : 2);
   }
   // Rows sharing each code vector, with 16-bit activations (LO) or 8: a group-16 format's 16-bit
-  // sums hold twice the accumulators (8-bit sums come per half in every format: ROWS_A8 counts them).
+  // sums hold twice the accumulators (8-bit sums come per half in every format: ROWS_A8 counts
+  // them, ROWS_A8_G16 for a group-16 format's, where a tier shares its code vectors wider).
   template <bool LO>
   static constexpr int rows() {
-    if constexpr (!LO) return V::ROWS_A8;
+    if constexpr (!LO) return SPLIT ? V::ROWS_A8_G16 : V::ROWS_A8;
     return SPLIT ? (V::ROWS > 1 ? V::ROWS / 2 : 1) : V::ROWS;
   }
 };
