@@ -172,8 +172,9 @@ inline V::A dot_codes(V::A acc, V::C code, const int8_t* x) {
 }
 
 // Whether a tier multiplies a format's codes two code vectors at a time (V::WIDE_PAIRS: AVX2,
-// whose 5- and 6-bit products are each widened from int16 at once): then group_sums takes the
-// code vectors in pairs, one widening for two. Its sums are integers, the same in any order.
+// whose 5- and 6-bit products are each widened from int16 at once): then group_sums and
+// half_block_sums take the code vectors in pairs, one widening for two. The sums are integers,
+// the same in any order.
 template <typename S> constexpr bool has_wide_pairs(decltype(S::WIDE_PAIRS)) { return S::WIDE_PAIRS; }
 template <typename S> constexpr bool has_wide_pairs(...) { return false; }
 template <int BITS, bool LUT>
@@ -261,7 +262,8 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
 // The hi sums of half a group (code vectors J0 .. J0 + 3, the k of one 8-bit activation step) for
 // every vector s of the 16-output block at once: sums[s][r] for the LANES outputs of vector s and
 // row r. Each row's four activations are broadcast once per code offset and multiplied by the SUB
-// code vectors, where group_sums, called per s, broadcasts them SUB times.
+// code vectors, where group_sums, called per s, broadcasts them SUB times. With wide_pairs, two
+// code offsets at a time (a 5-bit product at 4 rows on avx2, 32 rows in cache: 52 -> 54 G/s).
 template <int BITS, bool LUT, int R, int J0>
 inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const int64_t* row, int64_t stride,
                             V::I (*sums)[R]) {
@@ -271,6 +273,24 @@ inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const 
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) a[s][r] = V::azero();
   }
+  if constexpr (wide_pairs<BITS, LUT>()) {
+    #pragma GCC unroll 2
+    for (int j = J0; j < J0 + 4; j += 2) {
+      V::C c0[SUB], c1[SUB];
+      #pragma GCC unroll 16
+      for (int s = 0; s < SUB; ++s) {
+        c0[s] = code_vector<BITS, LUT>(wg, s, j, lut);
+        c1[s] = code_vector<BITS, LUT>(wg, s, j + 1, lut);
+      }
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = x + row[r] * stride;
+        #pragma GCC unroll 16
+        for (int s = 0; s < SUB; ++s)
+          a[s][r] = dot_wide_pair<BITS>(a[s][r], c0[s], xr + code_offset<BITS>(j), c1[s], xr + code_offset<BITS>(j + 1));
+      }
+    }
+  } else
   #pragma GCC unroll 4
   for (int j = J0; j < J0 + 4; ++j) {
     V::C code[SUB];
