@@ -150,6 +150,27 @@ def test_products_split_over_threads_equal_one_threads_bit_for_bit(tier, rows, t
         assert torch.equal(got[1], got[3]), (bits, group, kind)
 
 
+@pytest.mark.parametrize("tier", VECTOR_TIERS)
+@pytest.mark.parametrize("x_bits", [16, 8])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tier, x_bits):
+    """Each row is summed in one order whatever rows share its call: a tier multiplies rows in
+    blocks of up to its ROWS (8 for avx2's group-16 formats at 8 bits, 4 for its others), so 21
+    rows at once, one at a time and three at a time take different blocks and must give the same
+    bits (a request's tokens do not change with the batch it decodes in)."""
+    n, k, rows = 96, 512, 21
+    generator = torch.Generator().manual_seed(x_bits)
+    x = torch.randn(rows, k, generator=generator)
+    for bits, group, kind, zero_point in FORMATS:
+        codes = random_codes(n, k, bits, seed=bits)
+        scales = random_scales(n, k, group, kind, generator)
+        mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+        weight = (codes, scales, mins, zero_point, cpu_kernels.handle(tier), x_bits)
+        together = torch.ops.nanoserve.group_mm(x, *weight)
+        for chunk in (1, 3):
+            apart = torch.cat([torch.ops.nanoserve.group_mm(x[i:i + chunk], *weight) for i in range(0, rows, chunk)])
+            assert torch.equal(together, apart), (bits, group, kind, zero_point, chunk)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
