@@ -56,6 +56,17 @@ def random_scales(n: int, k: int, group: int, kind: str, generator: torch.Genera
     return cpu_kernels.pack_groups(codes, factors.values(), factors.values(), 8, factors, factors)[1]
 
 
+def random_weight(n: int, k: int, fmt: tuple, seed: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight [N, K] of ``fmt`` (FORMATS) as the kernels take it: (codes, scales, mins), the mins
+    empty where the format's zero point stands for them; the codes from ``seed``, the numbers
+    from ``generator``."""
+    bits, group, kind, zero_point = fmt
+    scales = random_scales(n, k, group, kind, generator)
+    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    return random_codes(n, k, bits, seed), scales, mins
+
+
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 16])
@@ -116,12 +127,10 @@ def test_8_bit_activation_codes_are_the_same_on_every_tier_a_step_per_16(tier, d
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
 @pytest.mark.parametrize("x_bits", [16, 8])
 def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows, x_bits):
-    bits, group, kind, zero_point = fmt
+    _, _, kind, zero_point = fmt
     n, k = 96, 512 if kind == SUPER else 576
-    codes = random_codes(n, k, bits, seed=rows)
     generator = torch.Generator().manual_seed(rows)
-    scales = random_scales(n, k, group, kind, generator)
-    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    codes, scales, mins = random_weight(n, k, fmt, rows, generator)
     x = torch.randn(rows, k, generator=generator).to(dtype)
     want = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle("scalar"), x_bits)
     got = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier), x_bits)
@@ -139,15 +148,14 @@ def test_products_split_over_threads_equal_one_threads_bit_for_bit(tier, rows, t
     n, k = 208, 512
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=generator)
-    for bits, group, kind, zero_point in [(4, 32, FP16, 8), (4, 32, SUPER, 0), (6, 16, SUPER, 32)]:
-        codes = random_codes(n, k, bits, seed=rows)
-        scales = random_scales(n, k, group, kind, generator)
-        mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    for fmt in [(4, 32, FP16, 8), (4, 32, SUPER, 0), (6, 16, SUPER, 32)]:
+        codes, scales, mins = random_weight(n, k, fmt, rows, generator)
+        zero_point = fmt[3]
         got = {}
         for team in (1, 3):
             threads(team)
             got[team] = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier), 8)
-        assert torch.equal(got[1], got[3]), (bits, group, kind)
+        assert torch.equal(got[1], got[3]), fmt
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
@@ -160,27 +168,21 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tier, x_bits):
     n, k, rows = 96, 512, 21
     generator = torch.Generator().manual_seed(x_bits)
     x = torch.randn(rows, k, generator=generator)
-    for bits, group, kind, zero_point in FORMATS:
-        codes = random_codes(n, k, bits, seed=bits)
-        scales = random_scales(n, k, group, kind, generator)
-        mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
-        weight = (codes, scales, mins, zero_point, cpu_kernels.handle(tier), x_bits)
+    for fmt in FORMATS:
+        weight = (*random_weight(n, k, fmt, fmt[0], generator), fmt[3], cpu_kernels.handle(tier), x_bits)
         together = torch.ops.nanoserve.group_mm(x, *weight)
         for chunk in (1, 3):
             apart = torch.cat([torch.ops.nanoserve.group_mm(x[i:i + chunk], *weight) for i in range(0, rows, chunk)])
-            assert torch.equal(together, apart), (bits, group, kind, zero_point, chunk)
+            assert torch.equal(together, apart), (fmt, chunk)
 
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
-    bits, group, kind, zero_point = fmt
+    _, group, kind, zero_point = fmt
     n, k = 48, 256 if kind == SUPER else 96
-    codes = random_codes(n, k, bits, seed=7)
-    generator = torch.Generator().manual_seed(7)
-    scales = random_scales(n, k, group, kind, generator)
-    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    codes, scales, mins = random_weight(n, k, fmt, 7, torch.Generator().manual_seed(7))
     got = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, dtype, cpu_kernels.handle(tier))
     per_output = lambda t: cpu_kernels.per_group(t).repeat_interleave(group, 1)  # noqa: E731
     unpacked = unpack_codes(codes, n, k).float()
@@ -206,12 +208,10 @@ def q8_rounding(x: torch.Tensor, group: int) -> torch.Tensor:
 def test_8_bit_activations_are_the_rounding_of_x_per_16_times_the_weight(tier, fmt):
     """x_bits 8 is w x_q exactly (up to fp32 sums), minimums included: the minimum meets the same
     rounded activations, so the errors of d c and m cancel; 16 bits stays far closer to w x."""
-    bits, group, kind, zero_point = fmt
+    zero_point = fmt[3]
     n, k, rows = 48, 512, 5
-    codes = random_codes(n, k, bits, seed=3)
     generator = torch.Generator().manual_seed(3)
-    scales = random_scales(n, k, group, kind, generator)
-    mins = random_scales(n, k, group, kind, generator, sign=-1.0)[:, :0 if zero_point else None]
+    codes, scales, mins = random_weight(n, k, fmt, 3, generator)
     x = torch.randn(rows, k, generator=generator)
     handle = cpu_kernels.handle(tier)
     weight = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, torch.float32, handle)
