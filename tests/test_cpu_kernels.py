@@ -104,17 +104,19 @@ def test_activation_codes_are_the_same_on_every_tier(tier, dtype):
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_8_bit_activation_codes_are_the_same_on_every_tier_a_step_per_16(tier, dtype):
+def test_8_bit_activation_codes_are_the_same_on_every_tier_a_step_per_16_in_sixteenths(tier, dtype):
     x = torch.randn(37, 576).to(dtype)
     x[3, :16] = 0  # an all-zero half group
-    x[5, 40] = 300.0  # one large value coarsens its own half's step only
+    x[4, :32] = 0  # an all-zero group
+    x[5, 40] = 300.0  # one large value: its half at its own step, the other half's at 1/16 of it
     want = torch.ops.nanoserve.quantize_rows(x, cpu_kernels.handle("scalar"), 8)
     got = torch.ops.nanoserve.quantize_rows(x, cpu_kernels.handle(tier), 8)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     codes, steps, sums_times_step, sums = want
     assert steps.shape == (37, 576 // 16) and torch.equal(codes[1], torch.zeros_like(codes[1]))
-    assert torch.equal(steps, x.float().view(37, -1, 16).abs().amax(-1) / 127)
+    assert torch.equal(steps, a8_steps(x))
+    assert steps[5, 2] == 300.0 / 127 and steps[5, 3] == 300.0 / 16 / 127
     rounded = torch.round(x.float().view(37, -1, 16) * (1 / steps[..., None])).clamp(-127, 127).nan_to_num()
     assert torch.equal(codes[0].float(), rounded.view(37, -1))
     assert torch.equal(sums[0], codes[0].int().view(37, -1, 16).sum(-1)) and not sums[1].any()
@@ -195,17 +197,26 @@ def test_dequantised_weight_is_scale_times_code_plus_minimum(tier, dtype, fmt):
     assert torch.equal(picked, want.to(dtype)[rows])
 
 
-def q8_rounding(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x rounded to int8 codes with a step of max |x| / 127 per ``group`` values (x_bits 8: 16;
-    llama.cpp's q8_0 activations: 32), as x times the step's reciprocal."""
-    groups = x.float().view(x.shape[0], -1, group)
-    step = groups.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(groups * (1 / step)).clamp(-127, 127) * step).nan_to_num().view_as(x)
+def a8_steps(x: torch.Tensor) -> torch.Tensor:
+    """x_bits 8's step per half group of 16 [rows, K / 16]: n / 16 of its group's max |x| / 127,
+    n = ceil(16 max |x| over the half / max over the group) (common.h's half_scales), in fp32 as
+    the kernels compute it."""
+    halves = x.float().view(x.shape[0], -1, 2, 16).abs().amax(-1)
+    group = halves.amax(-1, keepdim=True)
+    n = torch.where(group > 0, torch.ceil(16 * halves / group), torch.full_like(halves, 16.0))
+    return (group * n / 16 / 127).view(x.shape[0], -1)
+
+
+def a8_rounding(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to x_bits 8's int8 codes (a8_steps), as x times the step's reciprocal."""
+    step = a8_steps(x)[..., None]
+    halves = x.float().view(x.shape[0], -1, 16)
+    return (torch.round(halves * (1 / step)).clamp(-127, 127) * step).nan_to_num().view_as(x)
 
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-def test_8_bit_activations_are_the_rounding_of_x_per_16_times_the_weight(tier, fmt):
+def test_8_bit_activations_are_the_rounding_of_x_in_sixteenths_times_the_weight(tier, fmt):
     """x_bits 8 is w x_q exactly (up to fp32 sums), minimums included: the minimum meets the same
     rounded activations, so the errors of d c and m cancel; 16 bits stays far closer to w x."""
     zero_point = fmt[3]
@@ -215,7 +226,7 @@ def test_8_bit_activations_are_the_rounding_of_x_per_16_times_the_weight(tier, f
     x = torch.randn(rows, k, generator=generator)
     handle = cpu_kernels.handle(tier)
     weight = torch.ops.nanoserve.dequantize(codes, scales, mins, zero_point, n, k, torch.float32, handle)
-    exact, rounded = x @ weight.T, q8_rounding(x, 16) @ weight.T
+    exact, rounded = x @ weight.T, a8_rounding(x) @ weight.T
     a8 = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, handle, 8)
     a16 = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, handle, 16)
     top = exact.abs().max()

@@ -208,6 +208,18 @@ inline GroupScales group_scales(float amax) {
   return {coarse, fine, coarse > 0.f ? 1.f / coarse : 0.f, fine > 0.f ? 1.f / fine : 0.f};
 }
 
+// The step of a half group of 8-bit activations: sixteenths of its group's step (max |x| over the
+// 32 / 127), n / 16 of it with n = ceil(16 max |x| over the half / max over the group), 1 .. 16.
+// The half holding the group's largest value keeps its own step, the other is at most a sixteenth
+// of the group's step coarser than its own; and a tier can widen each half's integer sums by its
+// n and fold the group's two halves at once (vector.cpp's sixteenths). Against a free step per
+// half, a whole-text forward's fidelity is the same (avx2: top-1 97.7% against 97.4%, mean KL
+// 0.00155 against 0.00153); one step per 32 is not (96.2%, 0.00287: below llama.cpp's 96.5%).
+inline GroupScales half_scales(float half_max, float group_max) {
+  const float n = group_max > 0.f ? __builtin_ceilf(16.f * half_max / group_max) : 16.f;
+  return group_scales(group_max * n / 16.f);
+}
+
 // What the products read of group i (of M rows x G groups of 32) besides its codes: its fine
 // scale, and per half h (16 k each) the sums of its hi and lo codes and fine * sum(254 hi + lo).
 inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2], const int32_t sum_lo[2], float fine,

@@ -49,24 +49,26 @@ inline void quantize_rows_typed(const void* x, int64_t M, int64_t K, int64_t row
   }
 }
 
-// One int8 code per activation (x_bits 8): per half group of 16, hi = round(x / step) with step
-// = max |x| / 127, as the hi codes above are rounded.
+// One int8 code per activation (x_bits 8): per half group of 16, hi = round(x / step) with the
+// half's step (half_scales), as the hi codes above are rounded.
 template <bool BF16>
 inline void quantize_halves_typed(const void* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
                                   float* xd, float* xs, int32_t* xsum) {
   const int64_t G = K / GROUP;
   for (int64_t i = row_begin * 2 * G; i < row_end * 2 * G; ++i) {
-    float v[16];
-    float amax = 0.f;
-    for (int64_t k = 0; k < 16; ++k) {
-      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * 16 + k]) : static_cast<const float*>(x)[i * 16 + k];
+    float v[32];  // the half's group: this half is v[16 (i % 2) ..]
+    float amax[2] = {0.f, 0.f};
+    for (int64_t k = 0; k < 32; ++k) {
+      const int64_t at = (i - i % 2) * 16 + k;
+      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[at]) : static_cast<const float*>(x)[at];
       const float a = v[k] < 0.f ? -v[k] : v[k];
-      amax = a > amax ? a : amax;
+      amax[k / 16] = a > amax[k / 16] ? a : amax[k / 16];
     }
-    const GroupScales sc = group_scales(amax);
+    const float half_max = amax[i % 2], group_max = amax[0] > amax[1] ? amax[0] : amax[1];
+    const GroupScales sc = half_scales(half_max, group_max);
     int32_t sum = 0;
     for (int64_t k = 0; k < 16; ++k) {
-      const float h = __builtin_rintf(v[k] * sc.inv_coarse);
+      const float h = __builtin_rintf(v[16 * (i % 2) + k] * sc.inv_coarse);
       const int32_t code = static_cast<int32_t>(h > 127.f ? 127.f : (h < -127.f ? -127.f : h));
       xq[x_half_at(i, G) + k] = static_cast<int8_t>(code);
       sum += code;

@@ -147,7 +147,11 @@ struct Simd {
     return accumulate(_mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(codes), xs),
                                                               _mm256_set1_epi16(1))));
   }
-  static I finish_nibbles(A a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  static I finish_nibbles(A a) { return widen(a, _mm256_set1_epi16(1)); }
+  // int16 sums' lane pairs times m's and added into int32 (vpmaddwd): by ones, or by a half's n
+  // (HALF_MULTIPLIERS: vector.cpp's sixteenths).
+  static I widen(A a, I m) { return _mm256_madd_epi16(a, m); }
+  static constexpr bool HALF_MULTIPLIERS = true;
   // 5- and 6-bit codes: a pair reaches 2 * 63 * 127 = 16002, so the int16 sums are widened at once.
   static A dot_wide(A acc, I codes, const int8_t* x) {
     const I pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(four_codes(x)));

@@ -77,8 +77,8 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
   }
 }
 
-// reference.cpp's one-code quantiser (x_bits 8) in vector operations: per half group of 16, a
-// step of max |x| / 127, the same codes bit for bit.
+// reference.cpp's one-code quantiser (x_bits 8) in vector operations: per half group of 16, the
+// step half_scales gives, the same codes bit for bit.
 template <typename E>
 void quantize_halves_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
                            float* xd, float* xs, int32_t* xsum) {
@@ -87,12 +87,14 @@ void quantize_halves_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, 
   const V::F top = V::set1(127.f), bottom = V::set1(-127.f);
   for (int64_t i = row_begin * 2 * G; i < row_end * 2 * G; ++i) {
     V::F v[C];
-    V::F amax = V::fzero();
+    V::F amax = V::fzero(), other = V::fzero();  // this half's and the other half's of the group
     for (int c = 0; c < C; ++c) {
       v[c] = V::load(x + i * 16 + V::LANES * c);
       amax = V::max(amax, V::abs(v[c]));
+      other = V::max(other, V::abs(V::load(x + (i ^ 1) * 16 + V::LANES * c)));
     }
-    const GroupScales sc = group_scales(V::hmax(amax));
+    const float half_max = V::hmax(amax), other_max = V::hmax(other);
+    const GroupScales sc = half_scales(half_max, half_max > other_max ? half_max : other_max);
     const V::F inv_step = V::set1(sc.inv_coarse);
     V::F sum = V::fzero();  // exact integers
     for (int c = 0; c < C; ++c) {
@@ -188,6 +190,48 @@ inline V::A dot_wide_pair(V::A acc, V::C c0, const int8_t* x0, V::C c1, const in
   return S::dot_wide_pair(acc, c0, x0, c1, x1);
 }
 
+// Whether a tier folds the two halves of a group's 8-bit products at once (V::HALF_MULTIPLIERS:
+// AVX2). Its 4-bit products keep each half's sums in int16 until one vpmaddwd widens them; by
+// each half's n (common.h's half_scales: the half's step is n / 16 of its group's) instead of
+// ones, the group's sums n0 s0 + n1 s1 fold into fp32 with one convert, one multiply (by the
+// group's step / 16) and one multiply-add, where each half took all three. A Q4_0 or Q4_K product
+// at 32 rows in cache, one thread: 75 -> 83 G multiply-adds/s. Integer sums, so any row count
+// folds them the same. 4-bit codes in groups of 32 (Q4_0, Q4_1, Q4_K): the others widen each
+// product apart (byte codes, tables, the 5- and 6-bit pairs) or have a scale per half.
+template <typename S> constexpr bool has_half_multipliers(decltype(S::HALF_MULTIPLIERS)) { return S::HALF_MULTIPLIERS; }
+template <typename S> constexpr bool has_half_multipliers(...) { return false; }
+template <typename F, bool LO>
+constexpr bool sixteenths() { return !LO && F::BITS == 4 && !F::SPLIT && !F::LUT && has_half_multipliers<V>(true); }
+
+// What sixteenths reads besides the steps, per activation row r and group g: each half's n as
+// the int16 pair (n, n) (n[2 (r G + g) + h]) and the group's step / 16 (step16[r G + g]).
+struct Sixteenths {
+  const int32_t* n = nullptr;
+  const float* step16 = nullptr;
+};
+
+// Sixteenths for M rows of G groups, read back from the steps per half (xd [M, 2G], x_bits 8)
+// into this thread's scratch: the larger step is the group's (n = 16), the other's n is
+// rint(16 step / the group's), exact (the steps are n / 16 of the group's within a few roundings).
+inline Sixteenths sixteenths_of(const float* xd, int64_t M, int64_t G) {
+  thread_local std::vector<int32_t> n;
+  thread_local std::vector<float> step16;
+  if (static_cast<int64_t>(step16.size()) < M * G) n.resize(2 * M * G), step16.resize(M * G);
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float a = xd[2 * i], b = xd[2 * i + 1], group = a > b ? a : b;
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t nh = group > 0.f ? static_cast<uint32_t>(__builtin_rintf(16.f * xd[2 * i + h] / group)) : 16u;
+      n[2 * i + h] = static_cast<int32_t>(nh | nh << 16);
+    }
+    step16[i] = group / 16.f;
+  }
+  return {n.data(), step16.data()};
+}
+
+// V::widen, looked up only where sixteenths holds (S makes the name dependent).
+template <typename S = V>
+inline V::I widen_by(V::A a, V::I m) { return S::widen(a, m); }
+
 template <int BITS, bool LUT>
 inline V::I finish_codes(V::A a) {
   if constexpr (LUT || BITS == 8) return V::finish_bytes(a);
@@ -211,9 +255,11 @@ constexpr int32_t sums_offset(int32_t zero_point) {
 // each sum is split over two accumulators (the halves, or even and odd j with few rows), so
 // dependent multiply-adds do not wait on each other.
 // LUT: 4-bit codes through the table in `lut`, as byte codes (zero_point 128: sums_zero_point).
-template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true>
+// MUL (sixteenths): half h's sums of row r are widened by mult[h][r].
+template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true, bool MUL = false>
 inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
-                       int64_t stride, V::I (*hi)[R], V::I (*lo)[R]) {
+                       int64_t stride, V::I (*hi)[R], V::I (*lo)[R], const V::I (*mult)[R] = nullptr) {
+  static_assert(!MUL || (BITS == 4 && !LUT && SPLIT && !LO), "multipliers widen 8-bit nibble sums per half");
   constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
   V::A ah[CHAINS][R], al[CHAINS][R];
   #pragma GCC unroll 16
@@ -252,7 +298,8 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
   for (int r = 0; r < R; ++r) {
     #pragma GCC unroll 2
     for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
-      hi[h][r] = finish(ah[h][r]);
+      if constexpr (MUL) hi[h][r] = widen_by(ah[h][r], mult[h][r]);
+      else hi[h][r] = finish(ah[h][r]);
       if constexpr (LO) lo[h][r] = finish(al[h][r]);
     }
     if constexpr (!SPLIT && CHAINS == 2) {
@@ -267,9 +314,10 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
 // row r. Each row's four activations are broadcast once per code offset and multiplied by the SUB
 // code vectors, where group_sums, called per s, broadcasts them SUB times. With wide_pairs, two
 // code offsets at a time (a 5-bit product at 4 rows on avx2, 32 rows in cache: 52 -> 54 G/s).
-template <int BITS, bool LUT, int R, int J0>
+// MUL (sixteenths): row r's sums are widened by mult[r].
+template <int BITS, bool LUT, int R, int J0, bool MUL = false>
 inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const int64_t* row, int64_t stride,
-                            V::I (*sums)[R]) {
+                            V::I (*sums)[R], const V::I* mult = nullptr) {
   V::A a[SUB][R];
   #pragma GCC unroll 16
   for (int s = 0; s < SUB; ++s) {
@@ -309,7 +357,10 @@ inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const 
   #pragma GCC unroll 16
   for (int s = 0; s < SUB; ++s) {
     #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) sums[s][r] = finish_codes<BITS, LUT>(a[s][r]);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (MUL) sums[s][r] = widen_by(a[s][r], mult[r]);
+      else sums[s][r] = finish_codes<BITS, LUT>(a[s][r]);
+    }
   }
 }
 
@@ -474,10 +525,12 @@ struct RoutedPairs {
 // (x_bits 8). A zero point (and the byte tiers' flip) is taken out in floats, with the minimums:
 // one multiply-add a row per scale group, where in the integer sums it cost a broadcast and two
 // adds a row (6% of a pass at 8 rows, more at -O2).
+// SIXT (sixteenths, sx): a group's two halves are widened by their n and fold at once.
 template <typename F, bool LO, int R, typename Rows, typename Scales>
 void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t K, int64_t M, Rows rows,
-             const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
+             const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out, bool out_bf16,
              int64_t ldo, nanoserve_format f) {
+  constexpr bool SIXT = sixteenths<F, LO>();
   const int64_t G = K / GROUP;
   V::C lut{};
   if constexpr (F::LUT) lut = lut_register(f.table);
@@ -502,9 +555,29 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     // fewer rows fold the halves one by one in the same order, so a row's result does not depend on
     // how many rows share its call.
     constexpr bool FOLD_HALVES = !LO && !F::SPLIT && halves_spill(F::template rows<LO>());
+    static_assert(!SIXT || FOLD_HALVES || !halves_spill(R), "sixteenths at these rows fold as the halves path");
+    if constexpr (SIXT && halves_spill(R)) {
+      V::I n[2][R], sums[2][SUB][R];
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        n[0][r] = V::iset1(sx.n[2 * (in[r] * G + g)]);
+        n[1][r] = V::iset1(sx.n[2 * (in[r] * G + g) + 1]);
+      }
+      half_block_sums<F::BITS, F::LUT, R, 0, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[0], n[0]);
+      half_block_sums<F::BITS, F::LUT, R, 4, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[1], n[1]);
+      #pragma GCC unroll 16
+      for (int s = 0; s < SUB; ++s) {
+        const V::F dv = scales.scale(g * 16 + V::LANES * s);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const V::F dot = V::mul(V::to_float(V::iadd(sums[0][s][r], sums[1][s][r])), V::set1(sx.step16[in[r] * G + g]));
+          acc[s][r] = V::fma(dot, dv, acc[s][r]);
+        }
+      }
+    }
     if constexpr (FOLD_HALVES && halves_spill(R)) {
       #pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 2 && !SIXT; ++half) {
         V::I sums[SUB][R];
         if (half == 0) half_block_sums<F::BITS, F::LUT, R, 0>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
         else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
@@ -531,9 +604,16 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       constexpr bool HALVES = F::SPLIT || !LO;
-      V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R];
-      group_sums<F::BITS, F::LUT, HALVES, R, LO>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
-                                                 in, x_row_stride(K), hi, lo);
+      V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R], n[2][R];
+      if constexpr (SIXT) {
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          n[0][r] = V::iset1(sx.n[2 * (in[r] * G + g)]);
+          n[1][r] = V::iset1(sx.n[2 * (in[r] * G + g) + 1]);
+        }
+      }
+      group_sums<F::BITS, F::LUT, HALVES, R, LO, SIXT>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
+                                                       in, x_row_stride(K), hi, lo, n);
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
@@ -547,6 +627,8 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
                          V::set1(xd[in[r] * G + g]));
           } else if constexpr (F::SPLIT) {
             dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
+          } else if constexpr (SIXT) {  // as the halves at once above
+            dot = V::mul(V::to_float(V::iadd(hi[0][r], hi[1][r])), V::set1(sx.step16[in[r] * G + g]));
           } else if constexpr (FOLD_HALVES) {
             const float* steps = xd + in[r] * 2 * G + 2 * g;
             acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
@@ -580,10 +662,10 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
 // (KindScales).
 template <typename F, bool LO, typename Rows>
 void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K, int64_t M, Rows rows,
-             const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16, int64_t ldo,
+             const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out, bool out_bf16, int64_t ldo,
              nanoserve_format f) {
   const auto run = [&](auto scales) {
-    block16<F, LO, 1>(w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+    block16<F, LO, 1>(w, scales, has_minimums, K, M, rows, xq, xd, xs, sx, out, out_bf16, ldo, f);
   };
   switch (f.scale_kind) {
     case SCALES_FP32: return run(KindScales<F::SPLIT, SCALES_FP32>{kind});
@@ -600,18 +682,18 @@ void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minim
 // (powers of two) take a single call.
 template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows>
 void rows_block(int count, const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t M,
-                Rows rows, const int8_t* xq, const float* xd, const float* xs, void* out, bool out_bf16,
+                Rows rows, const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
   static_assert((R & (R - 1)) == 0, "a tier's rows are a power of two");
   if constexpr (R > 1) {
     if (count < R) {
-      return rows_block<F, LO, R / 2>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+      return rows_block<F, LO, R / 2>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, sx, out, out_bf16, ldo, f);
     }
   }
-  block16<F, LO, R>(w, scales, has_minimums, K, M, rows, xq, xd, xs, out, out_bf16, ldo, f);
+  block16<F, LO, R>(w, scales, has_minimums, K, M, rows, xq, xd, xs, sx, out, out_bf16, ldo, f);
   if constexpr (R > 1) {
     if (count > R) {
-      rows_block<F, LO, R / 2>(count - R, w, scales, has_minimums, K, M, rows.skip(R), xq, xd, xs, out, out_bf16,
+      rows_block<F, LO, R / 2>(count - R, w, scales, has_minimums, K, M, rows.skip(R), xq, xd, xs, sx, out, out_bf16,
                                ldo, f);
     }
   }
@@ -625,12 +707,13 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
                     bool out_bf16, nanoserve_format f) {
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
+  const Sixteenths sx = sixteenths<F, LO>() ? sixteenths_of(xd, M, G) : Sixteenths{};
   for (int64_t b = b0; b < b1; ++b) {
     const BlockScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
                                      static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
     const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
     if (M == 1) {
-      one_row<F, LO>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
+      one_row<F, LO>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs, sx,
                      static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       continue;
     }
@@ -638,7 +721,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
     constexpr int64_t ROWS = F::template rows<LO>();
     for (int64_t r = 0; r < M; r += ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - r));
-      rows_block<F, LO>(rows, w + b * block_bytes, scales, minimums, K, M, RowRun{r}, xq, xd, xs,
+      rows_block<F, LO>(rows, w + b * block_bytes, scales, minimums, K, M, RowRun{r}, xq, xd, xs, sx,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
     }
   }
@@ -700,6 +783,7 @@ struct ExpertsMm {
     const int64_t blocks = N / 16, G = K / GROUP, block_bytes = G * F::GROUP_BYTES;
     const int64_t scale_bytes = G * F::scale_bytes(f.scale_kind), M = x_per_pair ? rows * top_k : rows;
     const int64_t size = out_bf16 ? 2 : 4, per_x = x_per_pair ? 1 : top_k;
+    const Sixteenths sx = sixteenths<F, LO>() ? sixteenths_of(xd, M, G) : Sixteenths{};
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t j = task / blocks, b = task % blocks, e = groups.experts[j];
       const int64_t first = groups.starts[j], count = groups.starts[j + 1] - first;
@@ -710,7 +794,7 @@ struct ExpertsMm {
       const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
       if (count == 1) {  // one pair: as group_mm's one row
         const RoutedPairs pair{groups.pairs.data() + first, per_x};
-        one_row<F, LO>(w_b, kind, minimums, K, M, pair, xq, xd, xs,
+        one_row<F, LO>(w_b, kind, minimums, K, M, pair, xq, xd, xs, sx,
                        static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
         continue;
       }
@@ -718,7 +802,7 @@ struct ExpertsMm {
       constexpr int64_t ROWS = F::template rows<LO>();
       for (int64_t i = 0; i < count; i += ROWS) {
         rows_block<F, LO>(static_cast<int>(std::min<int64_t>(ROWS, count - i)), w_b, scales, minimums, K, M,
-                      RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs,
+                      RoutedPairs{groups.pairs.data() + first + i, per_x}, xq, xd, xs, sx,
                       static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       }
     }
