@@ -11,9 +11,9 @@ tensors' sizes and dtypes (``pack_groups``). A GGUF's table types (``pack_gguf``
 values in the mins' place, ``w = scale * table[c]`` for 4-bit codes c, and MXFP4's scales as
 exponent bytes (uint8, 2^(e - 128)). Each activation is written per group of 32 as two
 int8 codes (``x_bits`` 16) and multiplied with the weight codes in integers, or with ``x_bits``
-8 as one code, a step of max |x| / 127 per 16 (llama.cpp's q8_0 activations have one per 32):
-each weight code multiplied once, not twice; each block of 16 outputs is read from memory once
-for all rows.
+8 as one code, a step per 16 in sixteenths of its group of 32's max |x| / 127 (llama.cpp's
+q8_0 activations have one per 32): each weight code multiplied once, not twice; each block of
+16 outputs is read from memory once for all rows.
 ``torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, slots, lens, scale, tier, window=0, sinks=None,
 k_scales=None, v_scales=None)`` is the decode read of K/V: each row's query heads over its first
 ``lens`` cells, through its slots (a sliding-window layer's ``window``: over the last ``window`` of

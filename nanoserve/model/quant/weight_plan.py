@@ -55,8 +55,8 @@ class WeightPlan:
     ``min(dense_from_rows, HEAD_DENSE_FROM_ROWS)`` rows. ``kernel`` (GROUP_KERNELS, int4 only)
     says who runs the group-wise layers. ``a8_from_rows`` (int4 on nanoserve's kernels): from how
     many rows of input those products round activations to 8 bits (one int8 code a value, a step
-    of max |x| / 127 per 16, about llama.cpp's q8_0), which multiplies each weight code once
-    instead of twice; fewer rows (all, with None) keep 16 (two codes a value, finer than bf16)."""
+    per 16 in sixteenths of its group of 32's max |x| / 127, about llama.cpp's q8_0), which
+    multiplies each weight code once instead of twice; fewer rows (all, with None) keep 16 (two codes a value, finer than bf16)."""
 
     format: str
     dense_from_rows: int | None = None

@@ -26,10 +26,10 @@
 // Activations, x_bits 16: per row and group of 32, x[k] ~= xd * (254 * hi[k] + lo[k]), hi and lo
 // int8 in -127..127, so over a scale group sum_k w x ~= d * xd * (254 * sum c hi + sum c lo) + m *
 // xs, xs = xd * sum(254 hi + lo) over the scale group's k (kept per half group of 16). x_bits 8:
-// one int8 code a value, x[k] ~= xd[h] * hi[k] with its own step xd[h] = max |x| / 127 per half
-// group h of 16 (llama.cpp's q8_0 steps are per 32: halving the group halves the rounding error
-// where one large value sets the step, which keeps a step's logits as faithful as llama.cpp's
-// after bf16's own rounding); lo is zero and xs = xd[h] * sum hi. Each code meets one activation
+// one int8 code a value, x[k] ~= xd[h] * hi[k] with a step xd[h] per half group h of 16, in
+// sixteenths of its group's max |x| / 127 (half_scales; llama.cpp's q8_0 steps are per 32:
+// halving the group halves the rounding error where one large value sets the step, which keeps
+// a step's logits as faithful as llama.cpp's after bf16's own rounding); lo is zero and xs = xd[h] * sum hi. Each code meets one activation
 // vector instead of two, and the minimum meets the same rounded activations, so the rounding
 // errors of d c and m, of opposite signs, cancel as they do in sum (d c + m) x_q.
 #pragma once
