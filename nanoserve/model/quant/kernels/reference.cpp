@@ -55,25 +55,28 @@ template <bool BF16>
 inline void quantize_halves_typed(const void* x, int64_t M, int64_t K, int64_t row_begin, int64_t row_end, int8_t* xq,
                                   float* xd, float* xs, int32_t* xsum) {
   const int64_t G = K / GROUP;
-  for (int64_t i = row_begin * 2 * G; i < row_end * 2 * G; ++i) {
-    float v[32];  // the half's group: this half is v[16 (i % 2) ..]
+  for (int64_t group = row_begin * G; group < row_end * G; ++group) {  // its halves i = 2 group, 2 group + 1
+    float v[32];
     float amax[2] = {0.f, 0.f};
     for (int64_t k = 0; k < 32; ++k) {
-      const int64_t at = (i - i % 2) * 16 + k;
-      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[at]) : static_cast<const float*>(x)[at];
+      v[k] = BF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[group * 32 + k])
+                  : static_cast<const float*>(x)[group * 32 + k];
       const float a = v[k] < 0.f ? -v[k] : v[k];
       amax[k / 16] = a > amax[k / 16] ? a : amax[k / 16];
     }
-    const float half_max = amax[i % 2], group_max = amax[0] > amax[1] ? amax[0] : amax[1];
-    const GroupScales sc = half_scales(half_max, group_max);
-    int32_t sum = 0;
-    for (int64_t k = 0; k < 16; ++k) {
-      const float h = __builtin_rintf(v[16 * (i % 2) + k] * sc.inv_coarse);
-      const int32_t code = static_cast<int32_t>(h > 127.f ? 127.f : (h < -127.f ? -127.f : h));
-      xq[x_half_at(i, G) + k] = static_cast<int8_t>(code);
-      sum += code;
+    const float group_max = amax[0] > amax[1] ? amax[0] : amax[1];
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t i = 2 * group + h;
+      const GroupScales sc = half_scales(amax[h], group_max);
+      int32_t sum = 0;
+      for (int64_t k = 0; k < 16; ++k) {
+        const float q = __builtin_rintf(v[16 * h + k] * sc.inv_coarse);
+        const int32_t code = static_cast<int32_t>(q > 127.f ? 127.f : (q < -127.f ? -127.f : q));
+        xq[x_half_at(i, G) + k] = static_cast<int8_t>(code);
+        sum += code;
+      }
+      store_half(i, M, G, sum, sc.coarse, xq, xd, xs, xsum);
     }
-    store_half(i, M, G, sum, sc.coarse, xq, xd, xs, xsum);
   }
 }
 

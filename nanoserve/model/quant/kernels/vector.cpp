@@ -85,24 +85,30 @@ void quantize_halves_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, 
   constexpr int C = 16 / V::LANES;
   const int64_t G = K / GROUP;
   const V::F top = V::set1(127.f), bottom = V::set1(-127.f);
-  for (int64_t i = row_begin * 2 * G; i < row_end * 2 * G; ++i) {
-    V::F v[C];
-    V::F amax = V::fzero(), other = V::fzero();  // this half's and the other half's of the group
-    for (int c = 0; c < C; ++c) {
-      v[c] = V::load(x + i * 16 + V::LANES * c);
-      amax = V::max(amax, V::abs(v[c]));
-      other = V::max(other, V::abs(V::load(x + (i ^ 1) * 16 + V::LANES * c)));
+  for (int64_t group = row_begin * G; group < row_end * G; ++group) {  // its halves i = 2 group, 2 group + 1
+    V::F v[2][C];
+    float amax[2];
+    for (int h = 0; h < 2; ++h) {
+      V::F m = V::fzero();
+      for (int c = 0; c < C; ++c) {
+        v[h][c] = V::load(x + (2 * group + h) * 16 + V::LANES * c);
+        m = V::max(m, V::abs(v[h][c]));
+      }
+      amax[h] = V::hmax(m);
     }
-    const float half_max = V::hmax(amax), other_max = V::hmax(other);
-    const GroupScales sc = half_scales(half_max, half_max > other_max ? half_max : other_max);
-    const V::F inv_step = V::set1(sc.inv_coarse);
-    V::F sum = V::fzero();  // exact integers
-    for (int c = 0; c < C; ++c) {
-      const V::F h = V::min(V::max(V::rint(V::mul(v[c], inv_step)), bottom), top);
-      V::store_int8(xq + x_half_at(i, G) + V::LANES * c, V::to_int(h));
-      sum = V::add(sum, h);
+    const float group_max = amax[0] > amax[1] ? amax[0] : amax[1];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = 2 * group + h;
+      const GroupScales sc = half_scales(amax[h], group_max);
+      const V::F inv_step = V::set1(sc.inv_coarse);
+      V::F sum = V::fzero();  // exact integers
+      for (int c = 0; c < C; ++c) {
+        const V::F q = V::min(V::max(V::rint(V::mul(v[h][c], inv_step)), bottom), top);
+        V::store_int8(xq + x_half_at(i, G) + V::LANES * c, V::to_int(q));
+        sum = V::add(sum, q);
+      }
+      store_half(i, M, G, static_cast<int32_t>(V::hsum(sum)), sc.coarse, xq, xd, xs, xsum);
     }
-    store_half(i, M, G, static_cast<int32_t>(V::hsum(sum)), sc.coarse, xq, xd, xs, xsum);
   }
 }
 
@@ -203,11 +209,18 @@ template <typename S> constexpr bool has_half_multipliers(...) { return false; }
 template <typename F, bool LO>
 constexpr bool sixteenths() { return !LO && F::BITS == 4 && !F::SPLIT && !F::LUT && has_half_multipliers<V>(true); }
 
-// What sixteenths reads besides the steps, per activation row r and group g: each half's n as
-// the int16 pair (n, n) (n[2 (r G + g) + h]) and the group's step / 16 (step16[r G + g]).
+// What sixteenths reads besides the steps, per activation row r and group g (of G): each half's
+// n as the int16 pair (n, n) (n[2 (r G + g) + h]) and the group's step / 16 (step16[r G + g]).
 struct Sixteenths {
   const int32_t* n = nullptr;
   const float* step16 = nullptr;
+  int64_t G = 0;
+  // Row r's n of half h of group g in every lane pair: widen's multipliers.
+  V::I multipliers(int64_t r, int64_t g, int h) const { return V::iset1(n[2 * (r * G + g) + h]); }
+  // Row r's dot with group g's codes from its halves' widened sums: (n0 s0 + n1 s1) x step / 16.
+  V::F dot(V::I s0, V::I s1, int64_t r, int64_t g) const {
+    return V::mul(V::to_float(V::iadd(s0, s1)), V::set1(step16[r * G + g]));
+  }
 };
 
 // Sixteenths for M rows of G groups, read back from the steps per half (xd [M, 2G], x_bits 8)
@@ -225,7 +238,7 @@ inline Sixteenths sixteenths_of(const float* xd, int64_t M, int64_t G) {
     }
     step16[i] = group / 16.f;
   }
-  return {n.data(), step16.data()};
+  return {n.data(), step16.data(), G};
 }
 
 // V::widen, looked up only where sixteenths holds (S makes the name dependent).
@@ -555,38 +568,32 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     // fewer rows fold the halves one by one in the same order, so a row's result does not depend on
     // how many rows share its call.
     constexpr bool FOLD_HALVES = !LO && !F::SPLIT && halves_spill(F::template rows<LO>());
-    static_assert(!SIXT || FOLD_HALVES || !halves_spill(R), "sixteenths at these rows fold as the halves path");
-    if constexpr (SIXT && halves_spill(R)) {
-      V::I n[2][R], sums[2][SUB][R];
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        n[0][r] = V::iset1(sx.n[2 * (in[r] * G + g)]);
-        n[1][r] = V::iset1(sx.n[2 * (in[r] * G + g) + 1]);
-      }
-      half_block_sums<F::BITS, F::LUT, R, 0, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[0], n[0]);
-      half_block_sums<F::BITS, F::LUT, R, 4, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[1], n[1]);
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        const V::F dv = scales.scale(g * 16 + V::LANES * s);
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const V::F dot = V::mul(V::to_float(V::iadd(sums[0][s][r], sums[1][s][r])), V::set1(sx.step16[in[r] * G + g]));
-          acc[s][r] = V::fma(dot, dv, acc[s][r]);
-        }
-      }
-    }
     if constexpr (FOLD_HALVES && halves_spill(R)) {
-      #pragma GCC unroll 2
-      for (int half = 0; half < 2 && !SIXT; ++half) {
-        V::I sums[SUB][R];
-        if (half == 0) half_block_sums<F::BITS, F::LUT, R, 0>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
-        else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+      if constexpr (SIXT) {
+        V::I n[2][R], sums[2][SUB][R];
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) n[0][r] = sx.multipliers(in[r], g, 0), n[1][r] = sx.multipliers(in[r], g, 1);
+        half_block_sums<F::BITS, F::LUT, R, 0, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[0], n[0]);
+        half_block_sums<F::BITS, F::LUT, R, 4, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[1], n[1]);
         #pragma GCC unroll 16
         for (int s = 0; s < SUB; ++s) {
           const V::F dv = scales.scale(g * 16 + V::LANES * s);
           #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r)
-            acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
+          for (int r = 0; r < R; ++r) acc[s][r] = V::fma(sx.dot(sums[0][s][r], sums[1][s][r], in[r], g), dv, acc[s][r]);
+        }
+      } else {
+        #pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          V::I sums[SUB][R];
+          if (half == 0) half_block_sums<F::BITS, F::LUT, R, 0>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+          else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+          #pragma GCC unroll 16
+          for (int s = 0; s < SUB; ++s) {
+            const V::F dv = scales.scale(g * 16 + V::LANES * s);
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; ++r)
+              acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
+          }
         }
       }
       #pragma GCC unroll 16
@@ -607,10 +614,7 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
       V::I hi[HALVES ? 2 : 1][R], lo[HALVES ? 2 : 1][R], n[2][R];
       if constexpr (SIXT) {
         #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          n[0][r] = V::iset1(sx.n[2 * (in[r] * G + g)]);
-          n[1][r] = V::iset1(sx.n[2 * (in[r] * G + g) + 1]);
-        }
+        for (int r = 0; r < R; ++r) n[0][r] = sx.multipliers(in[r], g, 0), n[1][r] = sx.multipliers(in[r], g, 1);
       }
       group_sums<F::BITS, F::LUT, HALVES, R, LO, SIXT>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
                                                        in, x_row_stride(K), hi, lo, n);
@@ -628,7 +632,7 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
           } else if constexpr (F::SPLIT) {
             dot = V::mul(V::to_float(hi[h][r]), V::set1(xd[in[r] * 2 * G + 2 * g + h]));
           } else if constexpr (SIXT) {  // as the halves at once above
-            dot = V::mul(V::to_float(V::iadd(hi[0][r], hi[1][r])), V::set1(sx.step16[in[r] * G + g]));
+            dot = sx.dot(hi[0][r], hi[1][r], in[r], g);
           } else if constexpr (FOLD_HALVES) {
             const float* steps = xd + in[r] * 2 * G + 2 * g;
             acc[s][r] = V::fma(V::mul(V::to_float(hi[0][r]), V::set1(steps[0])), dv, acc[s][r]);
