@@ -107,14 +107,15 @@ def _ops_loaded() -> bool:
     sources = [HERE / "cpu_ops.cpp", HERE / "gguf_pack.cpp"]
     # torch's build cache is a folder per name, rebuilt when another process builds other
     # sources under it: the sources' and the shared header's hash in the name keep two source
-    # trees (or versions) from rebuilding each other's library.
+    # trees (or versions) from rebuilding each other's library, and the machine in it keeps an
+    # x86 and an ARM Python sharing a home (a container, an emulator) from loading each other's.
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*sources, KERNELS / "common.h"])).hexdigest()[:12]
     # -fopenmp: at::parallel_for is inline and splits the work over torch's OpenMP threads only
     # where the caller is built with OpenMP (without it, one thread). A compiler without OpenMP
     # (Apple's clang) still gets the kernels, on one thread, and says so.
     for openmp in (["-fopenmp"], []):
         try:
-            load(f"nanoserve_cpu_ops_{digest}", [str(p) for p in sources], extra_include_paths=[str(HERE)],
+            load(f"nanoserve_cpu_ops_{_machine()}_{digest}", [str(p) for p in sources], extra_include_paths=[str(HERE)],
                  extra_cflags=["-O2", *openmp], extra_ldflags=["-ldl", *openmp], is_python_module=False)
             break
         except Exception as error:  # no compiler, or one without OpenMP
