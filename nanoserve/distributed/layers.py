@@ -14,6 +14,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+# Gathers along dim 0: torch 2.13 names it all_gather_single (its old name, all_gather_tensor,
+# warns there); earlier releases (2.11, the GPU images', among them) have only the old name.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 class RowParallel(nn.Module):
     """A linear whose input features are split over the ranks: each rank multiplies its slice
@@ -67,6 +71,6 @@ class GatheredHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.inner(hidden)
         rows, shard = local.shape
-        gathered = funcol.all_gather_single(local.contiguous(), 0, self.group)  # [world * M, shard]
+        gathered = _all_gather(local.contiguous(), 0, self.group)  # [world * M, shard]
         logits = gathered.view(self.world_size, rows, shard).permute(1, 0, 2).reshape(rows, self.world_size * shard)
         return logits[:, :self.vocab_size]
