@@ -76,10 +76,21 @@ def kernel_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     return (dots * scales.double() * fine + mins.double() * x_sums).sum(-1)
 
 
-def assert_close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def assert_close_to_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, slack: float = 0.0) -> None:
     want = x.float() @ weight.float().t()
     err = (out.float() - want).abs().max().item()
-    assert err <= OUTPUT_TOLERANCE * want.abs().max().item(), (err, want.abs().max().item())
+    assert err <= OUTPUT_TOLERANCE * want.abs().max().item() + slack, (err, want.abs().max().item())
+
+
+def gemm_excess(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> float:
+    """How much torch's own GEMM in ``dtype`` errs on this host beyond a rounding of its output
+    (2^-8 of the largest output), on these operands rounded to ``dtype``: nothing on x86, whose
+    bf16 GEMM sums in fp32; about as much again on aarch64 torch (2.10: 0.0076 of the largest
+    output against 0.0032 on x86). A prompt's dequantised path is that GEMM, so it is its floor."""
+    a, b = x.to(dtype), weight.to(dtype)
+    exact = a.double() @ b.double().t()
+    err = ((a @ b.t()).double() - exact).abs().max().item()
+    return max(0.0, err - 2 ** -8 * exact.abs().max().item())
 
 
 def assert_kernel_product(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -91,9 +102,11 @@ def assert_kernel_product(out: torch.Tensor, x: torch.Tensor, codes: torch.Tenso
     rounds each weight to the compute dtype besides."""
     exact = kernel_product(x, codes, scales, mins, group)
     err = (out.double() - exact).abs().max().item()
-    share = 2 ** -7 if dequantised and out.dtype == torch.bfloat16 else 2 ** -8
-    assert err <= share * exact.abs().max().item() + 1e-6, (err, exact.abs().max().item())
-    assert_close_to_product(out, x, weight)
+    bf16_gemm = dequantised and out.dtype == torch.bfloat16
+    share = 2 ** -7 if bf16_gemm else 2 ** -8
+    slack = gemm_excess(x, weight, out.dtype) if bf16_gemm else 0.0
+    assert err <= share * exact.abs().max().item() + slack + 1e-6, (err, exact.abs().max().item(), slack)
+    assert_close_to_product(out, x, weight, slack)
 
 
 # 80 rows: past DEQUANT_FROM_ROWS, a prompt's path (the weight dequantised into a dense GEMM).
