@@ -48,14 +48,15 @@ setup() {
   # qemu's CPU reports instead.
   cat > "$root/bin/c++" <<EOF
 #!/bin/bash
-# The cross compiler, with the aarch64 CPython's headers ahead of the host's.
+# The cross compiler, with the aarch64 CPython's headers ahead of the host's (and its
+# pyconfig.h's own include after the compiler's).
 args=()
 for arg in "\$@"; do
   [ "\$arg" = -march=native ] && arg=-march=armv8.2-a+dotprod+bf16
   args+=("\$arg")
 done
 exec aarch64-linux-gnu-g++ -I$root/sysroot/usr/include/python3.11 \\
-  -I$root/sysroot/usr/include/aarch64-linux-gnu/python3.11 "\${args[@]}"
+  -I$root/sysroot/usr/include/aarch64-linux-gnu/python3.11 -idirafter $root/sysroot/usr/include "\${args[@]}"
 EOF
   chmod +x "$root/bin/c++"
 }
