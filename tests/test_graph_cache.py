@@ -15,9 +15,10 @@ import torch
 
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model.network.synthetic import random_model, tiny_config
+from nanoserve.worker import build as build_module
 from nanoserve.worker import decode_step as decode_step_module
 from nanoserve.worker.graph_build import load_entry
-from nanoserve.worker.graph_cache import GraphCache, GraphKey
+from nanoserve.worker.graph_cache import GraphCache, GraphKey, torch_serialises_graphs
 
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 5]
 OPTIONS = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=64, weights="fp32",
@@ -94,6 +95,22 @@ def test_every_op_a_graph_calls_takes_what_the_cpp_wrapper_passes_through_torchs
         schema = getattr(torch.ops.nanoserve, name).default._schema
         boxed = [f"{a.name}: {a.type}" for a in (*schema.arguments, *schema.returns) if not passes(a.type)]
         assert not boxed, f"nanoserve::{name} takes {boxed}"
+
+
+def test_a_torch_that_cannot_store_graphs_compiles_them_in_process(cache_dir, monkeypatch):
+    # torch 2.10's aot-compiled functions do not serialise: on such a torch the engine keeps no
+    # cache and compiles each bucket in its own process, with the eager engine's tokens.
+    assert not torch_serialises_graphs("2.10.0") and not torch_serialises_graphs("2.12.1+cpu")
+    assert torch_serialises_graphs("2.13.0+cpu") and torch_serialises_graphs("2.14.0.dev20261201")
+    monkeypatch.setattr(build_module, "torch_serialises_graphs", lambda: False)
+    model = random_model(tiny_config(), seed=4)
+    engine = build_engine(model, compile=True, warmup="eager", **OPTIONS)
+    got = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = engine.stats()
+    assert (stats.graphs_built, stats.graphs_loaded, stats.eager_steps) == (2, 0, 0)
+    assert not list(cache_dir.rglob("*.graph")), "a graph was stored by a torch that cannot load it"
+    want = build_engine(model, compile=False, **OPTIONS).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(got) == tokens(want)
 
 
 def test_a_changed_key_misses(cache_dir, monkeypatch):

@@ -22,7 +22,7 @@ from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets
 from nanoserve.worker.decode_step import DecodeStep
 from nanoserve.worker.graph_build import memory_allows_builder
-from nanoserve.worker.graph_cache import GraphCache
+from nanoserve.worker.graph_cache import GraphCache, torch_serialises_graphs
 from nanoserve.worker.huge_pages import move_to_huge_pages
 from nanoserve.worker.kv_cache import KVCache
 from nanoserve.worker.kv_cells import resolve_cell_format
@@ -105,10 +105,11 @@ def build_worker(model: str | ModelHeader | LlamaModel, spec: WorkerConfig, shar
                     huge_pages=spec.huge_pages)
     kernel = decode_attention_kernel(spec.device, spec.dtype, arch.head_dim, spec.attention_tier,
                                      spec.kv_cache_types)
-    # Graphs from the cache: inductor on the CPU. A tensor-parallel rank's graphs hold its
-    # collectives, which no other process can trace, so a rank builds its missing graphs itself.
+    # Graphs from the cache: inductor on the CPU, on a torch that serialises them (before that,
+    # compiled in process on first use). A tensor-parallel rank's graphs hold its collectives,
+    # which no other process can trace, so a rank builds its missing graphs itself.
     cached = (spec.compile and spec.compile_backend == "inductor" and torch.device(spec.device).type == "cpu"
-              and spec.buckets is not None)
+              and spec.buckets is not None and torch_serialises_graphs())
     step = DecodeStep(model, cache, spec.max_batch_size, spec.buckets, compile=spec.compile, mode=spec.compile_mode,
                       device=spec.device, backend=spec.compile_backend,
                       # a rank's collectives take arguments (a process group) the C++ wrapper cannot pass

@@ -55,16 +55,15 @@ def aot_build(step, shape: Shape) -> bytes:
     from nanoserve.worker.decode_step import decode_forward
 
     step.mark_static()
-    # torch.compile offers aot_compile only with this switch on: on by default from torch 2.13,
-    # off before it (2.10 and 2.11, the GPU images' release, at least).
-    with torch._dynamo.config.patch(enable_aot_compile=True):
-        compiler = torch.compile(decode_forward, backend=inductor_backend(step.mode, step.cpp_wrapper),
-                                 fullgraph=True, dynamic=False, options={"guard_filter_fn": no_guards})
-        # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager rounds;
-        # rounding alike makes a compiled bf16 step choose eager's tokens.
-        with torch.inference_mode(), torch._inductor.config.patch(emulate_precision_casts=True):
-            compiled = compiler.aot_compile((step.forward_args(*shape), {}))
-        return serialize(compiled)
+    # aot_compile is on by default from torch 2.13, the first release whose results serialise
+    # (graph_cache.torch_serialises_graphs: before it, no step is built here).
+    compiler = torch.compile(decode_forward, backend=inductor_backend(step.mode, step.cpp_wrapper),
+                             fullgraph=True, dynamic=False, options={"guard_filter_fn": no_guards})
+    # Inductor keeps fused bf16 intermediates in fp32 unless told to round where eager rounds;
+    # rounding alike makes a compiled bf16 step choose eager's tokens.
+    with torch.inference_mode(), torch._inductor.config.patch(emulate_precision_casts=True):
+        compiled = compiler.aot_compile((step.forward_args(*shape), {}))
+    return serialize(compiled)
 
 
 def build_entry(step, cache: GraphCache, shape: Shape) -> bool:

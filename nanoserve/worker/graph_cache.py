@@ -41,6 +41,17 @@ DEFAULT_MAX_ENTRIES = 512
 DEFAULT_MAX_BYTES = 4 << 30
 
 
+# The first torch release whose aot-compiled functions serialise: 2.10's raise "does not implement
+# SerializableCallable" at serialize (seen on its aarch64 wheel); 2.11 and 2.12 are unchecked.
+SERIALISING_TORCH = (2, 13)
+
+
+def torch_serialises_graphs(version: str = torch.__version__) -> bool:
+    """Whether this torch can store a compiled graph on disk (else graphs compile in process)."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    return release >= SERIALISING_TORCH
+
+
 def default_cache_dir() -> Path:
     """``$NANOSERVE_CACHE_DIR``, else ``~/.cache/nanoserve/compile``."""
     configured = os.environ.get("NANOSERVE_CACHE_DIR")
