@@ -8,7 +8,8 @@ weights. Each system's decode step time is the median over its steps, prefill le
 run interleaved, one step each in a rotating order (compile/interleave.py), and each ratio is
 the median over neighbouring pairs of steps. Each step is also quoted against two floors
 measured in the same run (compile/floor.py): the step's matrix products in its own format,
-and its weight bytes over the machine's read bandwidth. ``--model`` runs another GGUF file (or a
+and its weight bytes over the machine's read rate, timed by a read that takes its turn among
+the steps, so that each step meets a floor from the same moment. ``--model`` runs another GGUF file (or a
 Hugging Face directory) in place of the default; its result files carry the file's name.
 """
 
@@ -38,13 +39,21 @@ from compile.common import (
     save_figure,
     write_results,
 )
-from compile.floor import matmul_floor_seconds, read_bandwidth, step_weight_bytes
+from compile.floor import (
+    SAMPLE_BYTES,
+    ReadSampler,
+    matmul_floor_seconds,
+    read_buffer,
+    step_weight_bytes,
+    x_read_floor,
+)
 from compile.interleave import TRANSFORMERS, EngineSteps, interleaved_run, load_reference
 from nanoserve.engine import build_engine
 from nanoserve.engine.config import KV_CACHE_TYPES
 
 LLAMA_CPP = llama_peer.NAME
 LLAMA_UNREPACKED = f"{llama_peer.NAME} (repacking off)"
+READ = "read"  # the timed reads among the steps (compile/floor.py ReadSampler)
 COLUMNS = ["weights", "mode", "kv_cache", "batch", "tok_s", "llama_cpp", "llama_tok_s", "vs_llama", "llama_norepack_tok_s",
            "vs_llama_norepack", "vs_llama_p10", "vs_llama_p90",
            "hf_tok_s", "vs_hf", "step_ms", "floor_ms", "bw_floor_ms", "x_floor", "x_bw_floor", "llama_x_bw_floor",
@@ -103,10 +112,14 @@ def build_engines(work: DecodeWorkload, weights: str) -> dict[str, object]:
             for mode in work.modes for kv in work.kv_cache_types}
 
 
-def one_pass(engines: dict, peers: Peers, prompts: list[list[int]], new_tokens: int):
-    """Every engine and peer decoding ``prompts`` interleaved; returns (PassResult, engine arms)."""
+def one_pass(engines: dict, peers: Peers, prompts: list[list[int]], new_tokens: int,
+             read: torch.Tensor | None = None):
+    """Every engine and peer decoding ``prompts`` interleaved, with a timed read of ``read`` among
+    them when given (its seconds under READ); returns (PassResult, engine arms)."""
     arms = {mode: EngineSteps(engine, prompts, new_tokens) for mode, engine in engines.items()}
     everyone = dict(arms)
+    if read is not None:
+        everyone[READ] = ReadSampler(read)
     if peers.llama is not None:
         everyone[LLAMA_CPP] = llama_peer.LlamaCppSteps(peers.llama, prompts, new_tokens)
     if peers.llama_unrepacked is not None:
@@ -125,24 +138,27 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
     warm = make_prompts(max(work.batches), 8, any_engine.vocab_size, seed=99)
     one_pass(engines, peers, warm, 4)  # first-call costs (and the first compile) out of the measurement
     rows = []
+    read = read_buffer(SAMPLE_BYTES)
     for batch in work.batches:
         prompts = make_prompts(batch, work.prompt_len, any_engine.vocab_size)
-        result, arms = one_pass(engines, peers, prompts, work.new_tokens)
+        result, arms = one_pass(engines, peers, prompts, work.new_tokens, read)
         floor = matmul_floor_seconds(any_engine.model, batch)
-        bandwidth = read_bandwidth()
+        reads = result.decode_steps[READ]
+        bandwidth = read.nbytes / statistics.median(reads)
         weight_bytes = step_weight_bytes(any_engine.model, batch)
         for name, arm in arms.items():
             mode, _, kv = name.partition(" kv ")
             row = dict(weights=weights, mode=mode, kv_cache=kv or "auto", batch=batch, **_speed(result, name, batch),
                        floor_ms=floor * 1e3, bw_floor_ms=weight_bytes / bandwidth * 1e3,
                        weight_mb=weight_bytes / 1e6, resident_mb=any_engine.weight_bytes / 1e6,
-                       read_gb_s=bandwidth / 1e9,
-                       outside_forward=arm.outside_forward)
-            row.update(x_floor=row["step_ms"] / row["floor_ms"], x_bw_floor=row["step_ms"] / row["bw_floor_ms"])
+                       read_gb_s=bandwidth / 1e9, outside_forward=arm.outside_forward,
+                       x_bw_floor=x_read_floor(result.decode_steps[name], reads, read.nbytes, weight_bytes))
+            row["x_floor"] = row["step_ms"] / row["floor_ms"]
             if peers.llama_mode is not None:
                 row["llama_cpp"] = peers.llama_mode.label
             if LLAMA_CPP in result.decode_steps:
-                row["llama_x_bw_floor"] = row["llama_step_ms"] / (peers.llama_weight_bytes / bandwidth * 1e3)
+                row["llama_x_bw_floor"] = x_read_floor(result.decode_steps[LLAMA_CPP], reads, read.nbytes,
+                                                       peers.llama_weight_bytes)
             rows.append(row)
             print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     return rows

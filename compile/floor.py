@@ -15,6 +15,8 @@ a replayed CUDA graph pays none and can come in under it (x_floor below 1).
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -162,14 +164,54 @@ def matmul_floor_seconds(model, rows: int, repeats: int = 10) -> float:
     return min(times)
 
 
-def read_bandwidth(num_bytes: int = READ_BYTES, repeats: int = 7) -> float:
-    """The host's read bandwidth in bytes/s: the median time to sum a tensor that fits in no cache,
-    on transparent huge pages where the host offers them, as the engine's weights are (on 4 KB
-    pages a virtual machine's page walks hold the stream below the memory's rate)."""
+def read_buffer(num_bytes: int) -> torch.Tensor:
+    """A tensor to time reads of: on transparent huge pages where the host offers them, as the
+    engine's weights are (on 4 KB pages a virtual machine's page walks hold the stream below the
+    memory's rate), its pages mapped before any timing."""
     if huge_pages.available():
         mapping, start = huge_pages.huge_page_arena(num_bytes)
         data = torch.frombuffer(mapping, dtype=torch.float32, count=num_bytes // 4, offset=start).fill_(1.0)
     else:
         data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    data.sum()  # first touch: pages mapped before timing
+    data.sum()
+    return data
+
+
+def read_bandwidth(num_bytes: int = READ_BYTES, repeats: int = 7) -> float:
+    """The host's read bandwidth in bytes/s: the median time to sum a tensor that fits in no cache."""
+    data = read_buffer(num_bytes)
     return data.nbytes / median_seconds(data.sum, repeats, data.device)
+
+
+# A read sampled between steps: four times the last-level cache, and at least 256 MB.
+SAMPLE_BYTES = max(256 << 20, 4 * last_level_cache_bytes())
+
+
+class ReadSampler:
+    """One timed read of ``data`` (a ``read_buffer``) per ``step()``: an arm of an interleaved
+    pass (compile/interleave.py), so each sample sees the machine state of the steps beside it. A
+    shared VM's memory can read at half speed for tens of seconds and then at full speed again
+    (seen on the 2-core Zen 4 VM: 31-37 GB/s, then 56-66), so a floor timed once, before or
+    after a pass, can belong to another phase than the steps it is quoted against."""
+
+    done = True  # it samples while the other arms step and never holds the pass back
+    tokens: list[list[int]] = []
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.seconds: list[float] = []
+
+    def step(self) -> None:
+        started = time.perf_counter()
+        self.data.sum()
+        self.seconds.append(time.perf_counter() - started)
+
+    @property
+    def decode_steps(self) -> list[float]:
+        return self.seconds[1:]  # the first sat beside the prefill, which the engines leave out too
+
+
+def x_read_floor(steps: list[float], reads: list[float], read_bytes: int, weight_bytes: int) -> float:
+    """The median over neighbouring pairs of a step over its floor, its weight bytes at the rate
+    of the read beside it (``ReadSampler``: both seen in one machine state)."""
+    return statistics.median(step * read_bytes / (read * weight_bytes) for step, read in zip(steps, reads))

@@ -5,7 +5,8 @@ seconds to load (to ready), peak resident memory (``getrusage``) after loading a
 run, resident weight bytes, decode tokens/s at batches 1 and 8 (nanoserve compiled ``auto``),
 time to first token of a 512-token prompt, and batch 1's step against its two limits: its weight
 bytes at the host's read bandwidth (``floor_ms_b1``: a streaming read of a buffer larger than the
-last-level cache; of an expert tensor, the routed experts only) and its integer multiply-adds at
+last-level cache, timed after each step and paired with it; of an expert tensor, the routed
+experts only) and its integer multiply-adds at
 the kernel tier's peak (``arith_ms_b1``: ``cpu_kernels.dot_peak_rate``, each weight once, twice
 for nanoserve's 16-bit activations): nanoserve (``--weights``, an arm each) against llama.cpp on
 the same file (``python compilebench.py scale``; ``--sizes 1b --types Q4_0`` for one file).
@@ -72,6 +73,20 @@ def _median_step(steps) -> float:
     return statistics.median(steps.decode_steps)
 
 
+def _batch_1(steps, step_bytes: int) -> dict:
+    """Batch 1's median step and its read floor: a timed read (compile/floor.py) after each step,
+    each step against the read beside it, since a shared VM's memory speed moves within a run."""
+    from compile.floor import SAMPLE_BYTES, ReadSampler, read_buffer, x_read_floor
+
+    read = ReadSampler(read_buffer(SAMPLE_BYTES))
+    while not steps.done:
+        steps.step()
+        read.step()
+    step, x_floor = statistics.median(steps.decode_steps), x_read_floor(steps.decode_steps, read.decode_steps,
+                                                                        read.data.nbytes, step_bytes)
+    return dict(step_bytes_b1=step_bytes, step_s_b1=step, x_floor_b1=x_floor, floor_s_b1=step / x_floor)
+
+
 def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[int, ...] | None = None,
                       weights: str = "auto") -> dict:
     from compile.floor import step_multiply_adds, step_weight_bytes
@@ -89,12 +104,10 @@ def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[i
         EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), 4)  # builds the graph
         while engine.has_unfinished():
             engine.step()
-        step = _median_step(EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), NEW_TOKENS))
-        row[f"tok_s_b{batch}"] = batch / step
+        steps = EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), NEW_TOKENS)
         if batch == 1:
-            row["step_bytes_b1"] = step_weight_bytes(engine.model, 1)
-            row["step_macs_b1"] = step_multiply_adds(engine.model)
-            row["step_s_b1"] = step
+            row.update(_batch_1(steps, step_weight_bytes(engine.model, 1)), step_macs_b1=step_multiply_adds(engine.model))
+        row[f"tok_s_b{batch}"] = batch / _median_step(steps)
     prompt = text_prompt(engine.tokenizer, TTFT_TOKENS)
     nanoserve_ttft(engine, prompt[:WARMUP_TOKENS])
     row["ttft_512_s"] = statistics.median(nanoserve_ttft(engine, prompt) for _ in range(TTFT_REPEATS))
@@ -116,9 +129,7 @@ def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
     row["weights_gb"] = sum(int(t.n_bytes) for t in ckpt.reader.tensors) / 1e9  # it runs the file's blocks
     for batch in batches:
         _median_step(llama_peer.LlamaCppSteps(peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), 4))
-        step = _median_step(llama_peer.LlamaCppSteps(
-            peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), NEW_TOKENS))
-        row[f"tok_s_b{batch}"] = batch / step
+        steps = llama_peer.LlamaCppSteps(peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), NEW_TOKENS)
         if batch == 1:
             # A step reads every tensor but the embedding table (a few rows of it), unless it is the
             # head too; of an expert tensor, the routed experts only.
@@ -127,11 +138,11 @@ def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
             experts = int(ckpt.metadata.get(f"{arch}.expert_count", 0) or 0)
             share = int(ckpt.metadata.get(f"{arch}.expert_used_count", 0) or 0) / experts if experts else 1.0
             read = [t for t in ckpt.reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
-            row["step_bytes_b1"] = int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in read))
+            row.update(_batch_1(steps, int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in read))))
             # its q8 activations multiply each weight of a product once (norms' vectors are no product)
             row["step_macs_b1"] = int(sum(int(t.n_elements) * (share if "_exps." in t.name else 1.0)
                                           for t in read if len(t.shape) >= 2))
-            row["step_s_b1"] = step
+        row[f"tok_s_b{batch}"] = batch / _median_step(steps)
     prompt = text_prompt(Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)), TTFT_TOKENS)
     llama_ttft(peer, prompt[:WARMUP_TOKENS])
     row["ttft_512_s"] = statistics.median(llama_ttft(peer, prompt) for _ in range(TTFT_REPEATS))
@@ -232,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peak = None if tier == "torch" else cpu_kernels.dot_peak_rate(tier)
     dtype = str(cpu_kernels.compute_dtype(tier)).removeprefix("torch.")
     print(f"CPU: {host['cpu']}; nanoserve kernels: {tier}{' (forced)' if args.tier else ''}, compute dtype {dtype}; "
-          f"read bandwidth floor {floor / 1e9:.1f} GB/s; int8 multiply-add peak "
+          f"read bandwidth now {floor / 1e9:.1f} GB/s (each batch-1 step meets the reads beside it); int8 multiply-add peak "
           f"{'-' if peak is None else f'{peak / 1e9:.0f} G/s'} ({tier})")
     with_llama = not args.no_llama_cpp and llama_peer.available()
     if not args.no_llama_cpp and not with_llama:
@@ -251,15 +262,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if label:
                     row["llama_cpp"] = label
                 if "step_s_b1" in row:
-                    # batch 1's step against its two limits: its weight bytes at the read
-                    # bandwidth, its multiply-adds at the kernel tier's peak (dot_peak_rate)
+                    # batch 1's step against its two limits: its weight bytes at the read rate
+                    # beside its steps (_batch_1), its multiply-adds at the tier's peak (dot_peak_rate)
                     row["read_gbps_b1"] = row["step_bytes_b1"] / row["step_s_b1"] / 1e9
-                    row["of_floor_b1"] = row["read_gbps_b1"] * 1e9 / floor
+                    row["of_floor_b1"] = 1 / row["x_floor_b1"]
                     row["step_ms_b1"] = row["step_s_b1"] * 1e3
-                    row["floor_ms_b1"] = row["step_bytes_b1"] / floor * 1e3
+                    row["floor_ms_b1"] = row["floor_s_b1"] * 1e3
+                    row["floor_gbps"] = row["step_bytes_b1"] / row["floor_s_b1"] / 1e9
                     if peak:
                         row["arith_ms_b1"] = row["step_macs_b1"] / peak * 1e3
-                row["floor_gbps"] = floor / 1e9
                 row["peak_gmacs"] = peak / 1e9 if peak else None
                 rows.append(row)
                 print(format_table([row], [c for c in columns if c in row] + (["error"] if "error" in row else [])))

@@ -29,3 +29,24 @@ def test_arms_run_llama_cpp_as_its_users_do_unless_asked():
     labels = [label for _, _, label, _ in scale.arms(True, "both")]
     assert labels == ["", "defaults (repacking on)", "repacking off"]
     assert [s for s, *_ in scale.arms(False, "both", ("auto", "auto+a8"))] == ["nanoserve", "nanoserve"]
+
+
+def test_batch_1_meets_a_timed_read_after_each_step():
+    class Steps:  # four steps of 10 ms, the first a prefill
+        def __init__(self):
+            self.times = []
+
+        @property
+        def done(self):
+            return len(self.times) == 4
+
+        def step(self):
+            self.times.append(0.01)
+
+        @property
+        def decode_steps(self):
+            return self.times[1:]
+
+    row = scale._batch_1(Steps(), step_bytes=1 << 20)
+    assert row["step_s_b1"] == 0.01 and row["step_bytes_b1"] == 1 << 20
+    assert row["x_floor_b1"] > 0 and row["floor_s_b1"] * row["x_floor_b1"] == pytest.approx(0.01)
