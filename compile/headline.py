@@ -44,7 +44,7 @@ def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
                                                                  batch=r["batch"]))
         row[f"{r['mode']}_tok_s"] = r["tok_s"]
         row[f"{r['mode']}_x_bw_floor"] = r["x_bw_floor"]
-        for key in ("hf_tok_s", "llama_tok_s", "llama_norepack_tok_s", "llama_cpp"):
+        for key in ("hf_tok_s", "llama_tok_s", "llama_norepack_tok_s", "llama_cpp", "llama_x_bw_floor", "read_gb_s"):
             if key in r:
                 row[key] = r[key]  # one pass for every mode: the same figure on each
         for key in ("vs_llama", "vs_llama_norepack", "vs_hf"):
@@ -58,7 +58,7 @@ def columns(rows: list[dict]) -> list[str]:
     order = ["cpu", "kernels", "dtype", "weights", "batch", "eager_tok_s", "compile_tok_s", "hf_tok_s", "llama_cpp",
              "llama_tok_s", "llama_norepack_tok_s", "compile_vs_llama", "eager_vs_llama", "compile_vs_llama_norepack",
              "compile_vs_hf", "eager_vs_hf",
-             "compile_x_bw_floor", "eager_x_bw_floor"]
+             "compile_x_bw_floor", "eager_x_bw_floor", "llama_x_bw_floor", "read_gb_s"]
     return [key for key in order if key in present]
 
 
