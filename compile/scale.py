@@ -75,7 +75,8 @@ def _median_step(steps) -> float:
 
 def _batch_1(steps, step_bytes: int) -> dict:
     """Batch 1's median step and its read floor: a timed read (compile/floor.py) after each step,
-    each step against the read beside it, since a shared VM's memory speed moves within a run."""
+    each step against the read beside it, since a shared VM's memory speed moves within a run.
+    A worker runs it after taking its peak RSS, which the reads' buffer must not swell."""
     from compile.floor import SAMPLE_BYTES, ReadSampler, read_buffer, x_read_floor
 
     read = ReadSampler(read_buffer(SAMPLE_BYTES))
@@ -84,7 +85,8 @@ def _batch_1(steps, step_bytes: int) -> dict:
         read.step()
     step, x_floor = statistics.median(steps.decode_steps), x_read_floor(steps.decode_steps, read.decode_steps,
                                                                         read.data.nbytes, step_bytes)
-    return dict(step_bytes_b1=step_bytes, step_s_b1=step, x_floor_b1=x_floor, floor_s_b1=step / x_floor)
+    return dict(tok_s_b1=1 / step, step_bytes_b1=step_bytes, step_s_b1=step, x_floor_b1=x_floor,
+                floor_s_b1=step / x_floor)
 
 
 def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[int, ...] | None = None,
@@ -104,14 +106,16 @@ def measure_nanoserve(path: Path, batches: Sequence[int], width_buckets: tuple[i
         EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), 4)  # builds the graph
         while engine.has_unfinished():
             engine.step()
-        steps = EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), NEW_TOKENS)
-        if batch == 1:
-            row.update(_batch_1(steps, step_weight_bytes(engine.model, 1)), step_macs_b1=step_multiply_adds(engine.model))
-        row[f"tok_s_b{batch}"] = batch / _median_step(steps)
+        if batch != 1:  # timed last (_batch_1)
+            steps = EngineSteps(engine, make_prompts(batch, PROMPT_TOKENS, vocab, seed=batch), NEW_TOKENS)
+            row[f"tok_s_b{batch}"] = batch / _median_step(steps)
     prompt = text_prompt(engine.tokenizer, TTFT_TOKENS)
     nanoserve_ttft(engine, prompt[:WARMUP_TOKENS])
     row["ttft_512_s"] = statistics.median(nanoserve_ttft(engine, prompt) for _ in range(TTFT_REPEATS))
     row["rss_peak_gb"] = _peak_rss_gb()
+    if 1 in batches:
+        steps = EngineSteps(engine, make_prompts(1, PROMPT_TOKENS, vocab, seed=1), NEW_TOKENS)
+        row.update(_batch_1(steps, step_weight_bytes(engine.model, 1)), step_macs_b1=step_multiply_adds(engine.model))
     stats = engine.stats()
     row.update(weights=stats.weights, kernels=stats.cpu_kernels, dtype=stats.compute_dtype)
     return row
@@ -129,24 +133,27 @@ def measure_llama_cpp(path: Path, batches: Sequence[int], repack: bool) -> dict:
     row["weights_gb"] = sum(int(t.n_bytes) for t in ckpt.reader.tensors) / 1e9  # it runs the file's blocks
     for batch in batches:
         _median_step(llama_peer.LlamaCppSteps(peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), 4))
-        steps = llama_peer.LlamaCppSteps(peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch), NEW_TOKENS)
-        if batch == 1:
-            # A step reads every tensor but the embedding table (a few rows of it), unless it is the
-            # head too; of an expert tensor, the routed experts only.
-            names = {t.name for t in ckpt.reader.tensors}
-            arch = ckpt.architecture
-            experts = int(ckpt.metadata.get(f"{arch}.expert_count", 0) or 0)
-            share = int(ckpt.metadata.get(f"{arch}.expert_used_count", 0) or 0) / experts if experts else 1.0
-            read = [t for t in ckpt.reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
-            row.update(_batch_1(steps, int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in read))))
-            # its q8 activations multiply each weight of a product once (norms' vectors are no product)
-            row["step_macs_b1"] = int(sum(int(t.n_elements) * (share if "_exps." in t.name else 1.0)
-                                          for t in read if len(t.shape) >= 2))
-        row[f"tok_s_b{batch}"] = batch / _median_step(steps)
+        if batch != 1:  # timed last (_batch_1)
+            steps = llama_peer.LlamaCppSteps(peer, make_prompts(batch, PROMPT_TOKENS, peer.vocab_size, seed=batch),
+                                             NEW_TOKENS)
+            row[f"tok_s_b{batch}"] = batch / _median_step(steps)
     prompt = text_prompt(Tokenizer.from_gguf_metadata(ckpt.metadata, source=str(path)), TTFT_TOKENS)
     llama_ttft(peer, prompt[:WARMUP_TOKENS])
     row["ttft_512_s"] = statistics.median(llama_ttft(peer, prompt) for _ in range(TTFT_REPEATS))
     row["rss_peak_gb"] = _peak_rss_gb()
+    if 1 in batches:
+        # A step reads every tensor but the embedding table (a few rows of it), unless it is the
+        # head too; of an expert tensor, the routed experts only.
+        names = {t.name for t in ckpt.reader.tensors}
+        arch = ckpt.architecture
+        experts = int(ckpt.metadata.get(f"{arch}.expert_count", 0) or 0)
+        share = int(ckpt.metadata.get(f"{arch}.expert_used_count", 0) or 0) / experts if experts else 1.0
+        read = [t for t in ckpt.reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names]
+        steps = llama_peer.LlamaCppSteps(peer, make_prompts(1, PROMPT_TOKENS, peer.vocab_size, seed=1), NEW_TOKENS)
+        row.update(_batch_1(steps, int(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in read))))
+        # its q8 activations multiply each weight of a product once (norms' vectors are no product)
+        row["step_macs_b1"] = int(sum(int(t.n_elements) * (share if "_exps." in t.name else 1.0)
+                                      for t in read if len(t.shape) >= 2))
     # Which instruction sets this llama.cpp build runs (an AVX2-only build beside a forced tier).
     info = peer.lib.llama_print_system_info().decode()
     row["kernels"] = "llama.cpp " + "+".join(name for name in ("AVX2", "AVX_VNNI", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8")

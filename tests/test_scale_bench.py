@@ -48,5 +48,5 @@ def test_batch_1_meets_a_timed_read_after_each_step():
             return self.times[1:]
 
     row = scale._batch_1(Steps(), step_bytes=1 << 20)
-    assert row["step_s_b1"] == 0.01 and row["step_bytes_b1"] == 1 << 20
+    assert row["step_s_b1"] == 0.01 and row["tok_s_b1"] == 100 and row["step_bytes_b1"] == 1 << 20
     assert row["x_floor_b1"] > 0 and row["floor_s_b1"] * row["x_floor_b1"] == pytest.approx(0.01)
