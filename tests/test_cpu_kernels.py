@@ -4,6 +4,8 @@ the format's tolerance), and the switch that chooses among them."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from attention_support import paged_attention_reference
@@ -398,6 +400,18 @@ def test_compute_dtype_follows_the_cpu():
 def test_the_reference_tier_always_builds_where_there_is_a_compiler():
     assert "scalar" in TIERS
     assert torch.ops.nanoserve.tier_name(cpu_kernels.handle("scalar")) == "scalar"
+
+
+def test_a_tier_library_is_keyed_by_its_sources_contents_wherever_they_lie(tmp_path):
+    """scripts/kernel_ab.py builds another revision's kernels from a copy of them: the same
+    sources in another folder are the same library, and a changed source is another."""
+    scalar = cpu_kernels.TIERS["scalar"]
+    copy = tmp_path / "kernels"
+    shutil.copytree(cpu_kernels.KERNELS, copy)
+    assert cpu_kernels._build(scalar, copy) == cpu_kernels._build(scalar)
+    (copy / scalar.source).write_text((copy / scalar.source).read_text() + "\n// another revision\n")
+    changed = cpu_kernels._build(scalar, copy)
+    assert changed != cpu_kernels._build(scalar) and changed.exists()
 
 
 @pytest.mark.parametrize("tier", TIERS)

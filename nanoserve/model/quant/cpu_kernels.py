@@ -221,10 +221,10 @@ def dot_peak_rate(tier: str, seconds: float = 0.3) -> float:
     return sorted(rates)[1]
 
 
-def _build(tier: Tier) -> Path:
+def _build(tier: Tier, kernels: Path = KERNELS) -> Path:
     """The tier's shared library, compiled once per source and flags into torch's extension
     directory (written under a temporary name and renamed, so a concurrent build never reads half
-    a file)."""
+    a file). ``kernels``: the source tree (another revision's, for scripts/kernel_ab.py)."""
     from torch.utils.cpp_extension import get_default_build_root
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     flags = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off", *tier.flags]
@@ -232,14 +232,14 @@ def _build(tier: Tier) -> Path:
     digest = hashlib.sha256()
     for part in (version, compiler, *flags):
         digest.update(part.encode())
-    for file in sorted(KERNELS.glob("*")):
+    for file in sorted(kernels.glob("*")):
         digest.update(file.name.encode() + file.read_bytes())
     out = Path(get_default_build_root()) / "nanoserve_tiers" / f"{tier.name}-{digest.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             built = Path(tmp) / out.name
-            subprocess.run([compiler, *flags, str(KERNELS / tier.source), "-o", str(built)], check=True,
+            subprocess.run([compiler, *flags, str(kernels / tier.source), "-o", str(built)], check=True,
                            capture_output=True, text=True)
             os.replace(built, out)
     return out

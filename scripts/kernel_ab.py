@@ -1,0 +1,142 @@
+"""Two builds of the CPU kernels against each other in one process: the working tree's and another
+revision's (``--base``, default HEAD), both tier libraries loaded side by side and called
+alternately, so that a shared VM's phases (its memory reading at half speed for tens of seconds,
+then at full speed) fall on both arms alike, which one process per arm, minutes apart, cannot
+promise. For a model file: first whether the arms give the same bits (else their largest
+difference), then each distinct linear shape (called again and again: its weights stay in the
+last-level cache where they fit) and a whole pass of the model's products (streamed from memory),
+at each ``--rows``. Per arm the median time, and the median over rounds of new / base.
+
+    PYTHONPATH=. python scripts/kernel_ab.py MODEL.gguf [--base REV] [--rows 1,8] [--x-bits 8]
+        [--rounds 60] [--tier avx2] [--out DIR] [--tag WHAT]
+
+Prints a table and writes kernel-ab-<model>[-WHAT].csv under --out (default compile/results/runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from compile.common import (
+    RUNS,
+    add_tier_options,
+    apply_tier_options,
+    format_table,
+    host_description,
+    int_list,
+    write_results,
+)
+from nanoserve.model.quant import cpu_kernels
+
+COLUMNS = ["what", "rows", "x_bits", "base_us", "new_us", "new_over_base", "same_bits"]
+
+
+def kernels_at(revision: str, into: Path) -> Path:
+    """The kernel sources as ``revision`` holds them, extracted under ``into``."""
+    relative = cpu_kernels.KERNELS.relative_to(Path(__file__).resolve().parent.parent)
+    archive = subprocess.run(["git", "archive", revision, str(relative)], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / relative
+
+
+def product(m, x: torch.Tensor, handle: int, x_bits: int) -> torch.Tensor:
+    """``x @ m``'s weight through the tier library ``handle``."""
+    return torch.ops.nanoserve.group_mm(x, m.codes, m.scales, m.mins, m.zero_point, handle, x_bits)
+
+
+def one_pass(linears: list, inputs: dict[int, torch.Tensor], handle: int, x_bits: int) -> None:
+    """Every packed linear of a model once, as a decode step calls them."""
+    for m in linears:
+        product(m, inputs[m.in_features], handle, x_bits)
+
+
+def interleaved(arms: dict[str, object], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each arm's callable, after one call each: the arms alternating, in
+    reverse order every other round (a call can warm the cache for the one after it)."""
+    for call in arms.values():
+        call()
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
+    for round_ in range(rounds):
+        for name, call in (list(arms.items()) if round_ % 2 == 0 else reversed(arms.items())):
+            started = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - started)
+    return seconds
+
+
+def row(what: str, rows: int, x_bits: int, seconds: dict[str, list[float]], same: str) -> dict:
+    ratios = [new / base for base, new in zip(seconds["base"], seconds["new"])]
+    return dict(what=what, rows=rows, x_bits=x_bits, base_us=statistics.median(seconds["base"]) * 1e6,
+                new_us=statistics.median(seconds["new"]) * 1e6, new_over_base=statistics.median(ratios),
+                same_bits=same)
+
+
+def progress(result: dict) -> str:
+    return (f"{result['what']}, {result['rows']} row(s): new / base {result['new_over_base']:.3f}"
+            + (f", same bits: {result['same_bits']}" if result["same_bits"] else ""))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--base", default="HEAD", help="the git revision whose kernels are the base arm")
+    parser.add_argument("--rows", type=int_list, default=(1, 8))
+    parser.add_argument("--x-bits", type=int, choices=(8, 16), default=8)
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=RUNS)
+    parser.add_argument("--tag", default="", help="appended to the CSV's name: what the new arm changes")
+    add_tier_options(parser)
+    args = parser.parse_args()
+    tier = apply_tier_options(args)
+    if tier not in cpu_kernels.TIERS:
+        parser.error(f"tier {tier!r} builds no library of ours to compare")
+    torch.set_grad_enabled(False)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"base": cpu_kernels._build(cpu_kernels.TIERS[tier], kernels_at(args.base, Path(tmp))),
+                 "new": cpu_kernels._build(cpu_kernels.TIERS[tier])}
+    if paths["base"] == paths["new"]:
+        print(f"the working tree's kernels are {args.base}'s: an A/A run (how far apart two equal arms fall)")
+    handles = {name: torch.ops.nanoserve.load_tier(str(path)) for name, path in paths.items()}
+
+    from nanoserve.engine import build_engine
+    from nanoserve.model.quant.linear import GroupLinear
+    model = build_engine(args.model, max_batch_size=1, max_model_len=256, compile=False).model
+    linears = [m for m in model.modules() if isinstance(m, GroupLinear) and m.handle is not None]
+    if not linears:
+        parser.error(f"{args.model} has no packed linear for the kernels to multiply")
+    dtype = model.norm.weight.dtype
+
+    host = dict(host_description(), kernels=tier, model=Path(args.model).name, base=args.base)
+    print(f"{host['cpu']}, {tier}, {dtype}; base {args.base} ({paths['base'].name}), new ({paths['new'].name})")
+    results = []
+    shapes = {(m.in_features, m.out_features, m.codes.dtype, m.codes.nbytes): m for m in linears}
+    for rows in args.rows:
+        for (k, n, _, nbytes), m in shapes.items():
+            x = torch.randn(rows, k, dtype=dtype)
+            base, new = (product(m, x, handles[arm], args.x_bits) for arm in ("base", "new"))
+            same = "yes" if torch.equal(base, new) else f"max diff {(base - new).abs().max().item():.3g}"
+            calls = {arm: functools.partial(product, m, x, handle, args.x_bits) for arm, handle in handles.items()}
+            seconds = interleaved(calls, args.rounds)
+            results.append(dict(host, **row(f"{k} x {n} ({nbytes / 1e6:.1f} MB)", rows, args.x_bits, seconds, same)))
+            print(progress(results[-1]))
+        inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
+        calls = {arm: functools.partial(one_pass, linears, inputs, handle, args.x_bits) for arm, handle in handles.items()}
+        seconds = interleaved(calls, max(args.rounds // 3, 5))
+        nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
+        results.append(dict(host, **row(f"pass ({nbytes / 1e6:.0f} MB)", rows, args.x_bits, seconds, "")))
+        print(progress(results[-1]))
+    print(format_table(results, COLUMNS))
+    write_results(results, args.out, "-".join(filter(None, ["kernel-ab", Path(args.model).stem, args.tag])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
