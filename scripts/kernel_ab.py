@@ -5,10 +5,12 @@ then at full speed) fall on both arms alike, which one process per arm, minutes 
 promise. For a model file: first whether the arms give the same bits (else their largest
 difference), then each distinct linear shape (called again and again: its weights stay in the
 last-level cache where they fit) and a whole pass of the model's products (streamed from memory),
-at each ``--rows``. Per arm the median time, and the median over rounds of new / base.
+at each ``--rows``. Per arm the median time, and the median over rounds of new / base; a pass
+also times a read beside each round (compile/floor.py's), and gives new / base again over the
+rounds whose read was the faster half.
 
     PYTHONPATH=. python scripts/kernel_ab.py MODEL.gguf [--base REV] [--rows 1,8] [--x-bits 8]
-        [--rounds 60] [--tier avx2] [--out DIR] [--tag WHAT]
+        [--rounds 60] [--pass-rounds 200] [--tier avx2] [--out DIR] [--tag WHAT]
 
 Prints a table and writes kernel-ab-<model>[-WHAT].csv under --out (default compile/results/runs).
 """
@@ -34,9 +36,11 @@ from compile.common import (
     int_list,
     write_results,
 )
+from compile.floor import SAMPLE_BYTES, read_buffer
 from nanoserve.model.quant import cpu_kernels
 
-COLUMNS = ["what", "rows", "x_bits", "base_us", "new_us", "new_over_base", "same_bits"]
+COLUMNS = ["what", "rows", "x_bits", "base_us", "new_us", "new_over_base", "same_bits", "read_gb_s",
+           "new_over_base_fast_reads"]
 
 
 def kernels_at(revision: str, into: Path) -> Path:
@@ -58,30 +62,49 @@ def one_pass(linears: list, inputs: dict[int, torch.Tensor], handle: int, x_bits
         product(m, inputs[m.in_features], handle, x_bits)
 
 
-def interleaved(arms: dict[str, object], rounds: int) -> dict[str, list[float]]:
+def interleaved(arms: dict[str, object], rounds: int, read: torch.Tensor | None = None
+                ) -> tuple[dict[str, list[float]], list[float]]:
     """Seconds per call of each arm's callable, after one call each: the arms alternating, in
-    reverse order every other round (a call can warm the cache for the one after it)."""
+    reverse order every other round (a call can warm the cache for the one after it); with
+    ``read`` (a read_buffer), the seconds of one sum of it after each round."""
     for call in arms.values():
         call()
     seconds: dict[str, list[float]] = {name: [] for name in arms}
+    reads: list[float] = []
     for round_ in range(rounds):
         for name, call in (list(arms.items()) if round_ % 2 == 0 else reversed(arms.items())):
             started = time.perf_counter()
             call()
             seconds[name].append(time.perf_counter() - started)
-    return seconds
+        if read is not None:
+            started = time.perf_counter()
+            read.sum()
+            reads.append(time.perf_counter() - started)
+    return seconds, reads
 
 
-def row(what: str, rows: int, x_bits: int, seconds: dict[str, list[float]], same: str) -> dict:
+def row(what: str, rows: int, x_bits: int, seconds: dict[str, list[float]], same: str,
+        reads: list[float] = (), read_bytes: int = 0) -> dict:
+    """One line of the table; with the reads beside each round, their median rate and new / base
+    over the rounds whose read was at or above the median (a VM whose memory runs at two speeds
+    shows there what a change does when the products, not the memory, set the pace)."""
     ratios = [new / base for base, new in zip(seconds["base"], seconds["new"])]
-    return dict(what=what, rows=rows, x_bits=x_bits, base_us=statistics.median(seconds["base"]) * 1e6,
-                new_us=statistics.median(seconds["new"]) * 1e6, new_over_base=statistics.median(ratios),
-                same_bits=same)
+    result = dict(what=what, rows=rows, x_bits=x_bits, base_us=statistics.median(seconds["base"]) * 1e6,
+                  new_us=statistics.median(seconds["new"]) * 1e6, new_over_base=statistics.median(ratios),
+                  same_bits=same, read_gb_s="", new_over_base_fast_reads="")
+    if reads:
+        rates = [read_bytes / r / 1e9 for r in reads]
+        middle = statistics.median(rates)
+        result.update(read_gb_s=middle,
+                      new_over_base_fast_reads=statistics.median(q for q, r in zip(ratios, rates) if r >= middle))
+    return result
 
 
 def progress(result: dict) -> str:
     return (f"{result['what']}, {result['rows']} row(s): new / base {result['new_over_base']:.3f}"
-            + (f", same bits: {result['same_bits']}" if result["same_bits"] else ""))
+            + (f", same bits: {result['same_bits']}" if result["same_bits"] else "")
+            + (f", reads {result['read_gb_s']:.1f} GB/s, new / base where faster "
+               f"{result['new_over_base_fast_reads']:.3f}" if result["read_gb_s"] else ""))
 
 
 def main() -> int:
@@ -90,7 +113,9 @@ def main() -> int:
     parser.add_argument("--base", default="HEAD", help="the git revision whose kernels are the base arm")
     parser.add_argument("--rows", type=int_list, default=(1, 8))
     parser.add_argument("--x-bits", type=int, choices=(8, 16), default=8)
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=60, help="rounds of each shape alone")
+    parser.add_argument("--pass-rounds", type=int, default=200,
+                        help="rounds of whole passes (a 2-core VM's memory phases last 10-30 s: 1000 spans some)")
     parser.add_argument("--out", type=Path, default=RUNS)
     parser.add_argument("--tag", default="", help="appended to the CSV's name: what the new arm changes")
     add_tier_options(parser)
@@ -113,6 +138,7 @@ def main() -> int:
     if not linears:
         parser.error(f"{args.model} has no packed linear for the kernels to multiply")
     dtype = model.norm.weight.dtype
+    read = read_buffer(SAMPLE_BYTES)
 
     host = dict(host_description(), kernels=tier, model=Path(args.model).name, base=args.base)
     print(f"{host['cpu']}, {tier}, {dtype}; base {args.base} ({paths['base'].name}), new ({paths['new'].name})")
@@ -124,14 +150,15 @@ def main() -> int:
             base, new = (product(m, x, handles[arm], args.x_bits) for arm in ("base", "new"))
             same = "yes" if torch.equal(base, new) else f"max diff {(base - new).abs().max().item():.3g}"
             calls = {arm: functools.partial(product, m, x, handle, args.x_bits) for arm, handle in handles.items()}
-            seconds = interleaved(calls, args.rounds)
+            seconds, _ = interleaved(calls, args.rounds)
             results.append(dict(host, **row(f"{k} x {n} ({nbytes / 1e6:.1f} MB)", rows, args.x_bits, seconds, same)))
             print(progress(results[-1]))
         inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
         calls = {arm: functools.partial(one_pass, linears, inputs, handle, args.x_bits) for arm, handle in handles.items()}
-        seconds = interleaved(calls, max(args.rounds // 3, 5))
+        seconds, reads = interleaved(calls, args.pass_rounds, read)
         nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
-        results.append(dict(host, **row(f"pass ({nbytes / 1e6:.0f} MB)", rows, args.x_bits, seconds, "")))
+        results.append(dict(host, **row(f"pass ({nbytes / 1e6:.0f} MB)", rows, args.x_bits, seconds, "", reads,
+                                        read.nbytes)))
         print(progress(results[-1]))
     print(format_table(results, COLUMNS))
     write_results(results, args.out, "-".join(filter(None, ["kernel-ab", Path(args.model).stem, args.tag])))
