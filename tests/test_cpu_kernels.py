@@ -128,7 +128,7 @@ def test_8_bit_activation_codes_are_the_same_on_every_tier_a_step_per_16_in_sixt
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 40])
 @pytest.mark.parametrize("x_bits", [16, 8])
 def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, rows, x_bits):
     _, _, kind, zero_point = fmt
@@ -142,6 +142,20 @@ def test_products_equal_the_scalar_reference_within_tolerance(tier, dtype, fmt, 
     # the same integers and fp32 sums in another order: bf16's last bit, or fp32 rounding
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
     assert (got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("x_bits", [16, 8])
+def test_a_product_of_no_rows_is_empty(tier, x_bits):
+    """A step can multiply no rows (a prefill chunk that no row's prompt ends in asks for no
+    logits): every format gives [0, N] and reads no activation."""
+    n, k = 96, 512
+    generator = torch.Generator().manual_seed(0)
+    for fmt in FORMATS:
+        codes, scales, mins = random_weight(n, k, fmt, 1, generator)
+        got = torch.ops.nanoserve.group_mm(torch.empty(0, k), codes, scales, mins, fmt[3], cpu_kernels.handle(tier),
+                                           x_bits)
+        assert got.shape == (0, n), fmt
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
@@ -166,16 +180,17 @@ def test_products_split_over_threads_equal_one_threads_bit_for_bit(tier, rows, t
 @pytest.mark.parametrize("x_bits", [16, 8])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tier, x_bits):
     """Each row is summed in one order whatever rows share its call: a tier multiplies rows in
-    blocks of up to its ROWS (8 for avx2's group-16 formats at 8 bits, 4 for its others), so 21
-    rows at once, one at a time and three at a time take different blocks and must give the same
-    bits (a request's tokens do not change with the batch it decodes in)."""
+    blocks of up to its ROWS (8 for avx2's group-16 formats at 8 bits, 4 for its others), a step
+    of up to 4 rows with each block's scales decoded as it goes (few_rows_block) and a larger one
+    from scales decoded ahead, so 21 rows at once and 1 to 4 at a time take different blocks and
+    must give the same bits (a request's tokens do not change with the batch it decodes in)."""
     n, k, rows = 96, 512, 21
     generator = torch.Generator().manual_seed(x_bits)
     x = torch.randn(rows, k, generator=generator)
     for fmt in FORMATS:
         weight = (*random_weight(n, k, fmt, fmt[0], generator), fmt[3], cpu_kernels.handle(tier), x_bits)
         together = torch.ops.nanoserve.group_mm(x, *weight)
-        for chunk in (1, 3):
+        for chunk in (1, 2, 3, 4):
             apart = torch.cat([torch.ops.nanoserve.group_mm(x[i:i + chunk], *weight) for i in range(0, rows, chunk)])
             assert torch.equal(together, apart), (fmt, chunk)
 

@@ -29,7 +29,7 @@ The tiers (``kernels/``, one source tree): ``avx512-vnni`` (vpdpbusd on 512 bits
 (smull + sadalp) and ``scalar`` (plain C++, the reference every tier is tested against), plus
 ``torch``: torch's int4 kernel and SDPA, no library of ours. Each tier is a shared library built
 with its own explicit instruction flags (never ``-march=native``: the build cache is keyed by
-source and flags, not by the CPU), the first time it is used (about 40 s a tier with g++ on 2
+source and flags, not by the CPU), the first time it is used (about a minute a tier with g++ on 2
 cores, kept under torch's extension directory), and loaded only where the CPU has those
 instructions, as cpuid / hwcaps report them. ``NANOSERVE_CPU_KERNELS=auto|<tier>`` forces a tier
 the host can run; ``auto`` takes the best vector tier, and ``torch`` where none builds.

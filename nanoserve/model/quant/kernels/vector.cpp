@@ -425,8 +425,8 @@ struct Format {
 // activations' sum (minimum: its minimum, and the offset sums_offset gives as d * offset), for
 // element i = 16 h + lane of the block's numbers (scales_of).
 //   KindScales: the block's scales as the file holds them, decoded at each fold with the kind a
-//     template argument (one_row picks it once per block): right for one row, which uses each
-//     scale once (decoding ahead would only add a store and a load). With the kind a run-time
+//     template argument (one_row and few_rows_block pick it once per block): right for one row
+//     or a few, which use each scale once (few_rows says what decoding ahead costs). With the kind a run-time
 //     value the decode was an out-of-line call per scale group, which spilled the live sums: a
 //     one-row product in cache, one thread, ran at 51 (Q4_0) and 44 (Q4_K) G multiply-adds/s on
 //     avx512-vnni, 59 and 52 inline.
@@ -663,7 +663,8 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
 
 // One row's block (a batch-1 product, or an expert with one pair): the scales' kind made a
 // template argument here, once per block, so that block16 decodes each group's scales inline
-// (KindScales).
+// (KindScales). Apart from few_rows_block, whose instances for one row measured 1-2% slower
+// (avx512-vnni) and 11% (avx2) in a batch-1 pass, their code placed among the larger instances.
 template <typename F, bool LO, typename Rows>
 void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out, bool out_bf16, int64_t ldo,
@@ -684,8 +685,8 @@ void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minim
 // log2(R) + 1 row counts, not R (at R each, the avx512-vnni tier took 63 s to build). A row's
 // result does not depend on how many rows share its call, and the decode steps' row buckets
 // (powers of two) take a single call.
-template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows>
-void rows_block(int count, const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t M,
+template <typename F, bool LO, int R = F::template rows<LO>(), typename Rows, typename Scales>
+void rows_block(int count, const uint8_t* w, const Scales& scales, bool has_minimums, int64_t K, int64_t M,
                 Rows rows, const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out, bool out_bf16,
                 int64_t ldo, nanoserve_format f) {
   static_assert((R & (R - 1)) == 0, "a tier's rows are a power of two");
@@ -700,6 +701,38 @@ void rows_block(int count, const uint8_t* w, const DecodedScales& scales, bool h
       rows_block<F, LO, R / 2>(count - R, w, scales, has_minimums, K, M, rows.skip(R), xq, xd, xs, sx, out, out_bf16,
                                ldo, f);
     }
+  }
+}
+
+// How many rows a block multiplies with its scales decoded at each fold (KindScales) rather than
+// into scratch first (DecodedScales): a step of up to this many rows is one chunk, which uses each
+// scale once, and decoding ahead writes a block's scales out and reads them back (8 KB a block
+// at K = 2048, 32 KB at 8192: a whole L1 beside the codes streaming through it). A 1B Q4_K_M
+// pass of products, avx512-vnni on Zen 4, the same bits (scripts/kernel_ab.py): 2 rows 0.67x
+// (8-bit activations) and 0.79x (16-bit) the time, 4 rows 0.73x and 0.91x; avx2 at 8 bits, 2
+// rows 0.79x. Not the tier's 8: each row count is an instance per scale kind, and 2 and 4 take
+// the avx512-vnni tier's build from 41 to about 66 s; an expert's pairs keep one_row for one.
+template <typename F, bool LO>
+constexpr int few_rows() {
+  constexpr int most = V::REGISTERS >= 32 ? 4 : 2;  // avx2's 4 rows of inline scales spill: 1.02x the time
+  return F::template rows<LO>() < most ? F::template rows<LO>() : most;
+}
+
+// `count` (2 .. few_rows) rows of a block (a decode step of a few rows), its scales decoded inline
+// as one_row's are.
+template <typename F, bool LO, typename Rows>
+void few_rows_block(int count, const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K,
+                    int64_t M, Rows rows, const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out,
+                    bool out_bf16, int64_t ldo, nanoserve_format f) {
+  const auto run = [&](auto scales) {
+    rows_block<F, LO, few_rows<F, LO>()>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, sx, out, out_bf16,
+                                         ldo, f);
+  };
+  switch (f.scale_kind) {
+    case SCALES_FP32: return run(KindScales<F::SPLIT, SCALES_FP32>{kind});
+    case SCALES_FP16: return run(KindScales<F::SPLIT, SCALES_FP16>{kind});
+    case SCALES_E8M0: return run(KindScales<F::SPLIT, SCALES_E8M0>{kind});
+    default: return run(KindScales<F::SPLIT, SCALES_SUPER>{kind});
   }
 }
 
@@ -720,6 +753,13 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
       one_row<F, LO>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs, sx,
                      static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
       continue;
+    }
+    if constexpr (few_rows<F, LO>() > 1) {
+      if (M > 1 && M <= few_rows<F, LO>()) {  // (a step of no rows, a prefill chunk no row ends in, writes nothing)
+        few_rows_block<F, LO>(static_cast<int>(M), w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs,
+                              sx, static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
+        continue;
+      }
     }
     const DecodedScales scales = decode_scales<F>(kind, K, b + 1 < b1 ? scale_bytes : 0);
     constexpr int64_t ROWS = F::template rows<LO>();
