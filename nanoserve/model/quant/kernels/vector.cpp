@@ -708,9 +708,9 @@ void rows_block(int count, const uint8_t* w, const Scales& scales, bool has_mini
 // into scratch first (DecodedScales): a step of up to this many rows is one chunk, which uses each
 // scale once, and decoding ahead writes a block's scales out and reads them back (8 KB a block
 // at K = 2048, 32 KB at 8192: a whole L1 beside the codes streaming through it). A 1B Q4_K_M
-// pass of products, avx512-vnni on Zen 4, the same bits (scripts/kernel_ab.py): 2 rows 0.67x
-// (8-bit activations) and 0.79x (16-bit) the time, 4 rows 0.73x and 0.91x; avx2 at 8 bits, 2
-// rows 0.79x. Not the tier's 8: each row count is an instance per scale kind, and 2 and 4 take
+// pass of products, avx512-vnni on Zen 4, the same bits (scripts/kernel_ab.py): 2 rows 0.60x
+// (8-bit activations) and 0.68x (16-bit) the time, 4 rows 0.76x and 0.91x; avx2 at 8 bits, 2
+// rows 0.69x. Not the tier's 8: each row count is an instance per scale kind, and 2 and 4 take
 // the avx512-vnni tier's build from 41 to about 66 s; an expert's pairs keep one_row for one.
 template <typename F, bool LO>
 constexpr int few_rows() {
