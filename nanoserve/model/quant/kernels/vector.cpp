@@ -661,6 +661,18 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
   }
 }
 
+// run(scales) with a block's scales as KindScales of their kind, the kind a template argument
+// from here on (one_row, few_rows_block).
+template <bool SPLIT, typename Run>
+void with_kind_scales(const BlockScales<SPLIT>& kind, Run run) {
+  switch (kind.f.scale_kind) {
+    case SCALES_FP32: return run(KindScales<SPLIT, SCALES_FP32>{kind});
+    case SCALES_FP16: return run(KindScales<SPLIT, SCALES_FP16>{kind});
+    case SCALES_E8M0: return run(KindScales<SPLIT, SCALES_E8M0>{kind});
+    default: return run(KindScales<SPLIT, SCALES_SUPER>{kind});
+  }
+}
+
 // One row's block (a batch-1 product, or an expert with one pair): the scales' kind made a
 // template argument here, once per block, so that block16 decodes each group's scales inline
 // (KindScales). Apart from few_rows_block, whose instances for one row measured 1-2% slower
@@ -669,15 +681,9 @@ template <typename F, bool LO, typename Rows>
 void one_row(const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K, int64_t M, Rows rows,
              const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out, bool out_bf16, int64_t ldo,
              nanoserve_format f) {
-  const auto run = [&](auto scales) {
+  with_kind_scales(kind, [&](auto scales) {
     block16<F, LO, 1>(w, scales, has_minimums, K, M, rows, xq, xd, xs, sx, out, out_bf16, ldo, f);
-  };
-  switch (f.scale_kind) {
-    case SCALES_FP32: return run(KindScales<F::SPLIT, SCALES_FP32>{kind});
-    case SCALES_FP16: return run(KindScales<F::SPLIT, SCALES_FP16>{kind});
-    case SCALES_E8M0: return run(KindScales<F::SPLIT, SCALES_E8M0>{kind});
-    default: return run(KindScales<F::SPLIT, SCALES_SUPER>{kind});
-  }
+  });
 }
 
 // `count` rows of `rows`, 1 .. R at the top call (R: the tier's rows, a power of two), under 2 R
@@ -724,16 +730,10 @@ template <typename F, bool LO, typename Rows>
 void few_rows_block(int count, const uint8_t* w, const BlockScales<F::SPLIT>& kind, bool has_minimums, int64_t K,
                     int64_t M, Rows rows, const int8_t* xq, const float* xd, const float* xs, Sixteenths sx, void* out,
                     bool out_bf16, int64_t ldo, nanoserve_format f) {
-  const auto run = [&](auto scales) {
+  with_kind_scales(kind, [&](auto scales) {
     rows_block<F, LO, few_rows<F, LO>()>(count, w, scales, has_minimums, K, M, rows, xq, xd, xs, sx, out, out_bf16,
                                          ldo, f);
-  };
-  switch (f.scale_kind) {
-    case SCALES_FP32: return run(KindScales<F::SPLIT, SCALES_FP32>{kind});
-    case SCALES_FP16: return run(KindScales<F::SPLIT, SCALES_FP16>{kind});
-    case SCALES_E8M0: return run(KindScales<F::SPLIT, SCALES_E8M0>{kind});
-    default: return run(KindScales<F::SPLIT, SCALES_SUPER>{kind});
-  }
+  });
 }
 
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
