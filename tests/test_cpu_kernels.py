@@ -161,19 +161,23 @@ def test_a_product_of_no_rows_is_empty(tier, x_bits):
 @pytest.mark.parametrize("tier", VECTOR_TIERS)
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_products_split_over_threads_equal_one_threads_bit_for_bit(tier, rows, threads):
-    """Threads split a product by its outputs, each output summed by one thread in one order: any
-    team size, an uneven one included, gives one thread's bits."""
-    n, k = 208, 512
+    """Threads split a product by its blocks of 16 outputs, each output summed by one thread in
+    one order, and a thread that runs out of blocks takes some of another's: any team size (an
+    uneven one, more threads than cores, more than blocks) and whichever thread ends up with a
+    block give one thread's bits, each block computed once."""
+    k = 512
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=generator)
-    for fmt in [(4, 32, FP16, 8), (4, 32, SUPER, 0), (6, 16, SUPER, 32)]:
+    for n, fmt in [(208, (4, 32, FP16, 8)), (208, (4, 32, SUPER, 0)), (208, (6, 16, SUPER, 32)),
+                   (16, (4, 32, FP16, 8)), (48, (4, 32, SUPER, 0)), (1024, (4, 32, FP16, 8))]:
         codes, scales, mins = random_weight(n, k, fmt, rows, generator)
-        zero_point = fmt[3]
-        got = {}
-        for team in (1, 3):
+        weight = (codes, scales, mins, fmt[3], cpu_kernels.handle(tier), 8)
+        threads(1)
+        alone = torch.ops.nanoserve.group_mm(x, *weight)
+        for team in (2, 3, 8):
             threads(team)
-            got[team] = torch.ops.nanoserve.group_mm(x, codes, scales, mins, zero_point, cpu_kernels.handle(tier), 8)
-        assert torch.equal(got[1], got[3]), fmt
+            for _ in range(5):  # where the splits fall between threads changes run to run
+                assert torch.equal(torch.ops.nanoserve.group_mm(x, *weight), alone), (n, fmt, team)
 
 
 @pytest.mark.parametrize("tier", VECTOR_TIERS)

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -214,6 +215,77 @@ struct QuantizedRows {
   }
 };
 
+// Output blocks [0, blocks) over torch's threads: each thread a contiguous run of its own, which
+// it takes from the front in shrinking pieces; a thread that runs out takes the back half of
+// what the thread with most left has not started, and that becomes its own run. Every thread
+// streams long runs of weights, and one slowed down (its memory queue, the hypervisor taking
+// its core) does not hold the product's end while the other waits. A block's output does not
+// depend on which thread computes it.
+class BlockRuns {
+ public:
+  explicit BlockRuns(int64_t threads, int64_t blocks) : runs_(threads) {
+    for (int64_t t = 0; t < threads; ++t) runs_[t].span.store(pack(blocks * t / threads, blocks * (t + 1) / threads));
+  }
+
+  // The next piece of thread t's work, [begin, end), or an empty one when none is left anywhere.
+  std::pair<int64_t, int64_t> next(int64_t t) {
+    std::atomic<uint64_t>& own = runs_[t].span;
+    for (;;) {
+      uint64_t span = own.load(std::memory_order_acquire);
+      const int64_t lo = low(span), hi = high(span);
+      if (lo < hi) {
+        const int64_t take = std::max<int64_t>(1, (hi - lo) / 4);
+        if (own.compare_exchange_weak(span, pack(lo + take, hi), std::memory_order_acq_rel)) return {lo, lo + take};
+        continue;
+      }
+      if (!steal_into(t)) return {0, 0};
+    }
+  }
+
+ private:
+  struct alignas(64) Run {
+    std::atomic<uint64_t> span{0};
+  };
+  static uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32; }
+  static int64_t low(uint64_t span) { return static_cast<int64_t>(span & 0xffffffffu); }
+  static int64_t high(uint64_t span) { return static_cast<int64_t>(span >> 32); }
+
+  // Moves the back half of the largest unstarted run (at least 2 blocks) to thread t's own.
+  bool steal_into(int64_t t) {
+    for (;;) {
+      int64_t victim = -1, most = 1;
+      uint64_t seen = 0;
+      for (int64_t v = 0; v < static_cast<int64_t>(runs_.size()); ++v) {
+        const uint64_t span = runs_[v].span.load(std::memory_order_acquire);
+        if (v != t && high(span) - low(span) > most) victim = v, most = high(span) - low(span), seen = span;
+      }
+      if (victim < 0) return false;
+      const int64_t hi = high(seen), cut = hi - most / 2;
+      if (runs_[victim].span.compare_exchange_strong(seen, pack(low(seen), cut), std::memory_order_acq_rel)) {
+        runs_[t].span.store(pack(cut, hi), std::memory_order_release);  // t's run was empty: no one else writes it
+        return true;
+      }
+    }
+  }
+
+  std::vector<Run> runs_;
+};
+
+template <typename Fn>
+void parallel_blocks(int64_t blocks, const Fn& run) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    run(0, blocks);
+    return;
+  }
+  BlockRuns runs(threads, blocks);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (auto piece = runs.next(t); piece.first < piece.second; piece = runs.next(t)) run(piece.first, piece.second);
+    }
+  });
+}
+
 // x [M, K] @ w.T for the packed weight w of N x K (format_of; N from the scales).
 // x_bits: the activations' precision, 16 (hi and lo codes) or 8 (one code, a step per 16; kernels/common.h).
 at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
@@ -225,10 +297,11 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const nanoserve_kernel_table& tier = tier_of(handle);
   const QuantizedRows q(tier, x, x_bits);
   at::Tensor out = at::empty({M, N}, x.options());
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+  const auto run = [&](int64_t begin, int64_t end) {
     tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, q.xq, q.xd,
                   q.xs, static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
-  });
+  };
+  parallel_blocks(N / 16, run);
   return out;
 }
 
