@@ -223,8 +223,10 @@ struct QuantizedRows {
 // depend on which thread computes it.
 class BlockRuns {
  public:
-  explicit BlockRuns(int64_t threads, int64_t blocks) : runs_(threads) {
-    for (int64_t t = 0; t < threads; ++t) runs_[t].span.store(pack(blocks * t / threads, blocks * (t + 1) / threads));
+  // Thread t's run is [start(t), start(t + 1)): start ascending from 0 to the work's end.
+  template <typename Start>
+  BlockRuns(int64_t threads, const Start& start) : runs_(threads) {
+    for (int64_t t = 0; t < threads; ++t) runs_[t].span.store(pack(start(t), start(t + 1)));
   }
 
   // The next piece of thread t's work, [begin, end), or an empty one when none is left anywhere.
@@ -271,14 +273,15 @@ class BlockRuns {
   std::vector<Run> runs_;
 };
 
-template <typename Fn>
-void parallel_blocks(int64_t blocks, const Fn& run) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+// run(begin, end) over [start(0), start(threads)) on `threads` of torch's threads, thread t's run
+// first [start(t), start(t + 1)) (BlockRuns).
+template <typename Start, typename Fn>
+void parallel_runs(int64_t threads, const Start& start, const Fn& run) {
   if (threads <= 1 || at::in_parallel_region()) {
-    run(0, blocks);
+    run(start(0), start(threads));
     return;
   }
-  BlockRuns runs(threads, blocks);
+  BlockRuns runs(threads, start);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (auto piece = runs.next(t); piece.first < piece.second; piece = runs.next(t)) run(piece.first, piece.second);
@@ -301,7 +304,8 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, q.xq, q.xd,
                   q.xs, static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
   };
-  parallel_blocks(N / 16, run);
+  const int64_t blocks = N / 16, threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  parallel_runs(threads, [&](int64_t t) { return blocks * t / threads; }, run);
   return out;
 }
 
@@ -310,8 +314,8 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 // N x K), x [rows, K] (a row's slots share it) or [rows * top_k, K] (a row per pair) ->
 // out [rows, top_k, N] in x's dtype, out[r, s] = w_{ids[r, s]} x[r] or x[r * top_k + s]; an id
 // of -1 skips its pair, whose output is zeros (a prompt's busiest experts go another way). The work splits over threads by
-// (expert, output block) tasks, each thread a share of their cost: a block's read and its
-// expert's rows (a prompt's experts have very different numbers of rows).
+// (expert, output block) tasks, each thread first a share of their cost: a block's read and its
+// expert's rows (a prompt's experts have very different numbers of rows); then as BlockRuns.
 at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& d,
                       const at::Tensor& m, int64_t zero_point, int64_t handle, int64_t x_bits) {
   check_x_bits(x_bits);
@@ -359,13 +363,10 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
     return tasks;
   };
   const int64_t scale_stride = d[0].numel() * d.element_size();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread) {
-      tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins,
-                      codes.size(1), scale_stride, N, K, rows, top_k, id, M == pairs && M != rows, q.xq, q.xd,
-                      q.xs, static_cast<int32_t>(x_bits), first_task(thread), thread + 1 < threads ? first_task(thread + 1) : tasks, out.data_ptr(),
-                      x.scalar_type() == at::kBFloat16);
-    }
+  parallel_runs(threads, [&](int64_t t) { return t < threads ? first_task(t) : tasks; }, [&](int64_t begin, int64_t end) {
+    tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins, codes.size(1), scale_stride, N, K, rows,
+                    top_k, id, M == pairs && M != rows, q.xq, q.xd, q.xs, static_cast<int32_t>(x_bits), begin, end,
+                    out.data_ptr(), x.scalar_type() == at::kBFloat16);
   });
   return out;
 }
