@@ -215,12 +215,12 @@ struct QuantizedRows {
   }
 };
 
-// Output blocks [0, blocks) over torch's threads: each thread a contiguous run of its own, which
-// it takes from the front in shrinking pieces; a thread that runs out takes the back half of
-// what the thread with most left has not started, and that becomes its own run. Every thread
-// streams long runs of weights, and one slowed down (its memory queue, the hypervisor taking
-// its core) does not hold the product's end while the other waits. A block's output does not
-// depend on which thread computes it.
+// A product's work items (group_mm's output blocks, experts_mm's tasks) over torch's threads:
+// each thread a contiguous run of its own, which it takes from the front in shrinking pieces; a
+// thread that runs out takes the back half of what the thread with most left has not started,
+// and that becomes its own run. Every thread streams long runs of weights, and one slowed down
+// (its memory queue, the hypervisor taking its core) does not hold the product's end while the
+// other waits. An item's output does not depend on which thread computes it.
 class BlockRuns {
  public:
   // Thread t's run is [start(t), start(t + 1)): start ascending from 0 to the work's end.
@@ -252,7 +252,7 @@ class BlockRuns {
   static int64_t low(uint64_t span) { return static_cast<int64_t>(span & 0xffffffffu); }
   static int64_t high(uint64_t span) { return static_cast<int64_t>(span >> 32); }
 
-  // Moves the back half of the largest unstarted run (at least 2 blocks) to thread t's own.
+  // Moves the back half of the largest unstarted run (at least 2 items) to thread t's own.
   bool steal_into(int64_t t) {
     for (;;) {
       int64_t victim = -1, most = 1;
