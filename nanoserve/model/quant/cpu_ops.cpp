@@ -298,8 +298,9 @@ at::Tensor group_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const int64_t M = x.size(0), K = x.size(1), N = 16 * d.size(0);
   const nanoserve_format format = format_of(codes, d, m, zero_point, N, K);
   const nanoserve_kernel_table& tier = tier_of(handle);
-  const QuantizedRows q(tier, x, x_bits);
   at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;  // a prefill chunk no row's prompt ends in asks the head for no logits
+  const QuantizedRows q(tier, x, x_bits);
   const auto run = [&](int64_t begin, int64_t end) {
     tier.group_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), N, K, begin, end, M, q.xq, q.xd,
                   q.xs, static_cast<int32_t>(x_bits), out.data_ptr(), x.scalar_type() == at::kBFloat16);
@@ -352,7 +353,7 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   int64_t total = 0;
   for (int64_t j = 0; j < experts; ++j) total += blocks * (READ + groups.starts[j + 1] - groups.starts[j]);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  const auto first_task = [&](int64_t thread) {  // the first task from thread / threads of the total cost on
+  const auto first_task = [&](int64_t thread) {  // the first task from thread / threads of the cost on (threads: tasks)
     const int64_t target = total * thread / threads;
     int64_t before = 0;
     for (int64_t j = 0; j < experts; ++j) {
@@ -363,7 +364,7 @@ at::Tensor experts_mm(const at::Tensor& x, const at::Tensor& ids, const at::Tens
     return tasks;
   };
   const int64_t scale_stride = d[0].numel() * d.element_size();
-  parallel_runs(threads, [&](int64_t t) { return t < threads ? first_task(t) : tasks; }, [&](int64_t begin, int64_t end) {
+  parallel_runs(threads, first_task, [&](int64_t begin, int64_t end) {
     tier.experts_mm(format, codes.data_ptr<uint8_t>(), d.data_ptr(), mins, codes.size(1), scale_stride, N, K, rows,
                     top_k, id, M == pairs && M != rows, q.xq, q.xd, q.xs, static_cast<int32_t>(x_bits), begin, end,
                     out.data_ptr(), x.scalar_type() == at::kBFloat16);
