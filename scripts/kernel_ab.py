@@ -7,10 +7,13 @@ difference), then each distinct linear shape (called again and again: its weight
 last-level cache where they fit) and a whole pass of the model's products (streamed from memory),
 at each ``--rows``. Per arm the median time, and the median over rounds of new / base; a pass
 also times a read beside each round (compile/floor.py's), and gives new / base again over the
-rounds whose read was the faster half.
+rounds whose read was the faster half. With ``--contexts``, the model's decode attention
+instead: one step's read at each context length and row count, every layer its own K/V cells
+in the model's dtype on huge pages, each row's cells in runs of 16 slots, as the engine's paged
+pool lays them out.
 
     PYTHONPATH=. python scripts/kernel_ab.py MODEL.gguf [--base REV] [--rows 1,8] [--x-bits 8]
-        [--rounds 60] [--pass-rounds 200] [--tier avx2] [--out DIR] [--tag WHAT]
+        [--rounds 60] [--pass-rounds 200] [--contexts 512,2048] [--tier avx2] [--out DIR] [--tag WHAT]
 
 Prints a table and writes kernel-ab-<model>[-WHAT].csv under --out (default compile/results/runs).
 """
@@ -38,6 +41,7 @@ from compile.common import (
 )
 from compile.floor import SAMPLE_BYTES, read_buffer
 from nanoserve.model.quant import cpu_kernels
+from nanoserve.worker.huge_pages import zeros_on_huge_pages
 
 COLUMNS = ["what", "rows", "x_bits", "base_us", "new_us", "new_over_base", "same_bits", "read_gb_s",
            "new_over_base_fast_reads"]
@@ -60,6 +64,48 @@ def one_pass(linears: list, inputs: dict[int, torch.Tensor], handle: int, x_bits
     """Every packed linear of a model once, as a decode step calls them."""
     for m in linears:
         product(m, inputs[m.in_features], handle, x_bits)
+
+
+def attention_step(layers: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, slots: torch.Tensor,
+                   lens: torch.Tensor, handle: int) -> None:
+    """One decode step's attention: every layer's read of its own cells."""
+    for k, v in layers:
+        torch.ops.nanoserve.decode_attention(q, k, v, slots, lens, q.shape[-1] ** -0.5, handle)
+
+
+def attention_rows(config, dtype: torch.dtype, handles: dict[str, int], rows_list, contexts, rounds: int,
+                   host: dict) -> list[dict]:
+    """decode_attention of the model's shape, base against new, per context and row count."""
+    results = []
+    block = 16  # cells a block of slots: a row's cells lie in runs of this many
+    for context in contexts:
+        for rows in rows_list:
+            cells = rows * context
+            if cells * config.num_kv_heads * config.head_dim * 4 * config.num_layers > 2e9:
+                print(f"context {context}, {rows} rows: over 2 GB of cells, skipped")
+                continue
+            shape = (cells + block, config.num_kv_heads, config.head_dim)
+            pool = zeros_on_huge_pages([(shape, dtype)] * 2 * config.num_layers)  # as the engine's pool
+            pool = pool or [torch.empty(shape, dtype=dtype) for _ in range(2 * config.num_layers)]
+            for cells_ in pool:
+                cells_.copy_(torch.randn(shape))
+            layers = list(zip(pool[::2], pool[1::2]))
+            order = torch.randperm(cells // block + 1, generator=torch.Generator().manual_seed(context))
+            runs = (order[:, None] * block + torch.arange(block)).flatten()[:cells]
+            slots = runs.view(rows, context).contiguous()
+            lens = torch.full((rows,), context, dtype=torch.long)
+            q = torch.randn(rows, config.num_heads, config.head_dim, dtype=dtype)
+            base, new = (torch.ops.nanoserve.decode_attention(q, *layers[0], slots, lens, config.head_dim ** -0.5,
+                                                              handles[arm]) for arm in ("base", "new"))
+            same = "yes" if torch.equal(base, new) else f"max diff {(base - new).abs().max().item():.3g}"
+            calls = {arm: functools.partial(attention_step, layers, q, slots, lens, handle)
+                     for arm, handle in handles.items()}
+            seconds, _ = interleaved(calls, rounds)
+            nbytes = 2 * cells * config.num_kv_heads * config.head_dim * dtype.itemsize * config.num_layers
+            results.append(dict(host, **row(f"attention, context {context} ({nbytes / 1e6:.0f} MB of cells)", rows,
+                                            "", seconds, same)))
+            print(progress(results[-1]))
+    return results
 
 
 def interleaved(arms: dict[str, object], rounds: int, read: torch.Tensor | None = None
@@ -116,6 +162,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=60, help="rounds of each shape alone")
     parser.add_argument("--pass-rounds", type=int, default=200,
                         help="rounds of whole passes (a 2-core VM's memory phases last 10-30 s: 1000 spans some)")
+    parser.add_argument("--contexts", type=int_list, default=(),
+                        help="time the model's decode attention at these context lengths instead of its products")
     parser.add_argument("--out", type=Path, default=RUNS)
     parser.add_argument("--tag", default="", help="appended to the CSV's name: what the new arm changes")
     add_tier_options(parser)
@@ -135,13 +183,18 @@ def main() -> int:
     from nanoserve.model.quant.linear import GroupLinear
     model = build_engine(args.model, max_batch_size=1, max_model_len=256, compile=False).model
     linears = [m for m in model.modules() if isinstance(m, GroupLinear) and m.handle is not None]
-    if not linears:
+    if not linears and not args.contexts:
         parser.error(f"{args.model} has no packed linear for the kernels to multiply")
     dtype = model.norm.weight.dtype
     read = read_buffer(SAMPLE_BYTES)
 
     host = dict(host_description(), kernels=tier, model=Path(args.model).name, base=args.base)
     print(f"{host['cpu']}, {tier}, {dtype}; base {args.base} ({paths['base'].name}), new ({paths['new'].name})")
+    if args.contexts:
+        results = attention_rows(model.config, dtype, handles, args.rows, args.contexts, args.rounds, host)
+        print(format_table(results, COLUMNS))
+        write_results(results, args.out, "-".join(filter(None, ["kernel-ab", Path(args.model).stem, args.tag])))
+        return 0
     results = []
     shapes = {(m.in_features, m.out_features, m.codes.dtype, m.codes.nbytes): m for m in linears}
     for rows in args.rows:

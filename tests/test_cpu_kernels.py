@@ -372,6 +372,42 @@ def test_decode_attention_with_a_window_reads_only_each_rows_last_cells(tier, dt
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_kv_heads", [1, 3, 2])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_attention_of_long_rows_read_in_parts_equals_the_reference(tier, dtype, num_kv_heads, threads):
+    """Rows past 1024 cells, where the K/V heads do not divide evenly over the threads, are read in
+    parts by several threads and merged (with gpt-oss's sinks, and a sliding window): the reference
+    read within the usual tolerance, and a row's bits those it has alone."""
+    torch.manual_seed(num_kv_heads)
+    heads, head_dim, slots = 2 * num_kv_heads, 64, 11000
+    k_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(4, heads, head_dim).to(dtype)
+    table = torch.randperm(slots)[:4 * 2600].view(4, 2600)
+    lengths = torch.tensor([2600, 1025, 1024, 3])  # several parts, one cell past one part, one part, a few
+    sinks = torch.randn(heads) * 4
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    handle = cpu_kernels.handle(tier)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window, sink in ((0, None), (0, sinks), (1500, None)):
+            want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lengths,
+                                              window=window or None, sinks=sink)
+            got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5,
+                                                       handle, window, sink)
+            torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+            for row in range(4):
+                alone = torch.ops.nanoserve.decode_attention(q[row:row + 1], k_cache, v_cache, table[row:row + 1],
+                                                             lengths[row:row + 1], head_dim ** -0.5, handle, window,
+                                                             sink)
+                assert torch.equal(alone, got[row:row + 1])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_decode_attention_honours_the_scale_and_refuses_bad_shapes():
     handle = cpu_kernels.handle(TIERS[0])
     torch.manual_seed(0)

@@ -40,7 +40,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 12
+#define NANOSERVE_KERNEL_ABI 13
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -88,9 +88,12 @@ struct nanoserve_kernel_table {
   // out [group, D] (row stride out_stride); q and out bf16 bits if bf16, else fp32.
   // scratch: group * (2 D + len + 16) floats. sinks (nullptr: none): each query head's sink logit
   // [group] (gpt-oss), one more term in the softmax's denominator that contributes no value.
+  // lse (nullptr: none): a part of a longer read, to be merged with the others by the caller;
+  // out is then fp32 whatever q's type, and lse[g] = log(sum of exp(score)) over these cells (and
+  // the sink, if given), each query head's weight in the merge.
   void (*attend)(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
                  int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
-                 float* scratch, const float* sinks);
+                 float* scratch, const float* sinks, float* lse);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
   void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,

@@ -194,7 +194,7 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
 
 void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
             int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
-            float* scratch, const float* sinks) {
+            float* scratch, const float* sinks, float* lse) {
   float* scores = scratch;             // [len]
   float* acc = scratch + len;          // [D]
   for (int64_t g = 0; g < group; ++g) {
@@ -211,7 +211,8 @@ void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells 
     for (int64_t t = 0; t < len; ++t) {
       for (int64_t c = 0; c < D; ++c) acc[c] += scores[t] * load_cell(v, slots[t], c, bf16);
     }
-    for (int64_t c = 0; c < D; ++c) store_float(out, g * out_stride + c, acc[c] / total, bf16);
+    for (int64_t c = 0; c < D; ++c) store_float(out, g * out_stride + c, acc[c] / total, bf16 && !lse);
+    if (lse) lse[g] = top + std::log(total);
   }
 }
 

@@ -313,12 +313,23 @@ void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_ta
   const float* sink_p = with_sinks ? sinks.data() : nullptr;
   // K/V head 1 of each cell
   ref->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
-              out_ref.data(), D, bf16, scratch.data(), sink_p);
+              out_ref.data(), D, bf16, scratch.data(), sink_p, nullptr);
   tier->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
-               out.data(), D, bf16, scratch.data(), sink_p);
+               out.data(), D, bf16, scratch.data(), sink_p, nullptr);
   float top;
   const float diff = max_abs_diff(as_floats(out_ref, bf16, group * D), as_floats(out, bf16, group * D), &top);
   check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * std::max(top, 1.f), name + ": max diff " + std::to_string(diff));
+  // A part of a longer read: fp32 out whatever q's type, and each query head's log-sum-exp.
+  std::vector<float> part_ref(group * D), part(group * D), lse_ref(group), lse(group);
+  ref->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
+              part_ref.data(), D, bf16, scratch.data(), sink_p, lse_ref.data());
+  tier->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
+               part.data(), D, bf16, scratch.data(), sink_p, lse.data());
+  const float part_diff = max_abs_diff(part_ref, part, &top);
+  check(part_diff <= 1e-5f * std::max(top, 1.f), name + " (a part): max diff " + std::to_string(part_diff));
+  float lse_top;
+  const float lse_diff = max_abs_diff(lse_ref, lse, &lse_top);
+  check(lse_diff <= 1e-5f * std::max(lse_top, 1.f), name + " (a part): log-sum-exp diff " + std::to_string(lse_diff));
 }
 
 }  // namespace

@@ -967,7 +967,8 @@ inline V::F sum_lanes(const V::F* v) {
 // depends only on its own q and its cells, not on the group.
 template <typename E, typename KC, typename VC>
 void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t group,
-                  int64_t D, float scale, E* out, int64_t out_stride, float* scratch, const float* sinks) {
+                  int64_t D, float scale, void* out, int64_t out_stride, float* scratch, const float* sinks,
+                  float* lse) {
   constexpr bool BF16 = sizeof(E) == 2;
   constexpr int64_t T = V::LANES;  // cells a tile
   const int64_t C = D / V::LANES, padded = (len + T - 1) / T * T;
@@ -1026,6 +1027,7 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
     for (int64_t t = whole; t < len; ++t) total += row[t] = std::exp(row[t] - top);
     const float inv = 1.f / total;
     for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+    if (lse) lse[g] = top + std::log(total);
   }
   // Weighted values, CHUNK vectors of the head at a time (fewer where the head is shorter).
   constexpr int64_t CHUNK = 4;
@@ -1059,8 +1061,8 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
   }
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t c = 0; c < D; ++c) {
-      if constexpr (BF16) out[g * out_stride + c] = float_to_bf16(acc[g * D + c]);
-      else out[g * out_stride + c] = acc[g * D + c];
+      if (lse || !BF16) static_cast<float*>(out)[g * out_stride + c] = acc[g * D + c];
+      else static_cast<uint16_t*>(out)[g * out_stride + c] = float_to_bf16(acc[g * D + c]);
     }
   }
 }
@@ -1068,26 +1070,26 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
 // The four K/V cell kinds of one q type: each of K and V dense (q's type) or q8_0.
 template <typename E>
 void attend_cells(const E* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
-                  int64_t len, int64_t group, int64_t D, float scale, E* out, int64_t out_stride, float* scratch,
-                  const float* sinks) {
+                  int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, float* scratch,
+                  const float* sinks, float* lse) {
   const DenseCells<E> k_dense{static_cast<const E*>(k.data), k.stride}, v_dense{static_cast<const E*>(v.data), v.stride};
   const Q8Cells k_q8{static_cast<const int8_t*>(k.data), k.scales, k.stride, k.scale_stride};
   const Q8Cells v_q8{static_cast<const int8_t*>(v.data), v.scales, v.stride, v.scale_stride};
-  if (k.scales && v.scales) attend_typed(q, q_stride, k_q8, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks);
-  else if (k.scales) attend_typed(q, q_stride, k_q8, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks);
-  else if (v.scales) attend_typed(q, q_stride, k_dense, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks);
-  else attend_typed(q, q_stride, k_dense, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks);
+  if (k.scales && v.scales) attend_typed(q, q_stride, k_q8, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
+  else if (k.scales) attend_typed(q, q_stride, k_q8, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
+  else if (v.scales) attend_typed(q, q_stride, k_dense, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
+  else attend_typed(q, q_stride, k_dense, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
 }
 
 void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots, int64_t len,
             int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16, float* scratch,
-            const float* sinks) {
+            const float* sinks, float* lse) {
   if (bf16) {
-    attend_cells(static_cast<const uint16_t*>(q), q_stride, k, v, slots, len, group, D, scale,
-                 static_cast<uint16_t*>(out), out_stride, scratch, sinks);
+    attend_cells(static_cast<const uint16_t*>(q), q_stride, k, v, slots, len, group, D, scale, out, out_stride,
+                 scratch, sinks, lse);
   } else {
-    attend_cells(static_cast<const float*>(q), q_stride, k, v, slots, len, group, D, scale,
-                 static_cast<float*>(out), out_stride, scratch, sinks);
+    attend_cells(static_cast<const float*>(q), q_stride, k, v, slots, len, group, D, scale, out, out_stride,
+                 scratch, sinks, lse);
   }
 }
 
