@@ -211,6 +211,18 @@ class ReadSampler:
         return self.seconds[1:]  # the first sat beside the prefill, which the engines leave out too
 
 
+def step_cache_bytes(engine, rows: int, context: float) -> int:
+    """Bytes of K/V cells one decode step of ``rows`` rows reads at ``context`` positions a row:
+    each layer's cells of every K/V head, a sliding layer's last ``window`` only, in the pool's
+    formats (q8_0 with its steps). At a 32-token prompt a 1B step's are under 1% of its weights';
+    at thousands they are a large part of what a step must read."""
+    config = engine.model.config
+    k_format, v_format = engine.worker.cache.layers.formats
+    per_cell = config.num_kv_heads * (k_format.bytes_per_head(config.head_dim) + v_format.bytes_per_head(config.head_dim))
+    cells = sum(min(context, config.layer_window(layer) or context) for layer in range(config.num_layers))
+    return int(rows * cells * per_cell)
+
+
 def x_read_floor(steps: list[float], reads: list[float], read_bytes: int, weight_bytes: int) -> float:
     """The median over neighbouring pairs of a step over its floor, its weight bytes at the rate
     of the read beside it (``ReadSampler``: both seen in one machine state)."""

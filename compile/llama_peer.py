@@ -150,11 +150,15 @@ class LlamaCppSteps:
         self.durations.append(time.perf_counter() - started)
 
     def _prefill(self) -> None:
+        # A prompt longer than the context's batch goes in in chunks of it, the last one's logits kept.
+        step = self.peer.max_batch_tokens
         for row, prompt in enumerate(self.prompts):
-            n = len(prompt)
-            wants_logits = np.zeros(n, dtype=np.int8)
-            wants_logits[-1] = 1
-            logits = self.peer.decode(np.array(prompt), np.arange(n), np.full(n, row), wants_logits)
+            for start in range(0, len(prompt), step):
+                chunk = np.array(prompt[start:start + step])
+                n = len(chunk)
+                wants_logits = np.zeros(n, dtype=np.int8)
+                wants_logits[-1] = start + n == len(prompt)
+                logits = self.peer.decode(chunk, np.arange(start, start + n), np.full(n, row), wants_logits)
             self.outputs[row].append(int(logits[0].argmax()))
 
     @property

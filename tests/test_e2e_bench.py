@@ -4,6 +4,7 @@ never a timed test)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from compile import e2e, headline, llama_peer
 from compile.common import DecodeWorkload, make_prompts
 from compile.e2e import run
-from compile.floor import ReadSampler, read_buffer, step_weight_bytes, x_read_floor
+from compile.floor import ReadSampler, read_buffer, step_cache_bytes, step_weight_bytes, x_read_floor
 from compile.interleave import TRANSFORMERS, EngineSteps, Rotation, interleaved_run
 from nanoserve.engine import build_engine
 from nanoserve.model.quant import cpu_kernels
@@ -156,3 +157,24 @@ def test_e2e_runs_an_engine_arm_per_kv_cache_type(tiny_dir, monkeypatch):
     rows = run(work)
     assert [(r["mode"], r["kv_cache"]) for r in rows] == [("eager", "auto"), ("eager", "bf16")]
     assert all(r["tok_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp32", "bf16"])
+def test_step_cache_bytes_counts_each_layers_cells_in_the_pools_format_up_to_its_window(tiny_dir, kv_cache_dtype):
+    engine = build_engine(str(tiny_dir), max_batch_size=4, max_model_len=64, weights="fp32",
+                          kv_cache_dtype=kv_cache_dtype)
+    config = engine.model.config
+    per_head = config.head_dim * (4 if kv_cache_dtype == "fp32" else 2)
+    per_cell = 2 * config.num_kv_heads * per_head  # K and V
+    assert step_cache_bytes(engine, 3, 40) == 3 * 40 * config.num_layers * per_cell
+    # A sliding layer reads its window's cells at most: every other layer sliding over 16.
+    windowed = dataclasses.replace(config, sliding_window=16,
+                                   layer_types=["sliding_attention", "full_attention"] * (config.num_layers // 2)
+                                   + ["full_attention"] * (config.num_layers % 2))
+    engine.model.config = windowed
+    try:
+        sliding = config.num_layers // 2
+        assert step_cache_bytes(engine, 3, 40) == 3 * (sliding * 16 + (config.num_layers - sliding) * 40) * per_cell
+        assert step_cache_bytes(engine, 3, 10) == 3 * 10 * config.num_layers * per_cell
+    finally:
+        engine.model.config = config
