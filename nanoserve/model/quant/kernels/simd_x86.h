@@ -66,23 +66,6 @@ struct Simd {
   static F load_int8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static float hsum(F v) { return _mm512_reduce_add_ps(v); }
-  // 16 vectors -> lane i holds hsum(v[i]): halves added in a tree of 128-bit shuffles, 3 ops a
-  // vector where hsum takes 8 (decode attention's scores, 16 cells at a time).
-  static F sum_lanes(const F* v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; ++i)  // chunks (a0 + a2, a1 + a3, b0 + b2, b1 + b3) of the pair a, b
-      t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)  // chunk j: vector 4 i + j's four partial sums
-      u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    const __m512 w01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    const __m512 w23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-    const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w01), _mm512_castps_pd(w23))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w01), _mm512_castps_pd(w23))));
-    // lane 4 j + m holds vector 4 m + j
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
-  }
   static F abs(F v) { return _mm512_abs_ps(v); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
@@ -220,12 +203,6 @@ struct Simd {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-  // 8 vectors -> lane i holds hsum(v[i]) (decode attention's scores, 8 cells at a time).
-  static F sum_lanes(const F* v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // 0-3 low | 0-3 high
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // 4-7 low | 4-7 high
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
   }
   static F pow2(I n) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)); }
 };

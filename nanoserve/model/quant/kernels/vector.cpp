@@ -943,40 +943,18 @@ inline void fetch_cell(const C& cells, int64_t slot, int64_t D) {
   if constexpr (C::SCALED) __builtin_prefetch(cells.steps(slot));
 }
 
-// LANES vectors -> lane i holds hsum(v[i]): the tier's V::sum_lanes where it has one, else one
-// hsum each (S makes the name dependent).
-template <typename S> constexpr bool has_sum_lanes(decltype(&S::sum_lanes)) { return true; }
-template <typename S> constexpr bool has_sum_lanes(...) { return false; }
-template <typename S = V>
-inline V::F sum_lanes(const V::F* v) {
-  if constexpr (has_sum_lanes<S>(nullptr)) {
-    return S::sum_lanes(v);
-  } else {
-    float lanes[V::LANES];
-    for (int i = 0; i < V::LANES; ++i) lanes[i] = V::hsum(v[i]);
-    return V::load(lanes);
-  }
-}
-
-// One K/V head's read for `group` queries: scores, softmax, weighted values, over tiles of LANES
-// cells. A query's dots with a tile's cells are summed across lanes at once (sum_lanes), and its
-// weighted values accumulate in registers over the tile, a chunk of the head at a time. A cell at
-// a time, with an hsum and a store and reload of the sums per cell and query, was 1.2-1.6x the
-// time on Zen 4 (one thread, bf16 cells, 2048 of them; converting a tile to fp32 once for all
-// the group's queries was slower than converting each cell per query). Each query's result
-// depends only on its own q and its cells, not on the group.
 template <typename E, typename KC, typename VC>
 void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t group,
                   int64_t D, float scale, void* out, int64_t out_stride, float* scratch, const float* sinks,
                   float* lse) {
   constexpr bool BF16 = sizeof(E) == 2;
-  constexpr int64_t T = V::LANES;  // cells a tile
-  const int64_t C = D / V::LANES, padded = (len + T - 1) / T * T;
+  const int64_t C = D / V::LANES, padded = (len + V::LANES - 1) / V::LANES * V::LANES;
   // Scaled cells are read a block of 32 at a time (its step applied once); dense ones whole.
-  const int64_t k_block = KC::SCALED ? 32 : D;
+  const int64_t k_block = KC::SCALED ? 32 : D, v_block = VC::SCALED ? 32 : D;
   float* qf = scratch;                  // [group, D], q * scale
   float* acc = qf + group * D;          // [group, D]
   float* scores = acc + group * D;      // [group, padded]
+  float* coef = scores + group * padded;  // [group]: a V block's weights
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t c = 0; c < C; ++c) {
       V::store(qf + g * D + V::LANES * c, V::mul(V::load(q + g * q_stride + V::LANES * c), V::set1(scale)));
@@ -984,32 +962,23 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
     }
   }
   // Cells are scattered over the cache and, at batch 1, cold (the step's weights streamed through
-  // the caches since this layer wrote them): every line of a tile's cells is fetched a tile
-  // early (two tiles early, or a cell at a time 16 cells early, read 3-13% slower here), and V's
-  // first cells while K's scores are reduced.
-  constexpr int64_t AHEAD = T;
+  // the caches since this layer wrote them): every line of a cell is fetched AHEAD cells early,
+  // and V's first cells while K's scores are reduced.
+  constexpr int64_t AHEAD = 16;
   for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(k, slots[t], D);
-  for (int64_t t0 = 0; t0 < len; t0 += T) {
-    const int64_t n = std::min(T, len - t0);
-    for (int64_t t = t0 + AHEAD; t < std::min(t0 + AHEAD + T, len); ++t) fetch_cell(k, slots[t], D);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + AHEAD < len) fetch_cell(k, slots[t + AHEAD], D);
+    const auto* cell = k.cell(slots[t]);
+    float steps[MAX_HEAD / 32];
+    if constexpr (KC::SCALED) for (int64_t b = 0; b < D / 32; ++b) steps[b] = k.step(slots[t], b);
     for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf + g * D;
-      V::F dots[T];
-      #pragma GCC unroll 16
-      for (int64_t i = 0; i < T; ++i) {
-        V::F sum = V::fzero();
-        if (i < n) {
-          const int64_t slot = slots[t0 + i];
-          const auto* cell = k.cell(slot);
-          for (int64_t b = 0; b < D; b += k_block) {
-            V::F part = V::fzero();
-            for (int64_t c = b; c < b + k_block; c += V::LANES) part = V::fma(V::load(qg + c), k.load(cell, c), part);
-            sum = KC::SCALED ? V::fma(part, V::set1(k.step(slot, b / 32)), sum) : part;
-          }
-        }
-        dots[i] = sum;
+      V::F sum = V::fzero();
+      for (int64_t b = 0; b < D; b += k_block) {
+        V::F part = V::fzero();
+        for (int64_t c = b; c < b + k_block; c += V::LANES) part = V::fma(V::load(qf + g * D + c), k.load(cell, c), part);
+        sum = KC::SCALED ? V::fma(part, V::set1(steps[b / 32]), sum) : part;
       }
-      V::store(scores + g * padded + t0, sum_lanes(dots));
+      scores[g * padded + t] = V::hsum(sum);
     }
   }
   for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(v, slots[t], D);
@@ -1029,32 +998,17 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
     for (int64_t t = 0; t < len; ++t) row[t] *= inv;
     if (lse) lse[g] = top + std::log(total);
   }
-  // Weighted values, CHUNK vectors of the head at a time (fewer where the head is shorter).
-  constexpr int64_t CHUNK = 4;
-  const int64_t chunk = C % CHUNK == 0 ? CHUNK : C % 2 == 0 ? 2 : 1;
-  for (int64_t t0 = 0; t0 < len; t0 += T) {
-    const int64_t t1 = std::min(t0 + T, len);
-    for (int64_t t = t0 + AHEAD; t < std::min(t0 + AHEAD + T, len); ++t) fetch_cell(v, slots[t], D);
-    for (int64_t c0 = 0; c0 < C; c0 += chunk) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float* weights = scores + g * padded;
-        float* a = acc + g * D + V::LANES * c0;
-        V::F sums[CHUNK];
-        #pragma GCC unroll 4
-        for (int64_t j = 0; j < CHUNK; ++j) sums[j] = j < chunk ? V::load(a + V::LANES * j) : V::fzero();
-        for (int64_t t = t0; t < t1; ++t) {
-          const auto* cell = v.cell(slots[t]);
-          #pragma GCC unroll 4
-          for (int64_t j = 0; j < CHUNK; ++j) {
-            if (j >= chunk) break;
-            const int64_t c = V::LANES * (c0 + j);
-            const float w = VC::SCALED ? weights[t] * v.step(slots[t], c / 32) : weights[t];
-            sums[j] = V::fma(V::set1(w), v.load(cell, c), sums[j]);
-          }
-        }
-        #pragma GCC unroll 4
-        for (int64_t j = 0; j < CHUNK; ++j) {
-          if (j < chunk) V::store(a + V::LANES * j, sums[j]);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + AHEAD < len) fetch_cell(v, slots[t + AHEAD], D);
+    const auto* cell = v.cell(slots[t]);
+    for (int64_t b = 0; b < D; b += v_block) {
+      const float step = v.step(slots[t], b / 32);
+      for (int64_t g = 0; g < group; ++g) coef[g] = VC::SCALED ? scores[g * padded + t] * step : scores[g * padded + t];
+      for (int64_t c = b; c < b + v_block; c += V::LANES) {
+        const V::F vc = v.load(cell, c);
+        for (int64_t g = 0; g < group; ++g) {
+          float* a = acc + g * D + c;
+          V::store(a, V::fma(V::set1(coef[g]), vc, V::load(a)));
         }
       }
     }
