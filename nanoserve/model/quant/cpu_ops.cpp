@@ -458,9 +458,10 @@ struct Cells {
 
 // The cells a part of a long row's read holds, where a step's K/V heads do not divide evenly over
 // the threads: a longer row is then read in parts, by several threads at once, and the parts
-// merged. On 2 threads of Zen 4, one step's reads at 2048-8192 cells: one K/V head (Gemma 3
-// 270M's shape) 0.52-0.54x the time, three (SmolLM2-135M's) 0.86-0.93x; an even count gained
-// nothing (1.01-1.03x), so it keeps one part a row.
+// merged. On 2 threads of Zen 4, one step's reads (every layer's cells on huge pages) at 2048
+// and 8192 cells: one K/V head (Gemma 3 270M's shape) 0.65x and 0.53x the time, three
+// (SmolLM2-135M's) 0.82x and 0.66x; an even count gained nothing (1.00-1.03x), so it keeps one
+// part a row.
 constexpr int64_t PART_CELLS = 1024;
 
 // q [n, H, D] bf16 or fp32; k_cache, v_cache [slots, KV, D] each in q's dtype or q8_0 (int8
