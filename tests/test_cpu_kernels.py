@@ -4,7 +4,10 @@ the format's tolerance), and the switch that chooses among them."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -495,3 +498,19 @@ def test_decode_attention_with_sinks_equals_the_reference_read(tier, dtype, wind
     drowned = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5, handle,
                                                    window or 0, torch.full((6,), -1e4))
     torch.testing.assert_close(drowned, plain, rtol=0, atol=0)
+
+
+def test_kernel_ab_times_a_models_decode_attention_step_at_each_context_and_row_count():
+    """scripts/kernel_ab.py --contexts: one step's reads of the model's shape, an arm against itself
+    here (the same bits), a line per context and row count."""
+    spec = importlib.util.spec_from_file_location("kernel_ab", Path(__file__).parent.parent / "scripts" / "kernel_ab.py")
+    kernel_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_ab)
+    config = types.SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+    handle = cpu_kernels.handle("scalar")
+    rows = kernel_ab.attention_rows(config, torch.bfloat16, {"base": handle, "new": handle}, [1, 3], [20, 40],
+                                    rounds=2, host={"cpu": "any"})
+    assert [(r["rows"], r["what"].split(" (")[0]) for r in rows] == [
+        (1, "attention, context 20"), (3, "attention, context 20"), (1, "attention, context 40"),
+        (3, "attention, context 40")]
+    assert all(r["same_bits"] == "yes" and r["new_over_base"] > 0 and r["cpu"] == "any" for r in rows)

@@ -522,8 +522,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     part_start[r + 1] = part_start[r] + (parts[r] > 1 ? parts[r] : 0);
   }
   // Partial outputs [part, H, D] and log-sum-exps [part, H] of the rows read in several parts.
-  at::Tensor partial = at::empty({part_start[n], H, D + 1}, q.options().dtype(at::kFloat));
-  float* partial_p = partial.data_ptr<float>();
+  const bool merges = part_start[n] > 0;
+  const at::Tensor partial = merges ? at::empty({part_start[n], H, D + 1}, q.options().dtype(at::kFloat)) : at::Tensor();
+  float* partial_p = merges ? partial.data_ptr<float>() : nullptr;
   at::parallel_for(0, task_start[n], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * (2 * D + (in_parts ? std::min(W, PART_CELLS) : W) + 16));
     std::vector<float> lse(group);
@@ -547,6 +548,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       for (int64_t g = 0; g < group; ++g) o[g * (D + 1) + D] = lse[g];
     }
   });
+  if (!merges) return out;
   // Each long row's parts merged, query head by query head: out = sum_p w_p o_p / sum_p w_p (and
   // the sink's share in the denominator), w_p = exp(lse_p - the largest lse).
   at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
