@@ -148,12 +148,14 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
         bandwidth = read.nbytes / statistics.median(reads)
         # What a step reads: the weights, and the K/V cells at the pass's middle context.
         cache_bytes = step_cache_bytes(any_engine, batch, work.prompt_len + work.new_tokens / 2)
-        read_bytes = step_weight_bytes(any_engine.model, batch) + cache_bytes
+        weight_bytes = step_weight_bytes(any_engine.model, batch)
+        read_bytes = weight_bytes + cache_bytes
         for name, arm in arms.items():
             mode, _, kv = name.partition(" kv ")
             row = dict(weights=weights, mode=mode, kv_cache=kv or "auto", batch=batch, **_speed(result, name, batch),
                        floor_ms=floor * 1e3, bw_floor_ms=read_bytes / bandwidth * 1e3,
-                       weight_mb=(read_bytes - cache_bytes) / 1e6, cache_mb=cache_bytes / 1e6, resident_mb=any_engine.weight_bytes / 1e6,
+                       weight_mb=weight_bytes / 1e6, cache_mb=cache_bytes / 1e6,
+                       resident_mb=any_engine.weight_bytes / 1e6,
                        read_gb_s=bandwidth / 1e9, outside_forward=arm.outside_forward,
                        x_bw_floor=x_read_floor(result.decode_steps[name], reads, read.nbytes, read_bytes))
             row["x_floor"] = row["step_ms"] / row["floor_ms"]

@@ -150,16 +150,9 @@ class LlamaCppSteps:
         self.durations.append(time.perf_counter() - started)
 
     def _prefill(self) -> None:
-        # A prompt longer than the context's batch goes in in chunks of it, the last one's logits kept.
-        step = self.peer.max_batch_tokens
         for row, prompt in enumerate(self.prompts):
-            for start in range(0, len(prompt), step):
-                chunk = np.array(prompt[start:start + step])
-                n = len(chunk)
-                wants_logits = np.zeros(n, dtype=np.int8)
-                wants_logits[-1] = start + n == len(prompt)
-                logits = self.peer.decode(chunk, np.arange(start, start + n), np.full(n, row), wants_logits)
-            self.outputs[row].append(int(logits[0].argmax()))
+            logits = prefill_logits(self.peer, prompt, every_position=False, sequence=row)
+            self.outputs[row].append(int(logits[-1].argmax()))
 
     @property
     def decode_steps(self) -> list[float]:
@@ -170,16 +163,17 @@ class LlamaCppSteps:
         return self.outputs
 
 
-def prefill_logits(peer: LlamaCpp, token_ids: list[int], every_position: bool) -> np.ndarray:
-    """One sequence (id 0, cleared first by the caller) prefilled in chunks of the context's batch:
-    the logits of every position ``[T, vocab]``, or of the last one ``[1, vocab]``, float32."""
+def prefill_logits(peer: LlamaCpp, token_ids: list[int], every_position: bool, sequence: int = 0) -> np.ndarray:
+    """One sequence (id ``sequence``, empty before: the caller's to clear) prefilled in chunks of
+    the context's batch: the logits of every position ``[T, vocab]``, or of the last one
+    ``[1, vocab]``, float32."""
     chunks = []
     for start in range(0, len(token_ids), peer.max_batch_tokens):
         chunk = np.array(token_ids[start:start + peer.max_batch_tokens])
         n = len(chunk)
         wants_logits = np.full(n, every_position, dtype=np.int8)
         wants_logits[-1] |= start + n == len(token_ids)
-        logits = peer.decode(chunk, np.arange(start, start + n), np.zeros(n, dtype=np.int32), wants_logits)
+        logits = peer.decode(chunk, np.arange(start, start + n), np.full(n, sequence, dtype=np.int32), wants_logits)
         if wants_logits.any():
             chunks.append(logits.copy())
     return np.concatenate(chunks)
