@@ -13,6 +13,7 @@
 #include <cmath>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/common.h"
@@ -505,47 +506,52 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const char* q_p = static_cast<const char*>(q.data_ptr());
   char* o_p = static_cast<char*>(out.data_ptr());
   const int64_t* s_p = slots.data_ptr<int64_t>();
-  // Each row's cells [first, first + count) in parts of PART_CELLS where the heads do not divide
-  // evenly over the threads, else in one; task (r, h, part) reads one part for K/V head h, tasks
-  // in that order, split evenly over the threads. A row of one part writes its output directly; a
-  // longer row's parts write fp32 partial outputs and their log-sum-exps, merged after. The parts
-  // depend on the row's length, the heads and the thread count, so a row's bits do not depend on
-  // the batch.
+  // Row r reads its cells [first, first + count) in parts of PART_CELLS where the heads do not
+  // divide evenly over the threads, else in one; task (r, h, part) reads one part for K/V head h,
+  // tasks in that order, split evenly over the threads. A row of one part writes its output
+  // directly; a longer row's parts write fp32 partial outputs and their log-sum-exps, merged
+  // after. The parts depend on the row's length, the heads and the thread count, so a row's bits
+  // do not depend on the batch.
   const bool in_parts = KV % at::get_num_threads() != 0;
-  std::vector<int64_t> first(n), count(n), parts(n), task_start(n + 1, 0), part_start(n + 1, 0);
-  for (int64_t r = 0; r < n; ++r) {
+  const auto cells_of = [&](int64_t r) {  // (first, count)
     const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
-    first[r] = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
-    count[r] = len - first[r];
-    parts[r] = in_parts ? (count[r] + PART_CELLS - 1) / PART_CELLS : 1;
-    task_start[r + 1] = task_start[r] + KV * parts[r];
-    part_start[r + 1] = part_start[r] + (parts[r] > 1 ? parts[r] : 0);
+    const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
+    return std::pair<int64_t, int64_t>(first, len - first);
+  };
+  // Prefix sums over the rows of their tasks and of their merged parts (a row of one part has none).
+  std::vector<int64_t> task_start(n + 1, 0), part_start(n + 1, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t parts = in_parts ? (cells_of(r).second + PART_CELLS - 1) / PART_CELLS : 1;
+    task_start[r + 1] = task_start[r] + KV * parts;
+    part_start[r + 1] = part_start[r] + (parts > 1 ? parts : 0);
   }
-  // Partial outputs [part, H, D] and log-sum-exps [part, H] of the rows read in several parts.
+  const auto parts_of = [&](int64_t r) { return (task_start[r + 1] - task_start[r]) / KV; };
+  // The merged parts' outputs [part, H, D] and log-sum-exps [part, H].
   const bool merges = part_start[n] > 0;
-  const at::Tensor partial = merges ? at::empty({part_start[n], H, D + 1}, q.options().dtype(at::kFloat)) : at::Tensor();
-  float* partial_p = merges ? partial.data_ptr<float>() : nullptr;
+  const at::TensorOptions fp32 = q.options().dtype(at::kFloat);
+  const at::Tensor partial = merges ? at::empty({part_start[n], H, D}, fp32) : at::Tensor();
+  const at::Tensor partial_lse = merges ? at::empty({part_start[n], H}, fp32) : at::Tensor();
   at::parallel_for(0, task_start[n], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * (2 * D + (in_parts ? std::min(W, PART_CELLS) : W) + 16));
-    std::vector<float> lse(group);
     int64_t r = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[r + 1]) ++r;
-      const int64_t h = (task - task_start[r]) / parts[r], part = (task - task_start[r]) % parts[r];
-      const int64_t at = first[r] + part * PART_CELLS;
-      const int64_t cells = parts[r] == 1 ? count[r] : std::min(PART_CELLS, count[r] - part * PART_CELLS);
+      const int64_t parts = parts_of(r), h = (task - task_start[r]) / parts, part = (task - task_start[r]) % parts;
+      const auto [first, count] = cells_of(r);
+      const int64_t at = first + part * PART_CELLS;
+      const int64_t cells = std::min(count - part * PART_CELLS, parts == 1 ? count : PART_CELLS);
       const char* q_h = q_p + (r * q.stride(0) + h * group * q.stride(1)) * size;
       const int64_t* slots_at = s_p + (r / per_row) * slots.stride(0) + at;
-      if (parts[r] == 1) {
+      if (parts == 1) {
         tier.attend(q_h, q.stride(1), k_cells.head(h, KV), v_cells.head(h, KV), slots_at, cells, group, D,
                     static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data(),
                     sink_p ? sink_p + h * group : nullptr, nullptr);
         continue;
       }
-      float* o = partial_p + ((part_start[r] + part) * H + h * group) * (D + 1);
+      const int64_t at_head = (part_start[r] + part) * H + h * group;
       tier.attend(q_h, q.stride(1), k_cells.head(h, KV), v_cells.head(h, KV), slots_at, cells, group, D,
-                  static_cast<float>(scale), o, D + 1, bf16, scratch.data(), nullptr, lse.data());
-      for (int64_t g = 0; g < group; ++g) o[g * (D + 1) + D] = lse[g];
+                  static_cast<float>(scale), partial.data_ptr<float>() + at_head * D, D, bf16, scratch.data(),
+                  nullptr, partial_lse.data_ptr<float>() + at_head);
     }
   });
   if (!merges) return out;
@@ -554,18 +560,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D), weights;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / H, head = task % H;
-      if (parts[r] == 1) continue;
-      const float* o = partial_p + (part_start[r] * H + head) * (D + 1);
-      const int64_t stride = H * (D + 1);  // from one part to the next
+      const int64_t r = task / H, head = task % H, parts = parts_of(r);
+      if (parts == 1) continue;
+      const float* o = partial.data_ptr<float>() + (part_start[r] * H + head) * D;  // part p at o + p H D
+      const float* lse = partial_lse.data_ptr<float>() + part_start[r] * H + head;  // part p at lse[p H]
       float top = sink_p ? sink_p[head] : -INFINITY;
-      for (int64_t part = 0; part < parts[r]; ++part) top = std::max(top, o[part * stride + D]);
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, lse[part * H]);
       float total = sink_p ? std::exp(sink_p[head] - top) : 0.f;
-      weights.resize(parts[r]);
-      for (int64_t part = 0; part < parts[r]; ++part) total += weights[part] = std::exp(o[part * stride + D] - top);
+      weights.resize(parts);
+      for (int64_t part = 0; part < parts; ++part) total += weights[part] = std::exp(lse[part * H] - top);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t part = 0; part < parts[r]; ++part) {
-        for (int64_t c = 0; c < D; ++c) acc[c] += weights[part] * o[part * stride + c];
+      for (int64_t part = 0; part < parts; ++part) {
+        for (int64_t c = 0; c < D; ++c) acc[c] += weights[part] * o[part * H * D + c];
       }
       char* dst = o_p + (r * H + head) * D * size;
       for (int64_t c = 0; c < D; ++c) {
