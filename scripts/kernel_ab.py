@@ -66,6 +66,32 @@ def one_pass(linears: list, inputs: dict[int, torch.Tensor], handle: int, x_bits
         product(m, inputs[m.in_features], handle, x_bits)
 
 
+def product_rows(linears: list, dtype: torch.dtype, handles: dict[str, int], rows_list, x_bits: int, rounds: int,
+                 pass_rounds: int, host: dict) -> list[dict]:
+    """Each distinct linear shape alone, then a whole pass of the products with a read beside each
+    round, base against new, per row count."""
+    read = read_buffer(SAMPLE_BYTES)
+    results = []
+    shapes = {(m.in_features, m.out_features, m.codes.dtype, m.codes.nbytes): m for m in linears}
+    for rows in rows_list:
+        for (k, n, _, nbytes), m in shapes.items():
+            x = torch.randn(rows, k, dtype=dtype)
+            base, new = (product(m, x, handles[arm], x_bits) for arm in ("base", "new"))
+            same = "yes" if torch.equal(base, new) else f"max diff {(base - new).abs().max().item():.3g}"
+            calls = {arm: functools.partial(product, m, x, handle, x_bits) for arm, handle in handles.items()}
+            seconds, _ = interleaved(calls, rounds)
+            results.append(dict(host, **row(f"{k} x {n} ({nbytes / 1e6:.1f} MB)", rows, x_bits, seconds, same)))
+            print(progress(results[-1]))
+        inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
+        calls = {arm: functools.partial(one_pass, linears, inputs, handle, x_bits) for arm, handle in handles.items()}
+        seconds, reads = interleaved(calls, pass_rounds, read)
+        nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
+        results.append(dict(host, **row(f"pass ({nbytes / 1e6:.0f} MB)", rows, x_bits, seconds, "", reads,
+                                        read.nbytes)))
+        print(progress(results[-1]))
+    return results
+
+
 def attention_step(layers: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, slots: torch.Tensor,
                    lens: torch.Tensor, handle: int) -> None:
     """One decode step's attention: every layer's read of its own cells."""
@@ -81,7 +107,8 @@ def attention_rows(config, dtype: torch.dtype, handles: dict[str, int], rows_lis
     for context in contexts:
         for rows in rows_list:
             cells = rows * context
-            if cells * config.num_kv_heads * config.head_dim * 4 * config.num_layers > 2e9:
+            nbytes = 2 * cells * config.num_kv_heads * config.head_dim * dtype.itemsize * config.num_layers
+            if nbytes > 2e9:
                 print(f"context {context}, {rows} rows: over 2 GB of cells, skipped")
                 continue
             shape = (cells + block, config.num_kv_heads, config.head_dim)
@@ -101,7 +128,6 @@ def attention_rows(config, dtype: torch.dtype, handles: dict[str, int], rows_lis
             calls = {arm: functools.partial(attention_step, layers, q, slots, lens, handle)
                      for arm, handle in handles.items()}
             seconds, _ = interleaved(calls, rounds)
-            nbytes = 2 * cells * config.num_kv_heads * config.head_dim * dtype.itemsize * config.num_layers
             results.append(dict(host, **row(f"attention, context {context} ({nbytes / 1e6:.0f} MB of cells)", rows,
                                             "", seconds, same)))
             print(progress(results[-1]))
@@ -186,33 +212,13 @@ def main() -> int:
     if not linears and not args.contexts:
         parser.error(f"{args.model} has no packed linear for the kernels to multiply")
     dtype = model.norm.weight.dtype
-    read = read_buffer(SAMPLE_BYTES)
 
     host = dict(host_description(), kernels=tier, model=Path(args.model).name, base=args.base)
     print(f"{host['cpu']}, {tier}, {dtype}; base {args.base} ({paths['base'].name}), new ({paths['new'].name})")
     if args.contexts:
         results = attention_rows(model.config, dtype, handles, args.rows, args.contexts, args.rounds, host)
-        print(format_table(results, COLUMNS))
-        write_results(results, args.out, "-".join(filter(None, ["kernel-ab", Path(args.model).stem, args.tag])))
-        return 0
-    results = []
-    shapes = {(m.in_features, m.out_features, m.codes.dtype, m.codes.nbytes): m for m in linears}
-    for rows in args.rows:
-        for (k, n, _, nbytes), m in shapes.items():
-            x = torch.randn(rows, k, dtype=dtype)
-            base, new = (product(m, x, handles[arm], args.x_bits) for arm in ("base", "new"))
-            same = "yes" if torch.equal(base, new) else f"max diff {(base - new).abs().max().item():.3g}"
-            calls = {arm: functools.partial(product, m, x, handle, args.x_bits) for arm, handle in handles.items()}
-            seconds, _ = interleaved(calls, args.rounds)
-            results.append(dict(host, **row(f"{k} x {n} ({nbytes / 1e6:.1f} MB)", rows, args.x_bits, seconds, same)))
-            print(progress(results[-1]))
-        inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
-        calls = {arm: functools.partial(one_pass, linears, inputs, handle, args.x_bits) for arm, handle in handles.items()}
-        seconds, reads = interleaved(calls, args.pass_rounds, read)
-        nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
-        results.append(dict(host, **row(f"pass ({nbytes / 1e6:.0f} MB)", rows, args.x_bits, seconds, "", reads,
-                                        read.nbytes)))
-        print(progress(results[-1]))
+    else:
+        results = product_rows(linears, dtype, handles, args.rows, args.x_bits, args.rounds, args.pass_rounds, host)
     print(format_table(results, COLUMNS))
     write_results(results, args.out, "-".join(filter(None, ["kernel-ab", Path(args.model).stem, args.tag])))
     return 0
