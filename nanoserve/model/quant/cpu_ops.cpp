@@ -457,13 +457,19 @@ struct Cells {
   }
 };
 
-// The cells a part of a long row's read holds, where a step's K/V heads do not divide evenly over
-// the threads: a longer row is then read in parts, by several threads at once, and the parts
-// merged. On 2 threads of Zen 4, one step's reads (every layer's cells on huge pages) at 2048
-// and 8192 cells: one K/V head (Gemma 3 270M's shape) 0.65x and 0.53x the time, three
-// (SmolLM2-135M's) 0.82x and 0.66x; an even count gained nothing (1.00-1.03x), so it keeps one
-// part a row.
-constexpr int64_t PART_CELLS = 1024;
+// A long row's cells are read in parts, by several threads at once, each part's every K/V head by
+// one task (a thread streams whole cells, not one head's slice of each), and the parts merged by
+// their log-sum-exps: as many parts as threads, or a multiple of them when a part would pass
+// PART_CELLS (a part's scores stay in L2). A row too short for parts of MIN_PART_CELLS (merging
+// costs more than it saves there) is read whole, its K/V heads split over the threads instead.
+// The tasks depend on the row's length, the heads and the thread count, never on the batch, and a
+// head's bits do not depend on the heads read beside it, so a row's bits do not depend on the batch.
+constexpr int64_t PART_CELLS = 1024, MIN_PART_CELLS = 256;
+
+int64_t parts_of_row(int64_t count, int64_t threads) {
+  const int64_t parts = (count + PART_CELLS - 1) / PART_CELLS;
+  return std::max<int64_t>(1, std::min((parts + threads - 1) / threads * threads, count / MIN_PART_CELLS));
+}
 
 // q [n, H, D] bf16 or fp32; k_cache, v_cache [slots, KV, D] each in q's dtype or q8_0 (int8
 // codes with k_scales / v_scales [slots, KV, D / 32] fp16); slots [m, W] int64 (unit column
@@ -506,62 +512,35 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const char* q_p = static_cast<const char*>(q.data_ptr());
   char* o_p = static_cast<char*>(out.data_ptr());
   const int64_t* s_p = slots.data_ptr<int64_t>();
-  // Row r reads its cells [first, first + count) in parts of PART_CELLS where the heads do not
-  // divide evenly over the threads, else in one; task (r, h, part) reads one part for K/V head h,
-  // tasks in that order, split evenly over the threads. A row of one part writes its output
-  // directly; a longer row's parts write fp32 partial outputs and their log-sum-exps, merged
-  // after. The parts depend on the row's length, the heads and the thread count, so a row's bits
-  // do not depend on the batch.
-  const bool in_parts = KV % at::get_num_threads() != 0;
-  const auto cells_of = [&](int64_t r) {  // (first, count)
+  const auto cells_of = [&](int64_t r) {  // (first, count): row r reads cells [first, first + count)
     const int64_t len = std::min(std::max<int64_t>(len_p[r], 1), W);
     const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
     return std::pair<int64_t, int64_t>(first, len - first);
   };
-  // Prefix sums over the rows of their tasks and of their merged parts (a row of one part has none).
+  // Prefix sums over the rows of their tasks (parts) and of their merged parts (a row of one part
+  // has none); the longest part sizes the scratch.
+  const int64_t threads = at::get_num_threads();
   std::vector<int64_t> task_start(n + 1, 0), part_start(n + 1, 0);
+  int64_t longest = 1;
+  const int64_t chunks = std::min(KV, threads);  // a row of one part: tasks of KV / chunks heads
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t parts = in_parts ? (cells_of(r).second + PART_CELLS - 1) / PART_CELLS : 1;
-    task_start[r + 1] = task_start[r] + KV * parts;
+    const int64_t count = cells_of(r).second, parts = parts_of_row(count, threads);
+    task_start[r + 1] = task_start[r] + (parts > 1 ? parts : chunks);
     part_start[r + 1] = part_start[r] + (parts > 1 ? parts : 0);
+    longest = std::max(longest, (count + parts - 1) / parts);
   }
-  const auto parts_of = [&](int64_t r) { return (task_start[r + 1] - task_start[r]) / KV; };
-  // The merged parts' outputs [part, H, D] and log-sum-exps [part, H].
+  // The merged parts' outputs [part, H, D] and log-sum-exps [part, H]; the last of a row's parts
+  // to finish merges them (done[r] counts its finished parts).
   const bool merges = part_start[n] > 0;
   const at::TensorOptions fp32 = q.options().dtype(at::kFloat);
   const at::Tensor partial = merges ? at::empty({part_start[n], H, D}, fp32) : at::Tensor();
   const at::Tensor partial_lse = merges ? at::empty({part_start[n], H}, fp32) : at::Tensor();
-  at::parallel_for(0, task_start[n], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * (2 * D + (in_parts ? std::min(W, PART_CELLS) : W) + 16));
-    int64_t r = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= task_start[r + 1]) ++r;
-      const int64_t parts = parts_of(r), h = (task - task_start[r]) / parts, part = (task - task_start[r]) % parts;
-      const auto [first, count] = cells_of(r);
-      const int64_t at = first + part * PART_CELLS;
-      const int64_t cells = std::min(count - part * PART_CELLS, parts == 1 ? count : PART_CELLS);
-      const char* q_h = q_p + (r * q.stride(0) + h * group * q.stride(1)) * size;
-      const int64_t* slots_at = s_p + (r / per_row) * slots.stride(0) + at;
-      if (parts == 1) {
-        tier.attend(q_h, q.stride(1), k_cells.head(h, KV), v_cells.head(h, KV), slots_at, cells, group, D,
-                    static_cast<float>(scale), o_p + (r * H + h * group) * D * size, D, bf16, scratch.data(),
-                    sink_p ? sink_p + h * group : nullptr, nullptr);
-        continue;
-      }
-      const int64_t at_head = (part_start[r] + part) * H + h * group;
-      tier.attend(q_h, q.stride(1), k_cells.head(h, KV), v_cells.head(h, KV), slots_at, cells, group, D,
-                  static_cast<float>(scale), partial.data_ptr<float>() + at_head * D, D, bf16, scratch.data(),
-                  nullptr, partial_lse.data_ptr<float>() + at_head);
-    }
-  });
-  if (!merges) return out;
-  // Each long row's parts merged, query head by query head: out = sum_p w_p o_p / sum_p w_p (and
-  // the sink's share in the denominator), w_p = exp(lse_p - the largest lse).
-  at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D), weights;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / H, head = task % H, parts = parts_of(r);
-      if (parts == 1) continue;
+  std::vector<std::atomic<int64_t>> done(merges ? n : 0);
+  for (auto& d : done) d.store(0, std::memory_order_relaxed);
+  // out = sum_p w_p o_p / sum_p w_p (and the sink's share in the denominator), w_p = exp(lse_p -
+  // the largest lse), query head by query head.
+  const auto merge = [&](int64_t r, int64_t parts, std::vector<float>& acc, std::vector<float>& weights) {
+    for (int64_t head = 0; head < H; ++head) {
       const float* o = partial.data_ptr<float>() + (part_start[r] * H + head) * D;  // part p at o + p H D
       const float* lse = partial_lse.data_ptr<float>() + part_start[r] * H + head;  // part p at lse[p H]
       float top = sink_p ? sink_p[head] : -INFINITY;
@@ -569,7 +548,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       float total = sink_p ? std::exp(sink_p[head] - top) : 0.f;
       weights.resize(parts);
       for (int64_t part = 0; part < parts; ++part) total += weights[part] = std::exp(lse[part * H] - top);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      acc.assign(D, 0.f);
       for (int64_t part = 0; part < parts; ++part) {
         for (int64_t c = 0; c < D; ++c) acc[c] += weights[part] * o[part * H * D + c];
       }
@@ -578,6 +557,32 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         if (bf16) reinterpret_cast<at::BFloat16*>(dst)[c] = static_cast<at::BFloat16>(acc[c] / total);
         else reinterpret_cast<float*>(dst)[c] = acc[c] / total;
       }
+    }
+  };
+  const nanoserve_cells k_all = k_cells.head(0, KV), v_all = v_cells.head(0, KV);  // a part: every head
+  at::parallel_for(0, task_start[n], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(H * (2 * D + longest + 16)), acc, weights;
+    int64_t r = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= task_start[r + 1]) ++r;
+      const int64_t parts = part_start[r + 1] - part_start[r], part = task - task_start[r];
+      const auto [first, count] = cells_of(r);
+      const char* q_r = q_p + r * q.stride(0) * size;
+      const int64_t* slots_r = s_p + (r / per_row) * slots.stride(0) + first;
+      if (parts == 0) {  // chunk `part` of the heads, over the whole row
+        const int64_t h = KV * part / chunks, heads = KV * (part + 1) / chunks - h;
+        tier.attend(q_r + h * group * q.stride(1) * size, q.stride(1), k_cells.head(h, KV), v_cells.head(h, KV),
+                    slots_r, count, heads, group, D, static_cast<float>(scale), o_p + (r * H + h * group) * D * size,
+                    D, bf16, scratch.data(), sink_p ? sink_p + h * group : nullptr, nullptr);
+        continue;
+      }
+      const int64_t at = count * part / parts, cells = count * (part + 1) / parts - at;
+      const int64_t* slots_at = slots_r + at;
+      const int64_t at_part = part_start[r] + part;
+      tier.attend(q_r, q.stride(1), k_all, v_all, slots_at, cells, KV, group, D, static_cast<float>(scale),
+                  partial.data_ptr<float>() + at_part * H * D, D, bf16, scratch.data(), nullptr,
+                  partial_lse.data_ptr<float>() + at_part * H);
+      if (done[r].fetch_add(1, std::memory_order_acq_rel) + 1 == parts) merge(r, parts, acc, weights);
     }
   });
   return out;

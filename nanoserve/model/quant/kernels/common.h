@@ -40,7 +40,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 13
+#define NANOSERVE_KERNEL_ABI 14
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -83,17 +83,19 @@ struct nanoserve_kernel_table {
   // codes, or with a table its values table[c]; x int8 in -127..127, group 32 or 16), through the
   // same instructions as group_mm: tiers are tested on these.
   void (*group_dots)(nanoserve_format format, const uint8_t* w, int64_t N, int64_t K, const int8_t* x, int32_t* out);
-  // One row's query heads of one K/V head over `len` cells: out = softmax(q k^T * scale) v.
-  // q [group, D] (row stride q_stride), k and v cells as nanoserve_cells (q8_0 needs D % 32 == 0),
-  // out [group, D] (row stride out_stride); q and out bf16 bits if bf16, else fp32.
-  // scratch: group * (2 D + len + 16) floats. sinks (nullptr: none): each query head's sink logit
-  // [group] (gpt-oss), one more term in the softmax's denominator that contributes no value.
-  // lse (nullptr: none): a part of a longer read, to be merged with the others by the caller;
-  // out is then fp32 whatever q's type, and lse[g] = log(sum of exp(score)) over these cells (and
-  // the sink, if given), each query head's weight in the merge.
+  // One row's query heads of `heads` consecutive K/V heads over `len` cells: out = softmax(q k^T * scale) v.
+  // q [heads * group, D] (row stride q_stride; query heads h * group .. h * group + group - 1 read
+  // K/V head h), k and v cells as nanoserve_cells of the first head, head h D values (and D / 32
+  // steps) further on in each cell (q8_0 needs D % 32 == 0); out [heads * group, D] (row stride
+  // out_stride); q and out bf16 bits if bf16, else fp32. Every head of a cell is read at once, so
+  // a call streams whole cells. scratch: heads * group * (2 D + len + 16) floats. sinks (nullptr:
+  // none): each query head's sink logit [heads * group] (gpt-oss), one more term in the softmax's
+  // denominator that contributes no value. lse (nullptr: none): a part of a longer read, to be
+  // merged with the others by the caller; out is then fp32 whatever q's type, and lse[i] = log(sum
+  // of exp(score)) over these cells (and the sink, if given), each query head's weight in the merge.
   void (*attend)(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
-                 int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
-                 float* scratch, const float* sinks, float* lse);
+                 int64_t len, int64_t heads, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
+                 int32_t bf16, float* scratch, const float* sinks, float* lse);
   // The weight itself, out[n, k] = d * c + m (fp32, or bf16 bits if out_bf16), output blocks
   // [block_begin, block_end): a prompt's many rows multiply it in a dense GEMM.
   void (*dequantize)(nanoserve_format format, const uint8_t* w, const void* d, const void* m, int64_t K,
@@ -191,6 +193,13 @@ inline float load_cell(const nanoserve_cells& cells, int64_t slot, int64_t c, bo
   if (cells.scales == nullptr) return load_float(cells.data, slot * cells.stride + c, bf16);
   const float step = fp16_to_float(cells.scales[slot * cells.scale_stride + c / 32]);
   return step * static_cast<float>(static_cast<const int8_t*>(cells.data)[slot * cells.stride + c]);
+}
+
+// K/V head h of `cells` (head 0's): D values (and D / 32 steps) further on in each cell.
+inline nanoserve_cells cells_head(const nanoserve_cells& cells, int64_t h, int64_t D, bool bf16) {
+  const int64_t element = cells.scales ? 1 : bf16 ? 2 : 4;
+  return {static_cast<const char*>(cells.data) + h * D * element, cells.scales ? cells.scales + h * (D / 32) : nullptr,
+          cells.stride, cells.scale_stride};
 }
 
 inline void store_float(void* p, int64_t i, float v, bool bf16) {

@@ -192,9 +192,10 @@ void experts_mm(nanoserve_format f, const uint8_t* w, const void* d, const void*
   }
 }
 
-void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
-            int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
-            float* scratch, const float* sinks, float* lse) {
+// One K/V head's query heads (attend, head by head).
+void attend_head(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
+                 int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
+                 float* scratch, const float* sinks, float* lse) {
   float* scores = scratch;             // [len]
   float* acc = scratch + len;          // [D]
   for (int64_t g = 0; g < group; ++g) {
@@ -213,6 +214,18 @@ void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells 
     }
     for (int64_t c = 0; c < D; ++c) store_float(out, g * out_stride + c, acc[c] / total, bf16 && !lse);
     if (lse) lse[g] = top + std::log(total);
+  }
+}
+
+void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
+            int64_t len, int64_t heads, int64_t group, int64_t D, float scale, void* out, int64_t out_stride,
+            int32_t bf16, float* scratch, const float* sinks, float* lse) {
+  const int64_t size = bf16 ? 2 : 4, out_size = bf16 && !lse ? 2 : 4;
+  for (int64_t h = 0; h < heads; ++h) {
+    attend_head(static_cast<const char*>(q) + h * group * q_stride * size, q_stride, cells_head(k, h, D, bf16),
+                cells_head(v, h, D, bf16), slots, len, group, D, scale,
+                static_cast<char*>(out) + h * group * out_stride * out_size, out_stride, bf16, scratch,
+                sinks ? sinks + h * group : nullptr, lse ? lse + h * group : nullptr);
   }
 }
 

@@ -293,38 +293,40 @@ TestCells test_cells(int64_t cells, int64_t KV, int64_t D, bool bf16, bool q8) {
   return out;
 }
 
-void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t group, int64_t D,
-                    int64_t len, bool bf16, bool with_sinks, bool k_q8, bool v_q8) {
-  const std::string name = std::string(tier->tier) + " attention group " + std::to_string(group) + " D " +
-                           std::to_string(D) + " len " + std::to_string(len) + (bf16 ? " bf16" : " fp32") +
-                           (with_sinks ? " sinks" : "") + (k_q8 ? " k q8_0" : "") + (v_q8 ? " v q8_0" : "");
-  const int64_t KV = 2, cells = len + 7, size = bf16 ? 2 : 4;
-  std::vector<float> qf = random_floats(group * D);
-  std::vector<uint8_t> q(group * D * size);
+void test_attention(const nanoserve_kernel_table* ref, const nanoserve_kernel_table* tier, int64_t heads,
+                    int64_t group, int64_t D, int64_t len, bool bf16, bool with_sinks, bool k_q8, bool v_q8) {
+  const std::string name = std::string(tier->tier) + " attention heads " + std::to_string(heads) + " group " +
+                           std::to_string(group) + " D " + std::to_string(D) + " len " + std::to_string(len) +
+                           (bf16 ? " bf16" : " fp32") + (with_sinks ? " sinks" : "") + (k_q8 ? " k q8_0" : "") +
+                           (v_q8 ? " v q8_0" : "");
+  const int64_t KV = 3, cells = len + 7, size = bf16 ? 2 : 4, HG = heads * group;
+  std::vector<float> qf = random_floats(HG * D);
+  std::vector<uint8_t> q(HG * D * size);
   for (size_t i = 0; i < qf.size(); ++i) nanoserve::store_float(q.data(), i, qf[i], bf16);
   const TestCells k = test_cells(cells, KV, D, bf16, k_q8), v = test_cells(cells, KV, D, bf16, v_q8);
   std::vector<int64_t> slots(len);
   for (int64_t t = 0; t < len; ++t) slots[t] = (t * 5 + 3) % cells;
-  std::vector<float> scratch(group * (2 * D + len + 16));
-  std::vector<uint8_t> out_ref(group * D * size), out(group * D * size);
+  std::vector<float> scratch(HG * (2 * D + len + 16));
+  std::vector<uint8_t> out_ref(HG * D * size), out(HG * D * size);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  std::vector<float> sinks = random_floats(group);  // a sink above and below the scores alike
-  for (int64_t g = 0; g < group; ++g) sinks[g] *= 4.f;
+  std::vector<float> sinks = random_floats(HG);  // a sink above and below the scores alike
+  for (int64_t i = 0; i < HG; ++i) sinks[i] *= 4.f;
   const float* sink_p = with_sinks ? sinks.data() : nullptr;
-  // K/V head 1 of each cell
-  ref->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
-              out_ref.data(), D, bf16, scratch.data(), sink_p, nullptr);
-  tier->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
-               out.data(), D, bf16, scratch.data(), sink_p, nullptr);
+  // K/V heads 1 .. heads of each cell
+  const nanoserve_cells k1 = k.view(1, KV, D, size), v1 = v.view(1, KV, D, size);
+  ref->attend(q.data(), D, k1, v1, slots.data(), len, heads, group, D, scale, out_ref.data(), D, bf16, scratch.data(),
+              sink_p, nullptr);
+  tier->attend(q.data(), D, k1, v1, slots.data(), len, heads, group, D, scale, out.data(), D, bf16, scratch.data(),
+               sink_p, nullptr);
   float top;
-  const float diff = max_abs_diff(as_floats(out_ref, bf16, group * D), as_floats(out, bf16, group * D), &top);
+  const float diff = max_abs_diff(as_floats(out_ref, bf16, HG * D), as_floats(out, bf16, HG * D), &top);
   check(diff <= (bf16 ? 0x1p-7f : 1e-5f) * std::max(top, 1.f), name + ": max diff " + std::to_string(diff));
   // A part of a longer read: fp32 out whatever q's type, and each query head's log-sum-exp.
-  std::vector<float> part_ref(group * D), part(group * D), lse_ref(group), lse(group);
-  ref->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
-              part_ref.data(), D, bf16, scratch.data(), sink_p, lse_ref.data());
-  tier->attend(q.data(), D, k.view(1, KV, D, size), v.view(1, KV, D, size), slots.data(), len, group, D, scale,
-               part.data(), D, bf16, scratch.data(), sink_p, lse.data());
+  std::vector<float> part_ref(HG * D), part(HG * D), lse_ref(HG), lse(HG);
+  ref->attend(q.data(), D, k1, v1, slots.data(), len, heads, group, D, scale, part_ref.data(), D, bf16,
+              scratch.data(), sink_p, lse_ref.data());
+  tier->attend(q.data(), D, k1, v1, slots.data(), len, heads, group, D, scale, part.data(), D, bf16, scratch.data(),
+               sink_p, lse.data());
   const float part_diff = max_abs_diff(part_ref, part, &top);
   check(part_diff <= 1e-5f * std::max(top, 1.f), name + " (a part): max diff " + std::to_string(part_diff));
   float lse_top;
@@ -376,12 +378,17 @@ int main() {
         }
       }
     }
-    for (int64_t group : {1, 3, 4}) {
-      for (int64_t D : {16, 64, 128}) {
-        for (int64_t len : {1, 7, 16, 33, 300}) {
-          for (bool with_sinks : {false, true}) {
-            for (int cells = 0; cells < (D % 32 ? 1 : 4); ++cells) {  // K, V: dense or q8_0 (D a multiple of 32)
-              test_attention(ref, tier, group, D, len, bf16, with_sinks, cells & 1, cells & 2);
+    // Groups of 1-2 (cells read in fours and pairs), 3-8 (query heads four at a time, a remainder);
+    // heads of 1 to 16 vectors (kept in registers 4 at a time on AVX-512, 2 on AVX2).
+    // One K/V head or two of a cell's three at once; runs of value cells whole and cut short (len).
+    for (int64_t heads : {1, 2}) {
+      for (int64_t group : {1, 2, 3, 4, 5, 8}) {
+        for (int64_t D : {16, 48, 64, 80, 128, 256}) {
+          for (int64_t len : {1, 7, 16, 33, 300}) {
+            for (bool with_sinks : {false, true}) {
+              for (int cells = 0; cells < (D % 32 ? 1 : 4); ++cells) {  // K, V: dense or q8_0 (D a multiple of 32)
+                test_attention(ref, tier, heads, group, D, len, bf16, with_sinks, cells & 1, cells & 2);
+              }
             }
           }
         }

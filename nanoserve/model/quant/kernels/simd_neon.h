@@ -85,6 +85,8 @@ struct Simd {
   }
   static void store(float* p, F v) { vst1q_f32(p, v); }
   static float hsum(F v) { return vaddvq_f32(v); }
+  // The sums of four vectors at once, into out[0..3]: two pairwise adds, not four reductions.
+  static void hsum4(F a, F b, F c, F d, float* out) { vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d))); }
   static F abs(F v) { return vabsq_f32(v); }
   static F max(F a, F b) { return vmaxq_f32(a, b); }
   static F min(F a, F b) { return vminq_f32(a, b); }

@@ -915,6 +915,7 @@ struct DenseCells {
   const E* data;
   int64_t stride;
   const E* cell(int64_t slot) const { return data + slot * stride; }
+  DenseCells head(int64_t h, int64_t D) const { return {data + h * D, stride}; }
   const void* steps(int64_t) const { return nullptr; }
   float step(int64_t, int64_t) const { return 1.f; }
   V::F load(const E* cell, int64_t c) const { return V::load(cell + c); }
@@ -926,97 +927,203 @@ struct Q8Cells {  // q8_0: int8 codes, an fp16 step per 32
   const uint16_t* scales;
   int64_t stride, scale_stride;
   const int8_t* cell(int64_t slot) const { return data + slot * stride; }
+  Q8Cells head(int64_t h, int64_t D) const { return {data + h * D, scales + h * (D / 32), stride, scale_stride}; }
   const void* steps(int64_t slot) const { return scales + slot * scale_stride; }
   float step(int64_t slot, int64_t block) const { return fp16_to_float(scales[slot * scale_stride + block]); }
   V::F load(const int8_t* cell, int64_t c) const { return V::load_int8(cell + c); }
 };
 
-constexpr int64_t MAX_HEAD = 1024;  // q8_0 cells: the op refuses a longer head
-
-// Prefetches every cache line of one head's cell in `slot` (D values) and, if scaled, its steps.
+// Prefetches the cache lines of values [from, from + count) of the cell in `slot` (counted from
+// this view's first head: every head's, for a whole cell) and, if scaled, their steps.
 template <typename C>
-inline void fetch_cell(const C& cells, int64_t slot, int64_t D) {
-  const char* cell = reinterpret_cast<const char*>(cells.cell(slot));
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(*cells.cell(slot)));
+inline void fetch_cell(const C& cells, int64_t slot, int64_t from, int64_t count) {
+  const char* cell = reinterpret_cast<const char*>(cells.cell(slot) + from);
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(*cells.cell(slot)));
   for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(cell + l);
   __builtin_prefetch(cell + bytes - 1);  // a cell need not start on a line
-  if constexpr (C::SCALED) __builtin_prefetch(cells.steps(slot));
+  if constexpr (C::SCALED) {
+    const char* steps = static_cast<const char*>(cells.steps(slot)) + from / 32 * 2;
+    __builtin_prefetch(steps);
+    __builtin_prefetch(steps + (count / 32) * 2 - 1);
+  }
+}
+
+// Scores of NC cells from slots[t] for NG query heads from g0 (NC * NG <= 4): each cell's values
+// converted once for all its heads, the four dots reduced together (hsum4) rather than one at a time.
+template <int NC, int NG, typename KC>
+inline void score_cells(const KC& k, const int64_t* slots, int64_t t, const float* qf, int64_t g0, int64_t D,
+                        float* scores, int64_t padded) {
+  static_assert(NC * NG <= 4, "hsum4 reduces four dots");
+  V::F sum[4] = {V::fzero(), V::fzero(), V::fzero(), V::fzero()};
+  decltype(k.cell(0)) cell[NC];
+#pragma GCC unroll 16
+  for (int n = 0; n < NC; ++n) cell[n] = k.cell(slots[t + n]);
+  for (int64_t c = 0; c < D; c += V::LANES) {
+#pragma GCC unroll 16
+    for (int n = 0; n < NC; ++n) {
+      V::F codes = k.load(cell[n], c);
+      if constexpr (KC::SCALED) codes = V::mul(codes, V::set1(k.step(slots[t + n], c / 32)));
+#pragma GCC unroll 16
+      for (int i = 0; i < NG; ++i) sum[n * NG + i] = V::fma(V::load(qf + (g0 + i) * D + c), codes, sum[n * NG + i]);
+    }
+  }
+  float dots[4];
+  V::hsum4(sum[0], sum[1], sum[2], sum[3], dots);
+#pragma GCC unroll 16
+  for (int n = 0; n < NC; ++n)
+#pragma GCC unroll 16
+    for (int i = 0; i < NG; ++i) scores[(g0 + i) * padded + t + n] = dots[n * NG + i];
+}
+
+// Cells are scattered over the cache and, at batch 1, cold (the step's weights streamed through
+// the caches since this layer wrote them): every line a pass reads is fetched AHEAD cells early.
+constexpr int64_t AHEAD = 16;
+
+// The scores of NC cells from slots[t] (a whole cell, every K/V head, fetched AHEAD cells early):
+// NC = 4 for a group of 1 and 2 for a group of 2 (4 dots a reduction), else 1 and 4 heads at a time.
+template <int NC, typename KC>
+inline void score_tile(const KC& k, const int64_t* slots, int64_t t, int64_t len, int64_t heads, int64_t group,
+                       int64_t D, const float* qf, float* scores, int64_t padded) {
+  for (int n = 0; n < NC; ++n)
+    if (t + AHEAD + n < len) fetch_cell(k, slots[t + AHEAD + n], 0, heads * D);
+  for (int64_t h = 0; h < heads; ++h) {
+    const KC kh = k.head(h, D);
+    const float* qh = qf + h * group * D;
+    float* sh = scores + h * group * padded;
+    if constexpr (NC == 4) {
+      score_cells<4, 1>(kh, slots, t, qh, 0, D, sh, padded);
+    } else if constexpr (NC == 2) {
+      score_cells<2, 2>(kh, slots, t, qh, 0, D, sh, padded);
+    } else {
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t ng = std::min<int64_t>(4, group - g0);
+        if (ng == 4) score_cells<1, 4>(kh, slots, t, qh, g0, D, sh, padded);
+        else if (ng == 3) score_cells<1, 3>(kh, slots, t, qh, g0, D, sh, padded);
+        else if (ng == 2) score_cells<1, 2>(kh, slots, t, qh, g0, D, sh, padded);
+        else score_cells<1, 1>(kh, slots, t, qh, g0, D, sh, padded);
+      }
+    }
+  }
+}
+
+// Value cells a run of the value pass reads for every head before the next run: small enough to
+// stay in L1 while each head's query heads and vectors go over them, the first going over them
+// fetching the next run's whole cells.
+constexpr int64_t VALUE_RUN = 16;
+
+// acc[g0 + i, d0 + j L ...] += sum over the cells of w[g0 + i, t] v_t[d0 + j L ...] for NQ query heads
+// and NV vectors of the head, the sums in registers over the cells (scaled cells: a vector of codes
+// times its step first, shared by the heads); the first `fetch` cells each fetch the whole cell
+// (`cell_values`) VALUE_RUN slots on.
+template <int NQ, int NV, typename VC>
+void weigh_values(const VC& v, const int64_t* slots, int64_t len, const float* w, int64_t padded, int64_t g0,
+                  int64_t d0, int64_t D, float* acc, int64_t fetch, int64_t cell_values) {
+  V::F sum[NQ][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) sum[i][j] = V::load(acc + (g0 + i) * D + d0 + j * V::LANES);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t < fetch) fetch_cell(v, slots[t + VALUE_RUN], 0, cell_values);
+    const auto* cell = v.cell(slots[t]);
+    V::F x[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+      x[j] = v.load(cell, d0 + j * V::LANES);
+      if constexpr (VC::SCALED) x[j] = V::mul(x[j], V::set1(v.step(slots[t], (d0 + j * V::LANES) / 32)));
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NQ; ++i) {
+      const V::F wi = V::set1(w[(g0 + i) * padded + t]);
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) sum[i][j] = V::fma(wi, x[j], sum[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NQ; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) V::store(acc + (g0 + i) * D + d0 + j * V::LANES, sum[i][j]);
+}
+
+// Vectors of a head a value pass keeps in registers: NQ * NV sums beside NV values.
+constexpr int VALUE_VECTORS = V::REGISTERS >= 32 ? 4 : 2;
+
+template <int NQ, typename VC>
+void weigh_values_of(int64_t nv, const VC& v, const int64_t* slots, int64_t len, const float* w, int64_t padded,
+                     int64_t g0, int64_t d0, int64_t D, float* acc, int64_t fetch, int64_t cell_values) {
+  if constexpr (VALUE_VECTORS > 2) {
+    if (nv == 4) return weigh_values<NQ, 4>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
+    if (nv == 3) return weigh_values<NQ, 3>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
+  }
+  if (nv == 2) return weigh_values<NQ, 2>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
+  weigh_values<NQ, 1>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
 }
 
 template <typename E, typename KC, typename VC>
-void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t group,
-                  int64_t D, float scale, void* out, int64_t out_stride, float* scratch, const float* sinks,
-                  float* lse) {
+void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t heads,
+                  int64_t group, int64_t D, float scale, void* out, int64_t out_stride, float* scratch,
+                  const float* sinks, float* lse) {
   constexpr bool BF16 = sizeof(E) == 2;
-  const int64_t C = D / V::LANES, padded = (len + V::LANES - 1) / V::LANES * V::LANES;
-  // Scaled cells are read a block of 32 at a time (its step applied once); dense ones whole.
-  const int64_t k_block = KC::SCALED ? 32 : D, v_block = VC::SCALED ? 32 : D;
-  float* qf = scratch;                  // [group, D], q * scale
-  float* acc = qf + group * D;          // [group, D]
-  float* scores = acc + group * D;      // [group, padded]
-  float* coef = scores + group * padded;  // [group]: a V block's weights
-  for (int64_t g = 0; g < group; ++g) {
+  const int64_t HG = heads * group, C = D / V::LANES, padded = (len + V::LANES - 1) / V::LANES * V::LANES;
+  const int64_t cell_values = heads * D;  // a whole cell: every K/V head
+  float* qf = scratch;                  // [HG, D], q * scale
+  float* acc = qf + HG * D;             // [HG, D]
+  float* scores = acc + HG * D;         // [HG, padded]
+  for (int64_t i = 0; i < HG; ++i) {
     for (int64_t c = 0; c < C; ++c) {
-      V::store(qf + g * D + V::LANES * c, V::mul(V::load(q + g * q_stride + V::LANES * c), V::set1(scale)));
-      V::store(acc + g * D + V::LANES * c, V::fzero());
+      V::store(qf + i * D + V::LANES * c, V::mul(V::load(q + i * q_stride + V::LANES * c), V::set1(scale)));
+      V::store(acc + i * D + V::LANES * c, V::fzero());
     }
   }
-  // Cells are scattered over the cache and, at batch 1, cold (the step's weights streamed through
-  // the caches since this layer wrote them): every line of a cell is fetched AHEAD cells early,
-  // and V's first cells while K's scores are reduced.
-  constexpr int64_t AHEAD = 16;
-  for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(k, slots[t], D);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + AHEAD < len) fetch_cell(k, slots[t + AHEAD], D);
-    const auto* cell = k.cell(slots[t]);
-    float steps[MAX_HEAD / 32];
-    if constexpr (KC::SCALED) for (int64_t b = 0; b < D / 32; ++b) steps[b] = k.step(slots[t], b);
-    for (int64_t g = 0; g < group; ++g) {
-      V::F sum = V::fzero();
-      for (int64_t b = 0; b < D; b += k_block) {
-        V::F part = V::fzero();
-        for (int64_t c = b; c < b + k_block; c += V::LANES) part = V::fma(V::load(qf + g * D + c), k.load(cell, c), part);
-        sum = KC::SCALED ? V::fma(part, V::set1(steps[b / 32]), sum) : part;
-      }
-      scores[g * padded + t] = V::hsum(sum);
-    }
-  }
-  for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(v, slots[t], D);
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * padded;
-    const float top = sinks ? std::max(sinks[g], *std::max_element(row, row + len)) : *std::max_element(row, row + len);
+  // The keys, cell by cell: every head's scores from a cell before the next cell.
+  for (int64_t t = 0; t < std::min(AHEAD, len); ++t) fetch_cell(k, slots[t], 0, cell_values);
+  int64_t t = 0;
+  if (group == 1) for (; t + 4 <= len; t += 4) score_tile<4>(k, slots, t, len, heads, group, D, qf, scores, padded);
+  if (group == 2) for (; t + 2 <= len; t += 2) score_tile<2>(k, slots, t, len, heads, group, D, qf, scores, padded);
+  for (; t < len; ++t) score_tile<1>(k, slots, t, len, heads, group, D, qf, scores, padded);
+  for (int64_t u = 0; u < std::min(VALUE_RUN, len); ++u) fetch_cell(v, slots[u], 0, cell_values);
+  for (int64_t i = 0; i < HG; ++i) {
+    float* row = scores + i * padded;
+    const float top = sinks ? std::max(sinks[i], *std::max_element(row, row + len)) : *std::max_element(row, row + len);
     const int64_t whole = len / V::LANES * V::LANES;
     V::F sum = V::fzero();
-    for (int64_t t = 0; t < whole; t += V::LANES) {
-      const V::F e = exp_nonpositive(V::sub(V::load(row + t), V::set1(top)));
-      V::store(row + t, e);
+    for (int64_t u = 0; u < whole; u += V::LANES) {
+      const V::F e = exp_nonpositive(V::sub(V::load(row + u), V::set1(top)));
+      V::store(row + u, e);
       sum = V::add(sum, e);
     }
-    float total = V::hsum(sum) + (sinks ? std::exp(sinks[g] - top) : 0.f);  // the sink's share: no value
-    for (int64_t t = whole; t < len; ++t) total += row[t] = std::exp(row[t] - top);
+    float total = V::hsum(sum) + (sinks ? std::exp(sinks[i] - top) : 0.f);  // the sink's share: no value
+    for (int64_t u = whole; u < len; ++u) total += row[u] = std::exp(row[u] - top);
     const float inv = 1.f / total;
-    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-    if (lse) lse[g] = top + std::log(total);
+    for (int64_t u = 0; u < len; ++u) row[u] *= inv;
+    if (lse) lse[i] = top + std::log(total);
   }
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + AHEAD < len) fetch_cell(v, slots[t + AHEAD], D);
-    const auto* cell = v.cell(slots[t]);
-    for (int64_t b = 0; b < D; b += v_block) {
-      const float step = v.step(slots[t], b / 32);
-      for (int64_t g = 0; g < group; ++g) coef[g] = VC::SCALED ? scores[g * padded + t] * step : scores[g * padded + t];
-      for (int64_t c = b; c < b + v_block; c += V::LANES) {
-        const V::F vc = v.load(cell, c);
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = acc + g * D + c;
-          V::store(a, V::fma(V::set1(coef[g]), vc, V::load(a)));
+  // The values, a run of cells at a time: each head's query heads (4 at a time) and vectors
+  // (VALUE_VECTORS at a time) over the run, their sums in registers.
+  for (int64_t t0 = 0; t0 < len; t0 += VALUE_RUN) {
+    const int64_t run = std::min(VALUE_RUN, len - t0);
+    for (int64_t h = 0; h < heads; ++h) {
+      const VC vh = v.head(h, D);
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t nq = std::min<int64_t>(4, group - g0);
+        for (int64_t c0 = 0; c0 < C; c0 += VALUE_VECTORS) {
+          const int64_t nv = std::min<int64_t>(VALUE_VECTORS, C - c0), d0 = c0 * V::LANES;
+          // The first pass over the run fetches the next run's cells.
+          const int64_t fetch = h == 0 && g0 == 0 && c0 == 0 ? std::max<int64_t>(0, std::min(run, len - t0 - run)) : 0;
+          const float* w = scores + h * group * padded + t0;
+          float* a = acc + h * group * D;
+          if (nq == 4) weigh_values_of<4>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
+          else if (nq == 3) weigh_values_of<3>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
+          else if (nq == 2) weigh_values_of<2>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
+          else weigh_values_of<1>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
         }
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t i = 0; i < HG; ++i) {
     for (int64_t c = 0; c < D; ++c) {
-      if (lse || !BF16) static_cast<float*>(out)[g * out_stride + c] = acc[g * D + c];
-      else static_cast<uint16_t*>(out)[g * out_stride + c] = float_to_bf16(acc[g * D + c]);
+      if (lse || !BF16) static_cast<float*>(out)[i * out_stride + c] = acc[i * D + c];
+      else static_cast<uint16_t*>(out)[i * out_stride + c] = float_to_bf16(acc[i * D + c]);
     }
   }
 }
@@ -1024,26 +1131,26 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
 // The four K/V cell kinds of one q type: each of K and V dense (q's type) or q8_0.
 template <typename E>
 void attend_cells(const E* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots,
-                  int64_t len, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, float* scratch,
+                  int64_t len, int64_t heads, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, float* scratch,
                   const float* sinks, float* lse) {
   const DenseCells<E> k_dense{static_cast<const E*>(k.data), k.stride}, v_dense{static_cast<const E*>(v.data), v.stride};
   const Q8Cells k_q8{static_cast<const int8_t*>(k.data), k.scales, k.stride, k.scale_stride};
   const Q8Cells v_q8{static_cast<const int8_t*>(v.data), v.scales, v.stride, v.scale_stride};
-  if (k.scales && v.scales) attend_typed(q, q_stride, k_q8, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
-  else if (k.scales) attend_typed(q, q_stride, k_q8, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
-  else if (v.scales) attend_typed(q, q_stride, k_dense, v_q8, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
-  else attend_typed(q, q_stride, k_dense, v_dense, slots, len, group, D, scale, out, out_stride, scratch, sinks, lse);
+  if (k.scales && v.scales) attend_typed(q, q_stride, k_q8, v_q8, slots, len, heads, group, D, scale, out, out_stride, scratch, sinks, lse);
+  else if (k.scales) attend_typed(q, q_stride, k_q8, v_dense, slots, len, heads, group, D, scale, out, out_stride, scratch, sinks, lse);
+  else if (v.scales) attend_typed(q, q_stride, k_dense, v_q8, slots, len, heads, group, D, scale, out, out_stride, scratch, sinks, lse);
+  else attend_typed(q, q_stride, k_dense, v_dense, slots, len, heads, group, D, scale, out, out_stride, scratch, sinks, lse);
 }
 
 void attend(const void* q, int64_t q_stride, nanoserve_cells k, nanoserve_cells v, const int64_t* slots, int64_t len,
-            int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16, float* scratch,
-            const float* sinks, float* lse) {
+            int64_t heads, int64_t group, int64_t D, float scale, void* out, int64_t out_stride, int32_t bf16,
+            float* scratch, const float* sinks, float* lse) {
   if (bf16) {
-    attend_cells(static_cast<const uint16_t*>(q), q_stride, k, v, slots, len, group, D, scale, out, out_stride,
-                 scratch, sinks, lse);
+    attend_cells(static_cast<const uint16_t*>(q), q_stride, k, v, slots, len, heads, group, D, scale, out,
+                 out_stride, scratch, sinks, lse);
   } else {
-    attend_cells(static_cast<const float*>(q), q_stride, k, v, slots, len, group, D, scale, out, out_stride,
-                 scratch, sinks, lse);
+    attend_cells(static_cast<const float*>(q), q_stride, k, v, slots, len, heads, group, D, scale, out,
+                 out_stride, scratch, sinks, lse);
   }
 }
 
