@@ -377,19 +377,22 @@ def test_decode_attention_with_a_window_reads_only_each_rows_last_cells(tier, dt
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("num_kv_heads", [1, 3, 2])
+@pytest.mark.parametrize("num_kv_heads", [1, 3, 2, 8])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_decode_attention_of_long_rows_read_in_parts_equals_the_reference(tier, dtype, num_kv_heads, threads):
-    """Rows past 1024 cells, where the K/V heads do not divide evenly over the threads, are read in
-    parts by several threads and merged (with gpt-oss's sinks, and a sliding window): the reference
-    read within the usual tolerance, and a row's bits those it has alone."""
+    """Rows of 512 cells or more are read in parts by several threads, every K/V head of a part at
+    once, and merged (with gpt-oss's sinks, and a sliding window); shorter rows whole, their K/V
+    heads split over the threads: the reference read within the usual tolerance, and a row's bits
+    those it has alone."""
     torch.manual_seed(num_kv_heads)
     heads, head_dim, slots = 2 * num_kv_heads, 64, 11000
     k_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
-    q = torch.randn(4, heads, head_dim).to(dtype)
-    table = torch.randperm(slots)[:4 * 2600].view(4, 2600)
-    lengths = torch.tensor([2600, 1025, 1024, 3])  # several parts, one cell past one part, one part, a few
+    q = torch.randn(6, heads, head_dim).to(dtype)
+    table = torch.randperm(slots)[:6 * 2600].view(6, 2600)
+    # parts of at most 1024 cells (4 on 2 threads), a part a thread, two parts on 3 threads (none
+    # under 256 cells), one part, a few cells
+    lengths = torch.tensor([2600, 1025, 1024, 600, 511, 3])
     sinks = torch.randn(heads) * 4
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     handle = cpu_kernels.handle(tier)
@@ -402,7 +405,7 @@ def test_decode_attention_of_long_rows_read_in_parts_equals_the_reference(tier, 
             got = torch.ops.nanoserve.decode_attention(q, k_cache, v_cache, table, lengths, head_dim ** -0.5,
                                                        handle, window, sink)
             torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
-            for row in range(4):
+            for row in range(6):
                 alone = torch.ops.nanoserve.decode_attention(q[row:row + 1], k_cache, v_cache, table[row:row + 1],
                                                              lengths[row:row + 1], head_dim ** -0.5, handle, window,
                                                              sink)
