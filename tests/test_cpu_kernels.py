@@ -385,7 +385,7 @@ def test_decode_attention_of_long_rows_read_in_parts_equals_the_reference(tier, 
     heads split over the threads: the reference read within the usual tolerance, and a row's bits
     those it has alone."""
     torch.manual_seed(num_kv_heads)
-    heads, head_dim, slots = 2 * num_kv_heads, 64, 11000
+    heads, head_dim, slots = 2 * num_kv_heads, 64, 16000
     k_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(slots, num_kv_heads, head_dim).to(dtype)
     q = torch.randn(6, heads, head_dim).to(dtype)
