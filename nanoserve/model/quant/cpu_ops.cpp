@@ -565,6 +565,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     int64_t r = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[r + 1]) ++r;
+      // parts: the row's merged parts (0: read whole, task `part` a chunk of its heads)
       const int64_t parts = part_start[r + 1] - part_start[r], part = task - task_start[r];
       const auto [first, count] = cells_of(r);
       const char* q_r = q_p + r * q.stride(0) * size;
