@@ -3,6 +3,7 @@
 // algorithm is the scalar reference's (reference.cpp); a tier supplies its vector primitives
 // (simd_x86.h, simd_neon.h) and its name.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -945,9 +946,19 @@ inline void fetch_cell(const C& cells, int64_t slot, int64_t from, int64_t count
   __builtin_prefetch(cell + bytes - 1, 0, 1);  // a cell need not start on a line
   if constexpr (C::SCALED) {
     const char* steps = static_cast<const char*>(cells.steps(slot)) + from / 32 * 2;
-    __builtin_prefetch(steps);
-    __builtin_prefetch(steps + (count / 32) * 2 - 1);
+    __builtin_prefetch(steps, 0, 1);
+    __builtin_prefetch(steps + (count / 32) * 2 - 1, 0, 1);
   }
+}
+
+// f(std::integral_constant<int, n>) for a run-time n in 1..4 (at most MAX): a count of heads or
+// vectors a kernel's registers are sized by.
+template <int MAX = 4, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (MAX >= 4) if (n == 4) return f(std::integral_constant<int, 4>{});
+  if constexpr (MAX >= 3) if (n == 3) return f(std::integral_constant<int, 3>{});
+  if (n == 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 1>{});
 }
 
 // Scores of NC cells from slots[t] for NG query heads from g0 (NC * NG <= 4): each cell's values
@@ -998,11 +1009,8 @@ inline void score_tile(const KC& k, const int64_t* slots, int64_t t, int64_t len
       score_cells<2, 2>(kh, slots, t, qh, 0, D, sh, padded);
     } else {
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int64_t ng = std::min<int64_t>(4, group - g0);
-        if (ng == 4) score_cells<1, 4>(kh, slots, t, qh, g0, D, sh, padded);
-        else if (ng == 3) score_cells<1, 3>(kh, slots, t, qh, g0, D, sh, padded);
-        else if (ng == 2) score_cells<1, 2>(kh, slots, t, qh, g0, D, sh, padded);
-        else score_cells<1, 1>(kh, slots, t, qh, g0, D, sh, padded);
+        with_count(std::min<int64_t>(4, group - g0),
+                   [&](auto ng) { score_cells<1, ng>(kh, slots, t, qh, g0, D, sh, padded); });
       }
     }
   }
@@ -1049,17 +1057,6 @@ void weigh_values(const VC& v, const int64_t* slots, int64_t len, const float* w
 
 // Vectors of a head a value pass keeps in registers: NQ * NV sums beside NV values.
 constexpr int VALUE_VECTORS = V::REGISTERS >= 32 ? 4 : 2;
-
-template <int NQ, typename VC>
-void weigh_values_of(int64_t nv, const VC& v, const int64_t* slots, int64_t len, const float* w, int64_t padded,
-                     int64_t g0, int64_t d0, int64_t D, float* acc, int64_t fetch, int64_t cell_values) {
-  if constexpr (VALUE_VECTORS > 2) {
-    if (nv == 4) return weigh_values<NQ, 4>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
-    if (nv == 3) return weigh_values<NQ, 3>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
-  }
-  if (nv == 2) return weigh_values<NQ, 2>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
-  weigh_values<NQ, 1>(v, slots, len, w, padded, g0, d0, D, acc, fetch, cell_values);
-}
 
 template <typename E, typename KC, typename VC>
 void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots, int64_t len, int64_t heads,
@@ -1114,10 +1111,11 @@ void attend_typed(const E* q, int64_t q_stride, KC k, VC v, const int64_t* slots
           const int64_t fetch = h == 0 && g0 == 0 && c0 == 0 ? std::max<int64_t>(0, std::min(run, len - t0 - run)) : 0;
           const float* w = scores + h * group * padded + t0;
           float* a = acc + h * group * D;
-          if (nq == 4) weigh_values_of<4>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
-          else if (nq == 3) weigh_values_of<3>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
-          else if (nq == 2) weigh_values_of<2>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
-          else weigh_values_of<1>(nv, vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
+          with_count(nq, [&](auto q_heads) {
+            with_count<VALUE_VECTORS>(nv, [&](auto vectors) {
+              weigh_values<q_heads, vectors>(vh, slots + t0, run, w, padded, g0, d0, D, a, fetch, cell_values);
+            });
+          });
         }
       }
     }
