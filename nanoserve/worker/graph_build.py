@@ -45,8 +45,12 @@ def inductor_backend(mode: str | None, cpp_wrapper: bool) -> torch._TorchCompile
     calls its kernels from generated C++ rather than Python. A 1B step makes ~200 calls, on which
     the Python wrapper spent ~2 ms of a 32 ms step. The C++ wrapper is built apart from the
     kernels, which keeps a build 1.5-2x a Python wrapper's rather than 3.5x; CUDA graphs (what
-    reduce-overhead means) need the Python wrapper, and a CPU has none to record."""
-    options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False}
+    reduce-overhead means) need the Python wrapper, and a CPU has none to record.
+    The C++ wrapper's size asserts are off: each checked an input's (~500 at 135M) or a kernel
+    output's sizes and strides on every call, building a std::stringstream each time (~0.2 ms of
+    a 6 ms step), and the graph's key already holds every input's shape, stride and dtype."""
+    options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False,
+               "size_asserts": False}
     return torch._TorchCompileInductorWrapper(mode, options if cpp_wrapper else None, False)
 
 

@@ -36,10 +36,16 @@ constexpr int SUB = 16 / V::LANES;  // vectors per 16-output block
 // Whether a block of `rows` rows with 8-bit activations, holding both halves' integer sums beside
 // its fp32 sums, a code vector and an activation, needs more vector registers than the tier has.
 constexpr bool halves_spill(int rows) { return 2 * rows + SUB * rows + 2 > V::REGISTERS; }
-// Codes are fetched this many bytes ahead of their use: the hardware prefetcher alone leaves a
-// one-row product short of the memory bandwidth, and fetching further ahead (4-32 KB) reads
-// slower again on a Sapphire Rapids VM (a 1-row 1B pass on 2 MB pages: 2 KB 27 ms, 8 KB 32 ms).
+// Codes are fetched into L1 this many bytes ahead of their use: the hardware prefetcher alone
+// leaves a one-row product short of the memory bandwidth, and fetching further ahead into L1
+// (4-32 KB) reads slower again on a Sapphire Rapids VM (a 1-row 1B pass on 2 MB pages: 2 KB 27 ms,
+// 8 KB 32 ms).
 constexpr int64_t PREFETCH_BYTES = 2048;
+// ... and into L2 this far ahead, which keeps more lines in flight than L1's fill buffers do (32
+// lines at 2 KB hold one core's stream near 16 GB/s on Zen 4). It pays where a product is short
+// or streams alone: on a Zen 4 VM a pass of SmolLM2-135M's products at one row 0.87-0.94x the
+// time (8-16 KB alike), its 28 MB head 0.69-0.88x, a 1B pass unchanged (it was at its read floor).
+constexpr int64_t PREFETCH_L2_BYTES = 12288;
 // The `#pragma GCC unroll` lines below unroll the loops over rows, chains and code vectors, so
 // that the accumulator arrays they index stay in registers; left as loops, GCC keeps them on the
 // stack.
@@ -451,8 +457,7 @@ struct BlockScales {
       __builtin_prefetch(static_cast<const char*>(d) + at);
       if (!symmetric()) __builtin_prefetch(static_cast<const char*>(m) + at);
     }
-  }
-};
+  }};
 
 template <bool SPLIT, int KIND>
 struct KindScales : BlockScales<SPLIT> {
@@ -561,6 +566,7 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     const uint8_t* wg = w + g * F::GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
     for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
+    for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_L2_BYTES + l, 0, 2);
     scales.prefetch(g, F::GROUP_BYTES);
     // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
     // Where both halves' integer sums and the fp32 sums would not fit the tier's registers (AVX2
