@@ -124,12 +124,13 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy_ids
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
         sampled = exponential_race(self.probabilities(logits, params), generators)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(is_greedy, greedy_ids, sampled)
+        if not any(greedy):  # torch's argmax is a slow reduction on the CPU (~0.9 ms for 8 rows of 128K)
+            return sampled
+        return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
 
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
