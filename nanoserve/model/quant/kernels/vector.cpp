@@ -457,7 +457,8 @@ struct BlockScales {
       __builtin_prefetch(static_cast<const char*>(d) + at);
       if (!symmetric()) __builtin_prefetch(static_cast<const char*>(m) + at);
     }
-  }};
+  }
+};
 
 template <bool SPLIT, int KIND>
 struct KindScales : BlockScales<SPLIT> {
