@@ -46,6 +46,9 @@ constexpr int64_t PREFETCH_BYTES = 2048;
 // or streams alone: on a Zen 4 VM a pass of SmolLM2-135M's products at one row 0.87-0.94x the
 // time (8-16 KB alike), its 28 MB head 0.69-0.88x, a 1B pass unchanged (it was at its read floor).
 constexpr int64_t PREFETCH_L2_BYTES = 12288;
+// A hint to fetch the line holding p into L2 (x86 prefetcht1, ARM PLDL2KEEP), where more misses
+// can be in flight than L1's fill buffers hold.
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 // The `#pragma GCC unroll` lines below unroll the loops over rows, chains and code vectors, so
 // that the accumulator arrays they index stay in registers; left as loops, GCC keeps them on the
 // stack.
@@ -566,8 +569,10 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * F::GROUP_BYTES;
     // A prefetch is a hint: past the end of the weights it fetches nothing and cannot fault.
-    for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_BYTES + l);
-    for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) __builtin_prefetch(wg + PREFETCH_L2_BYTES + l, 0, 2);
+    for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) {
+      __builtin_prefetch(wg + PREFETCH_BYTES + l);
+      prefetch_l2(wg + PREFETCH_L2_BYTES + l);
+    }
     scales.prefetch(g, F::GROUP_BYTES);
     // 8-bit activations have a step per half group: their sums come per half, as a group-16 format's.
     // Where both halves' integer sums and the fp32 sums would not fit the tier's registers (AVX2
@@ -943,18 +948,18 @@ struct Q8Cells {  // q8_0: int8 codes, an fp16 step per 32
 
 // Prefetches the cache lines of values [from, from + count) of the cell in `slot` (counted from
 // this view's first head: every head's, for a whole cell) and, if scaled, their steps. Into L2
-// (prefetcht1), which keeps more misses in flight than L1's fill buffers: a step's scattered
-// cells read 0.78-0.9x the time on Zen 4 (Gemma 3 270M's and Llama 3.2 1B's shapes, 2048-8192 cells).
+// (prefetch_l2): a step's scattered cells read 0.78-0.9x the time on Zen 4 (Gemma 3 270M's and
+// Llama 3.2 1B's shapes, 2048-8192 cells).
 template <typename C>
 inline void fetch_cell(const C& cells, int64_t slot, int64_t from, int64_t count) {
   const char* cell = reinterpret_cast<const char*>(cells.cell(slot) + from);
   const int64_t bytes = count * static_cast<int64_t>(sizeof(*cells.cell(slot)));
-  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(cell + l, 0, 1);
-  __builtin_prefetch(cell + bytes - 1, 0, 1);  // a cell need not start on a line
+  for (int64_t l = 0; l < bytes; l += 64) prefetch_l2(cell + l);
+  prefetch_l2(cell + bytes - 1);  // a cell need not start on a line
   if constexpr (C::SCALED) {
     const char* steps = static_cast<const char*>(cells.steps(slot)) + from / 32 * 2;
-    __builtin_prefetch(steps, 0, 1);
-    __builtin_prefetch(steps + (count / 32) * 2 - 1, 0, 1);
+    prefetch_l2(steps);
+    prefetch_l2(steps + (count / 32) * 2 - 1);
   }
 }
 
