@@ -130,16 +130,17 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives():
     assert [t for t, _ in lp.top] == [1, 2]
 
 
-def test_seeded_and_global_draws_are_pinned():
-    # Recorded before Sampler.distribution was split out of __call__: the refactor (and any
-    # later one) must draw the same tokens from the same generator states (torch's CPU RNG).
+def test_seeded_and_global_draws_of_the_race_are_pinned():
+    # The exponential race (the GPU's path), recorded before Sampler.distribution was split out
+    # of __call__: a refactor must draw the same tokens from the same generator states (torch's
+    # CPU RNG). The CPU op's draws are pinned by test_sample_rows_* below.
     torch.manual_seed(0)
     logits = torch.randn(3, 100)
     params = [SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=0.8, seed=11),
               SamplingParams(top_p=0.9, min_p=0.05)]
     gen = _gen(11)
     torch.manual_seed(3)
-    draws = [Sampler()(logits, params, [None, gen, None]).token_ids.tolist() for _ in range(5)]
+    draws = [Sampler(cpu_op=False)(logits, params, [None, gen, None]).token_ids.tolist() for _ in range(5)]
     assert draws == [[62, 98, 46], [23, 16, 60], [59, 10, 37], [96, 24, 44], [62, 82, 70]]
 
 

@@ -1,9 +1,11 @@
 """One vectorised sampler for a batch whose rows each carry their own SamplingParams.
 
-Sampling is the exponential race (Gumbel-max in disguise): ``argmax(probs / q)`` with
-``q ~ Exp(1)`` draws from ``probs``. It needs one random number per vocabulary entry and
-no sort, and a request with a seed draws its row's ``q`` from its own generator, so its
-tokens do not depend on what else shares the batch.
+On the CPU a row's token is the one at a uniform draw u of its law's cumulative distribution,
+chosen by nanoserve's ``sample_rows`` op (worker/sample_rows.cpp): one random number a row, the
+vocabulary neither sorted nor raced. Elsewhere (a GPU) sampling is the exponential race
+(Gumbel-max in disguise): ``argmax(probs / q)`` with ``q ~ Exp(1)`` draws from ``probs``, one random
+number per vocabulary entry and no sort. Both draw from ``distribution``'s law, and a request
+with a seed draws from its own generator, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanoserve.model.quant import cpu_kernels
 from nanoserve.structured.masks import TokenMasks, apply_token_masks
 from nanoserve.worker.scoring import TokenLogprobs, gather_logprobs
 
 if TYPE_CHECKING:
     from nanoserve.engine.sampling_params import SamplingParams  # plain data: the type alone
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "exponential_race", "gather_logprobs", "sample_isolated"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "exponential_race", "gather_logprobs", "sample_isolated",
+           "sample_rows"]
 
 
 @dataclass
@@ -62,7 +66,12 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, params: list[Samplin
 class Sampler:
     """Samples one token per row. ``histories[i]`` is row i's (prompt ids, output ids),
     read only when a row asks for penalties. ``masks`` hold the constrained rows' allowed
-    tokens: applied after the logprobs are taken and before every filter, greedy included."""
+    tokens: applied after the logprobs are taken and before every filter, greedy included.
+    ``cpu_op``: CPU logits go to the ``sample_rows`` op where nanoserve's ops library loads
+    (False: the exponential race everywhere, as on a GPU)."""
+
+    def __init__(self, cpu_op: bool = True) -> None:
+        self.cpu_op = cpu_op
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -125,12 +134,33 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
         greedy = [p.greedy for p in params]
+        if self.cpu_op and logits.device.type == "cpu" and cpu_kernels.ops_available():
+            return sample_rows(logits, params, generators, draws=not all(greedy))
         if all(greedy):
             return logits.argmax(dim=-1)
         sampled = exponential_race(self.probabilities(logits, params), generators)
         if not any(greedy):  # torch's argmax is a slow reduction on the CPU (~0.9 ms for 8 rows of 128K)
             return sampled
         return torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                draws: bool = True) -> torch.Tensor:
+    """One token per row of processed CPU logits by the ``sample_rows`` op: each row's uniform
+    draw first from the global RNG, then a seeded row's again from its own generator (as
+    ``exponential_race`` draws its races). ``draws`` False (every row greedy): no draw at all."""
+    n = len(params)
+    uniform = torch.zeros(n, dtype=torch.float64)
+    if draws:
+        uniform = torch.rand(n, dtype=torch.float64)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                uniform[row] = torch.rand(1, dtype=torch.float64, generator=gen)
+    return torch.ops.nanoserve.sample_rows(
+        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32), uniform)
 
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -102,9 +102,10 @@ def _machine() -> str:
 
 @functools.cache
 def _ops_loaded() -> bool:
-    """Build and register the torch ops (cpu_ops.cpp, no instruction flags) once per process."""
+    """Build and register the torch ops (cpu_ops.cpp, no instruction flags) once per process;
+    the same library holds the GGUF packer and the sampler's op (worker/sample_rows.cpp)."""
     from torch.utils.cpp_extension import load
-    sources = [HERE / "cpu_ops.cpp", HERE / "gguf_pack.cpp"]
+    sources = [HERE / "cpu_ops.cpp", HERE / "gguf_pack.cpp", HERE.parent.parent / "worker" / "sample_rows.cpp"]
     # torch's build cache is a folder per name, rebuilt when another process builds other
     # sources under it: the sources' and the shared header's hash in the name keep two source
     # trees (or versions) from rebuilding each other's library, and the machine in it keeps an
@@ -129,6 +130,11 @@ def _ops_loaded() -> bool:
     torch.library.register_fake("nanoserve::dequantize")(_dequantized_like)
     torch.library.register_fake("nanoserve::dequantize_rows")(_rows_like)
     return True
+
+
+def ops_available() -> bool:
+    """Whether nanoserve's torch ops library built and registered here (built on first use)."""
+    return _ops_loaded()
 
 
 @functools.cache

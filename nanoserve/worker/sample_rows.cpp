@@ -1,0 +1,318 @@
+// One token per row of logits, each row by its own law (temperature, top-k, top-p, min-p) and
+// its own uniform draw u in [0, 1): the token at u of the law's cumulative distribution. It
+// draws from the same law as the sampler's torch path (nanoserve/worker/sampler.py), without
+// sorting the vocabulary or drawing a random number per token: the O(vocab) passes are torch's
+// vectorised max and exp, and what is left here is selection over the few tokens a filter keeps.
+//
+// A row's weights are e = exp((x - max) / T), the max's weight 1 (a token's probability is e / Z).
+//   top-k: the tokens at or above the k-th largest logit (ties with it stay in);
+//   top-p: of those, by descending logit, each token whose predecessors' mass is below p Z;
+//   min-p: of those, each token whose e is at least min_p (its probability / the largest's);
+//   then u picks the token where the kept weights' running sum first passes u times their sum.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace {
+
+struct Law {
+  float temperature;  // 0: greedy
+  int64_t top_k;      // 0 or >= vocab: off
+  float top_p;        // 1: off
+  float min_p;        // 0: off
+  double u;           // the row's uniform draw
+};
+
+struct Candidate {
+  float x;  // the logit
+  float e;  // its weight
+  int64_t i;
+};
+
+// The k-th largest of x[0, n), 0 < k < n: a min-heap of the k largest seen, most values
+// rejected by one comparison with its least.
+float kth_largest(const float* x, int64_t n, int64_t k) {
+  std::vector<float> heap(x, x + k);
+  std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+  for (int64_t i = k; i < n; ++i) {
+    if (x[i] > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+      heap.back() = x[i];
+      std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    }
+  }
+  return heap.front();
+}
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+// This library is built with no instruction flags (it loads on any x86-64); the weights' pass
+// is cloned for AVX-512 and AVX2 and the loader picks the widest the CPU has (GCC's ifunc).
+#define NANOSERVE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define NANOSERVE_VECTOR_CLONES
+#endif
+
+// e^y for y <= 0, 0 below -87 (and for -inf): 2^n times a degree-6 polynomial of the rest
+// (relative error ~1e-7), written so that the compiler vectorises a loop of it.
+inline float exp_nonpositive(float y) {
+  const float z = y < -87.f ? -87.f : y;
+  const float n = (z * 1.44269504f + 12582912.f) - 12582912.f;  // rint, for |z| < 2^22
+  const float f = n * -0.693147181f + z;
+  float p = 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return y < -87.f ? 0.f : p * two_n;
+}
+
+constexpr int64_t CHUNK = 512;  // the weights' sums are kept per chunk of this many tokens
+
+// e[i] = exp((x[i] - top) * scale) over [0, n), and each chunk's sum of them into chunks[].
+NANOSERVE_VECTOR_CLONES
+void weights_of(const float* __restrict x, int64_t n, float top, float scale, float* __restrict e,
+                double* __restrict chunks) {
+  constexpr int L = 16;
+  for (int64_t c = 0; c < n; c += CHUNK) {
+    const int64_t end = std::min(n, c + CHUNK);
+    float lanes[L] = {};
+    int64_t i = c;
+    for (; i + L <= end; i += L) {
+      for (int l = 0; l < L; ++l) {
+        const float w = exp_nonpositive((x[i + l] - top) * scale);
+        e[i + l] = w;
+        lanes[l] += w;
+      }
+    }
+    double sum = 0.0;
+    for (; i < end; ++i) sum += e[i] = exp_nonpositive((x[i] - top) * scale);
+    for (float v : lanes) sum += v;
+    chunks[c / CHUNK] = sum;
+  }
+}
+
+// The first index of `top` in the row, a run of 16 compared at once (-1: none).
+NANOSERVE_VECTOR_CLONES
+int64_t first_equal(const float* __restrict x, int64_t n, float top) {
+  constexpr int L = 16;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    int hit = 0;
+    for (int l = 0; l < L; ++l) hit |= x[i + l] == top;
+    if (hit) break;
+  }
+  for (; i < n; ++i) {
+    if (x[i] == top) return i;
+  }
+  return -1;
+}
+
+// The first index of the row's largest value (of its first NaN where it has one, as torch.argmax).
+int64_t first_max(const float* x, int64_t n, float top) {
+  if (top == top) return std::max<int64_t>(0, first_equal(x, n, top));
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] != x[i]) return i;
+  }
+  return 0;
+}
+
+// The index where the running sum of e over [0, n) first passes u times its total (chunks:
+// weights_of's sums); rounding past the end falls back to the last index of positive weight.
+int64_t walk_row(const float* e, int64_t n, const double* chunks, double u) {
+  const int64_t count = (n + CHUNK - 1) / CHUNK;
+  double total = 0.0;
+  for (int64_t c = 0; c < count; ++c) total += chunks[c];
+  const double target = u * total;
+  double seen = 0.0;
+  for (int64_t c = 0; c < count; ++c) {
+    if (seen + chunks[c] <= target) {
+      seen += chunks[c];
+      continue;
+    }
+    for (int64_t i = c * CHUNK; i < std::min(n, (c + 1) * CHUNK); ++i) {
+      seen += e[i];
+      if (seen > target && e[i] > 0.f) return i;
+    }
+  }
+  for (int64_t i = n - 1; i > 0; --i) {
+    if (e[i] > 0.f) return i;
+  }
+  return 0;
+}
+
+// The token at u among the candidates (in their order), by their weights.
+int64_t walk_candidates(const std::vector<Candidate>& kept, double u) {
+  double total = 0.0;
+  for (const Candidate& c : kept) total += c.e;
+  const double target = u * total;
+  double seen = 0.0;
+  int64_t last = kept.front().i;
+  for (const Candidate& c : kept) {
+    seen += c.e;
+    if (c.e > 0.f) last = c.i;
+    if (seen > target) return c.i;
+  }
+  return last;
+}
+
+// A positive weight's bucket: its float bits' exponent and top 6 mantissa bits, increasing with
+// the weight (buckets 1/64 of an octave wide; e <= 1 keeps them below WEIGHT_BUCKETS).
+constexpr int WEIGHT_BUCKETS = (0x3f800000 >> 17) + 1;
+int weight_bucket(float e) {
+  uint32_t bits;
+  std::memcpy(&bits, &e, 4);
+  return static_cast<int>(bits >> 17);
+}
+
+// Descending logit order, ties by index.
+bool before_in_order(const Candidate& a, const Candidate& b) { return a.x > b.x || (a.x == b.x && a.i < b.i); }
+
+// What a top-p of p keeps of candidates in descending order from `above` (the mass before
+// them) on: each whose predecessors' mass is below target = p times the whole mass.
+void keep_nucleus(std::vector<Candidate>& kept, std::vector<Candidate>& edge, double above, double target) {
+  std::sort(edge.begin(), edge.end(), before_in_order);
+  for (const Candidate& c : edge) {
+    if (above >= target && !kept.empty()) break;
+    kept.push_back(c);
+    above += c.e;
+  }
+}
+
+// Top-p of p over a few weighed candidates: all sorted.
+std::vector<Candidate> nucleus_of(std::vector<Candidate> candidates, float p) {
+  double z = 0.0;
+  for (const Candidate& c : candidates) z += c.e;
+  std::vector<Candidate> kept;
+  keep_nucleus(kept, candidates, 0.0, static_cast<double>(p) * z);
+  return kept;
+}
+
+// Top-p of p over a whole row of weights e: a histogram of the weights finds the bucket where
+// the running mass (heaviest first) crosses p times the total; the buckets above it are kept
+// whole and only the crossing bucket's tokens are sorted.
+std::vector<Candidate> nucleus_of_row(const float* x, const float* e, int64_t n, float p) {
+  std::vector<double> mass(WEIGHT_BUCKETS, 0.0);
+  double z = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (e[i] > 0.f) mass[weight_bucket(e[i])] += e[i], z += e[i];
+  }
+  const double target = static_cast<double>(p) * z;
+  double above = 0.0;  // the mass of the buckets above the crossing one
+  int cross = WEIGHT_BUCKETS - 1;
+  while (cross > 0 && above + mass[cross] < target) above += mass[cross--];
+  std::vector<Candidate> kept, edge;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(e[i] > 0.f)) continue;
+    const int b = weight_bucket(e[i]);
+    if (b > cross) kept.push_back({x[i], e[i], i});
+    else if (b == cross) edge.push_back({x[i], e[i], i});
+  }
+  keep_nucleus(kept, edge, above, target);
+  return kept;
+}
+
+// The candidates' weights, one exp each: the few tokens a top-k or min-p admits.
+void weigh(std::vector<Candidate>& kept, float top, float scale) {
+  for (Candidate& c : kept) c.e = std::exp((c.x - top) * scale);
+}
+
+int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::vector<float>& e,
+                   std::vector<double>& chunks) {
+  if (law.temperature == 0.f || !std::isfinite(top)) return first_max(x, n, top);
+  const float scale = std::min(std::max(1.f / law.temperature, FLT_MIN), FLT_MAX);
+  std::vector<Candidate> kept;
+  if (law.top_k > 0 && law.top_k < n) {
+    // top-k's survivors: the tokens at or above the k-th largest logit (masked ones have none).
+    const float kth = kth_largest(x, n, law.top_k);
+    for (int64_t i = 0; i < n; ++i) {
+      if (x[i] >= kth && x[i] > -INFINITY) kept.push_back({x[i], 0.f, i});
+    }
+    weigh(kept, top, scale);
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [](const Candidate& c) { return !(c.e > 0.f); }),
+               kept.end());
+    if (law.top_p < 1.f) kept = nucleus_of(std::move(kept), law.top_p);
+  } else if (law.top_p < 1.f || law.min_p == 0.f) {
+    e.resize(n);
+    chunks.resize((n + CHUNK - 1) / CHUNK);
+    weights_of(x, n, top, scale, e.data(), chunks.data());
+    if (law.top_p == 1.f && law.min_p == 0.f) return walk_row(e.data(), n, chunks.data(), law.u);
+    kept = nucleus_of_row(x, e.data(), n, law.top_p);
+  } else {
+    // min-p alone: e >= min_p where x >= top + ln(min_p) / scale; the logits admit a little more
+    // than that (e >= min_p / 1.001) and the weights decide.
+    const float floor = top + (std::log(law.min_p) - 1e-3f) / scale;
+    for (int64_t i = 0; i < n; ++i) {
+      if (x[i] >= floor && x[i] > -INFINITY) kept.push_back({x[i], 0.f, i});
+    }
+    weigh(kept, top, scale);
+  }
+  if (law.min_p > 0.f) {  // the largest (e = 1) always stays
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const Candidate& c) { return !(c.e >= law.min_p); }),
+               kept.end());
+  }
+  return walk_candidates(kept, law.u);
+}
+
+// logits [n, vocab] (any float type), temperature/top_p/min_p [n] fp32, top_k [n] int64,
+// uniform [n] fp64 in [0, 1) -> tokens [n] int64. A greedy row (temperature 0) takes its first
+// largest logit; so does a row whose largest is not finite (every token masked, or a NaN).
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniform) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_floating_point() && logits.device().is_cpu(),
+              "logits must be a [rows, vocab] float CPU tensor, got ", logits.sizes(), " ", logits.scalar_type());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "a vocabulary of ", vocab, " tokens");
+  const auto check = [rows](const at::Tensor& t, at::ScalarType type, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type && t.device().is_cpu(), name,
+                " must be a CPU ", type, " tensor of ", rows, " values, got ", t.sizes(), " ", t.scalar_type());
+  };
+  check(temperature, at::kFloat, "temperature");
+  check(top_k, at::kLong, "top_k");
+  check(top_p, at::kFloat, "top_p");
+  check(min_p, at::kFloat, "min_p");
+  check(uniform, at::kDouble, "uniform");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  if (rows == 0) return out;
+  const at::Tensor x = logits.to(at::kFloat).contiguous();
+  const at::Tensor top = at::amax(x, 1, true);
+  const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous(),
+                   mp = min_p.contiguous(), u = uniform.contiguous();
+  const float* xs = x.data_ptr<float>();
+  const float* tops = top.data_ptr<float>();
+  const float* ts = t.data_ptr<float>();
+  const int64_t* ks = k.data_ptr<int64_t>();
+  const float* ps = p.data_ptr<float>();
+  const float* mps = mp.data_ptr<float>();
+  const double* us = u.data_ptr<double>();
+  int64_t* tokens = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e;  // a row's weights, where its law needs every token's
+    std::vector<double> chunks;
+    for (int64_t r = begin; r < end; ++r) {
+      tokens[r] = sample_row(xs + r * vocab, vocab, tops[r], Law{ts[r], ks[r], ps[r], mps[r], us[r]}, e, chunks);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoserve, lib) {
+  lib.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+          "Tensor uniform) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) { lib.impl("sample_rows", &sample_rows); }
