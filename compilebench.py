@@ -16,6 +16,7 @@ from compile import (
     fidelity_suite,
     headline,
     linear_bench,
+    sampling_bench,
     scale,
     serve_bench,
     slotbench,
@@ -40,6 +41,7 @@ SUITES: dict[str, Callable[[Sequence[str]], int]] = {
     "tp": tp_bench.main,
     "scale": scale.main,
     "structured": structured_bench.main,
+    "sampling": sampling_bench.main,
     "spec": spec_bench.main,
     "startup": startup.main,
 }
