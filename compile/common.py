@@ -31,6 +31,13 @@ WEIGHT_CHOICES = (*WEIGHT_FORMATS, "auto+dense", "auto+a8", "auto+a16")
 MODES = ("eager", "compile")
 
 
+# The laws a decode benchmark can sample by, as SamplingParams fields. "llama.cpp": its command
+# line's defaults (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8); llama.cpp applies them in
+# its own order (temperature last), nanoserve in vLLM's (temperature first): the same work.
+SAMPLING_LAWS = {"greedy": dict(temperature=0.0),
+                 "llama.cpp": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)}
+
+
 @dataclass(frozen=True)
 class DecodeWorkload:
     """The e2e and headline suites' run: every weight format x mode x batch decodes the same
@@ -50,6 +57,7 @@ class DecodeWorkload:
     llama_repack: str = "both"
     kv_cache_bytes: int | None = None
     kv_cache_types: tuple[str, ...] = ("auto",)  # an engine arm per K/V cache type
+    sampling: str = "greedy"  # a name in SAMPLING_LAWS: every system samples by it, with its own sampler
 
     @property
     def max_len(self) -> int:

@@ -26,6 +26,7 @@ import torch
 from compile import llama_peer
 from compile.common import (
     MODES,
+    SAMPLING_LAWS,
     WEIGHT_CHOICES,
     DecodeWorkload,
     add_output_options,
@@ -114,17 +115,19 @@ def build_engines(work: DecodeWorkload, weights: str) -> dict[str, object]:
 
 
 def one_pass(engines: dict, peers: Peers, prompts: list[list[int]], new_tokens: int,
-             read: torch.Tensor | None = None):
-    """Every engine and peer decoding ``prompts`` interleaved, with a timed read of ``read`` among
-    them when given (its seconds under READ); returns (PassResult, engine arms)."""
-    arms = {mode: EngineSteps(engine, prompts, new_tokens) for mode, engine in engines.items()}
+             read: torch.Tensor | None = None, sampling: str = "greedy"):
+    """Every engine and peer decoding ``prompts`` interleaved, each by the law ``sampling`` names
+    (common.SAMPLING_LAWS) with its own sampler, with a timed read of ``read`` among them when
+    given (its seconds under READ); returns (PassResult, engine arms)."""
+    law = SAMPLING_LAWS[sampling]
+    arms = {mode: EngineSteps(engine, prompts, new_tokens, law) for mode, engine in engines.items()}
     everyone = dict(arms)
     if read is not None:
         everyone[READ] = ReadSampler(read)
     if peers.llama is not None:
-        everyone[LLAMA_CPP] = llama_peer.LlamaCppSteps(peers.llama, prompts, new_tokens)
+        everyone[LLAMA_CPP] = llama_peer.LlamaCppSteps(peers.llama, prompts, new_tokens, law)
     if peers.llama_unrepacked is not None:
-        everyone[LLAMA_UNREPACKED] = llama_peer.LlamaCppSteps(peers.llama_unrepacked, prompts, new_tokens)
+        everyone[LLAMA_UNREPACKED] = llama_peer.LlamaCppSteps(peers.llama_unrepacked, prompts, new_tokens, law)
     return interleaved_run(everyone, prompts, new_tokens, peers.reference), arms
 
 
@@ -137,12 +140,12 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
     engines = build_engines(work, weights)
     any_engine = next(iter(engines.values()))
     warm = make_prompts(max(work.batches), 8, any_engine.vocab_size, seed=99)
-    one_pass(engines, peers, warm, 4)  # first-call costs (and the first compile) out of the measurement
+    one_pass(engines, peers, warm, 4, sampling=work.sampling)  # first-call costs (and the first compile) out of the measurement
     rows = []
     read = read_buffer(SAMPLE_BYTES)
     for batch in work.batches:
         prompts = make_prompts(batch, work.prompt_len, any_engine.vocab_size)
-        result, arms = one_pass(engines, peers, prompts, work.new_tokens, read)
+        result, arms = one_pass(engines, peers, prompts, work.new_tokens, read, work.sampling)
         floor = matmul_floor_seconds(any_engine.model, batch)
         reads = result.decode_steps[READ]
         bandwidth = read.nbytes / statistics.median(reads)
@@ -152,7 +155,8 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
         read_bytes = weight_bytes + cache_bytes
         for name, arm in arms.items():
             mode, _, kv = name.partition(" kv ")
-            row = dict(weights=weights, mode=mode, kv_cache=kv or "auto", batch=batch, **_speed(result, name, batch),
+            row = dict(weights=weights, mode=mode, kv_cache=kv or "auto", sampling=work.sampling, batch=batch,
+                       **_speed(result, name, batch, work.sampling == "greedy"),
                        floor_ms=floor * 1e3, bw_floor_ms=read_bytes / bandwidth * 1e3,
                        weight_mb=weight_bytes / 1e6, cache_mb=cache_bytes / 1e6,
                        resident_mb=any_engine.weight_bytes / 1e6,
@@ -169,8 +173,9 @@ def measure_format(work: DecodeWorkload, weights: str, peers: Peers) -> list[dic
     return rows
 
 
-def _speed(result, mode: str, batch: int) -> dict:
-    """One engine arm's tokens/s and its ratios against each peer in the pass."""
+def _speed(result, mode: str, batch: int, greedy: bool = True) -> dict:
+    """One engine arm's tokens/s and its ratios against each peer in the pass (and, greedy, how
+    many rows' tokens are the peer's)."""
     ours = result.decode_steps[mode]
     step = statistics.median(ours)
     row = dict(tok_s=batch / step, step_ms=step * 1e3)
@@ -183,7 +188,8 @@ def _speed(result, mode: str, batch: int) -> dict:
         row.update({f"{key}_tok_s": batch / statistics.median(theirs),
                     f"{key}_step_ms": statistics.median(theirs) * 1e3,
                     f"vs_{key}": statistics.median(ratios), f"vs_{key}_p10": ratios[len(ratios) // 10],
-                    f"vs_{key}_p90": ratios[len(ratios) * 9 // 10], f"same_as_{key}": f"{same}/{batch}"})
+                    f"vs_{key}_p90": ratios[len(ratios) * 9 // 10],
+                    f"same_as_{key}": f"{same}/{batch}" if greedy else "sampled"})
     return row
 
 
@@ -191,8 +197,10 @@ def run(work: DecodeWorkload) -> list[dict]:
     if work.llama_cpp and not llama_peer.available():
         print(llama_peer.ABSENT)
         work = replace(work, llama_cpp=False)
+    if work.sampling != "greedy" and work.transformers:
+        raise ValueError("--sampling: the transformers arm decodes greedily; add --no-transformers")
     peers = Peers.load(work)
-    print(f"e2e: {work.prompt_len}-token prompts, {work.new_tokens} greedy tokens, torch threads "
+    print(f"e2e: {work.prompt_len}-token prompts, {work.new_tokens} tokens ({work.sampling}), torch threads "
           f"{torch.get_num_threads()}" + (f", llama.cpp threads {work.threads}" if peers.llama else ""))
     print(format_table([], COLUMNS))
     try:
@@ -252,6 +260,9 @@ def add_workload_options(parser: argparse.ArgumentParser, defaults: DecodeWorklo
                         help="llama.cpp's weights: 'auto' runs its defaults (repacked) where they work here, else "
                              "unrepacked, saying why; 'both' (the default) adds an unrepacked arm beside repacked "
                              "defaults; 'on' fails where repacking crashes; 'off' never repacks")
+    parser.add_argument("--sampling", choices=tuple(SAMPLING_LAWS), default=defaults.sampling,
+                        help="how every system chooses its tokens: greedy (the default), or llama.cpp's command "
+                             "line defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), each by its own sampler")
     add_output_options(parser)
 
 
@@ -261,7 +272,7 @@ def workload_from(args: argparse.Namespace, defaults: DecodeWorkload) -> DecodeW
                           prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                           transformers=not args.no_transformers, llama_cpp=not args.no_llama_cpp,
                           threads=args.threads, kv_cache_bytes=args.kv_cache_bytes, llama_repack=args.llama_repack,
-                          kv_cache_types=args.kv_cache_dtype)
+                          kv_cache_types=args.kv_cache_dtype, sampling=args.sampling)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

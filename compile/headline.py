@@ -41,6 +41,7 @@ def headline_rows(results: list[dict], host: dict | None = None) -> list[dict]:
     table: dict[tuple, dict] = {}
     for r in results:
         row = table.setdefault((r["weights"], r["batch"]), dict(**(host or {}), weights=r["weights"],
+                                                                 sampling=r.get("sampling", "greedy"),
                                                                  batch=r["batch"]))
         row[f"{r['mode']}_tok_s"] = r["tok_s"]
         row[f"{r['mode']}_x_bw_floor"] = r["x_bw_floor"]

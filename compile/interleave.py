@@ -48,8 +48,9 @@ class StepTiming:
 class EngineSteps:
     """Drives the engine one step at a time and times each; collects the finished tokens."""
 
-    def __init__(self, engine, prompts: list[list[int]], new_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    def __init__(self, engine, prompts: list[list[int]], new_tokens: int, law: dict | None = None) -> None:
+        # law: SamplingParams fields (common.SAMPLING_LAWS); None: greedy
+        params = SamplingParams(**(law or dict(temperature=0.0)), max_tokens=new_tokens, ignore_eos=True)
         self.engine = engine
         self.ids = [engine.add_request(p, params) for p in prompts]
         self.timing = StepTiming()

@@ -3,7 +3,8 @@
 An optional extra (``pip install -e '.[peers]'``; it compiles llama.cpp from source for several
 minutes). Every suite runs without it and says so. Rows are llama.cpp sequences: a decode
 step is one ``llama_decode`` over a batch of one token per sequence, then a greedy argmax
-over its logits, which is the same work as the engine's decode step.
+over its logits (or, sampling, llama.cpp's own sampler chain), the same work as the engine's
+decode step.
 """
 
 from __future__ import annotations
@@ -118,12 +119,17 @@ class LlamaCpp:
 
 
 class LlamaCppSteps:
-    """Greedy decoding of one batch of prompts, one step per ``step()`` call, each timed: the
-    first call is the prefill (one decode per prompt), every later one a batched decode step."""
+    """Decoding of one batch of prompts, one step per ``step()`` call, each timed: the first call
+    is the prefill (one decode per prompt), every later one a batched decode step. Greedy, or with
+    ``law`` (SamplingParams fields: temperature, top_k, top_p, min_p) by llama.cpp's own sampler
+    chain in its command line's order (top-k, top-p, min-p, temperature, then the draw)."""
 
-    def __init__(self, peer: LlamaCpp, prompts: list[list[int]], new_tokens: int) -> None:
+    def __init__(self, peer: LlamaCpp, prompts: list[list[int]], new_tokens: int, law: dict | None = None) -> None:
         peer.clear()
         self.peer = peer
+        self.chain = None
+        if law is not None and law.get("temperature", 1.0) > 0:
+            self.chain = _sampler_chain(peer.lib, law)
         self.prompts = prompts
         self.new_tokens = new_tokens
         self.outputs: list[list[int]] = [[] for _ in prompts]
@@ -145,14 +151,30 @@ class LlamaCppSteps:
             last = np.array([out[-1] for out in self.outputs])
             positions = np.array([len(p) + len(out) - 1 for p, out in zip(self.prompts, self.outputs)])
             logits = self.peer.decode(last, positions, self._rows, self._all_rows)
-            for out, token in zip(self.outputs, logits.argmax(axis=1).tolist()):
-                out.append(token)
+            if self.chain is None:
+                for out, token in zip(self.outputs, logits.argmax(axis=1).tolist()):
+                    out.append(token)
+            else:
+                for row, out in enumerate(self.outputs):
+                    out.append(self._sample(row))
         self.durations.append(time.perf_counter() - started)
+        if self.done:
+            self.close()
 
     def _prefill(self) -> None:
         for row, prompt in enumerate(self.prompts):
             logits = prefill_logits(self.peer, prompt, every_position=False, sequence=row)
-            self.outputs[row].append(int(logits[-1].argmax()))
+            self.outputs[row].append(int(logits[-1].argmax()) if self.chain is None else self._sample(-1))
+
+    def _sample(self, output: int) -> int:
+        """The chain's token from the last decode's output ``output`` (-1: its last)."""
+        return int(self.peer.lib.llama_sampler_sample(self.chain, self.peer.context, output))
+
+    def close(self) -> None:
+        """Free the sampler chain (a finished run's)."""
+        if self.chain is not None:
+            self.peer.lib.llama_sampler_free(self.chain)
+            self.chain = None
 
     @property
     def decode_steps(self) -> list[float]:
@@ -161,6 +183,20 @@ class LlamaCppSteps:
     @property
     def tokens(self) -> list[list[int]]:
         return self.outputs
+
+
+def _sampler_chain(lib, law: dict):
+    """llama.cpp's sampler chain for a law: the filters it sets, the temperature, a seeded draw."""
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+    if law.get("top_k", 0) > 0:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(law["top_k"]))
+    if law.get("top_p", 1.0) < 1.0:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(law["top_p"], 1))
+    if law.get("min_p", 0.0) > 0.0:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(law["min_p"], 1))
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(law["temperature"]))
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(0))
+    return chain
 
 
 def prefill_logits(peer: LlamaCpp, token_ids: list[int], every_position: bool, sequence: int = 0) -> np.ndarray:

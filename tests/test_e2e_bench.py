@@ -92,6 +92,16 @@ def test_engine_alone_times_its_decode_steps(engine_and_reference):
     assert 0.0 <= steps.outside_forward < 1.0
 
 
+def test_a_sampled_run_samples_every_arm_and_refuses_the_greedy_reference(tiny_dir, monkeypatch):
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    work = DecodeWorkload(model=str(tiny_dir), weights=("int4",), modes=("eager",), batches=(2,), prompt_len=6,
+                          new_tokens=4, transformers=False, sampling="llama.cpp")
+    rows = run(work)
+    assert [(r["sampling"], r["batch"]) for r in rows] == [("llama.cpp", 2)] and rows[0]["tok_s"] > 0
+    with pytest.raises(ValueError, match="--no-transformers"):
+        run(DecodeWorkload(model=str(tiny_dir), weights=("int4",), modes=("eager",), sampling="llama.cpp"))
+
+
 def test_e2e_rows_per_format_mode_and_batch_with_floors_and_ratios(tiny_dir, monkeypatch, capsys):
     monkeypatch.setattr(llama_peer, "available", lambda: False)
     work = DecodeWorkload(model=str(tiny_dir), weights=("fp32", "int4"), modes=("eager",), batches=(1, 2),

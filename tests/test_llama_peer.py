@@ -48,6 +48,18 @@ def test_batched_steps_decode_every_row_to_the_same_length(peer, smollm2):
     assert sum(a == b for a, b in zip(alone, steps.tokens[0])) >= 5
 
 
+def test_sampled_steps_draw_by_llama_cpps_own_chain_and_free_it(peer, smollm2):
+    _, tokenizer = smollm2
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    steps = LlamaCppSteps(peer, prompts, 6, dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05))
+    assert steps.chain is not None
+    while not steps.done:
+        steps.step()
+    assert [len(t) for t in steps.tokens] == [6, 6, 6]
+    assert all(0 <= t < peer.vocab_size for row in steps.tokens for t in row)
+    assert steps.chain is None  # freed once the run is done
+
+
 def test_llama_cpp_runs_as_its_users_do_or_says_why_not(smollm2_path):
     mode = repack_mode(smollm2_path, "auto", threads=2)
     if mode.repack:
