@@ -155,3 +155,40 @@ def test_distribution_is_what_call_argmaxes_and_samples_from():
     top = logits[1].topk(5).indices
     expected = torch.zeros(30).index_put_((top,), torch.softmax(logits[1, top] / 0.7, -1))
     assert torch.allclose(probs[1], expected)
+
+
+def _dense_penalties(logits, params, histories):
+    """The penalties' definition over the whole vocabulary (what apply_penalties computes sparsely)."""
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab)
+    seen = torch.zeros(n, vocab, dtype=torch.bool)
+    for row, (prompt, output) in enumerate(histories):
+        if output:
+            counts[row].index_add_(0, torch.tensor(output), torch.ones(len(output)))
+        if prompt:
+            seen[row, torch.tensor(prompt)] = True
+    seen |= counts > 0
+    rep = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def test_penalties_change_only_seen_tokens_exactly_as_their_dense_definition():
+    import random
+
+    from nanoserve.worker.sampler import apply_penalties
+
+    rng = random.Random(0)
+    for _ in range(30):
+        n, vocab = rng.randint(1, 5), rng.choice([50, 1000, 49152])
+        logits = torch.randn(n, vocab) * 3
+        params = [SamplingParams(repetition_penalty=rng.choice([1.0, 1.1, 1.5]),
+                                 presence_penalty=rng.choice([0.0, 0.5, -1.0]),
+                                 frequency_penalty=rng.choice([0.0, 0.3])) for _ in range(n)]
+        histories = [([rng.randrange(vocab) for _ in range(rng.randint(0, 30))],
+                      [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]) for _ in range(n)]
+        before = logits.clone()
+        assert torch.equal(apply_penalties(logits, params, histories), _dense_penalties(logits, params, histories))
+        assert torch.equal(logits, before)  # the caller's logits untouched

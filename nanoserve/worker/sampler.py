@@ -10,6 +10,7 @@ with a seed draws from its own generator, so its tokens do not depend on what el
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -191,21 +192,28 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                     histories: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """Repetition penalty over prompt and output; presence and frequency over the output."""
+    """Repetition penalty over prompt and output; presence and frequency over the output. Only
+    the tokens a row has seen change, so only they are read and written (a new tensor: the
+    caller's logits stay as they were)."""
     n, vocab = logits.shape
     device = logits.device
-    counts = torch.zeros(n, vocab, device=device)
-    seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-    for row, (prompt, output) in enumerate(histories):
-        if output:
-            ids = torch.tensor(output, device=device)
-            counts[row].index_add_(0, ids, torch.ones(len(output), device=device))
-        if prompt:
-            seen[row, torch.tensor(prompt, device=device)] = True
-    seen |= counts > 0
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    return logits - presence * (counts > 0) - frequency * counts
+    flat = logits.reshape(-1).clone()
+
+    def keys(ids: list[list[int]]) -> torch.Tensor:  # row * vocab + token, every row's at once
+        # (through an int64 array: torch.tensor walks a list of ints ~6x slower)
+        parts = [torch.frombuffer(array("q", row_ids), dtype=torch.long) + row * vocab
+                 for row, row_ids in enumerate(ids) if row_ids]
+        return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+    seen = torch.cat([keys([prompt for prompt, _ in histories]), keys([output for _, output in histories])]).unique()
+    if seen.numel():
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / rep, values * rep)
+    outputs, counts = keys([output for _, output in histories]).unique(return_counts=True)
+    if outputs.numel():
+        rows = outputs // vocab
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[rows]
+        flat[outputs] = flat[outputs] - presence - frequency * counts.to(flat.dtype)
+    return flat.view(n, vocab)
