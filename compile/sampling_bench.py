@@ -40,7 +40,10 @@ LAWS = {
                                                                       min_p=0.05),
     "OpenAI defaults (T 1)": dict(temperature=1.0),
     "T 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9),
+    "Ollama's (T 0.8, top-k 40, top-p 0.9, repetition penalty 1.1)": dict(temperature=0.8, top_k=40, top_p=0.9,
+                                                                        repetition_penalty=1.1),
 }
+HISTORY = (500, 200)  # a row's prompt and output tokens so far, which the penalties read
 ARMS = {"op": Sampler(), "race": Sampler(cpu_op=False)}
 
 
@@ -48,11 +51,14 @@ def sampler_alone(vocab: int, batch: int, law: dict, repeats: int) -> dict:
     """Median ms a call per arm on random logits (a language model's spread: randn x 4)."""
     logits = (torch.randn(batch, vocab) * 4).bfloat16()
     params = [SamplingParams(**law)] * batch
+    draw = torch.Generator().manual_seed(vocab)
+    histories = [tuple(torch.randint(vocab, (length,), generator=draw).tolist() for length in HISTORY)
+                 for _ in range(batch)]
     times: dict[str, list[float]] = {name: [] for name in ARMS}
     for _ in range(repeats):
         for name, sampler in ARMS.items():
             started = time.perf_counter()
-            sampler(logits, params, [None] * batch)
+            sampler(logits, params, [None] * batch, histories)
             times[name].append(time.perf_counter() - started)
     op, race = (statistics.median(times[name]) * 1e3 for name in ("op", "race"))
     return dict(vocab=vocab, batch=batch, op_ms=op, race_ms=race, race_over_op=race / op)
