@@ -120,6 +120,27 @@ int64_t first_equal(const float* __restrict x, int64_t n, float top) {
   return -1;
 }
 
+constexpr int64_t BLOCK = 64;  // top-k reads the row's block maxima first
+
+// out[b] = the largest of x's block b of BLOCK values (the last block may be shorter).
+NANOSERVE_VECTOR_CLONES
+void block_maxima(const float* __restrict x, int64_t n, float* __restrict out) {
+  constexpr int L = 16;
+  for (int64_t b = 0; b * BLOCK < n; ++b) {
+    const int64_t begin = b * BLOCK, end = std::min(n, begin + BLOCK);
+    float lanes[L];
+    for (int l = 0; l < L; ++l) lanes[l] = -INFINITY;
+    int64_t i = begin;
+    for (; i + L <= end; i += L) {
+      for (int l = 0; l < L; ++l) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
+    }
+    float top = -INFINITY;
+    for (; i < end; ++i) top = x[i] > top ? x[i] : top;
+    for (float v : lanes) top = v > top ? v : top;
+    out[b] = top;
+  }
+}
+
 // The first index of the row's largest value (of its first NaN where it has one, as torch.argmax).
 int64_t first_max(const float* x, int64_t n, float top) {
   if (top == top) return std::max<int64_t>(0, first_equal(x, n, top));
@@ -127,6 +148,37 @@ int64_t first_max(const float* x, int64_t n, float top) {
     if (x[i] != x[i]) return i;
   }
   return 0;
+}
+
+// Top-k's survivors of a row, unweighed: the tokens at or above its k-th largest logit (ties
+// with it stay in), none masked. The k-th largest of the block maxima bounds the k-th largest
+// logit from below (k blocks each hold a value at least that large), so only the blocks whose
+// maximum reaches it are read, and the k-th largest is selected among their values.
+std::vector<Candidate> top_k_of(const float* x, int64_t n, int64_t k, std::vector<float>& maxima) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<Candidate> kept;
+  float bound = -INFINITY;
+  if (k < blocks) {
+    maxima.resize(blocks);
+    block_maxima(x, n, maxima.data());
+    bound = kth_largest(maxima.data(), blocks, k);
+  } else {
+    bound = kth_largest(x, n, k);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (k < blocks && !(maxima[b] >= bound && maxima[b] > -INFINITY)) continue;
+    for (int64_t i = b * BLOCK; i < std::min(n, (b + 1) * BLOCK); ++i) {
+      if (x[i] >= bound && x[i] > -INFINITY) kept.push_back({x[i], 0.f, i});
+    }
+  }
+  if (static_cast<int64_t>(kept.size()) > k) {
+    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.x > b.x; });
+    const float kth = kept[k - 1].x;
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [kth](const Candidate& c) { return c.x < kth; }),
+               kept.end());
+  }
+  return kept;
 }
 
 // The index where the running sum of e over [0, n) first passes u times its total (chunks:
@@ -200,28 +252,49 @@ std::vector<Candidate> nucleus_of(std::vector<Candidate> candidates, float p) {
   return kept;
 }
 
-// Top-p of p over a whole row of weights e: a histogram of the weights finds the bucket where
-// the running mass (heaviest first) crosses p times the total; the buckets above it are kept
-// whole and only the crossing bucket's tokens are sorted.
-std::vector<Candidate> nucleus_of_row(const float* x, const float* e, int64_t n, float p) {
+// Top-p of p over a whole row of weights e, then min-p, and u's token among what they keep. A
+// histogram of the weights finds the bucket where the running mass (heaviest first) crosses p
+// times the total: the buckets above it are kept whole, the crossing bucket's tokens are sorted
+// for the prefix the nucleus takes, and the draw walks the row in place (a flat row's nucleus
+// can hold most of the vocabulary).
+int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, const Law& law) {
   std::vector<double> mass(WEIGHT_BUCKETS, 0.0);
   double z = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     if (e[i] > 0.f) mass[weight_bucket(e[i])] += e[i], z += e[i];
   }
-  const double target = static_cast<double>(p) * z;
+  const double target = static_cast<double>(law.top_p) * z;
   double above = 0.0;  // the mass of the buckets above the crossing one
   int cross = WEIGHT_BUCKETS - 1;
   while (cross > 0 && above + mass[cross] < target) above += mass[cross--];
   std::vector<Candidate> kept, edge;
   for (int64_t i = 0; i < n; ++i) {
-    if (!(e[i] > 0.f)) continue;
-    const int b = weight_bucket(e[i]);
-    if (b > cross) kept.push_back({x[i], e[i], i});
-    else if (b == cross) edge.push_back({x[i], e[i], i});
+    if (e[i] > 0.f && weight_bucket(e[i]) == cross) edge.push_back({x[i], e[i], i});
   }
   keep_nucleus(kept, edge, above, target);
-  return kept;
+  // The crossing bucket's kept tokens are those up to the last kept in (logit, index) order.
+  const bool any_edge = !kept.empty();
+  const Candidate last = any_edge ? kept.back() : Candidate{INFINITY, 0.f, -1};
+  const auto in = [&](int64_t i) {
+    if (!(e[i] > 0.f) || e[i] < law.min_p) return false;
+    const int b = weight_bucket(e[i]);
+    return b > cross || (b == cross && any_edge && !before_in_order(last, Candidate{x[i], e[i], i}));
+  };
+  double kept_mass = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (in(i)) kept_mass += e[i];
+  }
+  const double at = law.u * kept_mass;
+  double seen = 0.0;
+  int64_t chosen = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!in(i)) continue;
+    seen += e[i];
+    chosen = i;
+    if (seen > at) return i;
+  }
+  TORCH_CHECK(chosen >= 0, "top-p kept no token of a row whose largest weight is 1");
+  return chosen;
 }
 
 // The candidates' weights, one exp each: the few tokens a top-k or min-p admits.
@@ -229,27 +302,24 @@ void weigh(std::vector<Candidate>& kept, float top, float scale) {
   for (Candidate& c : kept) c.e = std::exp((c.x - top) * scale);
 }
 
+// e: scratch for the row's weights (or top-k's block maxima); chunks: the weights' chunk sums.
 int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::vector<float>& e,
                    std::vector<double>& chunks) {
   if (law.temperature == 0.f || !std::isfinite(top)) return first_max(x, n, top);
   const float scale = std::min(std::max(1.f / law.temperature, FLT_MIN), FLT_MAX);
   std::vector<Candidate> kept;
   if (law.top_k > 0 && law.top_k < n) {
-    // top-k's survivors: the tokens at or above the k-th largest logit (masked ones have none).
-    const float kth = kth_largest(x, n, law.top_k);
-    for (int64_t i = 0; i < n; ++i) {
-      if (x[i] >= kth && x[i] > -INFINITY) kept.push_back({x[i], 0.f, i});
-    }
+    kept = top_k_of(x, n, law.top_k, e);
     weigh(kept, top, scale);
     kept.erase(std::remove_if(kept.begin(), kept.end(), [](const Candidate& c) { return !(c.e > 0.f); }),
                kept.end());
     if (law.top_p < 1.f) kept = nucleus_of(std::move(kept), law.top_p);
-  } else if (law.top_p < 1.f || law.min_p == 0.f) {
+  } else if (law.top_p < 1.f || law.min_p == 0.f) {  // every token's weight
     e.resize(n);
     chunks.resize((n + CHUNK - 1) / CHUNK);
     weights_of(x, n, top, scale, e.data(), chunks.data());
-    if (law.top_p == 1.f && law.min_p == 0.f) return walk_row(e.data(), n, chunks.data(), law.u);
-    kept = nucleus_of_row(x, e.data(), n, law.top_p);
+    if (law.top_p == 1.f) return walk_row(e.data(), n, chunks.data(), law.u);
+    return draw_nucleus_of_row(x, e.data(), n, law);
   } else {
     // min-p alone: e >= min_p where x >= top + ln(min_p) / scale; the logits admit a little more
     // than that (e >= min_p / 1.001) and the weights decide.
