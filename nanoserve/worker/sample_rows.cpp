@@ -267,22 +267,32 @@ int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, const Law
   double above = 0.0;  // the mass of the buckets above the crossing one
   int cross = WEIGHT_BUCKETS - 1;
   while (cross > 0 && above + mass[cross] < target) above += mass[cross--];
+  // The crossing bucket's weights lie in [low, high): a float compare tells most tokens apart.
+  const auto bound = [](int bucket) {
+    const uint32_t bits = static_cast<uint32_t>(bucket) << 17;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    return v;
+  };
+  const float low = std::max(bound(cross), FLT_MIN), high = bound(cross + 1);
   std::vector<Candidate> kept, edge;
   for (int64_t i = 0; i < n; ++i) {
-    if (e[i] > 0.f && weight_bucket(e[i]) == cross) edge.push_back({x[i], e[i], i});
+    if (e[i] >= low && e[i] < high) edge.push_back({x[i], e[i], i});
   }
   keep_nucleus(kept, edge, above, target);
   // The crossing bucket's kept tokens are those up to the last kept in (logit, index) order.
-  const bool any_edge = !kept.empty();
-  const Candidate last = any_edge ? kept.back() : Candidate{INFINITY, 0.f, -1};
+  const Candidate last = kept.empty() ? Candidate{INFINITY, 0.f, -1} : kept.back();
+  const float floor = std::max(low, law.min_p);
   const auto in = [&](int64_t i) {
-    if (!(e[i] > 0.f) || e[i] < law.min_p) return false;
-    const int b = weight_bucket(e[i]);
-    return b > cross || (b == cross && any_edge && !before_in_order(last, Candidate{x[i], e[i], i}));
+    return e[i] >= floor && (e[i] >= high || !before_in_order(last, Candidate{x[i], e[i], i}));
   };
-  double kept_mass = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (in(i)) kept_mass += e[i];
+  double kept_mass = above;
+  for (const Candidate& c : kept) kept_mass += c.e;
+  if (law.min_p > low) {  // min-p drops some of the nucleus: its mass again
+    kept_mass = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (in(i)) kept_mass += e[i];
+    }
   }
   const double at = law.u * kept_mass;
   double seen = 0.0;
