@@ -1,8 +1,9 @@
 // One token per row of logits, each row by its own law (temperature, top-k, top-p, min-p) and
 // its own uniform draw u in [0, 1): the token at u of the law's cumulative distribution. It
 // draws from the same law as the sampler's torch path (nanoserve/worker/sampler.py), without
-// sorting the vocabulary or drawing a random number per token: the O(vocab) passes are torch's
-// vectorised max and exp, and what is left here is selection over the few tokens a filter keeps.
+// sorting the vocabulary or drawing a random number per token: the passes over every token are
+// vectorised (torch's max; the weights, top-k's block maxima and greedy's search cloned for the
+// CPU's vector width), and the rest is selection among the few tokens a filter can keep.
 //
 // A row's weights are e = exp((x - max) / T), the max's weight 1 (a token's probability is e / Z).
 //   top-k: the tokens at or above the k-th largest logit (ties with it stay in);
