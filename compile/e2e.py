@@ -2,7 +2,8 @@
 llama.cpp and Hugging Face transformers (`python compilebench.py e2e`).
 
 Every system decodes the same batches of ``--prompt-len``-token prompts, ``--new-tokens``
-greedy tokens each, EOS ignored: the engine in each weight format and mode, llama.cpp on the
+tokens each (greedy, or with ``--sampling llama.cpp`` by llama.cpp's default law, each system
+with its own sampler), EOS ignored: the engine in each weight format and mode, llama.cpp on the
 same GGUF file (when llama-cpp-python is installed) and transformers on the dequantised fp32
 weights. Each system's decode step time is the median over its steps, prefill left out. They
 run interleaved, one step each in a rotating order (compile/interleave.py), and each ratio is
