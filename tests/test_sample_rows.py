@@ -2,7 +2,11 @@
 is drawn with exactly that law's probabilities, greedy rows are torch's argmax, and the Sampler
 feeds it its draws as the exponential race takes its own (global RNG, then a seeded row's)."""
 
+import fnmatch
+from pathlib import Path
+
 import pytest
+import tomllib
 import torch
 
 from nanoserve.engine.sampling_params import SamplingParams
@@ -123,3 +127,11 @@ def test_an_all_greedy_batch_draws_nothing_from_the_global_rng():
     before = torch.get_rng_state()
     Sampler()(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_every_source_of_the_ops_library_ships_in_the_package():
+    root = Path(cpu_kernels.__file__).parents[3]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["nanoserve"]
+    for source in cpu_kernels.OPS_SOURCES:
+        relative = source.relative_to(root / "nanoserve").as_posix()
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in globs), f"{relative} is not package data"

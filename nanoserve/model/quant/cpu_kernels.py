@@ -59,6 +59,8 @@ GROUP_SIZE = 32  # kernels/common.h's GROUP: the activations' group; a weight's 
 HERE = Path(__file__).parent
 KERNELS = HERE / "kernels"
 ENV = "NANOSERVE_CPU_KERNELS"
+# The torch ops library's sources (pyproject's package data ships each of them).
+OPS_SOURCES = (HERE / "cpu_ops.cpp", HERE / "gguf_pack.cpp", HERE.parent.parent / "worker" / "sample_rows.cpp")
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,10 @@ def _machine() -> str:
 
 @functools.cache
 def _ops_loaded() -> bool:
-    """Build and register the torch ops (cpu_ops.cpp, no instruction flags) once per process;
-    the same library holds the GGUF packer and the sampler's op (worker/sample_rows.cpp)."""
+    """Build and register the torch ops (OPS_SOURCES, no instruction flags) once per process:
+    cpu_ops.cpp, the GGUF packer and the sampler's op (worker/sample_rows.cpp)."""
     from torch.utils.cpp_extension import load
-    sources = [HERE / "cpu_ops.cpp", HERE / "gguf_pack.cpp", HERE.parent.parent / "worker" / "sample_rows.cpp"]
+    sources = list(OPS_SOURCES)
     # torch's build cache is a folder per name, rebuilt when another process builds other
     # sources under it: the sources' and the shared header's hash in the name keep two source
     # trees (or versions) from rebuilding each other's library, and the machine in it keeps an
