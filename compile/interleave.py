@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from compile.common import SAMPLING_LAWS
 from nanoserve.engine import SamplingParams
 from nanoserve.model.formats.loader import resolve_model_path
 
@@ -50,7 +51,7 @@ class EngineSteps:
 
     def __init__(self, engine, prompts: list[list[int]], new_tokens: int, law: dict | None = None) -> None:
         # law: SamplingParams fields (common.SAMPLING_LAWS); None: greedy
-        params = SamplingParams(**(law or dict(temperature=0.0)), max_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(**(law or SAMPLING_LAWS["greedy"]), max_tokens=new_tokens, ignore_eos=True)
         self.engine = engine
         self.ids = [engine.add_request(p, params) for p in prompts]
         self.timing = StepTiming()

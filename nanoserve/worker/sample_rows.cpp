@@ -206,19 +206,18 @@ int64_t walk_row(const float* e, int64_t n, const double* chunks, double u) {
   return 0;
 }
 
-// The token at u among the candidates (in their order), by their weights.
+// The token at u among the candidates (in their order, every weight positive), by their
+// weights; rounding past the end takes the last.
 int64_t walk_candidates(const std::vector<Candidate>& kept, double u) {
   double total = 0.0;
   for (const Candidate& c : kept) total += c.e;
   const double target = u * total;
   double seen = 0.0;
-  int64_t last = kept.front().i;
   for (const Candidate& c : kept) {
     seen += c.e;
-    if (c.e > 0.f) last = c.i;
     if (seen > target) return c.i;
   }
-  return last;
+  return kept.back().i;
 }
 
 // A positive weight's bucket: its float bits' exponent and top 6 mantissa bits, increasing with

@@ -205,12 +205,13 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                  for row, row_ids in enumerate(ids) if row_ids]
         return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
-    seen = torch.cat([keys([prompt for prompt, _ in histories]), keys([output for _, output in histories])]).unique()
+    output_keys = keys([output for _, output in histories])
+    seen = torch.cat([keys([prompt for prompt, _ in histories]), output_keys]).unique()
     if seen.numel():
         rep = torch.tensor([p.repetition_penalty for p in params], device=device)[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / rep, values * rep)
-    outputs, counts = keys([output for _, output in histories]).unique(return_counts=True)
+    outputs, counts = output_keys.unique(return_counts=True)
     if outputs.numel():
         rows = outputs // vocab
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
