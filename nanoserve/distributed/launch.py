@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 # A worker waits for the next plan as long as the server idles; rank 0's side of the plan
 # channel (each process sets its own) and the forward's collectives are bounded.
 IDLE_TIMEOUT = timedelta(days=365)
+# The rendezvous waits this long at least, however tight the collectives' bound: a spawned rank
+# imports torch before it joins, which on a loaded host takes seconds.
+JOIN_TIMEOUT = timedelta(seconds=60)
 # How long close() waits for a worker to leave after the stop message before killing it.
 JOIN_SECONDS = 10.0
 
@@ -160,12 +163,19 @@ def _rank_device(spec: WorkerConfig, local_rank: int) -> WorkerConfig:
 def _join(rank: int, size: int, init_method: str, device: str, timeout_seconds: float) -> Rank:
     cuda = device.startswith("cuda")
     timeout = timedelta(seconds=timeout_seconds)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=timeout)
+    # torch.distributed.nn's functions take group.WORLD as a default argument, read when the module
+    # is first imported (torch._dynamo imports it, lazily, at the first collective): imported
+    # after this join it would hold the world group, its threads and rank 0's store server past
+    # destroy_process_group, still running while the interpreter exits (SIGABRT there, now and then).
+    import torch.distributed.nn  # noqa: F401
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=max(timeout, JOIN_TIMEOUT))
     _register_exit()
+    compute = dist.new_group(backend=backend, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
     startup = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return Rank(rank, size, dist.group.WORLD, control, startup)
+    return Rank(rank, size, compute, control, startup)
 
 
 def _worker_main(rank: int, size: int, port: int, model, spec: WorkerConfig, timeout: float, parent: int,
