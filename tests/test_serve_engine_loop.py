@@ -4,8 +4,10 @@ fail alone, an idle loop sleeps, and the metrics it records render as Prometheus
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -64,11 +66,22 @@ def test_bad_request_raises_in_the_caller_and_the_loop_keeps_going(loop):
 
 def test_abort_gives_blocks_back_without_waiting_for_a_step(loop):
     baseline = loop.stats.blocks_free
+    # The engine's steps after its first wait until the abort is posted: on a loaded host the
+    # request could otherwise finish its 30 tokens before the abort reaches the loop.
+    released, step, calls = threading.Event(), loop.engine.step, itertools.count()
+
+    def held_step():
+        if next(calls) >= 1:
+            released.wait(10.0)
+        return step()
+
+    loop.engine.step = held_step
 
     async def run():
         queue = await loop.add(list(range(1, 30)), SamplingParams(max_tokens=30, ignore_eos=True), "long")
         await queue.get()  # it is running and holds blocks
         loop.abort("long")
+        released.set()
 
     asyncio.run(run())
     deadline = time.monotonic() + 1.0
