@@ -252,16 +252,59 @@ std::vector<Candidate> nucleus_of(std::vector<Candidate> candidates, float p) {
   return kept;
 }
 
-// Top-p of p over a whole row of weights e, then min-p, and u's token among what they keep. A
-// histogram of the weights finds the bucket where the running mass (heaviest first) crosses p
-// times the total: the buckets above it are kept whole, the crossing bucket's tokens are sorted
-// for the prefix the nucleus takes, and the draw walks the row in place (a flat row's nucleus
-// can hold most of the vocabulary).
-int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, const Law& law) {
-  std::vector<double> mass(WEIGHT_BUCKETS, 0.0);
+// The chunk sums (as weights_of's) of the weights at or above `least`.
+NANOSERVE_VECTOR_CLONES
+void sums_at_least(const float* __restrict e, int64_t n, float least, double* __restrict chunks) {
+  constexpr int L = 16;
+  for (int64_t c = 0; c < n; c += CHUNK) {
+    const int64_t end = std::min(n, c + CHUNK);
+    float lanes[L] = {};
+    int64_t i = c;
+    for (; i + L <= end; i += L) {
+      for (int l = 0; l < L; ++l) lanes[l] += e[i + l] >= least ? e[i + l] : 0.f;
+    }
+    double sum = 0.0;
+    for (; i < end; ++i) sum += e[i] >= least ? e[i] : 0.f;
+    for (float v : lanes) sum += v;
+    chunks[c / CHUNK] = sum;
+  }
+}
+
+// Appends the tokens whose weights lie in [low, high), in row order: a run of 16 is tested at
+// once (one predictable branch), since few tokens do.
+NANOSERVE_VECTOR_CLONES
+void weights_between(const float* __restrict x, const float* __restrict e, int64_t n, float low, float high,
+                     std::vector<Candidate>& out) {
+  constexpr int L = 16;
+  const auto between = [low, high](float w) { return (w >= low) & (w < high); };
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    int hit = 0;
+    for (int l = 0; l < L; ++l) hit |= between(e[i + l]);
+    if (!hit) continue;
+    for (int l = 0; l < L; ++l) {
+      if (between(e[i + l])) out.push_back({x[i + l], e[i + l], i + l});
+    }
+  }
+  for (; i < n; ++i) {
+    if (between(e[i])) out.push_back({x[i], e[i], i});
+  }
+}
+
+// Top-p of p over a whole row of weights e (chunks: weights_of's sums), then min-p, and u's
+// token among what they keep. A histogram of the weights finds the bucket where the running mass
+// (heaviest first) crosses p times the total: the buckets above it are kept whole, the crossing
+// bucket's tokens are sorted for the prefix the nucleus takes. The kept mass is summed per chunk
+// in one vectorised pass (a flat row's nucleus can hold most of the vocabulary), and the draw
+// walks the chunks, then the tokens of the one it lands in.
+int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, std::vector<double>& chunks,
+                            const Law& law) {
+  const int64_t count = (n + CHUNK - 1) / CHUNK;
   double z = 0.0;
+  for (int64_t c = 0; c < count; ++c) z += chunks[c];
+  std::vector<double> mass(WEIGHT_BUCKETS, 0.0);
   for (int64_t i = 0; i < n; ++i) {
-    if (e[i] > 0.f) mass[weight_bucket(e[i])] += e[i], z += e[i];
+    if (e[i] > 0.f) mass[weight_bucket(e[i])] += e[i];
   }
   const double target = static_cast<double>(law.top_p) * z;
   double above = 0.0;  // the mass of the buckets above the crossing one
@@ -276,35 +319,38 @@ int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, const Law
   };
   const float low = std::max(bound(cross), FLT_MIN), high = bound(cross + 1);
   std::vector<Candidate> kept, edge;
-  for (int64_t i = 0; i < n; ++i) {
-    if (e[i] >= low && e[i] < high) edge.push_back({x[i], e[i], i});
-  }
+  weights_between(x, e, n, low, high, edge);
   keep_nucleus(kept, edge, above, target);
-  // The crossing bucket's kept tokens are those up to the last kept in (logit, index) order.
-  const Candidate last = kept.empty() ? Candidate{INFINITY, 0.f, -1} : kept.back();
-  const float floor = std::max(low, law.min_p);
-  const auto in = [&](int64_t i) {
-    return e[i] >= floor && (e[i] >= high || !before_in_order(last, Candidate{x[i], e[i], i}));
-  };
-  double kept_mass = above;
-  for (const Candidate& c : kept) kept_mass += c.e;
-  if (law.min_p > low) {  // min-p drops some of the nucleus: its mass again
-    kept_mass = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (in(i)) kept_mass += e[i];
+  // Kept: every token at or above `least`, and the crossing bucket's kept tokens that min-p
+  // leaves (`extra`, in row order; their weights are below high, so below least).
+  const float least = std::max(high, law.min_p);
+  std::vector<int64_t> extra;
+  for (const Candidate& c : kept) {
+    if (c.e >= law.min_p) extra.push_back(c.i);
+  }
+  std::sort(extra.begin(), extra.end());
+  sums_at_least(e, n, least, chunks.data());
+  for (int64_t i : extra) chunks[i / CHUNK] += e[i];
+  double kept_mass = 0.0;
+  for (int64_t c = 0; c < count; ++c) kept_mass += chunks[c];
+  TORCH_CHECK(kept_mass > 0.0, "top-p kept no token of a row whose largest weight is 1");
+  const double at = law.u * kept_mass;
+  const auto is_kept = [&](int64_t i) { return e[i] >= least || std::binary_search(extra.begin(), extra.end(), i); };
+  double seen = 0.0;
+  for (int64_t c = 0; c < count; ++c) {
+    if (seen + chunks[c] <= at) {
+      seen += chunks[c];
+      continue;
+    }
+    for (int64_t i = c * CHUNK; i < std::min(n, (c + 1) * CHUNK); ++i) {
+      if (!is_kept(i)) continue;
+      seen += e[i];
+      if (seen > at) return i;
     }
   }
-  const double at = law.u * kept_mass;
-  double seen = 0.0;
-  int64_t chosen = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!in(i)) continue;
-    seen += e[i];
-    chosen = i;
-    if (seen > at) return i;
-  }
-  TORCH_CHECK(chosen >= 0, "top-p kept no token of a row whose largest weight is 1");
-  return chosen;
+  int64_t last = n - 1;  // rounding past the end: the last kept token
+  while (last > 0 && !is_kept(last)) --last;
+  return last;
 }
 
 // The candidates' weights, one exp each: the few tokens a top-k or min-p admits.
@@ -329,7 +375,7 @@ int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::ve
     chunks.resize((n + CHUNK - 1) / CHUNK);
     weights_of(x, n, top, scale, e.data(), chunks.data());
     if (law.top_p == 1.f) return walk_row(e.data(), n, chunks.data(), law.u);
-    return draw_nucleus_of_row(x, e.data(), n, law);
+    return draw_nucleus_of_row(x, e.data(), n, chunks, law);
   } else {
     // min-p alone: e >= min_p where x >= top + ln(min_p) / scale; the logits admit a little more
     // than that (e >= min_p / 1.001) and the weights decide.
