@@ -72,6 +72,26 @@ def test_sample_rows_draws_each_token_with_its_law_probability(kind, params):
     assert freq[probs[0] == 0].sum().item() == 0  # nothing the law excludes (top-k, top-p, min-p, masks)
 
 
+@pytest.mark.parametrize("kind", ["flat", "peaked", "masked"])
+def test_law_probabilities_are_the_sorted_torch_law_without_the_sort(kind):
+    # Every law of LAWS, and greedy rows (their law at temperature 1, top-k and all), in one batch.
+    logits = _logits(kind)
+    params = LAWS + [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=5, top_p=0.5)]
+    rows = logits.expand(len(params), -1).contiguous()
+    _, expected = Sampler(cpu_op=False).distribution(rows, params)
+    _, probs = Sampler(cpu_op=True).distribution(rows, params)
+    assert torch.equal(probs > 0, expected > 0)  # the same tokens kept by every filter
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(probs.double().sum(dim=-1), torch.ones(len(params), dtype=torch.float64))
+
+
+def test_law_probabilities_of_a_row_with_no_finite_logit_are_nan_as_torch_gives_them():
+    logits = torch.tensor([[float("-inf")] * 6, [0.0, float("nan"), 1.0, 2.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=2)]
+    for cpu_op in (True, False):
+        assert Sampler(cpu_op=cpu_op).distribution(logits, params)[1].isnan().all()
+
+
 def test_sample_rows_greedy_is_torch_argmax_ties_masks_and_nan_included():
     logits = torch.randn(6, 500).bfloat16().float()  # bf16's few values: ties
     logits[1, 7] = logits[1, 300] = logits[1].max() + 1  # a tie for the largest: the first

@@ -291,14 +291,24 @@ void weights_between(const float* __restrict x, const float* __restrict e, int64
   }
 }
 
-// Top-p of p over a whole row of weights e (chunks: weights_of's sums), then min-p, and u's
-// token among what they keep. A histogram of the weights finds the bucket where the running mass
+// What top-p (then min-p) keeps of a whole row of weights: every token at or above `least`, and
+// `extra`, the crossing bucket's kept tokens below it (in row order).
+struct RowNucleus {
+  float least;
+  std::vector<Candidate> extra;
+
+  bool keeps(const float* e, int64_t i) const {
+    return e[i] >= least || std::binary_search(extra.begin(), extra.end(), Candidate{0.f, 0.f, i},
+                                               [](const Candidate& a, const Candidate& b) { return a.i < b.i; });
+  }
+};
+
+// Top-p of p over a whole row of weights e (chunks: weights_of's sums, replaced by the kept mass
+// of each chunk), then min-p. A histogram of the weights finds the bucket where the running mass
 // (heaviest first) crosses p times the total: the buckets above it are kept whole, the crossing
 // bucket's tokens are sorted for the prefix the nucleus takes. The kept mass is summed per chunk
-// in one vectorised pass (a flat row's nucleus can hold most of the vocabulary), and the draw
-// walks the chunks, then the tokens of the one it lands in.
-int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, std::vector<double>& chunks,
-                            const Law& law) {
+// in one vectorised pass (a flat row's nucleus can hold most of the vocabulary).
+RowNucleus nucleus_of_row(const float* x, const float* e, int64_t n, std::vector<double>& chunks, const Law& law) {
   const int64_t count = (n + CHUNK - 1) / CHUNK;
   double z = 0.0;
   for (int64_t c = 0; c < count; ++c) z += chunks[c];
@@ -321,21 +331,25 @@ int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, std::vect
   std::vector<Candidate> kept, edge;
   weights_between(x, e, n, low, high, edge);
   keep_nucleus(kept, edge, above, target);
-  // Kept: every token at or above `least`, and the crossing bucket's kept tokens that min-p
-  // leaves (`extra`, in row order; their weights are below high, so below least).
-  const float least = std::max(high, law.min_p);
-  std::vector<int64_t> extra;
+  RowNucleus nucleus{std::max(high, law.min_p), {}};  // edge weights are below high, so below least
   for (const Candidate& c : kept) {
-    if (c.e >= law.min_p) extra.push_back(c.i);
+    if (c.e >= law.min_p) nucleus.extra.push_back(c);
   }
-  std::sort(extra.begin(), extra.end());
-  sums_at_least(e, n, least, chunks.data());
-  for (int64_t i : extra) chunks[i / CHUNK] += e[i];
+  std::sort(nucleus.extra.begin(), nucleus.extra.end(), [](const Candidate& a, const Candidate& b) { return a.i < b.i; });
+  sums_at_least(e, n, nucleus.least, chunks.data());
+  for (const Candidate& c : nucleus.extra) chunks[c.i / CHUNK] += c.e;
+  return nucleus;
+}
+
+// u's token among what a nucleus keeps of the row (chunks: its kept mass per chunk): the walk
+// skips whole chunks, then goes token by token through the one it lands in.
+int64_t draw_nucleus(const float* e, int64_t n, const RowNucleus& nucleus, const std::vector<double>& chunks,
+                     double u) {
+  const int64_t count = (n + CHUNK - 1) / CHUNK;
   double kept_mass = 0.0;
   for (int64_t c = 0; c < count; ++c) kept_mass += chunks[c];
   TORCH_CHECK(kept_mass > 0.0, "top-p kept no token of a row whose largest weight is 1");
-  const double at = law.u * kept_mass;
-  const auto is_kept = [&](int64_t i) { return e[i] >= least || std::binary_search(extra.begin(), extra.end(), i); };
+  const double at = u * kept_mass;
   double seen = 0.0;
   for (int64_t c = 0; c < count; ++c) {
     if (seen + chunks[c] <= at) {
@@ -343,13 +357,13 @@ int64_t draw_nucleus_of_row(const float* x, const float* e, int64_t n, std::vect
       continue;
     }
     for (int64_t i = c * CHUNK; i < std::min(n, (c + 1) * CHUNK); ++i) {
-      if (!is_kept(i)) continue;
+      if (!nucleus.keeps(e, i)) continue;
       seen += e[i];
       if (seen > at) return i;
     }
   }
   int64_t last = n - 1;  // rounding past the end: the last kept token
-  while (last > 0 && !is_kept(last)) --last;
+  while (last > 0 && !nucleus.keeps(e, last)) --last;
   return last;
 }
 
@@ -358,24 +372,21 @@ void weigh(std::vector<Candidate>& kept, float top, float scale) {
   for (Candidate& c : kept) c.e = std::exp((c.x - top) * scale);
 }
 
-// e: scratch for the row's weights (or top-k's block maxima); chunks: the weights' chunk sums.
-int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::vector<float>& e,
-                   std::vector<double>& chunks) {
-  if (law.temperature == 0.f || !std::isfinite(top)) return first_max(x, n, top);
-  const float scale = std::min(std::max(1.f / law.temperature, FLT_MIN), FLT_MAX);
+// Whether a law keeps a few candidates found without weighing the whole row: top-k, or min-p alone.
+bool keeps_few(const Law& law, int64_t n) {
+  return (law.top_k > 0 && law.top_k < n) || (law.top_p == 1.f && law.min_p > 0.f);
+}
+
+// What such a law keeps, weighed, in the order a draw walks them (scratch: top-k's block maxima).
+std::vector<Candidate> few_kept(const float* x, int64_t n, float top, float scale, const Law& law,
+                                std::vector<float>& scratch) {
   std::vector<Candidate> kept;
   if (law.top_k > 0 && law.top_k < n) {
-    kept = top_k_of(x, n, law.top_k, e);
+    kept = top_k_of(x, n, law.top_k, scratch);
     weigh(kept, top, scale);
     kept.erase(std::remove_if(kept.begin(), kept.end(), [](const Candidate& c) { return !(c.e > 0.f); }),
                kept.end());
     if (law.top_p < 1.f) kept = nucleus_of(std::move(kept), law.top_p);
-  } else if (law.top_p < 1.f || law.min_p == 0.f) {  // every token's weight
-    e.resize(n);
-    chunks.resize((n + CHUNK - 1) / CHUNK);
-    weights_of(x, n, top, scale, e.data(), chunks.data());
-    if (law.top_p == 1.f) return walk_row(e.data(), n, chunks.data(), law.u);
-    return draw_nucleus_of_row(x, e.data(), n, chunks, law);
   } else {
     // min-p alone: e >= min_p where x >= top + ln(min_p) / scale; the logits admit a little more
     // than that (e >= min_p / 1.001) and the weights decide.
@@ -389,46 +400,126 @@ int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::ve
     kept.erase(std::remove_if(kept.begin(), kept.end(), [&](const Candidate& c) { return !(c.e >= law.min_p); }),
                kept.end());
   }
-  return walk_candidates(kept, law.u);
+  return kept;
 }
 
-// logits [n, vocab] (any float type), temperature/top_p/min_p [n] fp32, top_k [n] int64,
-// uniform [n] fp64 in [0, 1) -> tokens [n] int64. A greedy row (temperature 0) takes its first
-// largest logit; so does a row whose largest is not finite (every token masked, or a NaN).
+float scale_of(float temperature) { return std::min(std::max(1.f / temperature, FLT_MIN), FLT_MAX); }
+
+// e: scratch for the row's weights (or top-k's block maxima); chunks: the weights' chunk sums.
+int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::vector<float>& e,
+                   std::vector<double>& chunks) {
+  if (law.temperature == 0.f || !std::isfinite(top)) return first_max(x, n, top);
+  const float scale = scale_of(law.temperature);
+  if (keeps_few(law, n)) return walk_candidates(few_kept(x, n, top, scale, law, e), law.u);
+  e.resize(n);
+  chunks.resize((n + CHUNK - 1) / CHUNK);
+  weights_of(x, n, top, scale, e.data(), chunks.data());
+  if (law.top_p == 1.f) return walk_row(e.data(), n, chunks.data(), law.u);
+  const RowNucleus nucleus = nucleus_of_row(x, e.data(), n, chunks, law);
+  return draw_nucleus(e.data(), n, nucleus, chunks, law.u);
+}
+
+// The law sample_row draws a row from, as probabilities into out[0, n) (a greedy row's: at
+// temperature 1); a row whose largest logit is not finite gets NaN, as torch's softmax gives it.
+void law_of_row(const float* x, int64_t n, float top, const Law& law, float* out, std::vector<float>& scratch,
+                std::vector<double>& chunks) {
+  if (!std::isfinite(top)) {
+    std::fill(out, out + n, NAN);
+    return;
+  }
+  const float scale = scale_of(law.temperature > 0.f ? law.temperature : 1.f);
+  if (keeps_few(law, n)) {
+    const std::vector<Candidate> kept = few_kept(x, n, top, scale, law, scratch);
+    double total = 0.0;
+    for (const Candidate& c : kept) total += c.e;
+    std::fill(out, out + n, 0.f);
+    for (const Candidate& c : kept) out[c.i] = static_cast<float>(c.e / total);
+    return;
+  }
+  const int64_t count = (n + CHUNK - 1) / CHUNK;
+  chunks.resize(count);
+  weights_of(x, n, top, scale, out, chunks.data());
+  if (law.top_p == 1.f) {
+    double total = 0.0;
+    for (int64_t c = 0; c < count; ++c) total += chunks[c];
+    const float inverse = static_cast<float>(1.0 / total);
+    for (int64_t i = 0; i < n; ++i) out[i] *= inverse;
+    return;
+  }
+  const RowNucleus nucleus = nucleus_of_row(x, out, n, chunks, law);
+  double total = 0.0;
+  for (int64_t c = 0; c < count; ++c) total += chunks[c];
+  const float inverse = static_cast<float>(1.0 / total), least = nucleus.least;
+  for (int64_t i = 0; i < n; ++i) out[i] = out[i] >= least ? out[i] * inverse : 0.f;
+  for (const Candidate& c : nucleus.extra) out[c.i] = static_cast<float>(c.e / total);
+}
+
+// A batch's logits as fp32 rows with their maxima, and each row's law, checked: logits [n, vocab]
+// (any float type), temperature/top_p/min_p [n] fp32, top_k [n] int64, uniform [n] fp64.
+struct RowLaws {
+  int64_t rows, vocab;
+  at::Tensor x, top, t, k, p, mp, u;
+
+  RowLaws(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+          const at::Tensor& min_p, const at::Tensor& uniform) {
+    TORCH_CHECK(logits.dim() == 2 && logits.is_floating_point() && logits.device().is_cpu(),
+                "logits must be a [rows, vocab] float CPU tensor, got ", logits.sizes(), " ", logits.scalar_type());
+    rows = logits.size(0), vocab = logits.size(1);
+    TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "a vocabulary of ", vocab, " tokens");
+    const auto check = [this](const at::Tensor& v, at::ScalarType type, const char* name) {
+      TORCH_CHECK(v.dim() == 1 && v.size(0) == rows && v.scalar_type() == type && v.device().is_cpu(), name,
+                  " must be a CPU ", type, " tensor of ", rows, " values, got ", v.sizes(), " ", v.scalar_type());
+      return v.contiguous();
+    };
+    t = check(temperature, at::kFloat, "temperature");
+    k = check(top_k, at::kLong, "top_k");
+    p = check(top_p, at::kFloat, "top_p");
+    mp = check(min_p, at::kFloat, "min_p");
+    u = check(uniform, at::kDouble, "uniform");
+    if (rows == 0) return;
+    x = logits.to(at::kFloat).contiguous();
+    top = at::amax(x, 1, true);
+  }
+
+  const float* row(int64_t r) const { return x.data_ptr<float>() + r * vocab; }
+  float top_of(int64_t r) const { return top.data_ptr<float>()[r]; }
+  Law law(int64_t r) const {
+    return Law{t.data_ptr<float>()[r], k.data_ptr<int64_t>()[r], p.data_ptr<float>()[r], mp.data_ptr<float>()[r],
+               u.data_ptr<double>()[r]};
+  }
+};
+
+// -> tokens [n] int64, uniform in [0, 1). A greedy row (temperature 0) takes its first largest
+// logit; so does a row whose largest is not finite (every token masked, or a NaN).
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                        const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniform) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_floating_point() && logits.device().is_cpu(),
-              "logits must be a [rows, vocab] float CPU tensor, got ", logits.sizes(), " ", logits.scalar_type());
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "a vocabulary of ", vocab, " tokens");
-  const auto check = [rows](const at::Tensor& t, at::ScalarType type, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows && t.scalar_type() == type && t.device().is_cpu(), name,
-                " must be a CPU ", type, " tensor of ", rows, " values, got ", t.sizes(), " ", t.scalar_type());
-  };
-  check(temperature, at::kFloat, "temperature");
-  check(top_k, at::kLong, "top_k");
-  check(top_p, at::kFloat, "top_p");
-  check(min_p, at::kFloat, "min_p");
-  check(uniform, at::kDouble, "uniform");
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  if (rows == 0) return out;
-  const at::Tensor x = logits.to(at::kFloat).contiguous();
-  const at::Tensor top = at::amax(x, 1, true);
-  const at::Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous(),
-                   mp = min_p.contiguous(), u = uniform.contiguous();
-  const float* xs = x.data_ptr<float>();
-  const float* tops = top.data_ptr<float>();
-  const float* ts = t.data_ptr<float>();
-  const int64_t* ks = k.data_ptr<int64_t>();
-  const float* ps = p.data_ptr<float>();
-  const float* mps = mp.data_ptr<float>();
-  const double* us = u.data_ptr<double>();
+  const RowLaws laws(logits, temperature, top_k, top_p, min_p, uniform);
+  at::Tensor out = at::empty({laws.rows}, logits.options().dtype(at::kLong));
   int64_t* tokens = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, laws.rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e;  // a row's weights, where its law needs every token's
     std::vector<double> chunks;
     for (int64_t r = begin; r < end; ++r) {
-      tokens[r] = sample_row(xs + r * vocab, vocab, tops[r], Law{ts[r], ks[r], ps[r], mps[r], us[r]}, e, chunks);
+      tokens[r] = sample_row(laws.row(r), laws.vocab, laws.top_of(r), laws.law(r), e, chunks);
+    }
+  });
+  return out;
+}
+
+// -> probs [n, vocab] fp32: each row's law as sample_rows draws from it (law_of_row), rows
+// summing to 1, without sorting the vocabulary (speculative decoding's acceptance reads it).
+at::Tensor law_probabilities(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                             const at::Tensor& top_p, const at::Tensor& min_p) {
+  const int64_t rows = logits.dim() == 2 ? logits.size(0) : 0;
+  const at::Tensor unused = at::zeros({rows}, logits.options().dtype(at::kDouble));
+  const RowLaws laws(logits, temperature, top_k, top_p, min_p, unused);
+  at::Tensor out = at::empty({laws.rows, laws.vocab}, logits.options().dtype(at::kFloat));
+  float* probs = out.data_ptr<float>();
+  at::parallel_for(0, laws.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    std::vector<double> chunks;
+    for (int64_t r = begin; r < end; ++r) {
+      law_of_row(laws.row(r), laws.vocab, laws.top_of(r), laws.law(r), probs + r * laws.vocab, scratch, chunks);
     }
   });
   return out;
@@ -439,6 +530,10 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
 TORCH_LIBRARY_FRAGMENT(nanoserve, lib) {
   lib.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
           "Tensor uniform) -> Tensor");
+  lib.def("law_probabilities(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) { lib.impl("sample_rows", &sample_rows); }
+TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
+  lib.impl("sample_rows", &sample_rows);
+  lib.impl("law_probabilities", &law_probabilities);
+}

@@ -96,10 +96,15 @@ class Sampler:
         applied, rows summing to 1). A greedy row's probs are those at temperature 1 and mean
         nothing. ``__call__`` draws from exactly this law."""
         processed = self.process(logits.float(), params, histories, masks)
+        if self._uses_op(processed):  # the op's law, without sorting the vocabulary
+            return processed, torch.ops.nanoserve.law_probabilities(processed, *law_tensors(params))
         probs = self.probabilities(processed, params)
         if any(p.min_p > 0 for p in params):  # min-p's cut is the one step after the softmax
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return processed, probs
+
+    def _uses_op(self, logits: torch.Tensor) -> bool:
+        return self.cpu_op and logits.device.type == "cpu" and cpu_kernels.ops_available()
 
     def process(self, logits: torch.Tensor, params: list[SamplingParams],
                 histories: list[tuple[list[int], list[int]]] | None = None,
@@ -135,7 +140,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
         greedy = [p.greedy for p in params]
-        if self.cpu_op and logits.device.type == "cpu" and cpu_kernels.ops_available():
+        if self._uses_op(logits):
             return sample_rows(logits, params, generators, draws=not all(greedy))
         if all(greedy):
             return logits.argmax(dim=-1)
@@ -157,11 +162,15 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         for row, gen in enumerate(generators):
             if gen is not None:
                 uniform[row] = torch.rand(1, dtype=torch.float64, generator=gen)
-    return torch.ops.nanoserve.sample_rows(
-        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.int64),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        torch.tensor([p.min_p for p in params], dtype=torch.float32), uniform)
+    return torch.ops.nanoserve.sample_rows(logits, *law_tensors(params), uniform)
+
+
+def law_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
+    """Each row's temperature, top_k, top_p and min_p as the CPU ops take them."""
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32))
 
 
 def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
