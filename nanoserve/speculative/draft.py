@@ -32,7 +32,7 @@ from nanoserve.worker.attention import decode_attention_kernel
 from nanoserve.worker.bucketing import Buckets, step_shape
 from nanoserve.worker.build import WorkerConfig, build_worker
 from nanoserve.worker.plan import DecodeBatch, PrefillChunk, StepPlan
-from nanoserve.worker.sampler import Sampler
+from nanoserve.worker.sampler import Sampler, inverse_cdf_draw
 from nanoserve.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class Draft:
                 tokens.append(int(logits[i].argmax()))
                 q.append(None)
                 continue
-            tokens.append(int(torch.multinomial(probs[i], 1, generator=row.generator)))
+            tokens.append(int(inverse_cdf_draw(probs[i:i + 1], [row.generator])[0]))
             q.append(probs[i].cpu())
         return tokens, q
 

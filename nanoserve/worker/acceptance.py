@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve.structured.masks import TokenMasks
-from nanoserve.worker.sampler import Sampler, exponential_race
+from nanoserve.worker.sampler import Sampler, inverse_cdf_draw
 from nanoserve.worker.scoring import TokenLogprobs, gather_logprobs
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _verify_rows(sampler: Sampler, logits: torch.Tensor, proposals: list[list[in
         rows = torch.tensor(sampling, device=device)
         law = _final_law(probs[final_pos[rows]], [proposals[r] for r in sampling], [accepted[r] for r in sampling],
                          None if draft_probs is None else [draft_probs[r] for r in sampling])
-        final[rows] = exponential_race(law, [generators[r] for r in sampling])
+        final[rows] = inverse_cdf_draw(law, [generators[r] for r in sampling])
     final_ids = final.tolist()
 
     tokens = [row[:a] + [t] for row, a, t in zip(proposals, accepted, final_ids)]
