@@ -3,7 +3,9 @@ row) against the exponential race (a random number per vocabulary entry, a sort 
 the GPU's path), each under the laws users run (``python compilebench.py sampling``).
 
 Two parts. (1) The sampler alone on random logits of each ``--vocabs`` size at each batch, the
-median of ``--repeats`` calls per arm, the arms alternating. (2) Decode tokens/s of the model with
+median of ``--repeats`` calls per arm, the arms alternating: a draw, and the law as probabilities
+(``Sampler.distribution``, which speculative decoding's acceptance reads: the ``law_probabilities``
+op against torch's sort). (2) Decode tokens/s of the model with
 each sampler: two engines loaded alike, one with the race, stepping in turn (compile/interleave.py)
 over the same prompts, each row decoding ``--new-tokens`` tokens (EOS ignored). Writes
 ``compile/results/runs/sampling[-TAG].csv`` (and ``sampling-e2e[-TAG].csv``).
@@ -40,6 +42,7 @@ LAWS = {
                                                                       min_p=0.05),
     "OpenAI defaults (T 1)": dict(temperature=1.0),
     "T 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9),
+    "T 1.5, top-p 0.95 (flatter: most of the vocabulary in the nucleus)": dict(temperature=1.5, top_p=0.95),
     "Ollama's (T 0.8, top-k 40, top-p 0.9, repetition penalty 1.1)": dict(temperature=0.8, top_k=40, top_p=0.9,
                                                                         repetition_penalty=1.1),
 }
@@ -48,20 +51,27 @@ ARMS = {"op": Sampler(), "race": Sampler(cpu_op=False)}
 
 
 def sampler_alone(vocab: int, batch: int, law: dict, repeats: int) -> dict:
-    """Median ms a call per arm on random logits (a language model's spread: randn x 4)."""
+    """Median ms a call per arm on random logits (a language model's spread: randn x 4): a draw,
+    and the law as probabilities (``Sampler.distribution``, what speculative decoding reads: the
+    op's, or torch's sort)."""
     logits = (torch.randn(batch, vocab) * 4).bfloat16()
     params = [SamplingParams(**law)] * batch
     draw = torch.Generator().manual_seed(vocab)
     histories = [tuple(torch.randint(vocab, (length,), generator=draw).tolist() for length in HISTORY)
                  for _ in range(batch)]
-    times: dict[str, list[float]] = {name: [] for name in ARMS}
+    times: dict[str, list[float]] = {f"{name}_{part}": [] for name in ARMS for part in ("draw", "law")}
     for _ in range(repeats):
         for name, sampler in ARMS.items():
             started = time.perf_counter()
             sampler(logits, params, [None] * batch, histories)
-            times[name].append(time.perf_counter() - started)
-    op, race = (statistics.median(times[name]) * 1e3 for name in ("op", "race"))
-    return dict(vocab=vocab, batch=batch, op_ms=op, race_ms=race, race_over_op=race / op)
+            times[f"{name}_draw"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            sampler.distribution(logits, params, histories)
+            times[f"{name}_law"].append(time.perf_counter() - started)
+    ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    return dict(vocab=vocab, batch=batch, op_ms=ms["op_draw"], race_ms=ms["race_draw"],
+                race_over_op=ms["race_draw"] / ms["op_draw"], law_op_ms=ms["op_law"], law_sort_ms=ms["race_law"],
+                sort_over_op=ms["race_law"] / ms["op_law"])
 
 
 def decode_with_each(engines: dict[str, object], batch: int, law: dict, new_tokens: int, prompt_len: int) -> dict:
