@@ -96,7 +96,8 @@ class Sampler:
         applied, rows summing to 1). A greedy row's probs are those at temperature 1 and mean
         nothing. ``__call__`` draws from exactly this law."""
         processed = self.process(logits.float(), params, histories, masks)
-        if self._uses_op(processed):  # the op's law, without sorting the vocabulary
+        if self._uses_op(processed) and any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            # where torch's path sorts the vocabulary, the op's law (softmax alone is as fast)
             return processed, torch.ops.nanoserve.law_probabilities(processed, *law_tensors(params))
         probs = self.probabilities(processed, params)
         if any(p.min_p > 0 for p in params):  # min-p's cut is the one step after the softmax
