@@ -232,11 +232,13 @@ def test_client_closing_its_stream_aborts_the_request_and_frees_its_blocks(clien
     assert loop.stats.blocks_free < baseline  # it holds blocks while it runs
     closed_at = time.monotonic()
     stream.close()
-    while time.monotonic() - closed_at < 1.0 and (
+    # An abort, not the 300 tokens' natural end (counted as "length"); the window is wide for a
+    # loaded host, and the loop leaves as soon as both hold.
+    while time.monotonic() - closed_at < 10.0 and (
             loop.stats.blocks_free != baseline or loop.metrics.finished["abort"] != aborted + 1):
         time.sleep(0.01)
-    assert loop.metrics.finished["abort"] == aborted + 1, "the request was not aborted within a second"
-    assert loop.stats.blocks_free == baseline, "its blocks did not come back within a second"
+    assert loop.metrics.finished["abort"] == aborted + 1, "the request was not aborted"
+    assert loop.stats.blocks_free == baseline, "its blocks did not come back"
     assert loop.stats.running == loop.stats.waiting == 0
     with httpx.Client(base_url=server.url) as plain:
         assert _metric(plain.get("/metrics").text, "nanoserve_kv_blocks_free") == baseline
