@@ -108,15 +108,19 @@ def test_a_tensor_parallel_rank_builds_a_worker_and_no_scheduler_tokenizer_or_en
     assert "built []" in outputs[1] and "tokens" not in outputs[1], outputs[1]
 
 
-# One process imports nanoserve once, then forks each rank of each run: a rank pays no import, and
-# leaves through the interpreter's own exit (atexit, finalization, C++ destructors), as a
-# torchrun-launched rank does. Even runs close the engine; odd ones leave it to the exit.
-EXIT_RUNS = """
-import faulthandler, os, socket, sys
+# The scripts below import nanoserve once, then fork the two ranks of a torchrun-style group: a rank
+# pays no import, and leaves through the interpreter's own exit (atexit, finalization, C++
+# destructors), as a torchrun-launched rank does.
+TWO_RANKS = """
+import faulthandler, gc, os, socket, sys, time
 from nanoserve.engine import SamplingParams, build_engine
 
-runs, model, outdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-for run in range(runs):
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def two_ranks(rank_main, out=None):
+    # rank_main(rank) in each forked rank on a fresh port, which then exits 0; out(rank): the file a
+    # rank's stdout and stderr go to (None: the parent's). Returns the ranks' exit codes.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -126,37 +130,54 @@ for run in range(runs):
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            out = os.open(os.path.join(outdir, f"{run}-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(out, 1)
-            os.dup2(out, 2)
+            if out is not None:
+                fd = os.open(out(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
             faulthandler.enable()  # a fatal signal writes where each thread was
             os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            engine = build_engine(model, tensor_parallel_size=2, weights="fp32", max_batch_size=2,
-                                  max_model_len=32, kv_cache_bytes=1 << 20, block_size=4, compile=False)
-            done = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                                   use_tqdm=False)
-            print("tokens", done[0].token_ids, flush=True)
-            if run % 2 == 0:
-                engine.close()
+            rank_main(rank)
             sys.exit(0)
         pids.append(pid)
-    print("run", run, *(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids), flush=True)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+
+
+def engine_of(model, **options):
+    return build_engine(model, tensor_parallel_size=2, weights="fp32", max_batch_size=2, max_model_len=32,
+                        kv_cache_bytes=1 << 20, block_size=4, compile=False, **options)
+"""
+
+# Run after run: even runs close the engine; odd ones leave it to the exit.
+EXIT_RUNS = TWO_RANKS + """
+model, runs, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+for run in range(runs):
+    def rank_main(rank):
+        engine = engine_of(model)
+        print("tokens", engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids, flush=True)
+        if run % 2 == 0:
+            engine.close()
+
+    print("run", run, *two_ranks(rank_main, lambda rank: os.path.join(outdir, f"{run}-{rank}.txt")), flush=True)
 """
 EXIT_REPEATS = 10
+
+
+def _two_rank_script(tmp_path, gguf_writer, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run one of the scripts above over a tiny GGUF file (its path the script's first argument)."""
+    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
+    path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
+    (tmp_path / "script.py").write_text(script)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NANOSERVE_COMPILE="0")
+    return subprocess.run([sys.executable, str(tmp_path / "script.py"), str(path), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_every_tensor_parallel_rank_exits_cleanly_run_after_run(tmp_path, gguf_writer):
     # A fault at exit (a C++ thread still joinable when its object goes: SIGABRT, "terminate
     # called without an active exception") showed once in three runs: ten fresh 2-rank runs
     # (each would miss it with odds of 2/3: 1.7% for ten).
-    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
-    path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
-    script = tmp_path / "runs.py"
-    script.write_text(EXIT_RUNS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NANOSERVE_COMPILE="0")
-    done = subprocess.run([sys.executable, str(script), str(EXIT_REPEATS), str(path), str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = _two_rank_script(tmp_path, gguf_writer, EXIT_RUNS, str(EXIT_REPEATS), str(tmp_path))
     assert done.returncode == 0, done.stderr
     outputs = {f"{run}-{rank}": (tmp_path / f"{run}-{rank}.txt").read_text()
                for run in range(EXIT_REPEATS) for rank in range(2)}
@@ -167,34 +188,21 @@ def test_every_tensor_parallel_rank_exits_cleanly_run_after_run(tmp_path, gguf_w
     assert all("tokens [" in outputs[f"{run}-0"] for run in range(EXIT_REPEATS))
 
 
-# Rank 0 of a torchrun-style 2-rank engine: once its engine is closed and gone, no thread of a
-# process group (gloo's loops, the store server rank 0 hosts) may be left to run into the exit.
-GROUP_THREADS = """
-import gc, os, socket, sys
-from nanoserve.engine import SamplingParams, build_engine
+# Once rank 0's engine is closed and gone, no thread of a process group (gloo's loops, the store
+# server rank 0 hosts) may be left to run into the exit (rank 1 serves plans until then, and exits
+# from inside engine_of).
+GROUP_THREADS = TWO_RANKS + """
+def rank_main(rank):
+    engine = engine_of(sys.argv[1])
+    engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    engine.close()
+    del engine
+    gc.collect()
+    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    print("threads", names, flush=True)
 
-model = sys.argv[1]
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-pids = []
-for rank in range(2):
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        engine = build_engine(model, tensor_parallel_size=2, weights="fp32", max_batch_size=2,
-                              max_model_len=32, kv_cache_bytes=1 << 20, block_size=4, compile=False)
-        engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-        engine.close()
-        del engine
-        gc.collect()
-        names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-        print("threads", names, flush=True)
-        sys.exit(0)
-    pids.append(pid)
-print("exits", *(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids), flush=True)
+
+print("exits", *two_ranks(rank_main), flush=True)
 """
 
 
@@ -203,58 +211,29 @@ def test_a_closed_tensor_parallel_engine_leaves_no_process_group_thread_running(
     # torch.distributed.nn's defaults capture the world group when first imported (torch._dynamo
     # does, at the first collective): a join that did not import it first left the group, its
     # threads and the store server alive until the process exited.
-    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
-    path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
-    script = tmp_path / "threads.py"
-    script.write_text(GROUP_THREADS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NANOSERVE_COMPILE="0")
-    done = subprocess.run([sys.executable, str(script), str(path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = _two_rank_script(tmp_path, gguf_writer, GROUP_THREADS)
     assert done.returncode == 0 and "exits 0 0" in done.stdout, (done.stdout, done.stderr)
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("threads")]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("threads")]  # rank 0's
     assert not [name for name in eval(line[len("threads "):]) if "gloo" in name or "tcpstore" in name], line
 
 
-# Two torchrun-style ranks whose collectives may wait 1 s; rank 1 starts 3 s late (as a rank
-# importing torch on a loaded host does): the rendezvous still waits for it.
-LATE_RANK = """
-import os, socket, sys, time
-from nanoserve.engine import SamplingParams, build_engine
+# Collectives may wait 1 s; rank 1 starts 3 s late (as a rank importing torch on a loaded host
+# does): the rendezvous still waits for it.
+LATE_RANK = TWO_RANKS + """
+def rank_main(rank):
+    if rank == 1:
+        time.sleep(3.0)
+    engine = engine_of(sys.argv[1], tensor_parallel_timeout=1.0)
+    print("tokens", engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids, flush=True)
+    engine.close()
 
-model = sys.argv[1]
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-pids = []
-for rank in range(2):
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        if rank == 1:
-            time.sleep(3.0)
-        os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        engine = build_engine(model, tensor_parallel_size=2, tensor_parallel_timeout=1.0, weights="fp32",
-                              max_batch_size=2, max_model_len=32, kv_cache_bytes=1 << 20, block_size=4,
-                              compile=False)
-        done = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                               use_tqdm=False)
-        print("tokens", done[0].token_ids, flush=True)
-        engine.close()
-        sys.exit(0)
-    pids.append(pid)
-print("exits", *(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids), flush=True)
+
+print("exits", *two_ranks(rank_main), flush=True)
 """
 
 
 def test_a_rank_starting_later_than_the_collectives_timeout_still_joins(tmp_path, gguf_writer):
-    config = tiny_config(vocab_size=260, tie_word_embeddings=True)
-    path = gguf_writer(tmp_path / "tiny.gguf", config, unfuse_hf_weights(random_model(config, seed=0)))
-    script = tmp_path / "late.py"
-    script.write_text(LATE_RANK)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NANOSERVE_COMPILE="0")
-    done = subprocess.run([sys.executable, str(script), str(path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = _two_rank_script(tmp_path, gguf_writer, LATE_RANK)
     assert "exits 0 0" in done.stdout and "tokens [" in done.stdout, (done.stdout, done.stderr[-3000:])
 
 
