@@ -252,7 +252,8 @@ std::vector<Candidate> nucleus_of(std::vector<Candidate> candidates, float p) {
   return kept;
 }
 
-// The chunk sums (as weights_of's) of the weights at or above `least`.
+// The chunk sums (as weights_of's) of the weights at or above `least`. Written out as weights_of
+// is: one loop shared through a lambda lost the pointers' __restrict, and GCC's vectorisation with it.
 NANOSERVE_VECTOR_CLONES
 void sums_at_least(const float* __restrict e, int64_t n, float least, double* __restrict chunks) {
   constexpr int L = 16;
