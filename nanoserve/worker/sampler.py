@@ -2,7 +2,8 @@
 
 On the CPU a row's token is the one at a uniform draw u of its law's cumulative distribution,
 chosen by nanoserve's ``sample_rows`` op (worker/sample_rows.cpp): one random number a row, the
-vocabulary neither sorted nor raced. Elsewhere (a GPU) sampling is the exponential race
+vocabulary neither sorted nor raced; the same file's ``law_probabilities`` op gives the law itself
+(``distribution``, which speculative decoding reads) without the sort torch's path needs. Elsewhere (a GPU) sampling is the exponential race
 (Gumbel-max in disguise): ``argmax(probs / q)`` with ``q ~ Exp(1)`` draws from ``probs``, one random
 number per vocabulary entry and no sort. Both draw from ``distribution``'s law, and a request
 with a seed draws from its own generator, so its tokens do not depend on what else shares the batch.
