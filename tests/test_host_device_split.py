@@ -218,11 +218,21 @@ def test_a_closed_tensor_parallel_engine_leaves_no_process_group_thread_running(
 
 
 # Collectives may wait 1 s; rank 1 starts 3 s late (as a rank importing torch on a loaded host
-# does): the rendezvous still waits for it.
+# does) and comes 2 s late to each group's creation: the rendezvous still wait for it.
 LATE_RANK = TWO_RANKS + """
+import torch.distributed as dist
+
+
 def rank_main(rank):
     if rank == 1:
         time.sleep(3.0)
+        new_group = dist.new_group
+
+        def late_new_group(*args, **kwargs):
+            time.sleep(2.0)
+            return new_group(*args, **kwargs)
+
+        dist.new_group = late_new_group
     engine = engine_of(sys.argv[1], tensor_parallel_timeout=1.0)
     print("tokens", engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids, flush=True)
     engine.close()

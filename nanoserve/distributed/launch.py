@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's setter of a group's bound
 
 from nanoserve.distributed.shard import check_float_model, check_tensor_parallel, parallelize, shard_weights
 from nanoserve.model.formats.loader import load_config
@@ -52,8 +53,9 @@ logger = logging.getLogger(__name__)
 # A worker waits for the next plan as long as the server idles; rank 0's side of the plan
 # channel (each process sets its own) and the forward's collectives are bounded.
 IDLE_TIMEOUT = timedelta(days=365)
-# The rendezvous waits this long at least, however tight the collectives' bound: a spawned rank
-# imports torch before it joins, which on a loaded host takes seconds.
+# The rendezvous (and each group's creation) waits this long at least, however tight the
+# collectives' bound: a spawned rank imports torch before it joins, which on a loaded host takes
+# seconds.
 JOIN_TIMEOUT = timedelta(seconds=60)
 # How long close() waits for a worker to leave after the stop message before killing it.
 JOIN_SECONDS = 10.0
@@ -168,14 +170,17 @@ def _join(rank: int, size: int, init_method: str, device: str, timeout_seconds: 
     # after this join it would hold the world group, its threads and rank 0's store server past
     # destroy_process_group, still running while the interpreter exits (SIGABRT there, now and then).
     import torch.distributed.nn  # noqa: F401
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=max(timeout, JOIN_TIMEOUT))
+    # Each group's creation is a rendezvous of every rank, under the join's bound (a rank may come
+    # seconds late: a spawned one imports torch first); then the group gets its own bound.
+    join = max(timeout, JOIN_TIMEOUT)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=join)
     _register_exit()
-    compute = dist.new_group(backend=backend, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=join)
     startup = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return Rank(rank, size, compute, control, startup)
+    _set_pg_timeout(timeout, dist.group.WORLD)  # the forward's collectives
+    _set_pg_timeout(timeout if rank == 0 else IDLE_TIMEOUT, control)
+    return Rank(rank, size, dist.group.WORLD, control, startup)
 
 
 def _worker_main(rank: int, size: int, port: int, model, spec: WorkerConfig, timeout: float, parent: int,
