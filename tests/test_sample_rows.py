@@ -11,18 +11,11 @@ import torch
 
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model.quant import cpu_kernels
-from nanoserve.worker.sampler import Sampler
+from nanoserve.worker.sampler import Sampler, law_tensors
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.ops_available(), reason="nanoserve's ops library did not build")
 
 N = 4000  # stratified draws: u = (j + 1/2) / N
-
-
-def _law_tensors(params: list[SamplingParams]):
-    return (torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32))
 
 
 def _stratified_frequencies(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -30,7 +23,7 @@ def _stratified_frequencies(logits: torch.Tensor, params: SamplingParams) -> tor
     the op picks the token at u of the law's cumulative distribution (in any token order)."""
     rows = logits.expand(N, -1).contiguous()
     uniform = (torch.arange(N, dtype=torch.float64) + 0.5) / N
-    tokens = torch.ops.nanoserve.sample_rows(rows, *_law_tensors([params] * N), uniform)
+    tokens = torch.ops.nanoserve.sample_rows(rows, *law_tensors([params] * N), uniform)
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / N
 
 
@@ -99,7 +92,7 @@ def test_sample_rows_greedy_is_torch_argmax_ties_masks_and_nan_included():
     logits[3, 11] = logits[3, 40] = float("nan")
     logits[4, 99] = float("inf")
     greedy = SamplingParams(temperature=0.0)
-    tokens = torch.ops.nanoserve.sample_rows(logits, *_law_tensors([greedy] * 6), torch.rand(6, dtype=torch.float64))
+    tokens = torch.ops.nanoserve.sample_rows(logits, *law_tensors([greedy] * 6), torch.rand(6, dtype=torch.float64))
     assert tokens.tolist() == logits.argmax(-1).tolist()
     assert tokens[1] == 7 and tokens[2] == 0 and tokens[3] == 11 and tokens[4] == 99
 
@@ -121,11 +114,11 @@ def test_sample_rows_takes_any_float_logits_and_checks_its_arguments():
     logits = torch.randn(2, 64)
     params = [SamplingParams(temperature=0.9, top_p=0.9)] * 2
     uniform = torch.tensor([0.25, 0.75], dtype=torch.float64)
-    as_fp32 = torch.ops.nanoserve.sample_rows(logits.bfloat16().float(), *_law_tensors(params), uniform)
-    assert torch.equal(torch.ops.nanoserve.sample_rows(logits.bfloat16(), *_law_tensors(params), uniform), as_fp32)
+    as_fp32 = torch.ops.nanoserve.sample_rows(logits.bfloat16().float(), *law_tensors(params), uniform)
+    assert torch.equal(torch.ops.nanoserve.sample_rows(logits.bfloat16(), *law_tensors(params), uniform), as_fp32)
     with pytest.raises(RuntimeError, match="uniform"):
-        torch.ops.nanoserve.sample_rows(logits, *_law_tensors(params), uniform.float())
-    temperature, _, top_p, min_p = _law_tensors(params)
+        torch.ops.nanoserve.sample_rows(logits, *law_tensors(params), uniform.float())
+    temperature, _, top_p, min_p = law_tensors(params)
     with pytest.raises(RuntimeError, match="top_k"):
         torch.ops.nanoserve.sample_rows(logits, temperature, torch.zeros(3, dtype=torch.long), top_p, min_p, uniform)
 
@@ -139,7 +132,7 @@ def test_the_sampler_draws_u_from_the_global_rng_then_a_seeded_rows_generator():
     torch.manual_seed(3)
     uniform = torch.rand(3, dtype=torch.float64)
     uniform[1] = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
-    assert torch.equal(got, torch.ops.nanoserve.sample_rows(logits, *_law_tensors(params), uniform))
+    assert torch.equal(got, torch.ops.nanoserve.sample_rows(logits, *law_tensors(params), uniform))
 
 
 def test_an_all_greedy_batch_draws_nothing_from_the_global_rng():

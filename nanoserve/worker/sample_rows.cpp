@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -182,30 +184,6 @@ std::vector<Candidate> top_k_of(const float* x, int64_t n, int64_t k, std::vecto
   return kept;
 }
 
-// The index where the running sum of e over [0, n) first passes u times its total (chunks:
-// weights_of's sums); rounding past the end falls back to the last index of positive weight.
-int64_t walk_row(const float* e, int64_t n, const double* chunks, double u) {
-  const int64_t count = (n + CHUNK - 1) / CHUNK;
-  double total = 0.0;
-  for (int64_t c = 0; c < count; ++c) total += chunks[c];
-  const double target = u * total;
-  double seen = 0.0;
-  for (int64_t c = 0; c < count; ++c) {
-    if (seen + chunks[c] <= target) {
-      seen += chunks[c];
-      continue;
-    }
-    for (int64_t i = c * CHUNK; i < std::min(n, (c + 1) * CHUNK); ++i) {
-      seen += e[i];
-      if (seen > target && e[i] > 0.f) return i;
-    }
-  }
-  for (int64_t i = n - 1; i > 0; --i) {
-    if (e[i] > 0.f) return i;
-  }
-  return 0;
-}
-
 // The token at u among the candidates (in their order, every weight positive), by their
 // weights; rounding past the end takes the last.
 int64_t walk_candidates(const std::vector<Candidate>& kept, double u) {
@@ -292,9 +270,9 @@ void weights_between(const float* __restrict x, const float* __restrict e, int64
   }
 }
 
-// What top-p (then min-p) keeps of a whole row of weights: every token at or above `least`, and
-// `extra`, the crossing bucket's kept tokens below it (in row order).
-struct RowNucleus {
+// What a law keeps of a whole row of weights: every token at or above `least`, and `extra`, top-p's
+// crossing-bucket tokens below it (in row order).
+struct RowKept {
   float least;
   std::vector<Candidate> extra;
 
@@ -304,15 +282,19 @@ struct RowNucleus {
   }
 };
 
+// Temperature alone keeps every token of positive weight (weights_of's chunk sums are its kept mass).
+const RowKept EVERY_WEIGHED{std::numeric_limits<float>::denorm_min(), {}};
+
+// The sum of a row's chunk sums.
+double total_of(const std::vector<double>& chunks) { return std::accumulate(chunks.begin(), chunks.end(), 0.0); }
+
 // Top-p of p over a whole row of weights e (chunks: weights_of's sums, replaced by the kept mass
 // of each chunk), then min-p. A histogram of the weights finds the bucket where the running mass
 // (heaviest first) crosses p times the total: the buckets above it are kept whole, the crossing
 // bucket's tokens are sorted for the prefix the nucleus takes. The kept mass is summed per chunk
 // in one vectorised pass (a flat row's nucleus can hold most of the vocabulary).
-RowNucleus nucleus_of_row(const float* x, const float* e, int64_t n, std::vector<double>& chunks, const Law& law) {
-  const int64_t count = (n + CHUNK - 1) / CHUNK;
-  double z = 0.0;
-  for (int64_t c = 0; c < count; ++c) z += chunks[c];
+RowKept nucleus_of_row(const float* x, const float* e, int64_t n, std::vector<double>& chunks, const Law& law) {
+  const double z = total_of(chunks);
   std::vector<double> mass(WEIGHT_BUCKETS, 0.0);
   for (int64_t i = 0; i < n; ++i) {
     if (e[i] > 0.f) mass[weight_bucket(e[i])] += e[i];
@@ -332,7 +314,7 @@ RowNucleus nucleus_of_row(const float* x, const float* e, int64_t n, std::vector
   std::vector<Candidate> kept, edge;
   weights_between(x, e, n, low, high, edge);
   keep_nucleus(kept, edge, above, target);
-  RowNucleus nucleus{std::max(high, law.min_p), {}};  // edge weights are below high, so below least
+  RowKept nucleus{std::max(high, law.min_p), {}};  // edge weights are below high, so below least
   for (const Candidate& c : kept) {
     if (c.e >= law.min_p) nucleus.extra.push_back(c);
   }
@@ -342,29 +324,27 @@ RowNucleus nucleus_of_row(const float* x, const float* e, int64_t n, std::vector
   return nucleus;
 }
 
-// u's token among what a nucleus keeps of the row (chunks: its kept mass per chunk): the walk
-// skips whole chunks, then goes token by token through the one it lands in.
-int64_t draw_nucleus(const float* e, int64_t n, const RowNucleus& nucleus, const std::vector<double>& chunks,
-                     double u) {
-  const int64_t count = (n + CHUNK - 1) / CHUNK;
-  double kept_mass = 0.0;
-  for (int64_t c = 0; c < count; ++c) kept_mass += chunks[c];
-  TORCH_CHECK(kept_mass > 0.0, "top-p kept no token of a row whose largest weight is 1");
+// u's token among what a law keeps of the row (chunks: its kept mass per chunk): the walk skips
+// whole chunks, then goes token by token through the one it lands in; rounding past the end
+// takes the last kept token.
+int64_t draw_kept(const float* e, int64_t n, const RowKept& kept, const std::vector<double>& chunks, double u) {
+  const double kept_mass = total_of(chunks);
+  TORCH_CHECK(kept_mass > 0.0, "the law kept no token of a row whose largest weight is 1");
   const double at = u * kept_mass;
   double seen = 0.0;
-  for (int64_t c = 0; c < count; ++c) {
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
     if (seen + chunks[c] <= at) {
       seen += chunks[c];
       continue;
     }
     for (int64_t i = c * CHUNK; i < std::min(n, (c + 1) * CHUNK); ++i) {
-      if (!nucleus.keeps(e, i)) continue;
+      if (!kept.keeps(e, i)) continue;
       seen += e[i];
       if (seen > at) return i;
     }
   }
-  int64_t last = n - 1;  // rounding past the end: the last kept token
-  while (last > 0 && !nucleus.keeps(e, last)) --last;
+  int64_t last = n - 1;
+  while (last > 0 && !kept.keeps(e, last)) --last;
   return last;
 }
 
@@ -415,9 +395,8 @@ int64_t sample_row(const float* x, int64_t n, float top, const Law& law, std::ve
   e.resize(n);
   chunks.resize((n + CHUNK - 1) / CHUNK);
   weights_of(x, n, top, scale, e.data(), chunks.data());
-  if (law.top_p == 1.f) return walk_row(e.data(), n, chunks.data(), law.u);
-  const RowNucleus nucleus = nucleus_of_row(x, e.data(), n, chunks, law);
-  return draw_nucleus(e.data(), n, nucleus, chunks, law.u);
+  const RowKept kept = law.top_p < 1.f ? nucleus_of_row(x, e.data(), n, chunks, law) : EVERY_WEIGHED;
+  return draw_kept(e.data(), n, kept, chunks, law.u);
 }
 
 // The law sample_row draws a row from, as probabilities into out[0, n) (a greedy row's: at
@@ -437,22 +416,13 @@ void law_of_row(const float* x, int64_t n, float top, const Law& law, float* out
     for (const Candidate& c : kept) out[c.i] = static_cast<float>(c.e / total);
     return;
   }
-  const int64_t count = (n + CHUNK - 1) / CHUNK;
-  chunks.resize(count);
+  chunks.resize((n + CHUNK - 1) / CHUNK);
   weights_of(x, n, top, scale, out, chunks.data());
-  if (law.top_p == 1.f) {
-    double total = 0.0;
-    for (int64_t c = 0; c < count; ++c) total += chunks[c];
-    const float inverse = static_cast<float>(1.0 / total);
-    for (int64_t i = 0; i < n; ++i) out[i] *= inverse;
-    return;
-  }
-  const RowNucleus nucleus = nucleus_of_row(x, out, n, chunks, law);
-  double total = 0.0;
-  for (int64_t c = 0; c < count; ++c) total += chunks[c];
-  const float inverse = static_cast<float>(1.0 / total), least = nucleus.least;
+  const RowKept kept = law.top_p < 1.f ? nucleus_of_row(x, out, n, chunks, law) : EVERY_WEIGHED;
+  const double total = total_of(chunks);
+  const float inverse = static_cast<float>(1.0 / total), least = kept.least;
   for (int64_t i = 0; i < n; ++i) out[i] = out[i] >= least ? out[i] * inverse : 0.f;
-  for (const Candidate& c : nucleus.extra) out[c.i] = static_cast<float>(c.e / total);
+  for (const Candidate& c : kept.extra) out[c.i] = static_cast<float>(c.e / total);
 }
 
 // A batch's logits as fp32 rows with their maxima, and each row's law, checked: logits [n, vocab]

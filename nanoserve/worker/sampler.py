@@ -3,9 +3,9 @@
 On the CPU a row's token is the one at a uniform draw u of its law's cumulative distribution,
 chosen by nanoserve's ``sample_rows`` op (worker/sample_rows.cpp): one random number a row, the
 vocabulary neither sorted nor raced; the same file's ``law_probabilities`` op gives the law itself
-(``distribution``, which speculative decoding reads) without the sort torch's path needs. Elsewhere (a GPU) sampling is the exponential race
-(Gumbel-max in disguise): ``argmax(probs / q)`` with ``q ~ Exp(1)`` draws from ``probs``, one random
-number per vocabulary entry and no sort. Both draw from ``distribution``'s law, and a request
+(``distribution``, which speculative decoding reads) without the sort torch's path needs.
+Elsewhere (a GPU) sampling is the exponential race (Gumbel-max in disguise): ``argmax(probs / q)``
+with ``q ~ Exp(1)`` draws from ``probs``, one random number per vocabulary entry and no sort. Both draw from ``distribution``'s law, and a request
 with a seed draws from its own generator, so its tokens do not depend on what else shares the batch.
 """
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.sampling_params import SamplingParams  # plain data: the type alone
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "exponential_race", "gather_logprobs", "inverse_cdf_draw",
-           "sample_isolated", "sample_rows"]
+           "law_tensors", "row_uniforms", "sample_isolated", "sample_rows"]
 
 
 @dataclass
@@ -154,17 +154,21 @@ class Sampler:
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                 draws: bool = True) -> torch.Tensor:
-    """One token per row of processed CPU logits by the ``sample_rows`` op: each row's uniform
-    draw first from the global RNG, then a seeded row's again from its own generator (as
-    ``exponential_race`` draws its races). ``draws`` False (every row greedy): no draw at all."""
-    n = len(params)
-    uniform = torch.zeros(n, dtype=torch.float64)
-    if draws:
-        uniform = torch.rand(n, dtype=torch.float64)
-        for row, gen in enumerate(generators):
-            if gen is not None:
-                uniform[row] = torch.rand(1, dtype=torch.float64, generator=gen)
+    """One token per row of processed CPU logits by the ``sample_rows`` op, each row's u from
+    ``row_uniforms`` (the order ``exponential_race`` draws its races in). ``draws`` False (every
+    row greedy): no draw at all."""
+    uniform = row_uniforms(generators, logits.device) if draws else torch.zeros(len(params), dtype=torch.float64)
     return torch.ops.nanoserve.sample_rows(logits, *law_tensors(params), uniform)
+
+
+def row_uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One uniform [0, 1) fp64 a row: every row's from the global RNG, then a seeded row's again
+    from its own generator, so a seeded row's draw depends on its generator alone."""
+    uniform = torch.rand(len(generators), dtype=torch.float64, device=device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            uniform[row] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).to(device)
+    return uniform
 
 
 def law_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
@@ -188,16 +192,11 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
 
 def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row from ``probs`` [n, vocab] (non-negative, any scale): the token where the
-    row's running sum (in fp64) first passes u times its total. One uniform u a row, drawn as
-    ``sample_rows`` draws them (the global RNG, then a seeded row's own generator): on the CPU a
-    row costs a cumulative sum, where the race's one random number a token cost ~16x that."""
-    n = probs.shape[0]
-    uniform = torch.rand(n, dtype=torch.float64, device=probs.device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            uniform[row] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).to(probs.device)
+    row's running sum (in fp64) first passes u times its total, u from ``row_uniforms``. On the
+    CPU a row costs a cumulative sum, where the race's one random number a token cost ~16x that."""
+    uniform = row_uniforms(generators, probs.device)
     tokens = []
-    for row in range(n):  # one row at a time: torch's fp64 cumsum over a 2-d tensor is ~5x slower a row
+    for row in range(probs.shape[0]):  # one row at a time: torch's fp64 cumsum over a 2-d tensor is ~5x slower a row
         cdf = probs[row].double().cumsum(0)
         token = int(torch.searchsorted(cdf, uniform[row:row + 1] * cdf[-1], right=True))
         if token == cdf.numel():  # rounding past the end: the last token of positive mass
