@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_a_tensor_parallel_rank_builds_a_worker_and_no_scheduler_tokenizer_or_en
 # pays no import, and leaves through the interpreter's own exit (atexit, finalization, C++
 # destructors), as a torchrun-launched rank does.
 TWO_RANKS = """
-import faulthandler, gc, os, socket, sys, time
+import faulthandler, gc, json, os, socket, sys, time
 from nanoserve.engine import SamplingParams, build_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -199,7 +200,7 @@ def rank_main(rank):
     del engine
     gc.collect()
     names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    print("threads", names, flush=True)
+    print("threads", json.dumps(names), flush=True)
 
 
 print("exits", *two_ranks(rank_main), flush=True)
@@ -214,7 +215,7 @@ def test_a_closed_tensor_parallel_engine_leaves_no_process_group_thread_running(
     done = _two_rank_script(tmp_path, gguf_writer, GROUP_THREADS)
     assert done.returncode == 0 and "exits 0 0" in done.stdout, (done.stdout, done.stderr)
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("threads")]  # rank 0's
-    assert not [name for name in eval(line[len("threads "):]) if "gloo" in name or "tcpstore" in name], line
+    assert not [name for name in json.loads(line[len("threads "):]) if "gloo" in name or "tcpstore" in name], line
 
 
 # Collectives may wait 1 s; rank 1 starts 3 s late (as a rank importing torch on a loaded host
