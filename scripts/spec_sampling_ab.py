@@ -16,12 +16,12 @@ import time
 
 import torch
 
+from compile.common import SAMPLING_LAWS
 from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model.formats.loader import DEFAULT_MODEL
 from nanoserve.worker.sampler import Sampler
 
 TEXT = "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. " * 12
-LLAMA_CPP_LAW = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     engines = {"ops": build_engine(args.model, **options), "sort": build_engine(args.model, **options)}
     engines["sort"].worker.sampler = Sampler(cpu_op=False)
     prompt = engines["ops"].tokenizer.encode(TEXT)[:300]
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **LLAMA_CPP_LAW)
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **SAMPLING_LAWS["llama.cpp"])
     for engine in engines.values():
         engine.generate([prompt], params, use_tqdm=False)
     seconds: dict[str, list[float]] = {name: [] for name in engines}

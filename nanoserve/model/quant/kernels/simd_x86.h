@@ -44,7 +44,8 @@ struct Simd {
   static A azero() { return _mm512_setzero_si512(); }
   // acc += codes (unsigned bytes) x the four signed bytes at x in every lane, the four bytes read
   // as vpdpbusd's own broadcast operand ({1to16}): GCC emits a separate vpbroadcastd for
-  // _mm512_set1_epi32 of a load, one more instruction for every dot.
+  // _mm512_set1_epi32 of a load, one more instruction for every dot. (AVX-VNNI's VEX vpdpbusd
+  // has no broadcast operand: its tier keeps the separate broadcast.)
   static A dot_nibbles(A acc, I codes, const int8_t* x) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const aliased_int32*>(x)));
     return acc;
