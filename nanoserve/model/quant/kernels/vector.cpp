@@ -1191,6 +1191,9 @@ int64_t dot_peak(int64_t rounds) {
     for (int c = 0; c < CHAINS; ++c) acc[c] = V::dot_nibbles(acc[c], codes, x + 4 * c);
   }
   int32_t lanes[V::LANES], total = 0;
+  // Unrolled, so that acc is registers alone: an array left in memory would be stored every round
+  // (avx512-vnni's dot reads its activations as a memory operand, which GCC lets alias it).
+  #pragma GCC unroll 16
   for (int c = 0; c < CHAINS; ++c) {
     V::istore(lanes, V::finish_nibbles(acc[c]));
     for (int l = 0; l < V::LANES; ++l) total += lanes[l];
