@@ -94,9 +94,10 @@ struct Simd {
 struct Simd {
   // Rows sharing each code vector (16 registers: their sums, fp32 and integer, and the code);
   // with 8-bit activations (ROWS_A8) a row holds no lo sums.
-  // AVX2's group-16 8-bit products take 8: their sums spill, but each code vector's unpacking
-  // and widening is shared by twice the rows (a Q6_K product in cache, one thread, 32 rows:
-  // 48 -> 57 G multiply-adds/s; AVX-VNNI's vpdpbusd leaves less to share and runs 3% slower at 8).
+  // AVX2's group-16 8-bit products take 8, each scale group for both vectors of outputs at once
+  // (vector.cpp's FOLD_HALVES): their sums spill, but each code vector's unpacking is shared by
+  // twice the rows (1B Q4_K_M's Q6_K shapes at 32 rows, 8 against 4: 0.78-0.84x the time against
+  // 0.77-0.84x, alike; AVX-VNNI's vpdpbusd leaves less to share and runs 3% slower at 8).
 #if defined(NANOSERVE_TIER_AVX_VNNI)
   static constexpr int LANES = 8, ROWS = 4, ROWS_A8 = 4, ROWS_A8_G16 = 4;
 #else

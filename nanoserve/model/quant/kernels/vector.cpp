@@ -579,8 +579,12 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     // and AVX-VNNI at 4 rows), a group-32 format's halves are summed one after the other, for both
     // vectors s at once (half_block_sums), and each folded into the fp32 sums in turn. On such a tier
     // fewer rows fold the halves one by one in the same order, so a row's result does not depend on
-    // how many rows share its call.
-    constexpr bool FOLD_HALVES = !LO && !F::SPLIT && halves_spill(F::template rows<LO>());
+    // how many rows share its call. A group-16 format's halves are its two scale groups, folded the
+    // same way where a tier multiplies them in pairs of code vectors (AVX2's Q6_K: per vector s,
+    // both halves' int32 sums for 8 rows took all 16 registers, and the code vectors and sums
+    // were stored and reloaded every group).
+    constexpr bool FOLD_HALVES = !LO && (!F::SPLIT || wide_pairs<F::BITS, F::LUT>()) &&
+                                 halves_spill(F::template rows<LO>());
     if constexpr (FOLD_HALVES && halves_spill(R)) {
       if constexpr (SIXT) {
         V::I n[2][R], sums[2][SUB][R];
@@ -602,15 +606,23 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
           else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
           #pragma GCC unroll 16
           for (int s = 0; s < SUB; ++s) {
-            const V::F dv = scales.scale(g * 16 + V::LANES * s);
+            const V::F dv = scales.scale((F::SPLIT ? g * 2 + half : g) * 16 + V::LANES * s);
             #pragma GCC unroll 16
             for (int r = 0; r < R; ++r)
               acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
           }
+          // A scale group's minimum right after its dot, in the order the vector-at-a-time fold adds them.
+          #pragma GCC unroll 16
+          for (int s = 0; s < SUB && F::SPLIT && has_minimums; ++s) {
+            const int64_t at = (g * 2 + half) * 16 + V::LANES * s;
+            const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) acc[s][r] = V::fma(mv, V::set1(xs[in[r] * 2 * G + 2 * g + half]), acc[s][r]);
+          }
         }
       }
       #pragma GCC unroll 16
-      for (int s = 0; s < SUB && has_minimums; ++s) {
+      for (int s = 0; s < SUB && !F::SPLIT && has_minimums; ++s) {
         const int64_t at = g * 16 + V::LANES * s;
         const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
         #pragma GCC unroll 16
