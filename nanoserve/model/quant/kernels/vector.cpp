@@ -251,6 +251,12 @@ inline Sixteenths sixteenths_of(const float* xd, int64_t M, int64_t G) {
   return {n.data(), step16.data(), G};
 }
 
+// Whether a tier's group-16 formats at 8-bit activations, where their per-vector sums would spill,
+// sum each scale group for both vectors of outputs at once and fold it before the next
+// (V::FOLD_SCALE_GROUPS: AVX2), as group-32 formats' halves are.
+template <typename S> constexpr bool folds_scale_groups(decltype(S::FOLD_SCALE_GROUPS)) { return S::FOLD_SCALE_GROUPS; }
+template <typename S> constexpr bool folds_scale_groups(...) { return false; }
+
 // V::widen, looked up only where sixteenths holds (S makes the name dependent).
 template <typename S = V>
 inline V::I widen_by(V::A a, V::I m) { return S::widen(a, m); }
@@ -580,10 +586,8 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     // vectors s at once (half_block_sums), and each folded into the fp32 sums in turn. On such a tier
     // fewer rows fold the halves one by one in the same order, so a row's result does not depend on
     // how many rows share its call. A group-16 format's halves are its two scale groups, folded the
-    // same way where a tier multiplies them in pairs of code vectors (AVX2's Q6_K: per vector s,
-    // both halves' int32 sums for 8 rows took all 16 registers, and the code vectors and sums
-    // were stored and reloaded every group).
-    constexpr bool FOLD_HALVES = !LO && (!F::SPLIT || wide_pairs<F::BITS, F::LUT>()) &&
+    // same way where the tier says so (V::FOLD_SCALE_GROUPS).
+    constexpr bool FOLD_HALVES = !LO && (!F::SPLIT || folds_scale_groups<V>(true)) &&
                                  halves_spill(F::template rows<LO>());
     if constexpr (FOLD_HALVES && halves_spill(R)) {
       if constexpr (SIXT) {
