@@ -338,6 +338,45 @@ inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, c
   }
 }
 
+// Whether a tier sums one row's group for every vector s of the block per activation broadcast
+// (V::SHARED_BROADCASTS: AVX2), where group_sums, called per s, broadcasts the row's activations
+// again for each s (GCC shares the broadcasts between the calls, but stores them to the stack to
+// do it).
+template <typename S> constexpr bool shares_broadcasts(decltype(S::SHARED_BROADCASTS)) { return S::SHARED_BROADCASTS; }
+template <typename S> constexpr bool shares_broadcasts(...) { return false; }
+
+// group_sums of one row (16-bit activations, hi and lo) for every vector s at once: the same integer
+// sums, each activation broadcast once for the SUB code vectors it meets.
+template <int BITS, bool LUT, bool SPLIT>
+inline void row_block_sums(const uint8_t* wg, V::C lut, const int8_t* hi_x, const int8_t* lo_x,
+                           V::I (*hi)[SPLIT ? 2 : 1], V::I (*lo)[SPLIT ? 2 : 1]) {
+  V::A ah[SUB][2], al[SUB][2];  // two chains a sum: the halves with SPLIT, else even and odd j
+  #pragma GCC unroll 16
+  for (int s = 0; s < SUB; ++s) ah[s][0] = ah[s][1] = al[s][0] = al[s][1] = V::azero();
+  #pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const int c = SPLIT ? j / 4 : j % 2, at = code_offset<BITS>(j);
+    V::C code[SUB];
+    #pragma GCC unroll 16
+    for (int s = 0; s < SUB; ++s) code[s] = code_vector<BITS, LUT>(wg, s, j, lut);
+    #pragma GCC unroll 16
+    for (int s = 0; s < SUB; ++s) {
+      ah[s][c] = dot_codes<BITS, LUT>(ah[s][c], code[s], hi_x + at);
+      al[s][c] = dot_codes<BITS, LUT>(al[s][c], code[s], lo_x + at);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int s = 0; s < SUB; ++s) {
+    if constexpr (SPLIT) {
+      #pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) hi[s][h] = finish_codes<BITS, LUT>(ah[s][h]), lo[s][h] = finish_codes<BITS, LUT>(al[s][h]);
+    } else {
+      hi[s][0] = V::iadd(finish_codes<BITS, LUT>(ah[s][0]), finish_codes<BITS, LUT>(ah[s][1]));
+      lo[s][0] = V::iadd(finish_codes<BITS, LUT>(al[s][0]), finish_codes<BITS, LUT>(al[s][1]));
+    }
+  }
+}
+
 // The hi sums of half a group (code vectors J0 .. J0 + 3, the k of one 8-bit activation step) for
 // every vector s of the 16-output block at once: sums[s][r] for the LANES outputs of vector s and
 // row r. Each row's four activations are broadcast once per code offset and multiplied by the SUB
@@ -637,6 +676,14 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
       }
       continue;
     }
+    // One row at 16 bits on a tier that shares its broadcasts: every vector's sums first.
+    constexpr bool ROW_BLOCK = LO && R == 1 && SUB > 1 && !wide_pairs<F::BITS, F::LUT>() && shares_broadcasts<V>(true);
+    V::I row_hi[SUB][F::SPLIT ? 2 : 1], row_lo[SUB][F::SPLIT ? 2 : 1];
+    if constexpr (ROW_BLOCK) {
+      row_block_sums<F::BITS, F::LUT, F::SPLIT>(wg, lut, xq + in[0] * x_row_stride(K) + g * GROUP,
+                                                xq + M * x_row_stride(K) + in[0] * x_row_stride(K) + g * GROUP, row_hi,
+                                                row_lo);
+    }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
       constexpr bool HALVES = F::SPLIT || !LO;
@@ -645,8 +692,14 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) n[0][r] = sx.multipliers(in[r], g, 0), n[1][r] = sx.multipliers(in[r], g, 1);
       }
-      group_sums<F::BITS, F::LUT, HALVES, R, LO, SIXT>(wg, s, lut, xq + g * GROUP, xq + M * x_row_stride(K) + g * GROUP,
-                                                       in, x_row_stride(K), hi, lo, n);
+      if constexpr (ROW_BLOCK) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < (HALVES ? 2 : 1); ++h) hi[h][0] = row_hi[s][h], lo[h][0] = row_lo[s][h];
+      } else {
+        group_sums<F::BITS, F::LUT, HALVES, R, LO, SIXT>(wg, s, lut, xq + g * GROUP,
+                                                         xq + M * x_row_stride(K) + g * GROUP, in, x_row_stride(K),
+                                                         hi, lo, n);
+      }
       #pragma GCC unroll 2
       for (int h = 0; h < F::PER; ++h) {
         const int64_t at = (g * F::PER + h) * 16 + V::LANES * s;
