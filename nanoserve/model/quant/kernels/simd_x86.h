@@ -174,7 +174,7 @@ struct Simd {
   // 32 rows 0.78-0.83x the time, 1B Q3_K_M's Q3_K (4-bit storage) 0.76-0.80x, the same bits.
   static constexpr bool FOLD_SCALE_GROUPS = true;
   // One row at 16-bit activations: each broadcast multiplies both vectors of outputs where it is
-  // made (vector.cpp's row_block_sums), not stored for the second vector's sums to read back.
+  // made (vector.cpp's group_sums over every vector), not stored for the second vector's sums to read back.
   static constexpr bool SHARED_BROADCASTS = true;
   // 5- and 6-bit codes: a pair reaches 2 * 63 * 127 = 16002, so the int16 sums are widened at once.
   static A dot_wide(A acc, I codes, const int8_t* x) {

@@ -285,97 +285,83 @@ constexpr int32_t sums_offset(int32_t zero_point) {
 // dependent multiply-adds do not wait on each other.
 // LUT: 4-bit codes through the table in `lut`, as byte codes (zero_point 128: sums_zero_point).
 // MUL (sixteenths): half h's sums of row r are widened by mult[h][r].
-template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true, bool MUL = false>
+// VECTORS: the sums of vectors s .. s + VECTORS - 1 at once, vector s + v's in hi[v H + h] (H = 2
+// with SPLIT, else 1), each activation broadcast once for all of them (one row on a tier that
+// shares its broadcasts, block16's ROW_BLOCK).
+template <int BITS, bool LUT, bool SPLIT, int R, bool LO = true, bool MUL = false, int VECTORS = 1>
 inline void group_sums(const uint8_t* wg, int s, V::C lut, const int8_t* hi_x, const int8_t* lo_x, const int64_t* row,
                        int64_t stride, V::I (*hi)[R], V::I (*lo)[R], const V::I (*mult)[R] = nullptr) {
   static_assert(!MUL || (BITS == 4 && !LUT && SPLIT && !LO), "multipliers widen 8-bit nibble sums per half");
-  constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1;
-  V::A ah[CHAINS][R], al[CHAINS][R];
+  static_assert(!MUL || VECTORS == 1, "multipliers are given for one vector");
+  constexpr int CHAINS = SPLIT || R <= 2 ? 2 : 1, H = SPLIT ? 2 : 1;
+  V::A ah[VECTORS][CHAINS][R], al[VECTORS][CHAINS][R];
   #pragma GCC unroll 16
-  for (int c = 0; c < CHAINS; ++c) {
+  for (int v = 0; v < VECTORS; ++v) {
     #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) ah[c][r] = al[c][r] = V::azero();
+    for (int c = 0; c < CHAINS; ++c) {
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) ah[v][c][r] = al[v][c][r] = V::azero();
+    }
   }
   if constexpr (wide_pairs<BITS, LUT>()) {
     #pragma GCC unroll 4
     for (int j = 0; j < 8; j += 2) {
-      const V::C c0 = code_vector<BITS, LUT>(wg, s, j, lut), c1 = code_vector<BITS, LUT>(wg, s, j + 1, lut);
       const int c = SPLIT ? j / 4 : (j / 2) % CHAINS, at0 = code_offset<BITS>(j), at1 = code_offset<BITS>(j + 1);
       #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xh = hi_x + row[r] * stride;
-        ah[c][r] = dot_wide_pair<BITS>(ah[c][r], c0, xh + at0, c1, xh + at1);
-        if constexpr (LO) {
-          const int8_t* xl = lo_x + row[r] * stride;
-          al[c][r] = dot_wide_pair<BITS>(al[c][r], c0, xl + at0, c1, xl + at1);
+      for (int v = 0; v < VECTORS; ++v) {
+        const V::C c0 = code_vector<BITS, LUT>(wg, s + v, j, lut), c1 = code_vector<BITS, LUT>(wg, s + v, j + 1, lut);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xh = hi_x + row[r] * stride;
+          ah[v][c][r] = dot_wide_pair<BITS>(ah[v][c][r], c0, xh + at0, c1, xh + at1);
+          if constexpr (LO) {
+            const int8_t* xl = lo_x + row[r] * stride;
+            al[v][c][r] = dot_wide_pair<BITS>(al[v][c][r], c0, xl + at0, c1, xl + at1);
+          }
         }
       }
     }
   } else
   #pragma GCC unroll 16
   for (int j = 0; j < 8; ++j) {
-    const V::C code = code_vector<BITS, LUT>(wg, s, j, lut);
+    V::C code[VECTORS];
+    #pragma GCC unroll 16
+    for (int v = 0; v < VECTORS; ++v) code[v] = code_vector<BITS, LUT>(wg, s + v, j, lut);
     const int c = SPLIT ? j / 4 : j % CHAINS, at = code_offset<BITS>(j);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      ah[c][r] = dot_codes<BITS, LUT>(ah[c][r], code, hi_x + row[r] * stride + at);
-      if constexpr (LO) al[c][r] = dot_codes<BITS, LUT>(al[c][r], code, lo_x + row[r] * stride + at);
+      #pragma GCC unroll 16
+      for (int v = 0; v < VECTORS; ++v) {
+        ah[v][c][r] = dot_codes<BITS, LUT>(ah[v][c][r], code[v], hi_x + row[r] * stride + at);
+        if constexpr (LO) al[v][c][r] = dot_codes<BITS, LUT>(al[v][c][r], code[v], lo_x + row[r] * stride + at);
+      }
     }
   }
   const auto finish = [](V::A a) { return finish_codes<BITS, LUT>(a); };
   #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    #pragma GCC unroll 2
-    for (int h = 0; h < (SPLIT ? 2 : 1); ++h) {
-      if constexpr (MUL) hi[h][r] = widen_by(ah[h][r], mult[h][r]);
-      else hi[h][r] = finish(ah[h][r]);
-      if constexpr (LO) lo[h][r] = finish(al[h][r]);
-    }
-    if constexpr (!SPLIT && CHAINS == 2) {
-      hi[0][r] = V::iadd(hi[0][r], finish(ah[1][r]));
-      if constexpr (LO) lo[0][r] = V::iadd(lo[0][r], finish(al[1][r]));
+  for (int v = 0; v < VECTORS; ++v) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      #pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        if constexpr (MUL) hi[v * H + h][r] = widen_by(ah[v][h][r], mult[h][r]);
+        else hi[v * H + h][r] = finish(ah[v][h][r]);
+        if constexpr (LO) lo[v * H + h][r] = finish(al[v][h][r]);
+      }
+      if constexpr (!SPLIT && CHAINS == 2) {
+        hi[v * H][r] = V::iadd(hi[v * H][r], finish(ah[v][1][r]));
+        if constexpr (LO) lo[v * H][r] = V::iadd(lo[v * H][r], finish(al[v][1][r]));
+      }
     }
   }
 }
 
 // Whether a tier sums one row's group for every vector s of the block per activation broadcast
-// (V::SHARED_BROADCASTS: AVX2), where group_sums, called per s, broadcasts the row's activations
-// again for each s (GCC shares the broadcasts between the calls, but stores them to the stack to
-// do it).
+// (V::SHARED_BROADCASTS: AVX2; group_sums' VECTORS), where group_sums called per s broadcasts the
+// row's activations again for each s (GCC shares the broadcasts between the calls, but stores
+// them to the stack to do it).
 template <typename S> constexpr bool shares_broadcasts(decltype(S::SHARED_BROADCASTS)) { return S::SHARED_BROADCASTS; }
 template <typename S> constexpr bool shares_broadcasts(...) { return false; }
-
-// group_sums of one row (16-bit activations, hi and lo) for every vector s at once: the same integer
-// sums, each activation broadcast once for the SUB code vectors it meets.
-template <int BITS, bool LUT, bool SPLIT>
-inline void row_block_sums(const uint8_t* wg, V::C lut, const int8_t* hi_x, const int8_t* lo_x,
-                           V::I (*hi)[SPLIT ? 2 : 1], V::I (*lo)[SPLIT ? 2 : 1]) {
-  V::A ah[SUB][2], al[SUB][2];  // two chains a sum: the halves with SPLIT, else even and odd j
-  #pragma GCC unroll 16
-  for (int s = 0; s < SUB; ++s) ah[s][0] = ah[s][1] = al[s][0] = al[s][1] = V::azero();
-  #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    const int c = SPLIT ? j / 4 : j % 2, at = code_offset<BITS>(j);
-    V::C code[SUB];
-    #pragma GCC unroll 16
-    for (int s = 0; s < SUB; ++s) code[s] = code_vector<BITS, LUT>(wg, s, j, lut);
-    #pragma GCC unroll 16
-    for (int s = 0; s < SUB; ++s) {
-      ah[s][c] = dot_codes<BITS, LUT>(ah[s][c], code[s], hi_x + at);
-      al[s][c] = dot_codes<BITS, LUT>(al[s][c], code[s], lo_x + at);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int s = 0; s < SUB; ++s) {
-    if constexpr (SPLIT) {
-      #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) hi[s][h] = finish_codes<BITS, LUT>(ah[s][h]), lo[s][h] = finish_codes<BITS, LUT>(al[s][h]);
-    } else {
-      hi[s][0] = V::iadd(finish_codes<BITS, LUT>(ah[s][0]), finish_codes<BITS, LUT>(ah[s][1]));
-      lo[s][0] = V::iadd(finish_codes<BITS, LUT>(al[s][0]), finish_codes<BITS, LUT>(al[s][1]));
-    }
-  }
-}
 
 // The hi sums of half a group (code vectors J0 .. J0 + 3, the k of one 8-bit activation step) for
 // every vector s of the 16-output block at once: sums[s][r] for the LANES outputs of vector s and
@@ -678,11 +664,11 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     }
     // One row at 16 bits on a tier that shares its broadcasts: every vector's sums first.
     constexpr bool ROW_BLOCK = LO && R == 1 && SUB > 1 && !wide_pairs<F::BITS, F::LUT>() && shares_broadcasts<V>(true);
-    V::I row_hi[SUB][F::SPLIT ? 2 : 1], row_lo[SUB][F::SPLIT ? 2 : 1];
+    V::I row_hi[SUB * F::PER][1], row_lo[SUB * F::PER][1];
     if constexpr (ROW_BLOCK) {
-      row_block_sums<F::BITS, F::LUT, F::SPLIT>(wg, lut, xq + in[0] * x_row_stride(K) + g * GROUP,
-                                                xq + M * x_row_stride(K) + in[0] * x_row_stride(K) + g * GROUP, row_hi,
-                                                row_lo);
+      group_sums<F::BITS, F::LUT, F::SPLIT, 1, true, false, SUB>(wg, 0, lut, xq + g * GROUP,
+                                                                 xq + M * x_row_stride(K) + g * GROUP, in,
+                                                                 x_row_stride(K), row_hi, row_lo);
     }
     #pragma GCC unroll 16
     for (int s = 0; s < SUB; ++s) {
@@ -694,7 +680,7 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
       }
       if constexpr (ROW_BLOCK) {
         #pragma GCC unroll 2
-        for (int h = 0; h < (HALVES ? 2 : 1); ++h) hi[h][0] = row_hi[s][h], lo[h][0] = row_lo[s][h];
+        for (int h = 0; h < F::PER; ++h) hi[h][0] = row_hi[s * F::PER + h][0], lo[h][0] = row_lo[s * F::PER + h][0];
       } else {
         group_sums<F::BITS, F::LUT, HALVES, R, LO, SIXT>(wg, s, lut, xq + g * GROUP,
                                                          xq + M * x_row_stride(K) + g * GROUP, in, x_row_stride(K),
