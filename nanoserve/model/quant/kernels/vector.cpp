@@ -81,8 +81,10 @@ void quantize_rows_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, in
       sum_h[2 * c / C] = V::add(sum_h[2 * c / C], h);
       sum_l[2 * c / C] = V::add(sum_l[2 * c / C], l);
     }
-    const int32_t sum_hi[2] = {static_cast<int32_t>(V::hsum(sum_h[0])), static_cast<int32_t>(V::hsum(sum_h[1]))};
-    const int32_t sum_lo[2] = {static_cast<int32_t>(V::hsum(sum_l[0])), static_cast<int32_t>(V::hsum(sum_l[1]))};
+    float sums[4];  // exact integers: the same in any order of adds
+    V::hsum4(sum_h[0], sum_h[1], sum_l[0], sum_l[1], sums);
+    const int32_t sum_hi[2] = {static_cast<int32_t>(sums[0]), static_cast<int32_t>(sums[1])};
+    const int32_t sum_lo[2] = {static_cast<int32_t>(sums[2]), static_cast<int32_t>(sums[3])};
     store_group(i, M, G, sum_hi, sum_lo, sc.fine, xd, xs, xsum);
   }
 }
