@@ -17,8 +17,8 @@ from nanoserve.engine import SamplingParams, build_engine
 from nanoserve.model.network.synthetic import random_model, tiny_config
 from nanoserve.worker import build as build_module
 from nanoserve.worker import decode_step as decode_step_module
-from nanoserve.worker.graph_build import load_entry
-from nanoserve.worker.graph_cache import GraphCache, GraphKey, torch_serialises_graphs
+from nanoserve.worker.graph_build import CPU_MIN_CHUNK, inductor_backend, load_entry
+from nanoserve.worker.graph_cache import MIN_CHUNK_ENV, GraphCache, GraphKey, torch_serialises_graphs
 
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 5]
 OPTIONS = dict(max_batch_size=4, kv_cache_bytes=1 << 20, block_size=4, max_model_len=64, weights="fp32",
@@ -129,10 +129,22 @@ def test_a_changed_key_misses(cache_dir, monkeypatch):
     else:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
     assert step.graph_key((2, 64, 1)).digest == key
+    monkeypatch.setenv(MIN_CHUNK_ENV, "512")
+    assert step.graph_key((2, 64, 1)).digest != key  # a user's split of the CPU kernels over threads
+    monkeypatch.delenv(MIN_CHUNK_ENV)
     wider = build_engine(random_model(tiny_config(hidden_size=96)), compile=True, warmup="none", **OPTIONS)
     assert wider.worker.decode_step.graph_key((2, 64, 1)).digest != key  # the model's shape
     bf16 = build_engine(random_model(tiny_config()), compile=True, warmup="none", **{**OPTIONS, "weights": "bf16"})
     assert bf16.worker.decode_step.graph_key((2, 64, 1)).digest != key  # the dtype and the kernels
+
+
+def test_a_batch_1_steps_small_kernels_are_not_split_over_threads(monkeypatch):
+    # a norm of one 2048-wide row is one thread's: an OpenMP fork and join cost more than its work
+    monkeypatch.delenv(MIN_CHUNK_ENV, raising=False)
+    for mode, cpp_wrapper in [("reduce-overhead", True), ("reduce-overhead", False), (None, False)]:
+        assert inductor_backend(mode, cpp_wrapper).config["cpp.min_chunk_size"] == CPU_MIN_CHUNK > 2 * 2048
+    monkeypatch.setenv(MIN_CHUNK_ENV, "512")  # inductor's own setting: the user's value is kept
+    assert inductor_backend("reduce-overhead", True).config["cpp.min_chunk_size"] == 512
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "garbage"])
@@ -168,7 +180,8 @@ def test_the_cache_is_bounded_by_entries_and_bytes(tmp_path):
         cache.store(key, bytes([n]) * 1000)
         os.utime(cache.path(key), (n, n))  # older first
     assert sorted(p.name for p in cache.entries()) == sorted(cache.path(k).name for k in keys[2:])
-    cache = GraphCache(tmp_path, max_entries=10, max_bytes=2500)
+    entry_bytes = cache.path(keys[-1]).stat().st_size  # 1000 bytes of graph and the key's header
+    cache = GraphCache(tmp_path, max_entries=10, max_bytes=int(2.5 * entry_bytes))
     cache.store(keys[0], b"x" * 1000)
     assert len(cache.entries()) == 2 and cache.has(keys[0])
     assert cache.read(keys[0]) == b"x" * 1000

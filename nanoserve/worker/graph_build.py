@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.worker.graph_cache import CacheEntryError, GraphCache, GraphKey, deserialize, serialize
+from nanoserve.worker.graph_cache import (
+    MIN_CHUNK_ENV,
+    CacheEntryError,
+    GraphCache,
+    GraphKey,
+    deserialize,
+    serialize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,19 @@ def no_guards(entries) -> list[bool]:
     return [False] * len(entries)
 
 
+# The least work, in elements, that inductor gives each thread of a CPU kernel it splits over
+# threads. At its default (512) a batch-1 step's norms, rotary embedding and SiLU, 2-8 K elements
+# each, were each an OpenMP fork and join: ~100 of them in a 1B step, each ~5 us on a 2-core VM
+# for about a microsecond of work (a compiled residual add, RMS norm and SiLU at one row: 39 us a
+# call split, 23 us whole). From 32 rows (64 K elements a norm) they are split as before.
+CPU_MIN_CHUNK = 16384
+
+
+def cpu_min_chunk() -> int:
+    """CPU_MIN_CHUNK, or the user's own value of inductor's setting (MIN_CHUNK_ENV) where set."""
+    return int(os.environ.get(MIN_CHUNK_ENV, CPU_MIN_CHUNK))
+
+
 def inductor_backend(mode: str | None, cpp_wrapper: bool) -> torch._TorchCompileInductorWrapper:
     """Inductor in ``mode``; with ``cpp_wrapper`` (a CPU graph: DecodeStep.cpp_wrapper) the graph
     calls its kernels from generated C++ rather than Python. A 1B step makes ~200 calls, on which
@@ -49,9 +69,11 @@ def inductor_backend(mode: str | None, cpp_wrapper: bool) -> torch._TorchCompile
     The C++ wrapper's size asserts are off: each checked an input's (~500 at 135M) or a kernel
     output's sizes and strides on every call, building a std::stringstream each time (~0.2 ms of
     a 6 ms step), and the graph's key already holds every input's shape, stride and dtype."""
-    options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False,
-               "size_asserts": False}
-    return torch._TorchCompileInductorWrapper(mode, options if cpp_wrapper else None, False)
+    options = {"cpp.min_chunk_size": cpu_min_chunk()}  # (a CUDA graph has no C++ kernels to split)
+    if cpp_wrapper:
+        options |= {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False,
+                    "size_asserts": False}
+    return torch._TorchCompileInductorWrapper(mode, options, False)
 
 
 def aot_build(step, shape: Shape) -> bytes:
