@@ -2,7 +2,7 @@
 the engine sets to ``graph_build.CPU_MIN_CHUNK`` unless TORCHINDUCTOR_CPP_MIN_CHUNK_SIZE says
 otherwise), several values against each other in one process: an engine built per value, each
 with its own graphs (the value keys them), all decoding the same prompts one step each in turn,
-so that a shared VM's phases fall on every arm alike. Per arm the median decode step, and the
+so that a shared VM's phases fall on every arm alike (compile.interleave's rotation). Per arm the median decode step, and the
 median over steps of each arm's step over the first arm's neighbouring one.
 
     PYTHONPATH=. python scripts/min_chunk_ab.py MODEL.gguf [--batch 1] [--tokens 300]
@@ -29,9 +29,10 @@ from compile.common import (
     result_stem,
     write_results,
 )
-from compile.interleave import EngineSteps
+from compile.e2e import paired_ratios
+from compile.interleave import EngineSteps, interleaved_run
 from nanoserve.engine import build_engine
-from nanoserve.worker.graph_cache import MIN_CHUNK_ENV
+from nanoserve.worker.graph_build import MIN_CHUNK_ENV
 
 COLUMNS = ["cpu", "kernels", "batch", "min_chunk", "step_ms", "over_first", "over_first_p10", "over_first_p90",
            "same_tokens_as_first"]
@@ -65,17 +66,15 @@ def main() -> int:
     vocab = next(iter(engines.values())).model.config.vocab_size
     prompts = make_prompts(args.batch, 32, vocab, seed=3)
     arms = {chunk: EngineSteps(engine, prompts, args.tokens) for chunk, engine in engines.items()}
-    while not all(arm.done for arm in arms.values()):
-        for arm in arms.values():
-            arm.step()
-    host, first = host_description(), arms[args.chunks[0]]
+    result = interleaved_run(arms, prompts, args.tokens)
+    host, first = host_description(), args.chunks[0]
     rows = []
-    for chunk, arm in arms.items():
-        ratios = sorted(new / old for old, new in zip(first.decode_steps, arm.decode_steps))
+    for chunk, steps in result.decode_steps.items():
+        ratios = paired_ratios(steps, result.decode_steps[first])
         rows.append(dict(cpu=host["cpu"], kernels=host["kernels"], batch=args.batch, min_chunk=chunk,
-                         step_ms=statistics.median(arm.decode_steps) * 1e3, over_first=statistics.median(ratios),
+                         step_ms=statistics.median(steps) * 1e3, over_first=statistics.median(ratios),
                          over_first_p10=ratios[len(ratios) // 10], over_first_p90=ratios[9 * len(ratios) // 10],
-                         same_tokens_as_first=arm.tokens == first.tokens))
+                         same_tokens_as_first=result.tokens[chunk] == result.tokens[first]))
     print(format_table(rows, COLUMNS))
     write_results(rows, args.out, result_stem("min-chunk-ab", args.model, args.tag), None)
     return 0

@@ -27,6 +27,7 @@ from nanoserve.worker.graph_build import (
     BuildJob,
     Shape,
     build_entry,
+    cpu_min_chunk,
     inductor_backend,
     load_entry,
 )
@@ -144,7 +145,8 @@ class DecodeStep:
             kv=(len(layers.k_cells), tuple(kv.shape), *(fmt.name for fmt in layers.formats),
                 self.cache.ring.ring if self.cache.ring is not None else None, tuple(self.cache.ring_layers)),
             slots=tuple(self.cache.slot_table.slots.shape),
-            buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape, **self.key_extra)
+            buffers=self.input_ids.numel(), scratch_slot=self.cache.scratch_slot, shape=shape,
+            min_chunk=cpu_min_chunk(), **self.key_extra)
 
     def prepare_graphs(self, build: str, source: object = None, spec: object = None) -> None:
         """Load every bucket's cached graph; then build the missing ones: ``build`` "eager" here

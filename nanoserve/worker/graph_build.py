@@ -27,14 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.worker.graph_cache import (
-    MIN_CHUNK_ENV,
-    CacheEntryError,
-    GraphCache,
-    GraphKey,
-    deserialize,
-    serialize,
-)
+from nanoserve.worker.graph_cache import CacheEntryError, GraphCache, GraphKey, deserialize, serialize
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +46,12 @@ def no_guards(entries) -> list[bool]:
 # for about a microsecond of work (a compiled residual add, RMS norm and SiLU at one row: 39 us a
 # call split, 23 us whole). From 32 rows (64 K elements a norm) they are split as before.
 CPU_MIN_CHUNK = 16384
+MIN_CHUNK_ENV = "TORCHINDUCTOR_CPP_MIN_CHUNK_SIZE"  # inductor's own setting
 
 
 def cpu_min_chunk() -> int:
-    """CPU_MIN_CHUNK, or the user's own value of inductor's setting (MIN_CHUNK_ENV) where set."""
+    """CPU_MIN_CHUNK, or the user's own value of inductor's setting (MIN_CHUNK_ENV) where set: what
+    a graph is built with, and so part of its key (DecodeStep.graph_key)."""
     return int(os.environ.get(MIN_CHUNK_ENV, CPU_MIN_CHUNK))
 
 

@@ -85,11 +85,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-# Inductor's setting of the least work a CPU kernel gives each thread (graph_build.cpu_min_chunk):
-# a user's value is part of what a graph was built with.
-MIN_CHUNK_ENV = "TORCHINDUCTOR_CPP_MIN_CHUNK_SIZE"
-
-
 @dataclass(frozen=True)
 class GraphKey:
     """What one entry was built for; ``digest`` names its file."""
@@ -99,8 +94,7 @@ class GraphKey:
     @classmethod
     def of(cls, **fields: object) -> GraphKey:
         environment = dict(torch=torch.__version__, nanoserve=source_digest(),
-                           aten_cpu_capability=os.environ.get("ATEN_CPU_CAPABILITY", ""), format=str(FORMAT),
-                           min_chunk=os.environ.get(MIN_CHUNK_ENV, ""))
+                           aten_cpu_capability=os.environ.get("ATEN_CPU_CAPABILITY", ""), format=str(FORMAT))
         return cls(tuple(sorted({**environment, **{k: str(v) for k, v in fields.items()}}.items())))
 
     @property
