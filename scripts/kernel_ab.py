@@ -12,8 +12,13 @@ instead: one step's read at each context length and row count, every layer its o
 in the model's dtype on huge pages, each row's cells in runs of 16 slots, as the engine's paged
 pool lays them out.
 
+With ``--set NAME=VALUE`` (repeatable) the new arm is the working tree's kernels with the
+constant ``constexpr ... NAME`` given VALUE, so a tuning constant (a prefetch distance) is
+compared with HEAD's value without editing the source.
+
     PYTHONPATH=. python scripts/kernel_ab.py MODEL.gguf [--base REV] [--rows 1,8] [--x-bits 8]
-        [--rounds 60] [--pass-rounds 200] [--contexts 512,2048] [--tier avx2] [--out DIR] [--tag WHAT]
+        [--rounds 60] [--pass-rounds 200] [--contexts 512,2048] [--tier avx2] [--set NAME=VALUE]
+        [--out DIR] [--tag WHAT]
 
 Prints a table and writes kernel-ab-<model>[-WHAT].csv under --out (default compile/results/runs).
 """
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -53,6 +60,21 @@ def kernels_at(revision: str, into: Path) -> Path:
     archive = subprocess.run(["git", "archive", revision, str(relative)], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / relative
+
+
+def with_constants(kernels: Path, settings: list[str], into: Path) -> Path:
+    """A copy of the kernel sources under ``into`` with each NAME=VALUE of ``settings`` given to
+    the one ``constexpr <type> NAME = ...;`` that defines it."""
+    shutil.copytree(kernels, into)
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        pattern = re.compile(rf"(constexpr\s+\w+\s+{re.escape(name)}\s*=\s*)[^;]+;")
+        hits = [(f, pattern.subn(rf"\g<1>{value};", f.read_text())) for f in sorted(into.iterdir())]
+        changed = [(f, text) for f, (text, n) in hits if n == 1]
+        if not value or len(changed) != 1 or sum(n for _, (_, n) in hits) != 1:
+            raise SystemExit(f"--set {setting}: no single constexpr {name} in {kernels} to give a value")
+        changed[0][0].write_text(changed[0][1])
+    return into
 
 
 def product(m, x: torch.Tensor, handle: int, x_bits: int) -> torch.Tensor:
@@ -192,6 +214,8 @@ def main() -> int:
                         help="time the model's decode attention at these context lengths instead of its products")
     parser.add_argument("--out", type=Path, default=RUNS)
     parser.add_argument("--tag", default="", help="appended to the CSV's name: what the new arm changes")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="the new arm's kernels with this constexpr constant changed (repeatable)")
     add_tier_options(parser)
     args = parser.parse_args()
     tier = apply_tier_options(args)
@@ -200,7 +224,9 @@ def main() -> int:
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"base": cpu_kernels._build(cpu_kernels.TIERS[tier], kernels_at(args.base, Path(tmp))),
-                 "new": cpu_kernels._build(cpu_kernels.TIERS[tier])}
+                 "new": cpu_kernels._build(cpu_kernels.TIERS[tier], with_constants(cpu_kernels.KERNELS, args.set,
+                                                                                   Path(tmp) / "new")
+                                           if args.set else cpu_kernels.KERNELS)}
     if paths["base"] == paths["new"]:
         print(f"the working tree's kernels are {args.base}'s: an A/A run (how far apart two equal arms fall)")
     handles = {name: torch.ops.nanoserve.load_tier(str(path)) for name, path in paths.items()}
@@ -213,7 +239,8 @@ def main() -> int:
         parser.error(f"{args.model} has no packed linear for the kernels to multiply")
     dtype = model.norm.weight.dtype
 
-    host = dict(host_description(), kernels=tier, model=Path(args.model).name, base=args.base)
+    host = dict(host_description(), kernels=tier, model=Path(args.model).name, base=args.base,
+                new=" ".join(args.set) or "working tree")
     print(f"{host['cpu']}, {tier}, {dtype}; base {args.base} ({paths['base'].name}), new ({paths['new'].name})")
     if args.contexts:
         results = attention_rows(model.config, dtype, handles, args.rows, args.contexts, args.rounds, host)

@@ -6,8 +6,13 @@ host's read floor, so the share of a step that is its products, and their distan
 floor, can be read off against the step time `compilebench.py scale` reports. Then each distinct
 linear shape alone, called again and again so its weights stay in the last-level cache: what the
 kernel does when memory is not the limit (a shape far below the others is the kernel's fault).
+With ``--in-pass``, instead each shape's calls timed inside whole passes (its weights from memory,
+after the rest of the model's, as in a step) against its own bytes at the read floor measured
+beside them: where a pass's distance from the floor lies, in the large products or in the fixed
+cost of the many small ones. Its table is written as step-products-<model>[-TAG].csv under --out.
 
     python scripts/step_products.py MODEL.gguf [--repeats 15] [--rows 1,8] [--passes-only]
+        [--in-pass [--x-bits 16] [--out DIR] [--tag WHAT]]
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from compile.floor import read_bandwidth
+from compile.common import RUNS, format_table, host_description, result_stem, write_results
+from compile.floor import SAMPLE_BYTES, read_bandwidth, read_buffer
 from nanoserve.engine import build_engine
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.linear import GroupLinear
@@ -31,10 +38,21 @@ def main() -> None:
     parser.add_argument("--rows", type=lambda text: [int(r) for r in text.split(",")], default=[1, 8],
                         help="the row counts of the passes and shapes, e.g. 1,2,4,8,16 for a tier's 8-bit crossover")
     parser.add_argument("--passes-only", action="store_true", help="the whole-model passes, not each shape alone")
+    parser.add_argument("--in-pass", action="store_true", help="each shape's calls timed inside whole passes")
+    parser.add_argument("--x-bits", type=int, choices=(8, 16), default=16, help="--in-pass: the activations' bits")
+    parser.add_argument("--out", type=Path, default=RUNS)
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model = build_engine(args.model, max_batch_size=1, max_model_len=256, compile=False).model
     linears = [m for m in model.modules() if isinstance(m, GroupLinear) and m.handle is not None]
+    if args.in_pass:
+        rows = calls_in_pass(linears, model.norm.weight.dtype, args.rows, args.x_bits, 4 * args.repeats)
+        columns = ["cpu", "kernels", "rows", "x_bits", "shape", "mb", "calls", "us_per_call", "gb_s", "floor_us",
+                   "over_floor", "share_of_pass"]
+        print(format_table(rows, columns))
+        write_results(rows, args.out, result_stem("step-products", args.model, args.tag))
+        return
     read = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
     floor = read_bandwidth()
     dtype = model.norm.weight.dtype
@@ -59,6 +77,48 @@ def main() -> None:
                 median = median_seconds(5 * args.repeats, product, m, x, x_bits)
                 cells.append(f"x_bits {x_bits}: {median * 1e6:7.1f} us {rows * k * n / median / 1e9:6.1f} G/s")
             print(f"{k:6d} x {n:6d}, {rows} row(s): " + "; ".join(cells))
+
+
+def calls_in_pass(linears: list[GroupLinear], dtype: torch.dtype, rows_list: list[int], x_bits: int,
+                  passes: int) -> list[dict]:
+    """Per distinct weight (shape and bytes: a K x N in two formats is two), the median time of
+    its calls inside ``passes`` whole passes, each pass followed by a read of compile/floor.py's
+    buffer; the floor is the weight's bytes at the median of those reads."""
+    host = host_description()
+    buffer = read_buffer(SAMPLE_BYTES)
+    results = []
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
+        one_pass(linears, inputs, x_bits)
+        seconds: list[list[float]] = [[] for _ in linears]
+        reads, totals = [], []
+        for _ in range(passes):
+            begun = time.perf_counter()
+            for m, times in zip(linears, seconds):
+                started = time.perf_counter()
+                product(m, inputs[m.in_features], x_bits)
+                times.append(time.perf_counter() - started)
+            totals.append(time.perf_counter() - begun)
+            started = time.perf_counter()
+            buffer.sum()
+            reads.append(time.perf_counter() - started)
+        rate = buffer.nbytes / statistics.median(reads)
+        shapes: dict[tuple[int, int, int], list[float]] = {}
+        for m, times in zip(linears, seconds):
+            nbytes = m.codes.nbytes + m.scales.nbytes + m.mins.nbytes
+            shapes.setdefault((m.in_features, m.out_features, nbytes), []).append(statistics.median(times))
+        total = statistics.median(totals)
+        for (k, n, nbytes), medians in shapes.items():
+            call = statistics.median(medians)
+            results.append(dict(cpu=host["cpu"], kernels=host["kernels"], rows=rows, x_bits=x_bits,
+                                shape=f"{k} x {n}", mb=nbytes / 1e6, calls=len(medians), us_per_call=call * 1e6,
+                                gb_s=nbytes / call / 1e9, floor_us=nbytes / rate * 1e6, over_floor=call * rate / nbytes,
+                                share_of_pass=call * len(medians) / total))
+        nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
+        results.append(dict(cpu=host["cpu"], kernels=host["kernels"], rows=rows, x_bits=x_bits, shape="pass",
+                            mb=nbytes / 1e6, calls=len(linears), us_per_call=total * 1e6, gb_s=nbytes / total / 1e9,
+                            floor_us=nbytes / rate * 1e6, over_floor=total * rate / nbytes, share_of_pass=1.0))
+    return results
 
 
 def product(m: GroupLinear, x: torch.Tensor, x_bits: int) -> torch.Tensor:

@@ -517,3 +517,46 @@ def test_kernel_ab_times_a_models_decode_attention_step_at_each_context_and_row_
         (1, "attention, context 20"), (3, "attention, context 20"), (1, "attention, context 40"),
         (3, "attention, context 40")]
     assert all(r["same_bits"] == "yes" and r["new_over_base"] > 0 and r["cpu"] == "any" for r in rows)
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_ab_set_gives_one_kernel_constant_a_value_in_a_copy(tmp_path):
+    """scripts/kernel_ab.py --set NAME=VALUE: the new arm's sources differ from the tree's in that
+    constant's definition alone; a name no constexpr defines is refused, not silently ignored."""
+    kernel_ab = _script("kernel_ab")
+    copy = kernel_ab.with_constants(cpu_kernels.KERNELS, ["PREFETCH_L2_BYTES=24576"], tmp_path / "new")
+    before = (cpu_kernels.KERNELS / "vector.cpp").read_text().splitlines()
+    after = (copy / "vector.cpp").read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and changed == [
+        (line, "constexpr int64_t PREFETCH_L2_BYTES = 24576;") for line in before
+        if line.startswith("constexpr int64_t PREFETCH_L2_BYTES =")]
+    with pytest.raises(SystemExit, match="NO_SUCH_CONSTANT"):
+        kernel_ab.with_constants(cpu_kernels.KERNELS, ["NO_SUCH_CONSTANT=1"], tmp_path / "other")
+
+
+def test_step_products_times_each_weight_inside_whole_passes():
+    """scripts/step_products.py --in-pass: a line per distinct weight (shape and bytes) with its
+    calls a pass, and a pass line whose calls are all of them; shares of a pass below one."""
+    from nanoserve.model.quant.group_codes import GroupCodes
+    from nanoserve.model.quant.linear import GroupLinear
+
+    step_products = _script("step_products")
+    torch.manual_seed(0)
+
+    def linear(n: int, k: int) -> GroupLinear:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales, mins = torch.rand(n, k // 32) + 0.1, torch.rand(n, k // 32)
+        return GroupLinear(GroupCodes(codes, scales, mins, 4), None, torch.float32, kernel="scalar")
+
+    linears = [linear(32, 64), linear(16, 64), linear(32, 64)]
+    rows = step_products.calls_in_pass(linears, torch.float32, [1, 2], 16, passes=2)
+    assert [(r["rows"], r["shape"], r["calls"]) for r in rows] == [
+        (1, "64 x 32", 2), (1, "64 x 16", 1), (1, "pass", 3), (2, "64 x 32", 2), (2, "64 x 16", 1), (2, "pass", 3)]
+    assert all(r["us_per_call"] > 0 and r["over_floor"] > 0 and 0 < r["share_of_pass"] <= 1 for r in rows)
