@@ -258,6 +258,25 @@ def test_8_bit_activations_are_the_rounding_of_x_in_sixteenths_times_the_weight(
     assert (a16 - exact).abs().max() * 20 < (a8 - exact).abs().max()
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_8_bit_activations_of_odd_group_counts_and_silent_groups_keep_their_sixteenths(tier):
+    """Rows x groups not a multiple of a vector's four groups (a tier's vectorised sixteenths
+    leave a tail), a group of zeros (no step: n 16) and a half far below its group's other half:
+    still w x_q."""
+    fmt = (4, 32, FP16, 8)
+    n, k, rows = 32, 96, 3
+    generator = torch.Generator().manual_seed(5)
+    codes, scales, mins = random_weight(n, k, fmt, 3, generator)
+    x = torch.randn(rows, k, generator=generator)
+    x[1, 32:64] = 0.0
+    x[2, 64:80] *= 1e-3
+    handle = cpu_kernels.handle(tier)
+    weight = torch.ops.nanoserve.dequantize(codes, scales, mins, fmt[3], n, k, torch.float32, handle)
+    rounded = a8_rounding(x) @ weight.T
+    a8 = torch.ops.nanoserve.group_mm(x, codes, scales, mins, fmt[3], handle, 8)
+    assert (a8 - rounded).abs().max() <= 1e-4 * (x @ weight.T).abs().max()
+
+
 def test_activation_bits_other_than_8_or_16_are_refused():
     codes = random_codes(16, 32, 4, seed=0)
     scales = random_scales(16, 32, 32, FP16, torch.Generator().manual_seed(0))

@@ -168,6 +168,26 @@ struct Simd {
   // (HALF_MULTIPLIERS: vector.cpp's sixteenths).
   static I widen(A a, I m) { return _mm256_madd_epi16(a, m); }
   static constexpr bool HALF_MULTIPLIERS = true;
+  // vector.cpp's sixteenths_of for the first groups of `count`, four a vector, in its scalar loop's
+  // IEEE operations (so the same multipliers and steps); returns how many it did.
+  static int64_t sixteenths(const float* xd, int64_t count, int32_t* n, float* step16) {
+    const __m256 sixteen = _mm256_set1_ps(16.f);
+    const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+      const __m256 steps = _mm256_loadu_ps(xd + 2 * i);  // a0 b0 a1 b1 ...: each group's halves
+      const __m256 a = _mm256_moveldup_ps(steps), b = _mm256_movehdup_ps(steps);
+      const __m256 group = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_GT_OQ));  // a > b ? a : b
+      const __m256 nf = _mm256_blendv_ps(sixteen, _mm256_round_ps(_mm256_div_ps(_mm256_mul_ps(sixteen, steps), group),
+                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                         _mm256_cmp_ps(group, _mm256_setzero_ps(), _CMP_GT_OQ));
+      const __m256i nh = _mm256_cvtps_epi32(nf);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(n + 2 * i), _mm256_or_si256(nh, _mm256_slli_epi32(nh, 16)));
+      const __m256 per_group = _mm256_permutevar8x32_ps(_mm256_div_ps(group, sixteen), evens);
+      _mm_storeu_ps(step16 + i, _mm256_castps256_ps128(per_group));
+    }
+    return i;
+  }
   // Group-16 formats at 8 rows: per vector of outputs, both scale groups' sums of 8 rows are all 16
   // registers, and the loop stored and reloaded its code vectors every group; one scale group for
   // both vectors at a time (vector.cpp's FOLD_HALVES) instead: 1B Q4_K_M's Q6_K shapes at 8 and
