@@ -69,11 +69,12 @@ def with_constants(kernels: Path, settings: list[str], into: Path) -> Path:
     for setting in settings:
         name, _, value = setting.partition("=")
         pattern = re.compile(rf"(constexpr\s+\w+\s+{re.escape(name)}\s*=\s*)[^;]+;")
-        hits = [(f, pattern.subn(rf"\g<1>{value};", f.read_text())) for f in sorted(into.iterdir())]
-        changed = [(f, text) for f, (text, n) in hits if n == 1]
-        if not value or len(changed) != 1 or sum(n for _, (_, n) in hits) != 1:
+        texts = {f: f.read_text() for f in sorted(into.iterdir())}
+        hits = {f: len(pattern.findall(text)) for f, text in texts.items()}
+        if not value or sum(hits.values()) != 1:
             raise SystemExit(f"--set {setting}: no single constexpr {name} in {kernels} to give a value")
-        changed[0][0].write_text(changed[0][1])
+        source = next(f for f, n in hits.items() if n)
+        source.write_text(pattern.sub(rf"\g<1>{value};", texts[source]))
     return into
 
 
