@@ -53,7 +53,7 @@ def main() -> None:
         print(format_table(rows, columns))
         write_results(rows, args.out, result_stem("step-products", args.model, args.tag))
         return
-    read = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
+    read = sum(map(weight_bytes, linears))
     floor = read_bandwidth()
     dtype = model.norm.weight.dtype
     print(f"tier {cpu_kernels.resolve_tier()}, {dtype}; "
@@ -105,20 +105,25 @@ def calls_in_pass(linears: list[GroupLinear], dtype: torch.dtype, rows_list: lis
         rate = buffer.nbytes / statistics.median(reads)
         shapes: dict[tuple[int, int, int], list[float]] = {}
         for m, times in zip(linears, seconds):
-            nbytes = m.codes.nbytes + m.scales.nbytes + m.mins.nbytes
-            shapes.setdefault((m.in_features, m.out_features, nbytes), []).append(statistics.median(times))
+            shapes.setdefault((m.in_features, m.out_features, weight_bytes(m)), []).append(statistics.median(times))
         total = statistics.median(totals)
+        base = dict(cpu=host["cpu"], kernels=host["kernels"], rows=rows, x_bits=x_bits)
         for (k, n, nbytes), medians in shapes.items():
             call = statistics.median(medians)
-            results.append(dict(cpu=host["cpu"], kernels=host["kernels"], rows=rows, x_bits=x_bits,
-                                shape=f"{k} x {n}", mb=nbytes / 1e6, calls=len(medians), us_per_call=call * 1e6,
-                                gb_s=nbytes / call / 1e9, floor_us=nbytes / rate * 1e6, over_floor=call * rate / nbytes,
-                                share_of_pass=call * len(medians) / total))
-        nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
-        results.append(dict(cpu=host["cpu"], kernels=host["kernels"], rows=rows, x_bits=x_bits, shape="pass",
-                            mb=nbytes / 1e6, calls=len(linears), us_per_call=total * 1e6, gb_s=nbytes / total / 1e9,
-                            floor_us=nbytes / rate * 1e6, over_floor=total * rate / nbytes, share_of_pass=1.0))
+            results.append(in_pass_row(base, rate, f"{k} x {n}", nbytes, len(medians), call, call * len(medians) / total))
+        results.append(in_pass_row(base, rate, "pass", sum(map(weight_bytes, linears)), len(linears), total, 1.0))
     return results
+
+
+def in_pass_row(base: dict, rate: float, shape: str, nbytes: int, calls: int, seconds: float, share: float) -> dict:
+    """One line of --in-pass: a weight's (or the pass's) median time a call against its bytes at ``rate``."""
+    return dict(base, shape=shape, mb=nbytes / 1e6, calls=calls, us_per_call=seconds * 1e6, gb_s=nbytes / seconds / 1e9,
+                floor_us=nbytes / rate * 1e6, over_floor=seconds * rate / nbytes, share_of_pass=share)
+
+
+def weight_bytes(m: GroupLinear) -> int:
+    """What a product of ``m`` reads: its codes, scales and minimums."""
+    return m.codes.nbytes + m.scales.nbytes + m.mins.nbytes
 
 
 def product(m: GroupLinear, x: torch.Tensor, x_bits: int) -> torch.Tensor:

@@ -522,12 +522,17 @@ def test_decode_attention_with_sinks_equals_the_reference_read(tier, dtype, wind
     torch.testing.assert_close(drowned, plain, rtol=0, atol=0)
 
 
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_kernel_ab_times_a_models_decode_attention_step_at_each_context_and_row_count():
     """scripts/kernel_ab.py --contexts: one step's reads of the model's shape, an arm against itself
     here (the same bits), a line per context and row count."""
-    spec = importlib.util.spec_from_file_location("kernel_ab", Path(__file__).parent.parent / "scripts" / "kernel_ab.py")
-    kernel_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kernel_ab)
+    kernel_ab = _script("kernel_ab")
     config = types.SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
     handle = cpu_kernels.handle("scalar")
     rows = kernel_ab.attention_rows(config, torch.bfloat16, {"base": handle, "new": handle}, [1, 3], [20, 40],
@@ -536,13 +541,6 @@ def test_kernel_ab_times_a_models_decode_attention_step_at_each_context_and_row_
         (1, "attention, context 20"), (3, "attention, context 20"), (1, "attention, context 40"),
         (3, "attention, context 40")]
     assert all(r["same_bits"] == "yes" and r["new_over_base"] > 0 and r["cpu"] == "any" for r in rows)
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_kernel_ab_set_gives_one_kernel_constant_a_value_in_a_copy(tmp_path):
