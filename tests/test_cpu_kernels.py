@@ -202,22 +202,6 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tier, x_bits):
             assert torch.equal(together, apart), (fmt, chunk)
 
 
-@pytest.mark.parametrize("tier", VECTOR_TIERS)
-def test_many_rows_over_tiles_of_groups_give_each_row_its_bits_alone(tier):
-    """From 16 rows at 8-bit activations a tier that folds its halves one at a time (avx2,
-    avx-vnni) unpacks each tile of 16 groups' codes once for all its chunks of rows and keeps each
-    chunk's sums between tiles (vector.cpp's tiled_rows). Over two and a half tiles of K, 37 rows at
-    once (36 tiled, one after) give every row the bits it gets alone, in every format."""
-    n, k, rows = 48, 32 * 40, 37
-    generator = torch.Generator().manual_seed(37)
-    x = torch.randn(rows, k, generator=generator)
-    for fmt in FORMATS:
-        weight = (*random_weight(n, k, fmt, fmt[0], generator), fmt[3], cpu_kernels.handle(tier), 8)
-        together = torch.ops.nanoserve.group_mm(x, *weight)
-        alone = torch.cat([torch.ops.nanoserve.group_mm(x[i:i + 1], *weight) for i in range(rows)])
-        assert torch.equal(together, alone), fmt
-
-
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)

@@ -169,20 +169,6 @@ inline V::C code_vector(const uint8_t* wg, int s, int j, V::C lut) {
   }
 }
 
-// Where half_block_sums takes a group's code vectors from: unpacked from the packed weight at each
-// use (PackedCodes), or read as tiled_rows unpacked them once for every chunk of rows
-// (UnpackedCodes: code vector j of vector s at p[j SUB + s]).
-template <int BITS, bool LUT>
-struct PackedCodes {
-  const uint8_t* wg;
-  V::C lut;
-  V::C at(int s, int j) const { return code_vector<BITS, LUT>(wg, s, j, lut); }
-};
-struct UnpackedCodes {
-  const uint8_t* p;
-  V::C at(int s, int j) const { return V::load_codes(p + sizeof(V::C) * (j * SUB + s)); }
-};
-
 // A table's 16 values as the register code_vector looks nibbles up in: each value v as the
 // byte code v + 128 (a byte code with zero point 128, whose sums group_sums corrects), flipped
 // as the tier flips byte codes (to v itself on the tiers that multiply signed codes).
@@ -235,27 +221,17 @@ template <typename S> constexpr bool has_half_multipliers(...) { return false; }
 template <typename F, bool LO>
 constexpr bool sixteenths() { return !LO && F::BITS == 4 && !F::SPLIT && !F::LUT && has_half_multipliers<V>(true); }
 
-// What sixteenths reads besides the steps, per activation row r and group g (of G), i = r G + g:
-// each half's n as the int16 pair (n, n) (n[2 i + h]), the group's step / 16 (step16[i]) and the
-// activations' sum over the group (x_sums[i], xs[2 i] + xs[2 i + 1]), times `zero` where zero != 0.
-// zero: a symmetric format's offset (sums_offset: -8 for Q4_0), folded into each dot before the
-// weight's scale multiplies it, d (dot + zero sum x) in two multiply-adds, where adding it as a
-// minimum (m = zero d) took a third and one more for m; 0 for a format with minimums of its own,
-// which block16 adds apart.
+// What sixteenths reads besides the steps, per activation row r and group g (of G): each half's
+// n as the int16 pair (n, n) (n[2 (r G + g) + h]) and the group's step / 16 (step16[r G + g]).
 struct Sixteenths {
   const int32_t* n = nullptr;
   const float* step16 = nullptr;
-  const float* x_sums = nullptr;
   int64_t G = 0;
-  float zero = 0.f;
   // Row r's n of half h of group g in every lane pair: widen's multipliers.
   V::I multipliers(int64_t r, int64_t g, int h) const { return V::iset1(n[2 * (r * G + g) + h]); }
-  // Row r's dot with group g's codes from its halves' widened sums: (n0 s0 + n1 s1) x step / 16,
-  // plus zero x the group's sum of x.
+  // Row r's dot with group g's codes from its halves' widened sums: (n0 s0 + n1 s1) x step / 16.
   V::F dot(V::I s0, V::I s1, int64_t r, int64_t g) const {
-    const V::F sums = V::to_float(V::iadd(s0, s1));
-    const int64_t i = r * G + g;
-    return zero != 0.f ? V::fma(sums, V::set1(step16[i]), V::set1(x_sums[i])) : V::mul(sums, V::set1(step16[i]));
+    return V::mul(V::to_float(V::iadd(s0, s1)), V::set1(step16[r * G + g]));
   }
 };
 
@@ -266,14 +242,10 @@ struct Sixteenths {
 // tier does most groups in vectors (S::sixteenths): a 1B Q4_0 pass of products on avx2, the same
 // bits, 0.987x the time at one row, 0.965x at 8 and 0.986x at 32 (the scalar divisions alone).
 template <typename S = V>
-Sixteenths sixteenths_of(const float* xd, const float* xs, int64_t M, int64_t G, float zero) {
+Sixteenths sixteenths_of(const float* xd, int64_t M, int64_t G) {
   thread_local std::vector<int32_t> n;
-  thread_local std::vector<float> step16, x_sums;
-  if (static_cast<int64_t>(step16.size()) < M * G) n.resize(2 * M * G), step16.resize(M * G), x_sums.resize(M * G);
-  for (int64_t i = 0; i < M * G; ++i) {
-    const float sum = xs[2 * i] + xs[2 * i + 1];
-    x_sums[i] = zero != 0.f ? zero * sum : sum;
-  }
+  thread_local std::vector<float> step16;
+  if (static_cast<int64_t>(step16.size()) < M * G) n.resize(2 * M * G), step16.resize(M * G);
   int64_t i = 0;
   if constexpr (has_half_multipliers<S>(true)) i = S::sixteenths(xd, M * G, n.data(), step16.data());
   for (; i < M * G; ++i) {
@@ -284,7 +256,7 @@ Sixteenths sixteenths_of(const float* xd, const float* xs, int64_t M, int64_t G,
     }
     step16[i] = group / 16.f;
   }
-  return {n.data(), step16.data(), x_sums.data(), G, zero};
+  return {n.data(), step16.data(), G};
 }
 
 // Whether a tier's group-16 formats at 8-bit activations, where their per-vector sums would spill,
@@ -309,13 +281,6 @@ inline V::I finish_codes(V::A a) {
 template <int BITS, bool LUT>
 constexpr int32_t sums_offset(int32_t zero_point) {
   return ((BITS == 8 || LUT) && !V::UNSIGNED_BYTES ? 128 : 0) - zero_point;
-}
-
-// Sixteenths' zero for format f: a symmetric format's offset, 0 where it has minimums.
-template <typename F>
-float sixteenths_zero(nanoserve_format f) {
-  const bool symmetric = f.zero_point != 0 || f.table;
-  return symmetric ? static_cast<float>(sums_offset<F::BITS, F::LUT>(sums_zero_point(f))) : 0.f;
 }
 
 // The integer sums of one group of 32 for the LANES outputs of vector s, for R rows at once:
@@ -412,8 +377,8 @@ template <typename S> constexpr bool shares_broadcasts(...) { return false; }
 // code vectors, where group_sums, called per s, broadcasts them SUB times. With wide_pairs, two
 // code offsets at a time (a 5-bit product at 4 rows on avx2, 32 rows in cache: 52 -> 54 G/s).
 // MUL (sixteenths): row r's sums are widened by mult[r].
-template <int BITS, bool LUT, int R, int J0, bool MUL = false, typename Codes>
-__attribute__((always_inline)) inline void half_block_sums(Codes codes, const int8_t* x, const int64_t* row, int64_t stride,
+template <int BITS, bool LUT, int R, int J0, bool MUL = false>
+inline void half_block_sums(const uint8_t* wg, V::C lut, const int8_t* x, const int64_t* row, int64_t stride,
                             V::I (*sums)[R], const V::I* mult = nullptr) {
   V::A a[SUB][R];
   #pragma GCC unroll 16
@@ -427,8 +392,8 @@ __attribute__((always_inline)) inline void half_block_sums(Codes codes, const in
       V::C c0[SUB], c1[SUB];
       #pragma GCC unroll 16
       for (int s = 0; s < SUB; ++s) {
-        c0[s] = codes.at(s, j);
-        c1[s] = codes.at(s, j + 1);
+        c0[s] = code_vector<BITS, LUT>(wg, s, j, lut);
+        c1[s] = code_vector<BITS, LUT>(wg, s, j + 1, lut);
       }
       #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -443,7 +408,7 @@ __attribute__((always_inline)) inline void half_block_sums(Codes codes, const in
   for (int j = J0; j < J0 + 4; ++j) {
     V::C code[SUB];
     #pragma GCC unroll 16
-    for (int s = 0; s < SUB; ++s) code[s] = codes.at(s, j);
+    for (int s = 0; s < SUB; ++s) code[s] = code_vector<BITS, LUT>(wg, s, j, lut);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       #pragma GCC unroll 16
@@ -614,71 +579,6 @@ struct RoutedPairs {
   RoutedPairs skip(int n) const { return {pairs + n, per_x}; }
 };
 
-// Whether a format's products at 8-bit activations, at the tier's rows, fold each half's sums into
-// the fp32 sums before the next (block16's FOLD_HALVES): both halves' sums and the fp32 sums would
-// not fit the registers.
-template <typename F, bool LO>
-constexpr bool folds_halves() {
-  return !LO && (!F::SPLIT || folds_scale_groups<V>(true)) && halves_spill(F::template rows<LO>());
-}
-
-// One group's products for R rows where both halves' integer sums would not fit the registers
-// beside the fp32 sums (block16's FOLD_HALVES): each half (or scale group) summed for both
-// vectors s at once (half_block_sums) and folded into acc in turn, then the group's minimums.
-// codes: the group's code vectors (PackedCodes or UnpackedCodes); xg: row 0's activation codes of
-// group g, row in[r]'s at xg + in[r] * stride.
-template <typename F, int R, typename Codes, typename Scales>
-__attribute__((always_inline)) inline void fold_halves(Codes codes, const Scales& scales, bool has_minimums, int64_t g, int64_t G,
-                        const int64_t* in, const int8_t* xg, int64_t stride, const float* xd, const float* xs,
-                        const Sixteenths& sx, V::F (*acc)[R]) {
-  if constexpr (sixteenths<F, false>()) {
-    V::I n[2][R], sums[2][SUB][R];
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) n[0][r] = sx.multipliers(in[r], g, 0), n[1][r] = sx.multipliers(in[r], g, 1);
-    half_block_sums<F::BITS, F::LUT, R, 0, true>(codes, xg, in, stride, sums[0], n[0]);
-    half_block_sums<F::BITS, F::LUT, R, 4, true>(codes, xg, in, stride, sums[1], n[1]);
-    #pragma GCC unroll 16
-    for (int s = 0; s < SUB; ++s) {
-      const V::F dv = scales.scale(g * 16 + V::LANES * s);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[s][r] = V::fma(sx.dot(sums[0][s][r], sums[1][s][r], in[r], g), dv, acc[s][r]);
-    }
-  } else {
-    #pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      V::I sums[SUB][R];
-      if (half == 0) half_block_sums<F::BITS, F::LUT, R, 0>(codes, xg, in, stride, sums);
-      else half_block_sums<F::BITS, F::LUT, R, 4>(codes, xg, in, stride, sums);
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        const V::F dv = scales.scale((F::SPLIT ? g * 2 + half : g) * 16 + V::LANES * s);
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r)
-          acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
-      }
-      // A scale group's minimum right after its dot, in the order the vector-at-a-time fold adds them.
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB && F::SPLIT && has_minimums; ++s) {
-        const int64_t at = (g * 2 + half) * 16 + V::LANES * s;
-        const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[s][r] = V::fma(mv, V::set1(xs[in[r] * 2 * G + 2 * g + half]), acc[s][r]);
-      }
-    }
-  }
-  #pragma GCC unroll 16
-  for (int s = 0; s < SUB && !F::SPLIT && has_minimums; ++s) {
-    const int64_t at = g * 16 + V::LANES * s;
-    const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
-      const float x_sum = sixteenths<F, false>() ? sx.x_sums[in[r] * G + g] : x_sums[0] + x_sums[1];
-      acc[s][r] = V::fma(mv, V::set1(x_sum), acc[s][r]);
-    }
-  }
-}
-
 // One block of 16 outputs for R rows (`rows`): for each group, each code vector is loaded (from
 // cache after the first chunk of rows) and multiplied against the R rows; the rows' fp32 sums
 // stay in registers across the groups. scales: the block's scales and minimums (KindScales or
@@ -720,10 +620,54 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
     // fewer rows fold the halves one by one in the same order, so a row's result does not depend on
     // how many rows share its call. A group-16 format's halves are its two scale groups, folded the
     // same way where the tier says so (V::FOLD_SCALE_GROUPS).
-    constexpr bool FOLD_HALVES = folds_halves<F, LO>();
+    constexpr bool FOLD_HALVES = !LO && (!F::SPLIT || folds_scale_groups<V>(true)) &&
+                                 halves_spill(F::template rows<LO>());
     if constexpr (FOLD_HALVES && halves_spill(R)) {
-      fold_halves<F, R>(PackedCodes<F::BITS, F::LUT>{wg, lut}, scales, has_minimums, g, G, in, xq + g * GROUP,
-                        x_row_stride(K), xd, xs, sx, acc);
+      if constexpr (SIXT) {
+        V::I n[2][R], sums[2][SUB][R];
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) n[0][r] = sx.multipliers(in[r], g, 0), n[1][r] = sx.multipliers(in[r], g, 1);
+        half_block_sums<F::BITS, F::LUT, R, 0, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[0], n[0]);
+        half_block_sums<F::BITS, F::LUT, R, 4, true>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums[1], n[1]);
+        #pragma GCC unroll 16
+        for (int s = 0; s < SUB; ++s) {
+          const V::F dv = scales.scale(g * 16 + V::LANES * s);
+          #pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) acc[s][r] = V::fma(sx.dot(sums[0][s][r], sums[1][s][r], in[r], g), dv, acc[s][r]);
+        }
+      } else {
+        #pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          V::I sums[SUB][R];
+          if (half == 0) half_block_sums<F::BITS, F::LUT, R, 0>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+          else half_block_sums<F::BITS, F::LUT, R, 4>(wg, lut, xq + g * GROUP, in, x_row_stride(K), sums);
+          #pragma GCC unroll 16
+          for (int s = 0; s < SUB; ++s) {
+            const V::F dv = scales.scale((F::SPLIT ? g * 2 + half : g) * 16 + V::LANES * s);
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; ++r)
+              acc[s][r] = V::fma(V::mul(V::to_float(sums[s][r]), V::set1(xd[in[r] * 2 * G + 2 * g + half])), dv, acc[s][r]);
+          }
+          // A scale group's minimum right after its dot, in the order the vector-at-a-time fold adds them.
+          #pragma GCC unroll 16
+          for (int s = 0; s < SUB && F::SPLIT && has_minimums; ++s) {
+            const int64_t at = (g * 2 + half) * 16 + V::LANES * s;
+            const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) acc[s][r] = V::fma(mv, V::set1(xs[in[r] * 2 * G + 2 * g + half]), acc[s][r]);
+          }
+        }
+      }
+      #pragma GCC unroll 16
+      for (int s = 0; s < SUB && !F::SPLIT && has_minimums; ++s) {
+        const int64_t at = g * 16 + V::LANES * s;
+        const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
+          acc[s][r] = V::fma(mv, V::set1(x_sums[0] + x_sums[1]), acc[s][r]);
+        }
+      }
       continue;
     }
     // One row at 16 bits on a tier that shares its broadcasts: every vector's sums first.
@@ -780,8 +724,7 @@ void block16(const uint8_t* w, const Scales& scales, bool has_minimums, int64_t 
           #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             const float* x_sums = xs + in[r] * 2 * G + 2 * g;
-            const float x_sum = SIXT ? sx.x_sums[in[r] * G + g] : F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1];
-            acc[s][r] = V::fma(mv, V::set1(x_sum), acc[s][r]);
+            acc[s][r] = V::fma(mv, V::set1(F::SPLIT ? x_sums[h] : x_sums[0] + x_sums[1]), acc[s][r]);
           }
         }
       }
@@ -869,77 +812,6 @@ void few_rows_block(int count, const uint8_t* w, const BlockScales<F::SPLIT>& ki
   });
 }
 
-// Groups whose code vectors tiled_rows unpacks at a time (8 KB of them on AVX2: a group's 16 code
-// vectors of 32 bytes), and the fewest chunks of rows it is used for: at 2 chunks a block's
-// unpacking saved less than the scratch's stores and loads cost (a Q4_0 product at 8 rows on avx2,
-// in cache, 1.05x the time), at 8 it pays (32 rows 0.92-0.94x, Q4_K alike; 4 groups at a time
-// 0.96x and 1.04x).
-constexpr int64_t TILE_GROUPS = 16;
-constexpr int64_t TILED_CHUNKS = 4;
-
-// The first `rows` rows (a multiple of R, at least TILED_CHUNKS R) of a block whose products fold
-// their halves (folds_halves): where block16 unpacks each code vector again for every chunk of R
-// rows (a nibble mask and shift, a 6-bit code's crumbs), here each tile of TILE_GROUPS groups is
-// unpacked once and every chunk reads its code vectors back, its fp32 sums kept in scratch
-// between tiles. A row's sums take the same operations in the same order as in block16.
-template <typename F>
-void tiled_rows(const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t rows,
-                const int8_t* xq, const float* xd, const float* xs, const Sixteenths& sx, void* out, bool out_bf16,
-                int64_t ldo, nanoserve_format f) {
-  constexpr int R = F::template rows<false>();
-  constexpr int64_t GROUP_CODES = 8 * SUB * sizeof(V::C);  // a group's code vectors, unpacked
-  const int64_t G = K / GROUP, chunks = rows / R, stride = x_row_stride(K);
-  thread_local std::vector<uint8_t> codes;
-  thread_local std::vector<float> sums;
-  if (static_cast<int64_t>(codes.size()) < TILE_GROUPS * GROUP_CODES) codes.resize(TILE_GROUPS * GROUP_CODES);
-  if (static_cast<int64_t>(sums.size()) < chunks * SUB * R * V::LANES) sums.resize(chunks * SUB * R * V::LANES);
-  V::C lut{};
-  if constexpr (F::LUT) lut = lut_register(f.table);
-  for (int64_t g0 = 0; g0 < G; g0 += TILE_GROUPS) {
-    const int64_t g1 = std::min(G, g0 + TILE_GROUPS);
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* wg = w + g * F::GROUP_BYTES;
-      for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) {  // as block16 fetches ahead
-        __builtin_prefetch(wg + PREFETCH_BYTES + l);
-        prefetch_l2(wg + PREFETCH_L2_BYTES + l);
-      }
-      uint8_t* unpacked = codes.data() + (g - g0) * GROUP_CODES;
-      #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        #pragma GCC unroll 16
-        for (int s = 0; s < SUB; ++s) {
-          V::istore(reinterpret_cast<int32_t*>(unpacked + sizeof(V::C) * (j * SUB + s)),
-                    code_vector<F::BITS, F::LUT>(wg, s, j, lut));
-        }
-      }
-    }
-    for (int64_t c = 0; c < chunks; ++c) {
-      int64_t in[R];
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) in[r] = c * R + r;
-      V::F acc[SUB][R];
-      float* kept = sums.data() + c * SUB * R * V::LANES;  // this chunk's fp32 sums between tiles
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[s][r] = g0 == 0 ? V::fzero() : V::load(kept + (s * R + r) * V::LANES);
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        fold_halves<F, R>(UnpackedCodes{codes.data() + (g - g0) * GROUP_CODES}, scales, has_minimums, g, G, in,
-                          xq + g * GROUP, stride, xd, xs, sx, acc);
-      }
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          if (g1 == G) store_out(out, in[r] * ldo + V::LANES * s, acc[s][r], out_bf16);
-          else V::store(kept + (s * R + r) * V::LANES, acc[s][r]);
-        }
-      }
-    }
-  }
-}
-
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
 // every chunk of F::rows<LO>() rows multiplies them.
 template <typename F, bool LO>
@@ -948,11 +820,11 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
                     bool out_bf16, nanoserve_format f) {
   const int64_t G = K / GROUP, block_bytes = G * F::GROUP_BYTES, scale_bytes = G * F::scale_bytes(f.scale_kind);
   const int64_t size = out_bf16 ? 2 : 4;
-  const Sixteenths sx = sixteenths<F, LO>() ? sixteenths_of(xd, xs, M, G, sixteenths_zero<F>(f)) : Sixteenths{};
+  const Sixteenths sx = sixteenths<F, LO>() ? sixteenths_of(xd, M, G) : Sixteenths{};
   for (int64_t b = b0; b < b1; ++b) {
     const BlockScales<F::SPLIT> kind{f, static_cast<const char*>(d) + b * scale_bytes,
                                      static_cast<const char*>(m) + b * scale_bytes, F::scale_bytes(f.scale_kind)};
-    const bool minimums = kind.template has_minimums<F::BITS, F::LUT>() && sx.zero == 0.f;  // else in the dots
+    const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
     if (M == 1) {
       one_row<F, LO>(w + b * block_bytes, kind, minimums, K, M, RowRun{0}, xq, xd, xs, sx,
                      static_cast<char*>(out) + 16 * b * size, out_bf16, N, f);
@@ -967,15 +839,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
     }
     const DecodedScales scales = decode_scales<F>(kind, K, b + 1 < b1 ? scale_bytes : 0);
     constexpr int64_t ROWS = F::template rows<LO>();
-    int64_t r = 0;
-    if constexpr (folds_halves<F, LO>()) {
-      if (M >= TILED_CHUNKS * ROWS) {
-        r = M / ROWS * ROWS;
-        tiled_rows<F>(w + b * block_bytes, scales, minimums, K, r, xq, xd, xs, sx, static_cast<char*>(out) + 16 * b * size,
-                      out_bf16, N, f);
-      }
-    }
-    for (; r < M; r += ROWS) {
+    for (int64_t r = 0; r < M; r += ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - r));
       rows_block<F, LO>(rows, w + b * block_bytes, scales, minimums, K, M, RowRun{r}, xq, xd, xs, sx,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
@@ -1039,7 +903,7 @@ struct ExpertsMm {
     const int64_t blocks = N / 16, G = K / GROUP, block_bytes = G * F::GROUP_BYTES;
     const int64_t scale_bytes = G * F::scale_bytes(f.scale_kind), M = x_per_pair ? rows * top_k : rows;
     const int64_t size = out_bf16 ? 2 : 4, per_x = x_per_pair ? 1 : top_k;
-    const Sixteenths sx = sixteenths<F, LO>() ? sixteenths_of(xd, xs, M, G, sixteenths_zero<F>(f)) : Sixteenths{};
+    const Sixteenths sx = sixteenths<F, LO>() ? sixteenths_of(xd, M, G) : Sixteenths{};
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t j = task / blocks, b = task % blocks, e = groups.experts[j];
       const int64_t first = groups.starts[j], count = groups.starts[j + 1] - first;
@@ -1047,7 +911,7 @@ struct ExpertsMm {
       const char* d_b = static_cast<const char*>(d) + e * scale_stride + b * scale_bytes;
       const char* m_b = m ? static_cast<const char*>(m) + e * scale_stride + b * scale_bytes : nullptr;
       const BlockScales<F::SPLIT> kind{f, d_b, m_b, F::scale_bytes(f.scale_kind)};
-      const bool minimums = kind.template has_minimums<F::BITS, F::LUT>() && sx.zero == 0.f;  // else in the dots
+      const bool minimums = kind.template has_minimums<F::BITS, F::LUT>();
       if (count == 1) {  // one pair: as group_mm's one row
         const RoutedPairs pair{groups.pairs.data() + first, per_x};
         one_row<F, LO>(w_b, kind, minimums, K, M, pair, xq, xd, xs, sx,
