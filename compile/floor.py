@@ -89,6 +89,12 @@ def step_weight_bytes(model, rows: int) -> int:
     return sum(tensors.values()) + routed_expert_bytes(model, rows)
 
 
+def packed_read_bytes(linear) -> int:
+    """What one product of a packed linear (a GroupLinear on nanoserve's kernels) reads: its codes,
+    scales and minimums."""
+    return linear.codes.nbytes + linear.scales.nbytes + linear.mins.nbytes
+
+
 def step_multiply_adds(model) -> int:
     """The integer multiply-adds of one batch-1 decode step's products: each weight of the linear
     layers, the LM head and the routed experts times the row, twice through nanoserve's kernels

@@ -46,7 +46,7 @@ from compile.common import (
     int_list,
     write_results,
 )
-from compile.floor import SAMPLE_BYTES, read_buffer
+from compile.floor import SAMPLE_BYTES, packed_read_bytes, read_buffer
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.worker.huge_pages import zeros_on_huge_pages
 
@@ -108,7 +108,7 @@ def product_rows(linears: list, dtype: torch.dtype, handles: dict[str, int], row
         inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {m.in_features for m in linears}}
         calls = {arm: functools.partial(one_pass, linears, inputs, handle, x_bits) for arm, handle in handles.items()}
         seconds, reads = interleaved(calls, pass_rounds, read)
-        nbytes = sum(m.codes.nbytes + m.scales.nbytes + m.mins.nbytes for m in linears)
+        nbytes = sum(map(packed_read_bytes, linears))
         results.append(dict(host, **row(f"pass ({nbytes / 1e6:.0f} MB)", rows, x_bits, seconds, "", reads,
                                         read.nbytes)))
         print(progress(results[-1]))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from compile.common import RUNS, format_table, host_description, result_stem, write_results
-from compile.floor import SAMPLE_BYTES, read_bandwidth, read_buffer
+from compile.floor import SAMPLE_BYTES, packed_read_bytes, read_bandwidth, read_buffer
 from nanoserve.engine import build_engine
 from nanoserve.model.quant import cpu_kernels
 from nanoserve.model.quant.linear import GroupLinear
@@ -53,7 +53,7 @@ def main() -> None:
         print(format_table(rows, columns))
         write_results(rows, args.out, result_stem("step-products", args.model, args.tag))
         return
-    read = sum(map(weight_bytes, linears))
+    read = sum(map(packed_read_bytes, linears))
     floor = read_bandwidth()
     dtype = model.norm.weight.dtype
     print(f"tier {cpu_kernels.resolve_tier()}, {dtype}; "
@@ -105,13 +105,13 @@ def calls_in_pass(linears: list[GroupLinear], dtype: torch.dtype, rows_list: lis
         rate = buffer.nbytes / statistics.median(reads)
         shapes: dict[tuple[int, int, int], list[float]] = {}
         for m, times in zip(linears, seconds):
-            shapes.setdefault((m.in_features, m.out_features, weight_bytes(m)), []).append(statistics.median(times))
+            shapes.setdefault((m.in_features, m.out_features, packed_read_bytes(m)), []).append(statistics.median(times))
         total = statistics.median(totals)
         base = dict(cpu=host["cpu"], kernels=host["kernels"], rows=rows, x_bits=x_bits)
         for (k, n, nbytes), medians in shapes.items():
             call = statistics.median(medians)
             results.append(in_pass_row(base, rate, f"{k} x {n}", nbytes, len(medians), call, call * len(medians) / total))
-        results.append(in_pass_row(base, rate, "pass", sum(map(weight_bytes, linears)), len(linears), total, 1.0))
+        results.append(in_pass_row(base, rate, "pass", sum(map(packed_read_bytes, linears)), len(linears), total, 1.0))
     return results
 
 
@@ -119,11 +119,6 @@ def in_pass_row(base: dict, rate: float, shape: str, nbytes: int, calls: int, se
     """One line of --in-pass: a weight's (or the pass's) median time a call against its bytes at ``rate``."""
     return dict(base, shape=shape, mb=nbytes / 1e6, calls=calls, us_per_call=seconds * 1e6, gb_s=nbytes / seconds / 1e9,
                 floor_us=nbytes / rate * 1e6, over_floor=seconds * rate / nbytes, share_of_pass=share)
-
-
-def weight_bytes(m: GroupLinear) -> int:
-    """What a product of ``m`` reads: its codes, scales and minimums."""
-    return m.codes.nbytes + m.scales.nbytes + m.mins.nbytes
 
 
 def product(m: GroupLinear, x: torch.Tensor, x_bits: int) -> torch.Tensor:
