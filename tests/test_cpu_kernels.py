@@ -192,11 +192,11 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tier, x_bits):
     """Each row is summed in one order whatever rows share its call: a tier multiplies rows in
     blocks of up to its ROWS (8 for avx2's group-16 formats at 8 bits, 4 for its others), a step
     of up to 4 rows with each block's scales decoded as it goes (few_rows_block), a larger one
-    from scales decoded ahead, and avx2's 4-bit groups of 32 at 8 bits from 16 rows on in tiles
-    of 16 groups' unpacked codes (tiled_rows: 24 groups here, a tile and a half), so 21 rows at
+    from scales decoded ahead, and avx2's 4-bit groups of 32 at 8 bits from 32 rows on in tiles
+    of 16 groups' unpacked codes (tiled_rows: 24 groups here, a tile and a half), so 37 rows at
     once and 1 to 4 at a time take different paths and must give the same bits (a request's
     tokens do not change with the batch it decodes in)."""
-    n, k, rows = 96, 768, 21
+    n, k, rows = 96, 768, 37
     generator = torch.Generator().manual_seed(x_bits)
     x = torch.randn(rows, k, generator=generator)
     for fmt in FORMATS:

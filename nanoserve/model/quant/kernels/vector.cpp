@@ -822,9 +822,10 @@ void few_rows_block(int count, const uint8_t* w, const BlockScales<F::SPLIT>& ki
 
 // The fewest rows a product of sixteenths (AVX2's 4-bit groups of 32 at 8-bit activations) takes
 // through tiled_rows, and the groups whose code vectors it unpacks at a time (8 KB of them: a
-// group's 16 vectors of 32 bytes, with 2 KB of each chunk's activations, well inside L1). From
-// 4 chunks of rows on, unpacking once pays for the scratch it is read back from.
-constexpr int64_t TILED_ROWS = 16;
+// group's 16 vectors of 32 bytes, with 2 KB of each chunk's activations, well inside L1). At 16
+// rows (4 chunks) unpacking once saved no more than the scratch costs (a 1B Q4_0 pass on avx2,
+// 1.00-1.03x the time); at 32 it pays.
+constexpr int64_t TILED_ROWS = 32;
 constexpr int64_t TILE_GROUPS = 16;
 
 // V::interleaved_nibbles, looked up only where sixteenths holds (S makes the name dependent).
@@ -840,8 +841,9 @@ inline void interleaved_nibbles(V::C first, V::C second, V::C* out) { S::interle
 // a group's 8 products add up in one int16 register per row and output vector, its lanes
 // alternating between the halves (a lane reaches 8 x 2 x 15 x 127 = 30480), and one vpmaddwd by
 // (n0, n1) gives n0 s0 + n1 s1, the integer block16 makes, folded in the same operations in the
-// same order: the same bits. Each chunk's fp32 sums wait in scratch between tiles. A 1B Q4_0 or
-// Q4_K product at 32 rows on avx2, in cache, one thread: 0.90-0.93x the time.
+// same order: the same bits. Each chunk's fp32 sums wait in scratch between tiles, and while a
+// tile's first chunk runs the next tile's codes are fetched. 1B Q4_0 and Q4_K shapes at 32 rows on
+// avx2, in cache, one thread: 0.92-0.96x the time (K = 8192: 0.98-1.0).
 template <typename F>
 void tiled_rows(const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t M, int64_t rows,
                 const int8_t* xq, const float* xs, const Sixteenths& sx, void* out, bool out_bf16, int64_t ldo) {
@@ -858,10 +860,6 @@ void tiled_rows(const uint8_t* w, const DecodedScales& scales, bool has_minimums
     const int64_t g1 = std::min(G, g0 + TILE_GROUPS);
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * F::GROUP_BYTES;
-      for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) {  // as block16 fetches ahead
-        __builtin_prefetch(wg + PREFETCH_BYTES + l);
-        prefetch_l2(wg + PREFETCH_L2_BYTES + l);
-      }
       int32_t* tile = reinterpret_cast<int32_t*>(codes.data() + (g - g0) * TILE_CODES);  // word p's code
       constexpr int VECTOR = sizeof(V::C) / 4;  // vector of output vector s at [(p SUB + s) VECTOR]
       #pragma GCC unroll 2
@@ -890,6 +888,13 @@ void tiled_rows(const uint8_t* w, const DecodedScales& scales, bool has_minimums
         for (int r = 0; r < R; ++r) acc[s][r] = g0 == 0 ? V::fzero() : V::load(chunk_sums + (s * R + r) * V::LANES);
       }
       for (int64_t g = g0; g < g1; ++g) {
+        if (c == 0) {  // the next tile's codes (or the next block's first) on their way while this one is used
+          const uint8_t* next = w + (g + TILE_GROUPS) * F::GROUP_BYTES;
+          for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) {
+            __builtin_prefetch(next + l);
+            prefetch_l2(next + PREFETCH_L2_BYTES + l);
+          }
+        }
         const uint8_t* tile = codes.data() + (g - g0) * TILE_CODES;
         const int8_t* xg = interleaved + g * GROUP;
         V::A a[SUB][R];
