@@ -29,9 +29,7 @@
 // one int8 code a value, x[k] ~= xd[h] * hi[k] with a step xd[h] per half group h of 16, in
 // sixteenths of its group's max |x| / 127 (half_scales; llama.cpp's q8_0 steps are per 32:
 // halving the group halves the rounding error where one large value sets the step, which keeps
-// a step's logits as faithful as llama.cpp's after bf16's own rounding); xs = xd[h] * sum hi, and
-// the lo plane holds the same codes with each group's halves interleaved two codes at a time
-// (interleave_halves), for a tier that sums both halves in one register. Each code meets one activation
+// a step's logits as faithful as llama.cpp's after bf16's own rounding); lo is zero and xs = xd[h] * sum hi. Each code meets one activation
 // vector instead of two, and the minimum meets the same rounded activations, so the rounding
 // errors of d c and m, of opposite signs, cancel as they do in sum (d c + m) x_q.
 #pragma once
@@ -42,7 +40,7 @@
 #include <cmath>
 #include <vector>
 
-#define NANOSERVE_KERNEL_ABI 15
+#define NANOSERVE_KERNEL_ABI 14
 
 extern "C" {
 // How a packed weight stores its codes and per-group numbers.
@@ -71,8 +69,7 @@ struct nanoserve_cells {
 struct nanoserve_kernel_table {
   int32_t abi;
   const char* tier;
-  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, x_row_stride(K)] (hi then lo; with x_bits 8
-  // the codes, then them with halves interleaved), xd, xs [M, K / 16]
+  // x [M, K] (bf16 bits if x_bf16, else fp32) -> xq [2, M, x_row_stride(K)] (hi then lo), xd, xs [M, K / 16]
   // and xsum [2, M, K / 16] (the integer sums of hi and of lo per half group of 16, xs from them
   // as above); xd [M, K / 32] with x_bits 16, [M, K / 16] with 8; rows [row_begin, row_end) only.
   void (*quantize_rows)(const void* x, int32_t x_bf16, int64_t M, int64_t K, int64_t row_begin, int64_t row_end,
@@ -251,28 +248,14 @@ inline void store_group(int64_t i, int64_t M, int64_t G, const int32_t sum_hi[2]
 constexpr int64_t x_half_at(int64_t i, int64_t G) { return (i / (2 * G)) * x_row_stride(G * GROUP) + (i % (2 * G)) * 16; }
 
 // What an 8-bit product reads of half group i besides its codes: its step, and the sum of its
-// codes (as an integer, and times the step).
-inline void store_half(int64_t i, int64_t M, int64_t G, int32_t sum_hi, float step, float* xd, float* xs,
+// codes (as an integer, and times the step). Its lo codes are zero.
+inline void store_half(int64_t i, int64_t M, int64_t G, int32_t sum_hi, float step, int8_t* xq, float* xd, float* xs,
                        int32_t* xsum) {
+  memset(xq + M * x_row_stride(G * GROUP) + x_half_at(i, G), 0, 16);
   xd[i] = step;
   xsum[i] = sum_hi;
   xsum[2 * M * G + i] = 0;
   xs[i] = step * static_cast<float>(sum_hi);
-}
-
-// Group i's 8-bit codes (of M rows x G groups) again in the lo plane, its halves interleaved two
-// codes at a time: bytes 4 p, 4 p + 1 are codes 2 p, 2 p + 1 and bytes 4 p + 2, 4 p + 3 codes 16 + 2 p,
-// 17 + 2 p (p < 8). A word of 4 bytes then meets a word of 4 weight codes whose first two are of the
-// first half and last two of the second: AVX2's vpmaddubsw sums each half's pair in its own int16
-// lane, so a group's 8 products add up in one register per output vector, its halves still apart
-// (vector.cpp's tiled_rows), where codes in order take a register per half.
-inline void interleave_halves(int64_t i, int64_t M, int64_t G, int8_t* xq) {
-  const int8_t* codes = xq + x_group_at(i, G);
-  int8_t* out = xq + M * x_row_stride(G * GROUP) + x_group_at(i, G);
-  for (int p = 0; p < 8; ++p) {
-    memcpy(out + 4 * p, codes + 2 * p, 2);
-    memcpy(out + 4 * p + 2, codes + 16 + 2 * p, 2);
-  }
 }
 
 enum { SCALES_FP16 = 0, SCALES_FP32 = 1, SCALES_SUPER = 2, SCALES_E8M0 = 3 };

@@ -75,9 +75,8 @@ inline void quantize_halves_typed(const void* x, int64_t M, int64_t K, int64_t r
         xq[x_half_at(i, G) + k] = static_cast<int8_t>(code);
         sum += code;
       }
-      store_half(i, M, G, sum, sc.coarse, xd, xs, xsum);
+      store_half(i, M, G, sum, sc.coarse, xq, xd, xs, xsum);
     }
-    interleave_halves(group, M, G, xq);
   }
 }
 

@@ -170,7 +170,7 @@ struct Simd {
   static constexpr bool HALF_MULTIPLIERS = true;
   // vector.cpp's sixteenths_of for the first groups of `count`, four a vector, in its scalar loop's
   // IEEE operations (so the same multipliers and steps); returns how many it did.
-  static int64_t sixteenths(const float* xd, int64_t count, int32_t* n, int32_t* pairs, float* step16) {
+  static int64_t sixteenths(const float* xd, int64_t count, int32_t* n, float* step16) {
     const __m256 sixteen = _mm256_set1_ps(16.f);
     const __m256i evens = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
     int64_t i = 0;
@@ -183,23 +183,10 @@ struct Simd {
                                          _mm256_cmp_ps(group, _mm256_setzero_ps(), _CMP_GT_OQ));
       const __m256i nh = _mm256_cvtps_epi32(nf);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(n + 2 * i), _mm256_or_si256(nh, _mm256_slli_epi32(nh, 16)));
-      const __m256i both = _mm256_or_si256(nh, _mm256_srli_epi64(nh, 16));  // n0 | n1 << 16 in each even lane
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + i),
-                       _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(both, evens)));
       const __m256 per_group = _mm256_permutevar8x32_ps(_mm256_div_ps(group, sixteen), evens);
       _mm_storeu_ps(step16 + i, _mm256_castps256_ps128(per_group));
     }
     return i;
-  }
-  // The 4-bit code vectors of one output vector whose words meet activations with halves
-  // interleaved (common.h's interleave_halves), from the packed nibbles of the first half (first:
-  // byte vector q, k 8 q .. 8 q + 7) and the second (second: q + 2): each word's first two bytes
-  // from first's word, its last two from second's. out[0..3] multiply the interleaved words 4 q,
-  // 4 q + 2, 4 q + 1, 4 q + 3 (low nibbles of bytes 0-1, high of 0-1, low of 2-3, high of 2-3).
-  static void interleaved_nibbles(I first, I second, I* out) {
-    const I front = _mm256_blend_epi16(first, _mm256_slli_epi32(second, 16), 0xAA);
-    const I back = _mm256_blend_epi16(_mm256_srli_epi32(first, 16), second, 0xAA);
-    out[0] = low_nibbles(front), out[1] = high_nibbles(front), out[2] = low_nibbles(back), out[3] = high_nibbles(back);
   }
   // Group-16 formats at 8 rows: per vector of outputs, both scale groups' sums of 8 rows are all 16
   // registers, and the loop stored and reloaded its code vectors every group; one scale group for

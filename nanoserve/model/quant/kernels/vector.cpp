@@ -119,9 +119,8 @@ void quantize_halves_typed(const E* x, int64_t M, int64_t K, int64_t row_begin, 
         V::store_int8(xq + x_half_at(i, G) + V::LANES * c, V::to_int(q));
         sum = V::add(sum, q);
       }
-      store_half(i, M, G, static_cast<int32_t>(V::hsum(sum)), sc.coarse, xd, xs, xsum);
+      store_half(i, M, G, static_cast<int32_t>(V::hsum(sum)), sc.coarse, xq, xd, xs, xsum);
     }
-    interleave_halves(group, M, G, xq);
   }
 }
 
@@ -223,18 +222,13 @@ template <typename F, bool LO>
 constexpr bool sixteenths() { return !LO && F::BITS == 4 && !F::SPLIT && !F::LUT && has_half_multipliers<V>(true); }
 
 // What sixteenths reads besides the steps, per activation row r and group g (of G): each half's
-// n as the int16 pair (n, n) (n[2 (r G + g) + h]), both halves' as the pair (n0, n1) (pairs[r G +
-// g]: the multipliers of sums whose lanes alternate between the halves, tiled_rows') and the
-// group's step / 16 (step16[r G + g]).
+// n as the int16 pair (n, n) (n[2 (r G + g) + h]) and the group's step / 16 (step16[r G + g]).
 struct Sixteenths {
   const int32_t* n = nullptr;
-  const int32_t* pairs = nullptr;
   const float* step16 = nullptr;
   int64_t G = 0;
   // Row r's n of half h of group g in every lane pair: widen's multipliers.
   V::I multipliers(int64_t r, int64_t g, int h) const { return V::iset1(n[2 * (r * G + g) + h]); }
-  // Row r's (n0, n1) of group g in every lane pair.
-  V::I pair(int64_t r, int64_t g) const { return V::iset1(pairs[r * G + g]); }
   // Row r's dot with group g's codes from its halves' widened sums: (n0 s0 + n1 s1) x step / 16.
   V::F dot(V::I s0, V::I s1, int64_t r, int64_t g) const {
     return V::mul(V::to_float(V::iadd(s0, s1)), V::set1(step16[r * G + g]));
@@ -249,22 +243,20 @@ struct Sixteenths {
 // bits, 0.987x the time at one row, 0.965x at 8 and 0.986x at 32 (the scalar divisions alone).
 template <typename S = V>
 Sixteenths sixteenths_of(const float* xd, int64_t M, int64_t G) {
-  thread_local std::vector<int32_t> n, pairs;
+  thread_local std::vector<int32_t> n;
   thread_local std::vector<float> step16;
-  if (static_cast<int64_t>(step16.size()) < M * G) n.resize(2 * M * G), pairs.resize(M * G), step16.resize(M * G);
+  if (static_cast<int64_t>(step16.size()) < M * G) n.resize(2 * M * G), step16.resize(M * G);
   int64_t i = 0;
-  if constexpr (has_half_multipliers<S>(true)) i = S::sixteenths(xd, M * G, n.data(), pairs.data(), step16.data());
+  if constexpr (has_half_multipliers<S>(true)) i = S::sixteenths(xd, M * G, n.data(), step16.data());
   for (; i < M * G; ++i) {
     const float a = xd[2 * i], b = xd[2 * i + 1], group = a > b ? a : b;
-    uint32_t nh[2];
     for (int h = 0; h < 2; ++h) {
-      nh[h] = group > 0.f ? static_cast<uint32_t>(__builtin_rintf(16.f * xd[2 * i + h] / group)) : 16u;
-      n[2 * i + h] = static_cast<int32_t>(nh[h] | nh[h] << 16);
+      const uint32_t nh = group > 0.f ? static_cast<uint32_t>(__builtin_rintf(16.f * xd[2 * i + h] / group)) : 16u;
+      n[2 * i + h] = static_cast<int32_t>(nh | nh << 16);
     }
-    pairs[i] = static_cast<int32_t>(nh[0] | nh[1] << 16);
     step16[i] = group / 16.f;
   }
-  return {n.data(), pairs.data(), step16.data(), G};
+  return {n.data(), step16.data(), G};
 }
 
 // Whether a tier's group-16 formats at 8-bit activations, where their per-vector sums would spill,
@@ -820,133 +812,6 @@ void few_rows_block(int count, const uint8_t* w, const BlockScales<F::SPLIT>& ki
   });
 }
 
-// The fewest rows a product of sixteenths (AVX2's 4-bit groups of 32 at 8-bit activations) takes
-// through tiled_rows, and the groups whose code vectors it unpacks at a time (8 KB of them: a
-// group's 16 vectors of 32 bytes, with 2 KB of each chunk's activations, well inside L1). At 16
-// rows (4 chunks) unpacking once saved no more than the scratch costs (a 1B Q4_0 pass on avx2,
-// 1.00-1.03x the time); at 32 it pays.
-constexpr int64_t TILED_ROWS = 32;
-constexpr int64_t TILE_GROUPS = 16;
-
-// V::interleaved_nibbles, looked up only where sixteenths holds (S makes the name dependent).
-template <typename S = V>
-inline void interleaved_nibbles(V::C first, V::C second, V::C* out) { S::interleaved_nibbles(first, second, out); }
-
-// The first `rows` rows (a multiple of 4, at least TILED_ROWS) of one block of a product of
-// sixteenths, 4 rows a chunk. block16 unpacks every code vector again for each chunk (a mask, a
-// shift) and keeps each half's int16 sums in registers of their own, 16 for 4 rows and both output
-// vectors beside the 8 fp32 sums: they spill. Here each tile of TILE_GROUPS groups is unpacked
-// once for every chunk, each vector's words made of two codes of each half (interleaved_nibbles)
-// to meet the activations the quantiser interleaved the same way (common.h's interleave_halves):
-// a group's 8 products add up in one int16 register per row and output vector, its lanes
-// alternating between the halves (a lane reaches 8 x 2 x 15 x 127 = 30480), and one vpmaddwd by
-// (n0, n1) gives n0 s0 + n1 s1, the integer block16 makes, folded in the same operations in the
-// same order: the same bits. Each chunk's fp32 sums wait in scratch between tiles, and while a
-// tile's first chunk runs the next tile's codes are fetched. 1B Q4_0 and Q4_K shapes at 32 rows on
-// avx2, in cache, one thread: 0.92-0.96x the time (K = 8192: 0.98-1.0).
-template <typename F>
-void tiled_rows(const uint8_t* w, const DecodedScales& scales, bool has_minimums, int64_t K, int64_t M, int64_t rows,
-                const int8_t* xq, const float* xs, const Sixteenths& sx, void* out, bool out_bf16, int64_t ldo) {
-  static_assert(sixteenths<F, false>(), "tiled rows are sixteenths' 4-bit codes");
-  constexpr int R = 4;
-  const int64_t G = K / GROUP, chunks = rows / R, stride = x_row_stride(K);
-  const int8_t* interleaved = xq + M * stride;
-  constexpr int64_t TILE_CODES = 8 * SUB * sizeof(V::C);  // a group's code vectors, unpacked
-  thread_local std::vector<uint8_t> codes;  // read and written unaligned: a vector of V::C drops its alignment
-  thread_local std::vector<float> kept;
-  if (static_cast<int64_t>(codes.size()) < TILE_GROUPS * TILE_CODES) codes.resize(TILE_GROUPS * TILE_CODES);
-  if (static_cast<int64_t>(kept.size()) < chunks * SUB * R * V::LANES) kept.resize(chunks * SUB * R * V::LANES);
-  for (int64_t g0 = 0; g0 < G; g0 += TILE_GROUPS) {
-    const int64_t g1 = std::min(G, g0 + TILE_GROUPS);
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* wg = w + g * F::GROUP_BYTES;
-      int32_t* tile = reinterpret_cast<int32_t*>(codes.data() + (g - g0) * TILE_CODES);  // word p's code
-      constexpr int VECTOR = sizeof(V::C) / 4;  // vector of output vector s at [(p SUB + s) VECTOR]
-      #pragma GCC unroll 2
-      for (int q = 0; q < 2; ++q) {
-        #pragma GCC unroll 16
-        for (int s = 0; s < SUB; ++s) {
-          V::C four[4];
-          interleaved_nibbles(V::load_codes(wg + 64 * q + 4 * V::LANES * s),
-                              V::load_codes(wg + 64 * (q + 2) + 4 * V::LANES * s), four);
-          V::istore(tile + ((4 * q) * SUB + s) * VECTOR, four[0]);
-          V::istore(tile + ((4 * q + 2) * SUB + s) * VECTOR, four[1]);
-          V::istore(tile + ((4 * q + 1) * SUB + s) * VECTOR, four[2]);
-          V::istore(tile + ((4 * q + 3) * SUB + s) * VECTOR, four[3]);
-        }
-      }
-    }
-    for (int64_t c = 0; c < chunks; ++c) {
-      int64_t in[R];
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) in[r] = c * R + r;
-      float* chunk_sums = kept.data() + c * SUB * R * V::LANES;
-      V::F acc[SUB][R];
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[s][r] = g0 == 0 ? V::fzero() : V::load(chunk_sums + (s * R + r) * V::LANES);
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        if (c == 0) {  // the next tile's codes (or the next block's first) on their way while this one is used
-          const uint8_t* next = w + (g + TILE_GROUPS) * F::GROUP_BYTES;
-          for (int64_t l = 0; l < F::GROUP_BYTES; l += 64) {
-            __builtin_prefetch(next + l);
-            prefetch_l2(next + PREFETCH_L2_BYTES + l);
-          }
-        }
-        const uint8_t* tile = codes.data() + (g - g0) * TILE_CODES;
-        const int8_t* xg = interleaved + g * GROUP;
-        V::A a[SUB][R];
-        #pragma GCC unroll 16
-        for (int s = 0; s < SUB; ++s) {
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) a[s][r] = V::azero();
-        }
-        #pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-          V::C code[SUB];
-          #pragma GCC unroll 16
-          for (int s = 0; s < SUB; ++s) code[s] = V::load_codes(tile + (p * SUB + s) * sizeof(V::C));
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            #pragma GCC unroll 16
-            for (int s = 0; s < SUB; ++s) a[s][r] = V::dot_nibbles(a[s][r], code[s], xg + in[r] * stride + 4 * p);
-          }
-        }
-        // as block16's fold of a group's halves at once, then its minimums
-        #pragma GCC unroll 16
-        for (int s = 0; s < SUB; ++s) {
-          const V::F dv = scales.scale(g * 16 + V::LANES * s);
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const V::F dot = V::mul(V::to_float(widen_by(a[s][r], sx.pair(in[r], g))), V::set1(sx.step16[in[r] * G + g]));
-            acc[s][r] = V::fma(dot, dv, acc[s][r]);
-          }
-        }
-        #pragma GCC unroll 16
-        for (int s = 0; s < SUB && has_minimums; ++s) {
-          const int64_t at = g * 16 + V::LANES * s;
-          const V::F mv = scales.template minimum<F::BITS, F::LUT>(at, scales.scale(at));
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const float* x_sums = xs + in[r] * 2 * G + 2 * g;  // the activations' sums, per half
-            acc[s][r] = V::fma(mv, V::set1(x_sums[0] + x_sums[1]), acc[s][r]);
-          }
-        }
-      }
-      #pragma GCC unroll 16
-      for (int s = 0; s < SUB; ++s) {
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          if (g1 == G) store_out(out, in[r] * ldo + V::LANES * s, acc[s][r], out_bf16);
-          else V::store(chunk_sums + (s * R + r) * V::LANES, acc[s][r]);
-        }
-      }
-    }
-  }
-}
-
 // Blocks outermost: a block's codes (16 x K) come from memory once and stay in cache while
 // every chunk of F::rows<LO>() rows multiplies them.
 template <typename F, bool LO>
@@ -974,16 +839,7 @@ void group_mm_typed(const uint8_t* w, const void* d, const void* m, int64_t N, i
     }
     const DecodedScales scales = decode_scales<F>(kind, K, b + 1 < b1 ? scale_bytes : 0);
     constexpr int64_t ROWS = F::template rows<LO>();
-    int64_t r = 0;
-    if constexpr (sixteenths<F, LO>()) {
-      static_assert(ROWS == 4, "tiled_rows takes sixteenths' rows 4 at a time");
-      if (M >= TILED_ROWS) {
-        r = M / ROWS * ROWS;
-        tiled_rows<F>(w + b * block_bytes, scales, minimums, K, M, r, xq, xs, sx,
-                      static_cast<char*>(out) + 16 * b * size, out_bf16, N);
-      }
-    }
-    for (; r < M; r += ROWS) {
+    for (int64_t r = 0; r < M; r += ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - r));
       rows_block<F, LO>(rows, w + b * block_bytes, scales, minimums, K, M, RowRun{r}, xq, xd, xs, sx,
                     static_cast<char*>(out) + (r * N + 16 * b) * size, out_bf16, N, f);
